@@ -1,0 +1,188 @@
+"""Model configuration: one dataclass for every supported family, built from HF config.json,
+GGUF metadata or a named synthetic shape.
+
+Supported HF model_type values: ``llama`` (SmolLM2 and friends), ``granite`` (GraniteForCausalLM,
+with its four multipliers) and ``granitemoehybrid`` when every layer is attention with a dense MLP
+(Granite-4.0-micro ships that way); mamba or MoE layers are refused with a clear error.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A config file or field flint cannot run; the message names the file and field."""
+
+
+@dataclass
+class ModelConfig:
+    arch: str  # "llama" | "granite" | "granitemoehybrid"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    use_rope: bool = True
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    embedding_multiplier: float = 1.0
+    attention_multiplier: float | None = None  # softmax scale; None -> 1/sqrt(head_dim)
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    name: str = ""
+
+    @property
+    def attn_scale(self) -> float:
+        if self.attention_multiplier is not None:
+            return float(self.attention_multiplier)
+        return 1.0 / math.sqrt(self.head_dim)
+
+    def validate(self, source: str = "config") -> "ModelConfig":
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                  "num_kv_heads", "head_dim", "max_position_embeddings"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"{source}: field {f!r} must be a positive integer, got {v!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"{source}: num_attention_heads={self.num_heads} is not a multiple of "
+                              f"num_key_value_heads={self.num_kv_heads}")
+        if self.use_rope and self.head_dim % 2:
+            raise ConfigError(f"{source}: head_dim={self.head_dim} must be even for RoPE")
+        return self
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ModelConfig":
+        return cls(**d).validate()
+
+    def weight_count(self) -> int:
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        per_layer = h * d * (2 * self.num_heads + 2 * self.num_kv_heads) + 3 * h * i
+        return self.num_layers * per_layer + self.vocab_size * h
+
+
+def _get(d: dict, source: str, *names, default=None, required=False):
+    for n in names:
+        if n in d and d[n] is not None:
+            return d[n]
+    if required:
+        raise ConfigError(f"{source}: missing field {names[0]!r}")
+    return default
+
+
+def _eos_list(v) -> list[int]:
+    if v is None:
+        return []
+    if isinstance(v, int):
+        return [v]
+    return [int(x) for x in v]
+
+
+def from_hf_dict(d: dict, source: str = "config.json") -> ModelConfig:
+    """Build a ModelConfig from a parsed HF config.json."""
+    mt = d.get("model_type")
+    if mt not in ("llama", "granite", "granitemoehybrid", "mistral"):
+        arch = d.get("architectures")
+        raise ConfigError(f"{source}: unsupported model_type {mt!r} (architectures={arch}); "
+                          "flint runs llama, granite and all-attention dense granitemoehybrid")
+    n_layers = _get(d, source, "num_hidden_layers", required=True)
+    hidden = _get(d, source, "hidden_size", required=True)
+    heads = _get(d, source, "num_attention_heads", required=True)
+    kv = _get(d, source, "num_key_value_heads", default=heads)
+    head_dim = _get(d, source, "head_dim", default=None) or hidden // heads
+    act = d.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ConfigError(f"{source}: field 'hidden_act'={act!r} unsupported (flint runs SwiGLU/silu)")
+    for f in ("attention_bias", "mlp_bias"):
+        if d.get(f):
+            raise ConfigError(f"{source}: field {f!r}=true is not supported")
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type not in ("default", None):
+        raise ConfigError(f"{source}: rope scaling {rope_type!r} is not supported")
+    theta = d.get("rope_theta")
+    if theta is None and isinstance(rope, dict):
+        theta = rope.get("rope_theta")
+    theta = float(theta if theta is not None else 10000.0)
+    use_rope = True
+    intermediate = _get(d, source, "intermediate_size", default=None)
+    arch = "llama" if mt == "mistral" else mt
+    if mt == "mistral" and d.get("sliding_window"):
+        raise ConfigError(f"{source}: field 'sliding_window' is not supported")
+    if mt == "granitemoehybrid":
+        types = d.get("layer_types") or d.get("layers_block_type")
+        if not types:
+            raise ConfigError(f"{source}: granitemoehybrid without 'layer_types'")
+        bad = [i for i, t in enumerate(types) if t != "attention"]
+        if bad:
+            raise ConfigError(f"{source}: field 'layer_types' has non-attention (mamba) layers at "
+                              f"{bad[:8]}; flint runs only all-attention granitemoehybrid checkpoints")
+        if (d.get("num_local_experts") or 0) > 0:
+            raise ConfigError(f"{source}: field 'num_local_experts'={d['num_local_experts']}: MoE "
+                              "layers are not supported (dense shared_mlp only)")
+        intermediate = _get(d, source, "shared_intermediate_size", required=True)
+        use_rope = d.get("position_embedding_type") == "rope"
+    if intermediate is None:
+        raise ConfigError(f"{source}: missing field 'intermediate_size'")
+    granite = mt in ("granite", "granitemoehybrid")
+    cfg = ModelConfig(
+        arch=arch,
+        vocab_size=_get(d, source, "vocab_size", required=True),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_layers=n_layers,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=head_dim,
+        rms_norm_eps=float(_get(d, source, "rms_norm_eps", default=1e-6)),
+        rope_theta=theta,
+        use_rope=use_rope,
+        max_position_embeddings=int(_get(d, source, "max_position_embeddings", default=2048)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        embedding_multiplier=float(d.get("embedding_multiplier", 1.0)) if granite else 1.0,
+        attention_multiplier=float(d["attention_multiplier"]) if granite and d.get("attention_multiplier") is not None else None,
+        residual_multiplier=float(d.get("residual_multiplier", 1.0)) if granite else 1.0,
+        logits_scaling=float(d.get("logits_scaling", 1.0)) if granite else 1.0,
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=_eos_list(d.get("eos_token_id")),
+        name=d.get("_name_or_path", ""),
+    )
+    return cfg.validate(source)
+
+
+def load_hf_config(path: str | Path) -> ModelConfig:
+    p = Path(path)
+    try:
+        d = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: file not found") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p}: not valid JSON ({e})") from None
+    return from_hf_dict(d, str(p))
+
+
+# Named shapes for speed work without downloads (random weights; see flint.synthetic).
+SYNTHETIC = {
+    "granite-4.1-3b": dict(
+        model_type="granite", vocab_size=100352, hidden_size=2560, intermediate_size=8192,
+        num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=8, head_dim=64,
+        rms_norm_eps=1e-5, rope_theta=1e7, attention_multiplier=0.015625, embedding_multiplier=12.0,
+        residual_multiplier=0.22, logits_scaling=10.0, tie_word_embeddings=True,
+        max_position_embeddings=131072, bos_token_id=100257, eos_token_id=100257),
+    "smollm2-135m": dict(
+        model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+        rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+        max_position_embeddings=8192, bos_token_id=1, eos_token_id=2),
+}

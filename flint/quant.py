@@ -1,0 +1,172 @@
+"""int4 group-quantized weights: flint's one packed layout, and the conversions into it.
+
+Every fast path reads this layout, so it is defined once, here.
+
+Layout ``flint-int4-v1`` for a linear weight W of shape [N, K] (out_features, in_features),
+groups of G consecutive values along K (G in {32, 64, 128}; K % G == 0, K % 32 == 0):
+
+* ``qweight``  uint8   [N, K // 2]   row-major; byte j of row n holds code(n, 2j) in its low nibble
+                                     and code(n, 2j + 1) in its high nibble. A 16-byte load therefore
+                                     reads 32 consecutive codes of one row, and a warp reading a row
+                                     reads 512 contiguous bytes: coalesced at M = 1.
+* ``scales``   float16 [N, K // G]
+* ``mins``     float16 [N, K // G]
+
+  W[n, k] = code(n, k) * scales[n, k // G] + mins[n, k // G]      (codes 0..15; computed in fp32)
+
+GGUF Q4_1 blocks (d, m, 16 bytes of codes; element j in the low nibble of byte j, element j + 16 in
+the high nibble) map onto this with G = 32, scales = d, mins = m: only the nibble order changes, no
+value is rounded again. Q4_0 (value = (q - 8) * d) is the symmetric case: scales = d, mins = -8 * d,
+which fp16 holds exactly (a power-of-two multiple). Kernels may repack scales/mins (interleave them)
+at load; they never re-round codes.
+
+Run ``pytest tests/test_quant.py`` for the round-trip tests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GROUP_SIZES = (32, 64, 128)
+LAYOUT = "flint-int4-v1"
+
+
+@dataclass
+class Int4Weight:
+    """A [N, K] weight in the flint-int4-v1 layout (see module docstring)."""
+
+    qweight: torch.Tensor  # uint8 [N, K // 2]
+    scales: torch.Tensor  # float16 [N, K // G]
+    mins: torch.Tensor  # float16 [N, K // G]
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.qweight.shape[0], self.qweight.shape[1] * 2)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.mins))
+
+    def to(self, device) -> "Int4Weight":
+        return Int4Weight(self.qweight.to(device), self.scales.to(device), self.mins.to(device),
+                          self.group_size)
+
+    def codes(self) -> torch.Tensor:
+        """uint8 [N, K] codes 0..15."""
+        return unpack_int4(self.qweight)
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        n, k = self.shape
+        g = self.group_size
+        q = self.codes().to(torch.float32).view(n, k // g, g)
+        w = q * self.scales.float().unsqueeze(-1) + self.mins.float().unsqueeze(-1)
+        return w.view(n, k).to(dtype)
+
+    def rows(self, index) -> "Int4Weight":
+        """A row subset (exact: rows are independent)."""
+        return Int4Weight(self.qweight[index], self.scales[index], self.mins[index], self.group_size)
+
+
+def check_shape(name: str, n: int, k: int, group_size: int) -> None:
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"{name}: group_size {group_size} is not one of {GROUP_SIZES}")
+    if k % group_size != 0:
+        raise ValueError(f"{name}: group_size {group_size} does not divide in_features K={k}")
+    if k % 32 != 0:
+        raise ValueError(f"{name}: in_features K={k} is not a multiple of 32 (16-byte rows)")
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [N, K] (values 0..15) -> packed uint8 [N, K // 2] (low nibble = even k)."""
+    if codes.shape[-1] % 2:
+        raise ValueError("pack_int4: K must be even")
+    c = codes.to(torch.uint8)
+    if int(c.max()) > 15 if c.numel() else False:
+        raise ValueError("pack_int4: codes must be in 0..15")
+    return c[..., 0::2] | (c[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """packed uint8 [N, K // 2] -> codes uint8 [N, K]."""
+    lo = packed & 0x0F
+    hi = packed >> 4
+    return torch.stack((lo, hi), dim=-1).flatten(-2)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = 128, name: str = "weight") -> Int4Weight:
+    """Round-to-nearest asymmetric int4 per group: scale = (max - min) / 15, min = group min.
+
+    scale and min are rounded to fp16 first and the codes are chosen against the rounded values,
+    so dequantize() reproduces exactly what the codes were fitted to.
+    """
+    if w.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D weight, got shape {tuple(w.shape)}")
+    n, k = w.shape
+    check_shape(name, n, k, group_size)
+    wf = w.detach().to(torch.float32).view(n, k // group_size, group_size)
+    lo = wf.amin(dim=-1)
+    hi = wf.amax(dim=-1)
+    scale = ((hi - lo) / 15.0).to(torch.float16)
+    mn = lo.to(torch.float16)
+    s = scale.float()
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    q = torch.round((wf - mn.float().unsqueeze(-1)) / safe.unsqueeze(-1)).clamp_(0, 15)
+    q = torch.where((s > 0).unsqueeze(-1), q, torch.zeros_like(q))
+    return Int4Weight(pack_int4(q.view(n, k).to(torch.uint8)), scale, mn, group_size)
+
+
+# ---------------------------------------------------------------- GGUF block formats (exact)
+
+def from_q4_1_blocks(raw, n: int, k: int) -> Int4Weight:
+    """GGUF Q4_1 raw bytes [n, k/32*20] -> Int4Weight (G = 32), no re-rounding."""
+    import numpy as np
+
+    b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // 32, 20)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0]
+    m = b[..., 2:4].copy().view(np.float16)[..., 0]
+    qs = b[..., 4:20]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
+    return Int4Weight(pack_int4(torch.from_numpy(codes)), torch.from_numpy(d.copy()),
+                      torch.from_numpy(m.copy()), 32)
+
+
+def from_q4_0_blocks(raw, n: int, k: int) -> Int4Weight:
+    """GGUF Q4_0 raw bytes [n, k/32*18] -> Int4Weight (G = 32): value = (q - 8) d = q d + (-8 d)."""
+    import numpy as np
+
+    b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // 32, 18)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0]
+    qs = b[..., 2:18]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
+    m = (d.astype(np.float32) * -8.0).astype(np.float16)
+    return Int4Weight(pack_int4(torch.from_numpy(codes)), torch.from_numpy(d.copy()),
+                      torch.from_numpy(m), 32)
+
+
+def dequant_q8_0_blocks(raw, n: int, k: int) -> torch.Tensor:
+    """GGUF Q8_0 raw bytes [n, k/32*34] -> float32 [n, k] (exact)."""
+    import numpy as np
+
+    b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // 32, 34)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = b[..., 2:34].copy().view(np.int8).astype(np.float32)
+    return torch.from_numpy((q * d[..., None]).reshape(n, k))
+
+
+def quantize_params(params: dict, group_size: int = 128, names=None) -> dict:
+    """Return a params dict whose linear weights (and the LM head) are all Int4Weight.
+
+    Weights already in int4 (GGUF Q4_0/Q4_1, a flint checkpoint) are kept as they are; float ones
+    are quantized round-to-nearest at ``group_size``. "embed" stays a float copy for the lookup.
+    """
+    from .model import LINEAR_NAMES
+
+    out = dict(params)
+    targets = names or [k for k in params if k.rsplit(".", 1)[-1] in LINEAR_NAMES] + ["lm_head"]
+    for k in targets:
+        w = params[k]
+        if not isinstance(w, Int4Weight):
+            out[k] = quantize_int4(w, group_size, name=k)
+    return out
