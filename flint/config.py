@@ -124,7 +124,8 @@ def from_hf_dict(d: dict, source: str = "config.json") -> ModelConfig:
         types = d.get("layer_types") or d.get("layers_block_type")
         if not types:
             raise ConfigError(f"{source}: granitemoehybrid without 'layer_types'")
-        bad = [i for i, t in enumerate(types) if t != "attention"]
+        # checkpoints say "attention"/"mamba"; transformers >= 5 saves "full_attention"/"linear_attention"
+        bad = [i for i, t in enumerate(types) if t not in ("attention", "full_attention")]
         if bad:
             raise ConfigError(f"{source}: field 'layer_types' has non-attention (mamba) layers at "
                               f"{bad[:8]}; flint runs only all-attention granitemoehybrid checkpoints")
