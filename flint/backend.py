@@ -49,7 +49,7 @@ def default_device() -> str:
 
 
 def make_backend(name: str, lm, max_seq_len: int | None = None, device: str | None = None,
-                 group_size: int = 128):
+                 group_size: int = 128, dtype: str | None = None):
     """Build backend ``name`` for a LoadedModel ``lm``."""
     if name not in BACKENDS:
         raise BackendError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
@@ -62,8 +62,11 @@ def make_backend(name: str, lm, max_seq_len: int | None = None, device: str | No
     if name == "reference":
         from .model import Transformer
 
-        dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
-        return Transformer(cfg, lm.params, max_seq_len, device=device, dtype=dtype)
+        if dtype is None:
+            dtype = "float32" if torch.device(device).type == "cpu" else "bfloat16"
+        if dtype not in ("float32", "bfloat16"):
+            raise BackendError(f"--dtype {dtype!r}: the reference runs float32 or bfloat16")
+        return Transformer(cfg, lm.params, max_seq_len, device=device, dtype=getattr(torch, dtype))
     if name in ("compiled", "compiled-bf16"):
         from .compiled import CompiledBackend
 

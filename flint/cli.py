@@ -34,6 +34,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="KV cache length (default: min(model context, 8192))")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                   help="reference backend precision (default: float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--group-size", type=int, default=128, choices=(32, 64, 128),
                    help="int4 group size for weights not already int4 (kernel backends)")
 
@@ -47,7 +49,8 @@ def load_engine(args, quiet: bool = False):
     lm = load_model(args.model)
     name = args.backend or default_backend(quiet=quiet)
     max_seq = args.max_seq_len or min(lm.cfg.max_position_embeddings, 8192)
-    backend = make_backend(name, lm, max_seq, device=args.device, group_size=args.group_size)
+    backend = make_backend(name, lm, max_seq, device=args.device, group_size=args.group_size,
+                           dtype=getattr(args, "dtype", None))
     engine = Engine(backend, lm.tokenizer)
     draft_path = getattr(args, "draft", None)
     if draft_path:
@@ -97,6 +100,7 @@ def cmd_generate(args) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    sys.stdout.flush()
     if args.stats:
         print(_stats_line(engine.last, engine), file=sys.stderr)
     return 0

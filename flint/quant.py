@@ -170,3 +170,65 @@ def quantize_params(params: dict, group_size: int = 128, names=None) -> dict:
         if not isinstance(w, Int4Weight):
             out[k] = quantize_int4(w, group_size, name=k)
     return out
+
+
+# ---------------------------------------------------------------- helpers (int4 / bench engineer)
+
+def concat_rows(weights: list[Int4Weight], name: str = "weight") -> Int4Weight:
+    """Stack int4 weights along N (fused q|k|v, gate|up). Exact: rows are independent.
+
+    All parts must share K and the group size (the layout has one group size per tensor).
+    """
+    g = weights[0].group_size
+    k = weights[0].shape[1]
+    for w in weights:
+        if w.group_size != g or w.shape[1] != k:
+            raise ValueError(f"{name}: cannot fuse int4 parts with group sizes "
+                             f"{[x.group_size for x in weights]} and K {[x.shape[1] for x in weights]}")
+    return Int4Weight(torch.cat([w.qweight for w in weights]), torch.cat([w.scales for w in weights]),
+                      torch.cat([w.mins for w in weights]), g)
+
+
+def requantize_params(params: dict, group_size: int, float_head: bool = False) -> dict:
+    """Every linear weight and the LM head re-fitted round-to-nearest at ``group_size``.
+
+    Unlike quantize_params, int4 weights are NOT kept: they are dequantized (exactly, to fp32)
+    and quantized again, a second rounding. That is what `flint eval --quantize` measures. With
+    ``float_head`` the head stays (or becomes) a float tensor: a tied head is then "embed" itself.
+    "embed" (the lookup copy) is never touched.
+    """
+    from .model import LINEAR_NAMES
+
+    out = dict(params)
+    targets = [k for k in params if k.rsplit(".", 1)[-1] in LINEAR_NAMES]
+    if not float_head:
+        targets.append("lm_head")
+    for k in targets:
+        w = params[k]
+        dense = w.dequantize(torch.float32) if isinstance(w, Int4Weight) else w
+        out[k] = quantize_int4(dense, group_size, name=k)
+    if float_head and isinstance(params["lm_head"], Int4Weight):
+        out["lm_head"] = params["lm_head"].dequantize(torch.float32)
+    return out
+
+
+def int4_group_size(params: dict) -> int | None:
+    """The group size shared by the int4 weights in ``params``; None when there are none.
+
+    Raises ValueError when they mix group sizes (a flint checkpoint stores one).
+    """
+    sizes = {w.group_size for w in params.values() if isinstance(w, Int4Weight)}
+    if len(sizes) > 1:
+        raise ValueError(f"int4 weights mix group sizes {sorted(sizes)}")
+    return next(iter(sizes), None)
+
+
+def fit_group_size(k: int, preferred: int, name: str = "weight") -> int:
+    """The largest group size in GROUP_SIZES that is <= ``preferred`` and divides K.
+
+    SmolLM2's K = 576 takes 64, not 128. Raises ValueError when even 32 does not divide K.
+    """
+    for g in sorted(GROUP_SIZES, reverse=True):
+        if g <= preferred and k % g == 0:
+            return g
+    raise ValueError(f"{name}: no group size <= {preferred} in {GROUP_SIZES} divides in_features K={k}")
