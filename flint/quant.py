@@ -193,8 +193,9 @@ def requantize_params(params: dict, group_size: int, float_head: bool = False) -
     """Every linear weight and the LM head re-fitted round-to-nearest at ``group_size``.
 
     Unlike quantize_params, int4 weights are NOT kept: they are dequantized (exactly, to fp32)
-    and quantized again, a second rounding. That is what `flint eval --quantize` measures. With
-    ``float_head`` the head stays (or becomes) a float tensor: a tied head is then "embed" itself.
+    and quantized again, a second rounding. That is what `flint eval --quantize` measures. Where
+    ``group_size`` does not divide a tensor's K, the largest group size that does is used
+    (fit_group_size). With ``float_head`` the head stays (or becomes) a float tensor.
     "embed" (the lookup copy) is never touched.
     """
     from .model import LINEAR_NAMES
@@ -206,7 +207,7 @@ def requantize_params(params: dict, group_size: int, float_head: bool = False) -
     for k in targets:
         w = params[k]
         dense = w.dequantize(torch.float32) if isinstance(w, Int4Weight) else w
-        out[k] = quantize_int4(dense, group_size, name=k)
+        out[k] = quantize_int4(dense, fit_group_size(dense.shape[1], group_size, k), name=k)
     if float_head and isinstance(params["lm_head"], Int4Weight):
         out["lm_head"] = params["lm_head"].dequantize(torch.float32)
     return out

@@ -1,0 +1,73 @@
+"""Megakernel debugging: diff every intermediate buffer of a 1-layer model against a hand-written torch
+step (the Python twin of the kernel's stages). Device-side:
+
+    FLINT_KERNEL_DIR=build/kernels python3 bench/mk_debug.py
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from flint.megakernel import MegakernelBackend  # noqa: E402
+from flint.model import rope_tables  # noqa: E402
+from flint.synthetic import synthetic_params  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mk_dev import small_cfg  # noqa: E402
+
+
+def rel(a, b):
+    return f"{float((a.float() - b.float()).norm() / (b.float().norm() + 1e-30)):.3e}"
+
+
+def main():
+    cfg = small_cfg(num_hidden_layers=1)
+    P = synthetic_params(cfg, seed=0, int4_group_size=64, dtype=torch.float32, device="cuda")
+    mk = MegakernelBackend(cfg, P, 64)
+    W = {k: (v.dequantize() if hasattr(v, "dequantize") else v.float()) for k, v in P.items()}
+    nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    cos, sin = rope_tables(cfg, 64, "cuda")
+    kc, vc = [], []
+    for pos, t in enumerate([5, 17, 300]):
+        logits = mk.forward(torch.tensor([t]), pos)
+        torch.cuda.synchronize()
+        x = W["embed"][t] * cfg.embedding_multiplier
+        ms = lambda v, w: w * (v * torch.rsqrt(v.pow(2).mean() + cfg.rms_norm_eps))  # noqa: E731
+        h = ms(x, W["layers.0.attn_norm"])
+        q = (h @ W["layers.0.wq"].T).view(nh, d)
+        k = (h @ W["layers.0.wk"].T).view(nkv, d)
+        v = (h @ W["layers.0.wv"].T).view(nkv, d)
+
+        def rope(z):
+            z1, z2 = z[:, : d // 2], z[:, d // 2:]
+            c, s = cos[pos], sin[pos]
+            return torch.cat((z1 * c - z2 * s, z2 * c + z1 * s), -1)
+        q, k = rope(q), rope(k)
+        kc.append(k); vc.append(v)
+        K = torch.stack(kc, 1); V = torch.stack(vc, 1)  # [nkv, T, d]
+        g = nh // nkv
+        att = []
+        for hq in range(nh):
+            sc = (K[hq // g] @ q[hq]) * cfg.attn_scale
+            att.append(torch.softmax(sc, -1) @ V[hq // g])
+        att = torch.cat(att)
+        x1 = x + (att @ W["layers.0.wo"].T) * cfg.residual_multiplier
+        h2 = ms(x1, W["layers.0.ffn_norm"])
+        act = F.silu(h2 @ W["layers.0.w_gate"].T) * (h2 @ W["layers.0.w_up"].T)
+        x2 = x1 + (act @ W["layers.0.w_down"].T) * cfg.residual_multiplier
+        lg = ms(x2, W["norm"]) @ W["lm_head"].T / cfg.logits_scaling
+        print(f"pos {pos}: q {rel(mk.q[0], q.flatten())} k {rel(mk.k_cache[0, :, pos], k)} "
+              f"v {rel(mk.v_cache[0, :, pos], v)} attn {rel(mk.attn[0], att)} act {rel(mk.act[0], act)} "
+              f"resid {rel(mk.resid[0], x2)} logits {rel(logits[0], lg)}")
+        if pos == 0:
+            print(" q mk ", mk.q[0, :6].tolist(), "\n q ref", q.flatten()[:6].tolist())
+            print(" v mk ", mk.v_cache[0, 0, 0, :6].tolist(), "\n v ref", v[0, :6].tolist())
+            print(" act mk ", mk.act[0, :6].tolist(), "\n act ref", act[:6].tolist())
+
+
+if __name__ == "__main__":
+    main()

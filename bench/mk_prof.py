@@ -1,0 +1,24 @@
+"""A few megakernel launches on a reduced-depth Granite-4.1-3B shape, for ncu / compute-sanitizer:
+
+    FLINT_KERNEL_DIR=build/kernels ncu --clock-control none -k regex:decode_kernel --launch-skip 2 \
+        --launch-count 1 --section SpeedOfLight --section WarpStateStats python3 bench/mk_prof.py [layers]
+"""
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from flint.megakernel import MegakernelBackend  # noqa: E402
+from flint.synthetic import synthetic_params  # noqa: E402
+from mk_dev import granite_cfg  # noqa: E402
+
+cfg = granite_cfg()
+cfg.num_layers = int(sys.argv[1]) if len(sys.argv) > 1 else 4
+P = synthetic_params(cfg, seed=0, int4_group_size=128, dtype=torch.float32, device="cuda")
+mk = MegakernelBackend(cfg, P, 1024)
+for _ in range(4):
+    mk.forward(torch.tensor([7], device="cuda"), 511)
+torch.cuda.synchronize()
+print("done")

@@ -1,0 +1,410 @@
+"""`flint bench`: batch-1 decode speed per backend and context, against the memory bandwidth
+measured in the same run.
+
+For each model x backend x context: fill the KV cache to ``ctx`` (prefill of random tokens), decode
+``--tokens`` greedy tokens once untimed (warm-up: compiles and captures every attention bucket
+those positions touch), then ``--repeats`` timed passes over the same positions (CUDA events on a
+GPU, the host clock on a CPU); the figure is the median pass. Each step ends in a host sync (the
+next token is read back), as in a real generation loop.
+
+* bytes per token = what one decode step reads: the backend's weights as it holds them (int4 codes
+  + scales + mins/zeros, LM head included, norms, one embedding row) + K and V at ``ctx``. A
+  backend may say itself (``weight_bytes_per_token``, ``kv_bytes(ctx)``); the reference is counted
+  from its tensors.
+* read bandwidth: a torch ``sum`` over a buffer far larger than any cache (4 GiB bf16 on a GPU,
+  1 GiB fp32 on a CPU), median of 5. MBU = bytes per token x tok/s / that bandwidth. On a CPU
+  the same holds against the CPU's measured memory bandwidth.
+* L2: when a backend's weights are smaller than 2x the GPU's L2 (60 MB on the H200: int4
+  SmolLM2-135M is ~75 MB), a buffer of 4x L2 is streamed before each timed token and tokens are
+  timed one by one, so weights come from HBM, as they would for a big model.
+* synthetic models (``synthetic:NAME``) are built on the bench device with random int4 codes when
+  an int4 backend is asked for (the bf16 backends then run those values dequantized), else bf16.
+
+Prints a llama-bench-style markdown table; ``--json PATH`` writes
+``{"device", "hbm_read_GBps", "results": [{"model", "backend", "ctx", "tok_s", "ms_per_token",
+"bytes_per_token", "mbu"}]}`` (plus ``"ttft"`` rows with --prompt-len), rewritten after every
+result; ``--plot PATH.png`` draws tok/s against context per backend with each backend's
+bandwidth ceiling (bandwidth / bytes per token) dashed.
+
+Run: ``flint bench --model synthetic:granite-4.1-3b --backend reference,compiled,compiled-bf16
+--ctx 512,2048`` (or ``python -m flint.bench ...``). Test: ``pytest tests/test_bench.py``.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .backend import BACKENDS, BackendError, default_device, make_backend
+
+INT4_BACKENDS = ("compiled", "megakernel")
+DEFAULT_BACKENDS = "reference,compiled,compiled-bf16"
+
+
+class BenchError(ValueError):
+    pass
+
+
+# ------------------------------------------------------------------ machine
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"CPU: {name} ({torch.get_num_threads()} threads)"
+
+
+def read_bandwidth_GBps(device: torch.device, nbytes: int | None = None, repeats: int = 5) -> float:
+    """Streaming read bandwidth in GB/s: median of ``repeats`` sums over an nbytes buffer."""
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    nbytes = nbytes or (4 << 30 if cuda else 1 << 30)
+    buf = torch.ones(nbytes // torch.finfo(dtype).bits * 8, dtype=dtype, device=device)
+    nbytes = buf.numel() * buf.element_size()
+    times = []
+    for i in range(repeats + 1):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            buf.sum()
+            b.record()
+            b.synchronize()
+            dt = a.elapsed_time(b) / 1e3
+        else:
+            t = time.perf_counter()
+            buf.sum()
+            dt = time.perf_counter() - t
+        if i:  # the first is a warm-up
+            times.append(dt)
+    del buf
+    return nbytes / statistics.median(times) / 1e9
+
+
+# ------------------------------------------------------------------ bytes per token
+
+def _tensor_bytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def weight_bytes_per_token(backend) -> int:
+    """Bytes of weights one decode step of ``backend`` reads."""
+    n = getattr(backend, "weight_bytes_per_token", None)
+    if n is not None:
+        return int(n)
+    from .model import Transformer
+
+    if isinstance(backend, Transformer):
+        n = sum(_tensor_bytes(t) for L in backend.layers for t in L.values())
+        n += _tensor_bytes(backend.lm_head) + _tensor_bytes(backend.norm)
+        return n + backend.embed.shape[1] * backend.embed.element_size()
+    raise BenchError(f"backend {getattr(backend, 'name', type(backend).__name__)!r} does not say how many "
+                     "bytes a step reads (weight_bytes_per_token)")
+
+
+def kv_bytes(backend, ctx: int) -> int:
+    """Bytes of K and V one decode step reads at context ``ctx``."""
+    if hasattr(backend, "kv_bytes"):
+        return int(backend.kv_bytes(ctx))
+    c = backend.cfg
+    el = backend.k_cache.element_size() if hasattr(backend, "k_cache") else 2
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * ctx * el
+
+
+# ------------------------------------------------------------------ timing
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _stepper(backend):
+    """step(token, pos) -> next greedy token (an int: one host sync per token)."""
+    if hasattr(backend, "greedy_next"):
+        return backend.greedy_next
+
+    def step(tok: int, pos: int) -> int:
+        logits = backend.forward(torch.tensor([tok], dtype=torch.long), pos)
+        return int(torch.argmax(logits[-1]))
+    return step
+
+
+def prefill(backend, start: int, end: int, gen: torch.Generator) -> None:
+    """Write random tokens at positions start..end-1 (chunked like the engine)."""
+    chunk = getattr(backend, "max_chunk", None) or 1024
+    vocab = backend.cfg.vocab_size
+    for s in range(start, end, chunk):
+        n = min(chunk, end - s)
+        backend.forward(torch.randint(0, vocab, (n,), generator=gen), s)
+
+
+def time_decode(backend, ctx: int, n_tokens: int, repeats: int, device: torch.device,
+                flush: torch.Tensor | None = None) -> float:
+    """Median seconds per decoded token at positions ctx..ctx+n-1 (cache assumed filled to ctx)."""
+    step = _stepper(backend)
+    cuda = device.type == "cuda"
+
+    def one_pass(timed: bool) -> float:
+        tok = 1
+        if not timed:
+            for i in range(n_tokens):
+                tok = step(tok, ctx + i)
+            return 0.0
+        if cuda and flush is not None:  # each token alone, L2 flushed before it
+            evs = []
+            for i in range(n_tokens):
+                flush.sum()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                tok = step(tok, ctx + i)
+                b.record()
+                evs.append((a, b))
+            _sync(device)
+            return sum(a.elapsed_time(b) for a, b in evs) / 1e3
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            _sync(device)
+            a.record()
+            for i in range(n_tokens):
+                tok = step(tok, ctx + i)
+            b.record()
+            b.synchronize()
+            return a.elapsed_time(b) / 1e3
+        t = time.perf_counter()
+        for i in range(n_tokens):
+            tok = step(tok, ctx + i)
+        return time.perf_counter() - t
+
+    one_pass(timed=False)
+    return statistics.median(one_pass(timed=True) for _ in range(repeats)) / n_tokens
+
+
+def time_ttft(backend, prompt_len: int, device: torch.device, gen: torch.Generator, repeats: int = 3) -> float:
+    """Median seconds from a prompt of prompt_len random tokens to its first token (cold cache)."""
+    chunk = getattr(backend, "max_chunk", None) or prompt_len
+    prompt = torch.randint(0, backend.cfg.vocab_size, (prompt_len,), generator=gen)
+    times = []
+    for i in range(repeats + 1):
+        _sync(device)
+        t = time.perf_counter()
+        logits = None
+        for s in range(0, prompt_len, chunk):
+            logits = backend.forward(prompt[s: s + chunk], s)
+        int(torch.argmax(logits[-1]))
+        if i:
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+# ------------------------------------------------------------------ the run
+
+def _parse_list(s: str, what: str, conv=str) -> list:
+    items = [x.strip() for x in s.split(",") if x.strip()]
+    if not items:
+        raise BenchError(f"--{what}: empty list")
+    try:
+        return [conv(x) for x in items]
+    except ValueError:
+        raise BenchError(f"--{what}: {s!r} is not a comma-separated list of integers") from None
+
+
+def load_bench_model(spec: str | None, int4_group_size: int | None, device: torch.device, seed: int = 0):
+    if spec and spec.startswith("synthetic:"):
+        from .synthetic import synthetic_model
+
+        return synthetic_model(spec[len("synthetic:"):], seed, int4_group_size=int4_group_size,
+                               dtype=torch.bfloat16, device=device)
+    from .loading import load_model
+
+    return load_model(spec)
+
+
+def run_bench(models: list[str | None], backends: list[str], ctxs: list[int], n_tokens: int = 32,
+              repeats: int = 3, prompt_len: int | None = None, device: str | None = None,
+              group_size: int = 128, json_path: str | None = None, bw_bytes: int | None = None,
+              seed: int = 0, log=print) -> dict:
+    """Run the benchmark; returns the JSON document (also written to json_path after every row)."""
+    for b in backends:
+        if b not in BACKENDS:
+            raise BackendError(f"unknown backend {b!r}; choose from {', '.join(BACKENDS)}")
+    if n_tokens < 1 or repeats < 1:
+        raise BenchError("--tokens and --repeats must be >= 1")
+    if any(c < 0 for c in ctxs):
+        raise BenchError(f"--ctx values must be >= 0, got {ctxs}")
+    if prompt_len is not None and prompt_len < 1:
+        raise BenchError("--prompt-len must be >= 1")
+    dev = torch.device(device or default_device())
+    doc = {"device": device_name(dev), "hbm_read_GBps": 0.0, "results": []}
+    if prompt_len:
+        doc["ttft"] = []
+
+    def save():
+        if json_path:
+            Path(json_path).write_text(json.dumps(doc, indent=2) + "\n")
+
+    doc["hbm_read_GBps"] = round(read_bandwidth_GBps(dev, bw_bytes), 1)
+    log(f"flint bench: {doc['device']}, read bandwidth {doc['hbm_read_GBps']:.1f} GB/s", file=sys.stderr)
+    gen = torch.Generator().manual_seed(seed)
+    int4_needed = any(b in INT4_BACKENDS for b in backends)
+    flush = None
+    l2 = torch.cuda.get_device_properties(dev).L2_cache_size if dev.type == "cuda" else 0
+    for spec in models:
+        lm = load_bench_model(spec, group_size if int4_needed else None, dev, seed)
+        name = spec or "embedded:smollm2"
+        need = max(max(ctxs) + n_tokens, prompt_len or 0)
+        limit = lm.cfg.max_position_embeddings
+        if need > limit:
+            raise BenchError(f"--ctx {max(ctxs)} + --tokens {n_tokens} (or --prompt-len) needs {need} positions; "
+                             f"model {name} has a context of {limit}")
+        for bname in backends:
+            backend = make_backend(bname, lm, max_seq_len=need, device=str(dev), group_size=group_size)
+            wbytes = weight_bytes_per_token(backend)
+            use_flush = dev.type == "cuda" and wbytes < 2 * l2
+            if use_flush and flush is None:
+                flush = torch.ones(4 * l2 // 2, dtype=torch.bfloat16, device=dev)
+            if prompt_len:
+                ttft = time_ttft(backend, prompt_len, dev, gen)
+                doc["ttft"].append({"model": name, "backend": bname, "prompt_len": prompt_len,
+                                    "ttft_ms": round(ttft * 1e3, 3)})
+            filled = 0
+            for ctx in sorted(ctxs):
+                prefill(backend, filled, ctx, gen)
+                filled = ctx
+                s = time_decode(backend, ctx, n_tokens, repeats, dev, flush if use_flush else None)
+                nbytes = wbytes + kv_bytes(backend, ctx)
+                tok_s = 1.0 / s
+                row = {"model": name, "backend": bname, "ctx": ctx, "tok_s": round(tok_s, 2),
+                       "ms_per_token": round(s * 1e3, 4), "bytes_per_token": int(nbytes),
+                       "mbu": round(nbytes * tok_s / (doc["hbm_read_GBps"] * 1e9), 4)}
+                doc["results"].append(row)
+                save()
+                log(f"  {name} {bname} ctx {ctx}: {row['tok_s']} tok/s, {row['ms_per_token']} ms/token, "
+                    f"MBU {row['mbu']:.1%}" + (" (L2 flushed per token)" if use_flush else ""), file=sys.stderr)
+            del backend
+            gc.collect()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        del lm
+        gc.collect()
+    save()
+    return doc
+
+
+def markdown_table(doc: dict) -> str:
+    lines = [f"device: {doc['device']} · measured read bandwidth {doc['hbm_read_GBps']:.1f} GB/s", "",
+             "| model | backend | ctx | tok/s | ms/token | GB/token | MBU |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in doc["results"]:
+        lines.append(f"| {r['model']} | {r['backend']} | {r['ctx']} | {r['tok_s']:.2f} | "
+                     f"{r['ms_per_token']:.3f} | {r['bytes_per_token'] / 1e9:.4f} | {r['mbu']:.1%} |")
+    if doc.get("ttft"):
+        lines += ["", "| model | backend | prompt tokens | TTFT ms |", "| --- | --- | ---: | ---: |"]
+        for r in doc["ttft"]:
+            lines.append(f"| {r['model']} | {r['backend']} | {r['prompt_len']} | {r['ttft_ms']:.2f} |")
+    return "\n".join(lines)
+
+
+def plot(doc: dict, path: str) -> None:
+    """tok/s against context, one line per backend, one panel per model; dashed: bandwidth ceiling."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in doc["results"]))
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    bw = doc["hbm_read_GBps"] * 1e9
+    for ax, model in zip(axes[0], models):
+        rows = [r for r in doc["results"] if r["model"] == model]
+        for i, b in enumerate(dict.fromkeys(r["backend"] for r in rows)):
+            rs = sorted((r for r in rows if r["backend"] == b), key=lambda r: r["ctx"])
+            x = [r["ctx"] for r in rs]
+            color = f"C{i}"
+            ax.plot(x, [r["tok_s"] for r in rs], "o-", color=color, label=b)
+            ax.plot(x, [bw / r["bytes_per_token"] for r in rs], "--", color=color, alpha=0.6,
+                    label=f"{b}: bandwidth ceiling")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (tokens in the KV cache)")
+        ax.set_ylabel("decode tok/s (batch 1)")
+        ax.set_title(model, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{doc['device']} · read bandwidth {doc['hbm_read_GBps']:.0f} GB/s", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------ CLI
+
+def _run(args) -> int:
+    dev = torch.device(args.device or default_device())
+    ctx_default = "128,512,2048,8192" if dev.type == "cuda" else "128,512"
+    doc = run_bench(
+        models=[m or None for m in (args.model.split(",") if args.model else [None])],
+        backends=_parse_list(args.backend, "backend"),
+        ctxs=_parse_list(args.ctx or ctx_default, "ctx", int),
+        n_tokens=args.tokens, repeats=args.repeats, prompt_len=args.prompt_len, device=str(dev),
+        group_size=args.group_size, json_path=args.json,
+        bw_bytes=int(args.bw_gib * (1 << 30)) if args.bw_gib else None, seed=args.seed)
+    print(markdown_table(doc))
+    if args.plot:
+        plot(doc, args.plot)
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="batch-1 decode tok/s, bytes per token and MBU per backend and context",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None,
+                   help="model spec(s), comma-separated: synthetic:granite-4.1-3b, synthetic:smollm2-135m, "
+                        "a .gguf, a checkpoint directory (default: the embedded SmolLM2)")
+    p.add_argument("--backend", default=DEFAULT_BACKENDS, help=f"comma-separated, from {', '.join(BACKENDS)} "
+                   f"(default {DEFAULT_BACKENDS})")
+    p.add_argument("--ctx", default=None, help="contexts, comma-separated (default 128,512,2048,8192 on a GPU, "
+                   "128,512 on a CPU)")
+    p.add_argument("--tokens", type=int, default=32, help="decoded tokens per timed pass (default 32)")
+    p.add_argument("--repeats", type=int, default=3, help="timed passes; the median is reported (default 3)")
+    p.add_argument("--prompt-len", type=int, default=None, help="also time TTFT for a prompt of this many tokens")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--group-size", type=int, default=128, choices=(32, 64, 128),
+                   help="int4 group size for weights quantized at load and synthetic int4 (default 128)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    p.add_argument("--plot", default=None, metavar="PATH.png", help="plot tok/s against context")
+    p.add_argument("--bw-gib", type=float, default=None,
+                   help="buffer for the bandwidth measurement in GiB (default 4 on a GPU, 1 on a CPU)")
+    p.add_argument("--seed", type=int, default=0, help="seed of synthetic weights and random tokens")
+    p.set_defaults(func=_run)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="flint")
+    sub = ap.add_subparsers(dest="command", required=True)
+    register(sub)
+    args = ap.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"flint: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

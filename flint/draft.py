@@ -1,0 +1,938 @@
+"""The speculative-decoding draft head (EAGLE-style), and the `flint draft` commands that build it.
+
+A draft step maps (the target's last-layer hidden state at position i, the embedding of token i+1)
+to a guess of the target's hidden state at i+1, and reads the next token off it through the
+target's own final norm and LM head (tied, read-only, never saved with the draft):
+
+    f = fc([rmsnorm(h), rmsnorm(embed[t])])  2H -> H;   f += MLP(rmsnorm(f)) per block;
+    logits = target_head(target_norm(f))
+
+Rolling forward K steps feeds each predicted f back in as the next h. Drafts are saved as
+``draft.safetensors`` + ``draft.json`` (format, shapes, target name/fingerprint, default K, training
+record); ``load_draft`` refuses a draft whose hidden_size or vocab_size differ from the target's.
+
+Commands (``flint draft ...``):
+    harvest  the target generates continuations of the built-in prompt set ``flint-draft-prompts-v1``
+             (code, explain, qa, chat; templated topics x instructions), batched, and stores the
+             tokens and the hidden states the draft needs as resumable safetensors shards
+    train    teacher forcing plus multi-step rollout (depth 3 default): the draft's own predicted
+             hidden states are fed forward and every step is scored against the target
+    eval     mean tokens per verify step of real speculative decoding on held-out prompts, by kind
+
+Tests: ``pytest tests/test_draft.py tests/test_speculative.py``. The shipped SmolLM2 draft and its
+measurements: docs/speculative.md.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .model import dense, rms_norm
+
+FORMAT = "flint-draft-v1"
+PROMPT_SET = "flint-draft-prompts-v1"
+SHIPPED_DRAFTS = Path(__file__).parent / "data" / "drafts"
+KINDS = ("code", "explain", "qa", "chat")
+
+
+class DraftError(ValueError):
+    """A draft file flint cannot use with this target; the message names the file and field."""
+
+
+# ------------------------------------------------------------------ config and model
+
+@dataclass
+class DraftConfig:
+    hidden_size: int
+    vocab_size: int
+    intermediate_size: int
+    num_layers: int = 1
+    rms_norm_eps: float = 1e-5
+    k_default: int = 4
+    target: dict = field(default_factory=dict)  # name, arch, num_layers, fingerprint
+    training: dict = field(default_factory=dict)  # how it was trained (steps, depth, val acceptance)
+    format: str = FORMAT
+
+
+def target_fingerprint(cfg) -> str:
+    """A short hash of the target's shape; equal shapes give equal fingerprints (any quantization)."""
+    key = [cfg.arch, cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers,
+           cfg.num_heads, cfg.num_kv_heads, cfg.head_dim]
+    return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+
+
+def draft_config_for(target_cfg, num_layers: int = 1, intermediate_size: int | None = None,
+                     k_default: int = 4) -> DraftConfig:
+    return DraftConfig(
+        hidden_size=target_cfg.hidden_size, vocab_size=target_cfg.vocab_size,
+        intermediate_size=intermediate_size or target_cfg.intermediate_size, num_layers=num_layers,
+        rms_norm_eps=target_cfg.rms_norm_eps, k_default=k_default,
+        target={"name": target_cfg.name, "arch": target_cfg.arch,
+                "num_layers": target_cfg.num_layers, "fingerprint": target_fingerprint(target_cfg)})
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return rms_norm(x, self.weight.to(x.dtype), self.eps)
+
+
+class MLPBlock(nn.Module):
+    """Pre-norm SwiGLU MLP with a residual, the target's own block shape minus attention."""
+
+    def __init__(self, dim: int, inter: int, eps: float):
+        super().__init__()
+        self.norm = RMSNorm(dim, eps)
+        self.gate = nn.Linear(dim, inter, bias=False)
+        self.up = nn.Linear(dim, inter, bias=False)
+        self.down = nn.Linear(inter, dim, bias=False)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class DraftHead(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.norm_hidden = RMSNorm(h, eps)
+        self.norm_embed = RMSNorm(h, eps)
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.blocks = nn.ModuleList(MLPBlock(h, cfg.intermediate_size, eps) for _ in range(cfg.num_layers))
+        with torch.no_grad():  # start as "the next hidden state is the current one" plus noise
+            nn.init.normal_(self.fc.weight, std=0.02)
+            self.fc.weight[:, :h] += torch.eye(h)
+            for b in self.blocks:
+                b.down.weight.mul_(0.1)
+        # the target's embedding, final norm and LM head: attached, read-only, never saved
+        self.embed = self.head = self.final_norm = None
+        self.target_eps, self.logits_scaling = cfg.rms_norm_eps, 1.0
+
+    # ---------------------------------------------------------------- target tensors
+    def attach_target(self, target_cfg, params: dict, device=None, dtype=None) -> "DraftHead":
+        """Borrow the target's embedding, final norm and LM head (dense, in ``dtype``)."""
+        check_target(self.cfg, target_cfg, "draft")
+        device = torch.device(device or "cpu")
+        dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
+        self.embed = dense(params["embed"], dtype, device)
+        head = params.get("lm_head", params["embed"])
+        if head is params["embed"] or target_cfg.tie_word_embeddings:
+            self.head = self.embed
+        else:
+            self.head = dense(head, dtype, device)
+        self.final_norm = params["norm"].to(device=device, dtype=dtype)
+        self.target_eps = target_cfg.rms_norm_eps
+        self.logits_scaling = target_cfg.logits_scaling
+        return self
+
+    @property
+    def device(self):
+        return self.fc.weight.device
+
+    @property
+    def dtype(self):
+        return self.fc.weight.dtype
+
+    def _need_target(self):
+        if self.head is None:
+            raise DraftError("draft has no target attached: call attach_target(cfg, params) or "
+                             "load it with load_draft(path, target_cfg, target_params)")
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's head on a (true or predicted) hidden state: fp32 logits [..., V]."""
+        self._need_target()
+        x = rms_norm(hidden.to(self.head.dtype), self.final_norm, self.target_eps)
+        return (x @ self.head.T).float() / self.logits_scaling
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        self._need_target()
+        return F.embedding(tokens, self.embed)
+
+    # ---------------------------------------------------------------- the step
+    def forward(self, hidden: torch.Tensor, token_embed: torch.Tensor) -> torch.Tensor:
+        """(hidden at i [.., H], embedding of token i+1 [.., H]) -> predicted hidden at i+1."""
+        dt = self.fc.weight.dtype
+        x = torch.cat((self.norm_hidden(hidden.to(dt)), self.norm_embed(token_embed.to(dt))), -1)
+        x = self.fc(x)
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+    @torch.inference_mode()
+    def propose(self, context_ids: list[int], hidden: torch.Tensor, k: int, sp=None, gen=None):
+        """Draft ``k`` tokens after ``context_ids``. ``hidden`` is the target's hidden state [H] at
+        the position before context_ids[-1]. Greedy (sp None or temperature 0): returns
+        (tokens LongTensor[k], None); sampling: (tokens, q [k, V]) with tokens drawn from q, the
+        draft distribution after the same temperature/top-k/top-p as the target's."""
+        from .engine import probs_from_logits
+
+        greedy = sp is None or sp.temperature == 0
+        h = hidden.reshape(1, -1).to(self.device, self.dtype)
+        tok = torch.tensor([context_ids[-1]], device=self.device)
+        toks, qs = [], []
+        for _ in range(k):
+            h = self.forward(h, self.embed_tokens(tok))
+            logits = self.logits(h)[0]
+            if greedy:
+                tok = torch.argmax(logits).view(1)
+            else:
+                q = probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p)
+                tok = torch.multinomial(q, 1, generator=gen)
+                qs.append(q)
+            toks.append(tok)
+        return torch.cat(toks), (torch.stack(qs) if qs else None)
+
+
+def num_parameters(draft: DraftHead) -> int:
+    return sum(p.numel() for p in draft.parameters())
+
+
+# ------------------------------------------------------------------ save / load
+
+def check_target(dcfg: DraftConfig, target_cfg, source: str) -> None:
+    for f in ("hidden_size", "vocab_size"):
+        want, got = getattr(target_cfg, f), getattr(dcfg, f)
+        if want != got:
+            raise DraftError(f"{source}: field {f!r} is {got} but the target "
+                             f"{target_cfg.name or target_cfg.arch!r} has {f}={want}: this draft was "
+                             f"built for another target ({dcfg.target.get('name') or 'unnamed'})")
+    fp = dcfg.target.get("fingerprint")
+    if fp and fp != target_fingerprint(target_cfg):
+        warnings.warn(f"{source}: built for target {dcfg.target.get('name')!r} (fingerprint {fp}); "
+                      f"this target {target_cfg.name!r} has another shape: expect low acceptance "
+                      "(output stays exact)", stacklevel=3)
+
+
+def save_draft(draft: DraftHead, path: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write draft.safetensors + draft.json into directory ``path``."""
+    from safetensors.torch import save_file
+
+    p = Path(path)
+    p.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in draft.state_dict().items()}
+    save_file(sd, str(p / "draft.safetensors"), metadata={"format": FORMAT})
+    (p / "draft.json").write_text(json.dumps(asdict(draft.cfg), indent=2) + "\n")
+    return p
+
+
+def resolve_draft_path(path: str | Path) -> Path:
+    p = Path(path)
+    if p.is_file() and p.name in ("draft.json", "draft.safetensors"):
+        p = p.parent
+    if p.is_dir():
+        return p
+    shipped = SHIPPED_DRAFTS / str(path)
+    if shipped.is_dir():
+        return shipped
+    have = sorted(d.name for d in SHIPPED_DRAFTS.iterdir()) if SHIPPED_DRAFTS.is_dir() else []
+    raise DraftError(f"{path}: no such draft directory (shipped drafts: {', '.join(have) or 'none'})")
+
+
+def load_draft(path: str | Path, target_cfg, target_params: dict | None = None, device=None,
+               dtype: torch.dtype | None = None) -> DraftHead:
+    """Load a draft directory (or a shipped draft's name) for ``target_cfg``; refuses a draft built
+    for another target. With ``target_params`` the target's embedding/norm/head are attached."""
+    from safetensors import safe_open
+
+    p = resolve_draft_path(path)
+    cj = p / "draft.json"
+    if not cj.exists():
+        raise DraftError(f"{cj}: file not found (a draft directory holds draft.json and draft.safetensors)")
+    try:
+        d = json.loads(cj.read_text())
+    except json.JSONDecodeError as e:
+        raise DraftError(f"{cj}: not valid JSON ({e})") from None
+    if d.get("format") != FORMAT:
+        raise DraftError(f"{cj}: field 'format' is {d.get('format')!r}, expected {FORMAT!r}")
+    known = set(DraftConfig.__dataclass_fields__)
+    for f in ("hidden_size", "vocab_size", "intermediate_size", "num_layers", "k_default"):
+        v = d.get(f)
+        if not isinstance(v, int) or v <= 0:
+            raise DraftError(f"{cj}: field {f!r} must be a positive integer, got {v!r}")
+    dcfg = DraftConfig(**{k: v for k, v in d.items() if k in known})
+    check_target(dcfg, target_cfg, str(cj))
+    st = p / "draft.safetensors"
+    if not st.exists():
+        raise DraftError(f"{st}: file not found")
+    device = torch.device(device or "cpu")
+    dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    draft = DraftHead(dcfg)
+    want = draft.state_dict()
+    try:
+        with safe_open(str(st), framework="pt") as fh:
+            got = {k: fh.get_tensor(k) for k in fh.keys()}
+    except Exception as e:
+        raise DraftError(f"{st}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+    for k, v in want.items():
+        if k not in got:
+            raise DraftError(f"{st}: tensor {k!r} is missing")
+        if tuple(got[k].shape) != tuple(v.shape):
+            raise DraftError(f"{st}: tensor {k!r} has shape {list(got[k].shape)}, draft.json implies "
+                             f"{list(v.shape)}")
+    extra = sorted(set(got) - set(want))
+    if extra:
+        raise DraftError(f"{st}: unexpected tensor {extra[0]!r}")
+    draft.load_state_dict({k: got[k].float() for k in want})
+    draft.to(device=device, dtype=dtype).eval()
+    if target_params is not None:
+        draft.attach_target(target_cfg, target_params, device, dtype)
+    return draft
+
+
+# ------------------------------------------------------------------ the prompt set
+
+_LANGS = ["Python", "JavaScript", "TypeScript", "C", "C++", "Rust", "Go", "Java", "Bash", "SQL"]
+_CODE_TASKS = [
+    "reverses a string", "checks whether a number is prime", "computes the nth Fibonacci number",
+    "sorts a list of numbers with merge sort", "finds the largest element in an array",
+    "counts the words in a text", "removes duplicates from a list", "reads a CSV file and sums a column",
+    "implements binary search", "checks whether a string is a palindrome", "merges two sorted lists",
+    "computes the factorial of a number", "converts Celsius to Fahrenheit", "flattens a nested list",
+    "validates an email address", "implements a stack with push and pop", "computes the GCD of two numbers",
+    "finds all anagrams of a word in a list", "parses a date string", "implements a simple linked list",
+    "counts the vowels in a string", "rotates a matrix by 90 degrees", "generates all permutations of a list",
+    "implements a queue using two stacks", "computes the average of a list", "capitalizes every word",
+    "checks whether parentheses are balanced", "implements bubble sort", "finds the second largest number",
+    "converts a number to binary", "computes the sum of digits of a number", "implements a LRU cache",
+    "reads a file and prints the longest line", "finds the intersection of two lists",
+    "implements quicksort", "checks whether two strings are anagrams", "counts character frequencies",
+    "implements depth-first search on a graph", "implements breadth-first search on a graph",
+    "computes the power set of a set", "transposes a matrix", "finds the missing number in a range",
+    "splits a list into chunks", "implements a binary search tree insert", "computes a running average",
+    "formats a number with thousands separators", "finds the longest common prefix of strings",
+    "implements FizzBuzz", "retries a function call with exponential backoff", "computes a SHA-256 hash",
+]
+_CODE_TEMPLATES = ["Write a {lang} function that {task}.", "Implement a {lang} program that {task}.",
+                   "Show me {lang} code that {task}, with comments.",
+                   "How would I write code in {lang} that {task}? Give an example."]
+_TOPICS = [
+    "photosynthesis", "black holes", "the water cycle", "machine learning", "blockchain", "inflation",
+    "the immune system", "plate tectonics", "quantum computing", "the French Revolution", "vaccines",
+    "climate change", "the stock market", "DNA replication", "neural networks", "the internet",
+    "compound interest", "gravity", "the Roman Empire", "renewable energy", "recursion", "encryption",
+    "supply and demand", "the theory of evolution", "volcanoes", "the human heart", "cloud computing",
+    "electric cars", "the greenhouse effect", "operating systems", "databases", "the Renaissance",
+    "sleep", "nutrition", "the solar system", "earthquakes", "antibiotics", "the printing press",
+    "democracy", "memory in the brain", "tides", "rainbows", "compilers", "hash tables", "TCP/IP",
+    "garbage collection", "the Big Bang", "magnetism", "batteries", "3D printing", "bees and pollination",
+    "coral reefs", "the Industrial Revolution", "GPS", "solar panels", "the moon landing", "caching",
+    "version control with git", "the scientific method", "probability", "statistics", "algorithms",
+    "photosynthesis in algae", "ocean currents", "the nervous system", "weather forecasting",
+    "programming languages", "virtual memory", "public key cryptography", "sorting algorithms",
+]
+_EXPLAIN_TEMPLATES = ["Explain {t} in simple terms.", "Explain how {t} works.",
+                      "What is {t} and why does it matter?", "Give a short overview of {t} for a beginner.",
+                      "Describe {t} in a few paragraphs.", "Teach me the basics of {t}."]
+_QA_TEMPLATES = ["What are the main facts about {t}?", "List five interesting facts about {t}.",
+                 "What are common misconceptions about {t}?", "What are the advantages and disadvantages of {t}?",
+                 "Who were the key people involved in {t}?", "What questions do students often ask about {t}?"]
+_CHAT_SUBJECTS = [
+    "a rainy day", "friendship", "the ocean", "a lost cat", "autumn leaves", "a robot learning to paint",
+    "a trip to the mountains", "starting a new job", "a small bakery", "the first day of school",
+    "a city at night", "a garden", "a dragon who loves books", "learning to cook", "a long train ride",
+    "moving to a new city", "a birthday party", "a lighthouse keeper", "winter mornings", "a marathon",
+    "a family dinner", "a space explorer", "a quiet library", "a summer festival", "an old clock",
+]
+_CHAT_TEMPLATES = ["Write a short poem about {t}.", "Write a short story about {t}.",
+                   "Write a friendly email to a colleague about {t}.", "Give me some tips related to {t}.",
+                   "Write a diary entry about {t}.", "Write a product description inspired by {t}.",
+                   "Help me write a speech about {t}."]
+
+
+def _heldout(kind: str, subject: str) -> bool:
+    """About one subject in ten per kind is held out: eval prompts have subjects training never saw."""
+    return int(hashlib.sha256(f"{kind}|{subject}".encode()).hexdigest(), 16) % 10 == 0
+
+
+def draft_prompts(split: str | None = None) -> list[dict]:
+    """The prompt set flint-draft-prompts-v1: [{'kind', 'text', 'subject', 'split'}], deterministic.
+
+    Kinds: code (languages x tasks), explain and qa (topics x instructions), chat (writing
+    requests). split 'train' or 'eval' (held out by subject), None for both."""
+    out = []
+    for task in _CODE_TASKS:
+        for lang in _LANGS:
+            for tpl in _CODE_TEMPLATES:
+                out.append(("code", task, tpl.format(lang=lang, task=task)))
+    for t in _TOPICS:
+        out += [("explain", t, tpl.format(t=t)) for tpl in _EXPLAIN_TEMPLATES]
+        out += [("qa", t, tpl.format(t=t)) for tpl in _QA_TEMPLATES]
+    for t in _CHAT_SUBJECTS:
+        out += [("chat", t, tpl.format(t=t)) for tpl in _CHAT_TEMPLATES]
+    rows = [{"kind": k, "text": text, "subject": s, "split": "eval" if _heldout(k, s) else "train"}
+            for k, s, text in out]
+    random.Random(0).shuffle(rows)
+    return [r for r in rows if split is None or r["split"] == split]
+
+
+def eval_prompts(per_kind: int, kinds=KINDS) -> list[dict]:
+    """``per_kind`` held-out prompts of each kind, spread over subjects."""
+    rows = draft_prompts("eval")
+    out = []
+    for kind in kinds:
+        mine = [r for r in rows if r["kind"] == kind]
+        by_subject: dict[str, list] = {}
+        for r in mine:
+            by_subject.setdefault(r["subject"], []).append(r)
+        order = [lst[i] for i in range(max(map(len, by_subject.values()), default=0))
+                 for lst in by_subject.values() if i < len(lst)]
+        out += order[:per_kind]
+    return out
+
+
+# ------------------------------------------------------------------ harvest
+
+@dataclass
+class HarvestData:
+    """Per sequence, the region from the last prompt position P-1 on. Region index r is position
+    P-1+r: tokens [N, G+1] (the last prompt token, then the G generated), hidden [N, G+1, H] (the
+    target's last-layer hidden state there), lengths [N]: hidden states 0..length-1 are valid, and
+    tokens 0..length (token `length` is the last generated one: eos or the G-th)."""
+    tokens: torch.Tensor
+    hidden: torch.Tensor
+    lengths: torch.Tensor
+    prompt_index: torch.Tensor
+    meta: dict
+
+
+def harvest(lm, out_dir: str | Path, prompts: list[dict], batch_size: int = 64,
+            max_new_tokens: int = 256, temperature: float = 0.0, device=None,
+            dtype: torch.dtype | None = None, time_budget: float | None = None, seed: int = 0,
+            log=print) -> int:
+    """Self-distillation: generate continuations of ``prompts`` (rows with 'text', chat-templated,
+    or pre-tokenized 'ids') with the target and write shards
+    (one per batch) to ``out_dir``; prompts already in a shard are skipped (resume). Prompts in a
+    batch share one length (the reference decoder takes [B, M] at one start_pos, no padding).
+    Returns the number of sequences written in this call."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    from .engine import probs_from_logits
+    from .model import Transformer
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg, tok = lm.cfg, lm.tokenizer
+    if tok is None and any("ids" not in r for r in prompts):
+        raise DraftError(f"{lm.source}: harvest needs a tokenizer (the prompts are text)")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    meta = {"format": FORMAT + "-harvest", "prompt_set": PROMPT_SET, "target": cfg.name,
+            "fingerprint": target_fingerprint(cfg), "max_new_tokens": max_new_tokens,
+            "temperature": temperature, "hidden_size": cfg.hidden_size}
+    done = set()
+    for sh in sorted(out.glob("shard_*.safetensors")):
+        with safe_open(str(sh), framework="pt") as fh:
+            m = fh.metadata() or {}
+            for key in ("fingerprint", "max_new_tokens", "temperature"):
+                if str(m.get(key)) != str(meta[key]):
+                    raise DraftError(f"{sh}: metadata {key!r} is {m.get(key)!r}, this harvest uses "
+                                     f"{meta[key]!r}; pass another --out to start a new harvest")
+            done.update(fh.get_tensor("prompt_index").tolist())
+    todo = []
+    for i, r in enumerate(prompts):
+        if i in done:
+            continue
+        ids = r["ids"] if "ids" in r else tok.encode_chat([{"role": "user", "content": r["text"]}])
+        todo.append((i, list(ids)))
+    if not todo:
+        log(f"harvest: all {len(prompts)} prompts already in {out}")
+        return 0
+    by_len: dict[int, list] = {}
+    for i, ids in todo:
+        by_len.setdefault(len(ids), []).append((i, ids))
+    batches = [grp[s: s + batch_size] for grp in by_len.values() for s in range(0, len(grp), batch_size)]
+    random.Random(seed).shuffle(batches)  # a time budget then leaves a mix of lengths and kinds
+    max_len = max(by_len) + max_new_tokens + 1
+    model = Transformer(cfg, lm.params, max_len, device=device, dtype=dtype, batch_size=batch_size)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    eos = torch.tensor(sorted(set(cfg.eos_token_ids) or {-1}), device=device)
+    shard_no = len(list(out.glob("shard_*.safetensors")))
+    t0 = time.perf_counter()
+    written = 0
+    bar = tqdm(total=len(todo), desc="harvest", unit="seq", disable=None)
+    for batch in batches:
+        if time_budget is not None and time.perf_counter() - t0 > time_budget:
+            log(f"harvest: time budget {time_budget:.0f}s reached")
+            break
+        idx = [i for i, _ in batch]
+        toks = torch.tensor([ids for _, ids in batch], device=device)
+        b, plen = toks.shape
+
+        def choose(logits):
+            if temperature == 0:
+                return torch.argmax(logits, -1)
+            return torch.multinomial(probs_from_logits(logits, temperature), 1, generator=gen)[:, 0]
+
+        logits, hid = model.forward(toks, 0, return_hidden=True)
+        reg_t, reg_h = [toks[:, -1]], [hid[:, -1]]
+        nxt = choose(logits[:, -1])
+        finished = torch.zeros(b, dtype=torch.bool, device=device)
+        length = torch.full((b,), max_new_tokens, dtype=torch.long, device=device)
+        for s in range(max_new_tokens):
+            reg_t.append(nxt)  # region index s + 1
+            is_eos = torch.isin(nxt, eos) & ~finished
+            length = torch.where(is_eos, s + 1, length)
+            finished |= is_eos
+            if s == max_new_tokens - 1 or bool(finished.all()):
+                break  # the last token's hidden state would only predict a token never generated
+            logits, hid = model.forward(nxt[:, None], plen + s, return_hidden=True)
+            reg_h.append(hid[:, 0])
+            nxt = choose(logits[:, 0])
+        n = max_new_tokens + 1
+        tokens = torch.zeros(b, n, dtype=torch.int32)
+        hidden = torch.zeros(b, n, cfg.hidden_size, dtype=torch.bfloat16)
+        t_all = torch.stack(reg_t, 1).to("cpu", torch.int32)
+        h_all = torch.stack(reg_h, 1).to("cpu", torch.bfloat16)
+        tokens[:, : t_all.shape[1]] = t_all[:, :n]
+        hidden[:, : h_all.shape[1]] = h_all[:, :n]
+        length = length.cpu()
+        shard = out / f"shard_{shard_no:05d}.safetensors"
+        save_file({"tokens": tokens, "hidden": hidden, "lengths": length.to(torch.int32),
+                   "prompt_index": torch.tensor(idx, dtype=torch.int32)}, str(shard),
+                  metadata={k: str(v) for k, v in meta.items()})
+        shard_no += 1
+        written += b
+        bar.update(b)
+    bar.close()
+    dt = time.perf_counter() - t0
+    log(f"harvest: {written} sequences in {dt:.1f}s -> {out} ({len(done) + written} in total)")
+    return written
+
+
+def load_harvest(data_dir: str | Path, target_cfg=None) -> HarvestData:
+    from safetensors import safe_open
+
+    d = Path(data_dir)
+    shards = sorted(d.glob("shard_*.safetensors"))
+    if not shards:
+        raise DraftError(f"{d}: no harvest shards (shard_*.safetensors); run `flint draft harvest` first")
+    parts = {"tokens": [], "hidden": [], "lengths": [], "prompt_index": []}
+    meta = {}
+    for sh in shards:
+        with safe_open(str(sh), framework="pt") as fh:
+            meta = fh.metadata() or {}
+            if target_cfg is not None and meta.get("fingerprint") != target_fingerprint(target_cfg):
+                raise DraftError(f"{sh}: harvested from target {meta.get('target')!r} "
+                                 f"(fingerprint {meta.get('fingerprint')}), not this target "
+                                 f"{target_cfg.name!r}")
+            for k in parts:
+                parts[k].append(fh.get_tensor(k))
+    return HarvestData(torch.cat(parts["tokens"]).long(), torch.cat(parts["hidden"]),
+                       torch.cat(parts["lengths"]).long(), torch.cat(parts["prompt_index"]).long(), meta)
+
+
+# ------------------------------------------------------------------ training
+
+def rollout_losses(draft: DraftHead, hidden: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor,
+                   depth: int, reg_weight: float = 0.5):
+    """Teacher forcing (step 1) plus multi-step rollout (steps 2..depth) on a batch.
+
+    hidden [B, L, H] (true), tokens [B, L], lengths [B]. Step s feeds the draft's step s-1
+    prediction of hidden[j-1] with the true token j, and is scored at position j against the
+    target's distribution there (KL) and its normalized hidden state (smooth L1).
+    Returns (loss, per-step stats [{'kl', 'reg', 'top1'}])."""
+    b, L, _ = hidden.shape
+    pos = torch.arange(L, device=hidden.device)
+    with torch.no_grad():
+        logp = torch.log_softmax(draft.logits(hidden[:, 1:]), -1)  # target at positions 1..L-1
+        p = logp.exp()
+        entropy = -(p * logp).sum(-1)
+        target_tok = logp.argmax(-1)
+        del logp
+        hn = F.normalize(hidden[:, 1:].float(), dim=-1) * math.sqrt(hidden.shape[-1])
+    emb = draft.embed_tokens(tokens)
+    f_prev = hidden[:, :-1]
+    total, stats = 0.0, []
+    for s in range(1, depth + 1):
+        if L - s < 1:
+            break
+        f = draft(f_prev, emb[:, s:])  # predicted hidden at positions s..L-1
+        mask = (pos[s:][None, :] < lengths[:, None]).float()  # [B, L-s]
+        n = mask.sum().clamp_min(1)
+        logq = torch.log_softmax(draft.logits(f), -1)
+        kl = -(p[:, s - 1:] * logq).sum(-1) - entropy[:, s - 1:]  # KL(p || q), same gradient as CE
+        fn = F.normalize(f.float(), dim=-1) * math.sqrt(f.shape[-1])
+        reg = F.smooth_l1_loss(fn, hn[:, s - 1:], reduction="none").mean(-1)
+        kl_m, reg_m = (kl * mask).sum() / n, (reg * mask).sum() / n
+        top1 = ((logq.argmax(-1) == target_tok[:, s - 1:]).float() * mask).sum() / n
+        total = total + kl_m + reg_weight * reg_m
+        stats.append({"kl": float(kl_m.detach()), "reg": float(reg_m.detach()), "top1": float(top1)})
+        f_prev = f[:, :-1]
+    return total / max(len(stats), 1), stats
+
+
+@torch.no_grad()
+def accepted_runs(draft: DraftHead, hidden: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor,
+                  k: int) -> torch.Tensor:
+    """a[b, i] = how many of the k tokens the draft proposes from region position i the greedy
+    target would accept (leading matches with the target's argmax), for i < lengths-1; -1 elsewhere."""
+    b, L, _ = hidden.shape
+    tgt = draft.logits(hidden).argmax(-1)  # target's greedy token after each position
+    emb = draft.embed_tokens(tokens)
+    alive = torch.ones(b, L, dtype=torch.bool, device=hidden.device)  # run from start i still matching
+    runs = torch.zeros(b, L, dtype=torch.long, device=hidden.device)
+    f_prev = hidden[:, :-1]
+    for s in range(1, k + 1):
+        if L - s < 1:
+            break
+        f = draft(f_prev, emb[:, s:])  # positions j = s..L-1; start i = j - s
+        ok = draft.logits(f).argmax(-1) == tgt[:, s:]  # draft's token j+1 == target's token j+1
+        # the target's token j+1 is known where its hidden state j is: j < length
+        ok &= torch.arange(s, L, device=hidden.device)[None] < lengths[:, None]
+        step_ok = torch.zeros(b, L, dtype=torch.bool, device=hidden.device)
+        step_ok[:, : L - s] = ok
+        alive &= step_ok
+        runs += alive.long()
+        f_prev = f[:, :-1]
+    starts = torch.arange(L, device=hidden.device)[None] < (lengths[:, None] - 1)
+    return torch.where(starts, runs, torch.full_like(runs, -1))
+
+
+def simulated_acceptance(runs: torch.Tensor, lengths: torch.Tensor) -> float:
+    """Mean tokens per verify step (accepted drafts + the target's own token) of greedy speculative
+    decoding over the sequences, walking each from its first position as the engine would."""
+    steps = toks = 0
+    r = runs.tolist()
+    for row, n in zip(r, lengths.tolist()):
+        i = 0
+        while i < n - 1:
+            a = min(row[i], n - 2 - i)
+            steps += 1
+            toks += a + 1
+            i += a + 1
+    return toks / steps if steps else 0.0
+
+
+def evaluate_val(draft, data: HarvestData, rows, ks, device, batch: int = 16) -> dict:
+    runs_by_k = {k: [] for k in ks}
+    lens = []
+    draft.eval()
+    for s in range(0, len(rows), batch):
+        r = rows[s: s + batch]
+        L = int(data.lengths[r].max())
+        h = data.hidden[r, :L].to(device)
+        t = data.tokens[r, :L].to(device)
+        ln = data.lengths[r].to(device)
+        with _autocast(device):
+            for k in ks:
+                runs_by_k[k].append(F.pad(accepted_runs(draft, h, t, ln, k), (0, data.tokens.shape[1] - L), value=-1).cpu())
+        lens.append(data.lengths[r])
+    draft.train()
+    lens = torch.cat(lens)
+    return {k: simulated_acceptance(torch.cat(v), lens) for k, v in runs_by_k.items()}
+
+
+def _autocast(device):
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+def train_draft(draft: DraftHead, data: HarvestData, out_dir: str | Path, steps: int = 2000,
+                batch_size: int = 32, lr: float = 1e-3, depth: int = 3, reg_weight: float = 0.5,
+                val_frac: float = 0.05, time_budget: float | None = None, eval_every: int = 250,
+                ckpt_every: int = 500, k_eval: int = 4, seed: int = 0, resume: bool = False,
+                log=print) -> dict:
+    """Train ``draft`` (its target attached, fp32 weights) on harvested data; checkpoints and the
+    final draft go to ``out_dir``. Returns the training record (also stored in draft.json)."""
+    from tqdm import tqdm
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    device = draft.device
+    n = data.tokens.shape[0]
+    usable = [i for i in range(n) if int(data.lengths[i]) >= 2]
+    g = torch.Generator().manual_seed(seed)
+    perm = [usable[i] for i in torch.randperm(len(usable), generator=g).tolist()]
+    n_val = max(1, int(len(perm) * val_frac)) if len(perm) > 1 else 0
+    val_rows, train_rows = perm[:n_val], perm[n_val:] or perm
+    opt = torch.optim.AdamW(draft.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    warm = max(1, min(100, steps // 10))
+
+    def lr_at(step: int, elapsed: float) -> float:
+        # linear warmup, cosine to lr/10 over whichever runs out first: steps or the time budget
+        prog = step / steps
+        if time_budget:
+            prog = max(prog, elapsed / time_budget)
+        return lr * min(1.0, (step + 1) / warm) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(prog, 1.0))))
+
+    step0 = 0
+    state_path = out / "train_state.pt"
+    if resume and state_path.exists():
+        st = torch.load(state_path, map_location=device)
+        draft.load_state_dict(st["draft"])
+        opt.load_state_dict(st["opt"])
+        step0 = st["step"]
+        log(f"train: resumed at step {step0} from {state_path}")
+    hist = {"steps": [], "val": []}
+    t0 = time.perf_counter()
+    draft.train()
+    bar = tqdm(range(step0, steps), desc="train", unit="step", disable=None)
+    done = step0
+    rng = random.Random(seed + step0)
+    for step in bar:
+        elapsed = time.perf_counter() - t0
+        if time_budget is not None and elapsed > time_budget:
+            log(f"train: time budget {time_budget:.0f}s reached at step {step}")
+            break
+        for grp in opt.param_groups:
+            grp["lr"] = lr_at(step, elapsed)
+        rows = rng.sample(train_rows, min(batch_size, len(train_rows)))
+        L = int(data.lengths[rows].max())
+        h = data.hidden[rows, :L].to(device, non_blocking=True).float()
+        t = data.tokens[rows, :L].to(device, non_blocking=True)
+        ln = data.lengths[rows].to(device)
+        with _autocast(device):
+            loss, st = rollout_losses(draft, h, t, ln, depth, reg_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        opt.step()
+        done = step + 1
+        rec = {"step": step + 1, "loss": float(loss.detach()), "kl": [x["kl"] for x in st], "top1": [x["top1"] for x in st]}
+        hist["steps"].append(rec)
+        bar.set_postfix(loss=f"{rec['loss']:.3f}", top1="/".join(f"{x:.2f}" for x in rec["top1"]))
+        if val_rows and ((step + 1) % eval_every == 0):
+            acc = evaluate_val(draft, data, val_rows, [k_eval], device)
+            hist["val"].append({"step": step + 1, f"tokens_per_step_k{k_eval}": acc[k_eval]})
+            log(f"train: step {step + 1} loss {rec['loss']:.3f} top1 {rec['top1']} "
+                f"val tokens/step (k={k_eval}) {acc[k_eval]:.3f}")
+        if (step + 1) % ckpt_every == 0:
+            torch.save({"draft": draft.state_dict(), "opt": opt.state_dict(), "step": step + 1}, state_path)
+    bar.close()
+    torch.save({"draft": draft.state_dict(), "opt": opt.state_dict(), "step": done}, state_path)
+    record = {"steps": done, "depth": depth, "batch_size": batch_size, "lr": lr, "reg_weight": reg_weight,
+              "sequences": len(train_rows), "val_sequences": len(val_rows),
+              "harvest": {k: data.meta.get(k) for k in ("prompt_set", "max_new_tokens", "temperature")},
+              "train_s": round(time.perf_counter() - t0, 1)}
+    if val_rows:
+        ks = list(range(1, 9))
+        acc = evaluate_val(draft, data, val_rows, ks, device)
+        record["val_tokens_per_step"] = {str(k): round(v, 3) for k, v in acc.items()}
+        log("train: val tokens/step by k (greedy walk, target token counted): " +
+            ", ".join(f"k={k}: {v:.3f}" for k, v in acc.items()))
+    if hist["steps"]:
+        first, last = hist["steps"][0], hist["steps"][-1]
+        record["loss_first"], record["loss_last"] = round(first["loss"], 4), round(last["loss"], 4)
+    draft.cfg.training = record
+    (out / "train_log.json").write_text(json.dumps(hist) + "\n")
+    return record
+
+
+# ------------------------------------------------------------------ acceptance eval
+
+def eval_acceptance(backend, tokenizer, draft, prompts: list[dict], k: int, max_new_tokens: int = 128,
+                    sp=None, compare_plain: bool = True, time_budget: float | None = None,
+                    log=print) -> dict:
+    """Real speculative decoding on ``prompts`` (chat-templated); per kind: mean tokens per verify
+    step (accepted drafts + the target's own token), acceptance rate, tok/s; optionally plain
+    decoding on the same prompts for tok/s and, when greedy, token identity."""
+    from tqdm import tqdm
+
+    from .engine import Engine, SamplingParams
+    from .speculative import SpeculativeEngine
+
+    sp = sp or SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    spec = SpeculativeEngine(backend, tokenizer, draft, k=k)
+    plain = Engine(backend, tokenizer)
+    rows: dict[str, dict] = {}
+    t0 = time.perf_counter()
+    for r in tqdm(prompts, desc=f"eval k={k}", unit="prompt", disable=None):
+        if time_budget is not None and time.perf_counter() - t0 > time_budget:
+            log(f"eval: time budget {time_budget:.0f}s reached")
+            break
+        ids = tokenizer.encode_chat([{"role": "user", "content": r["text"]}])
+        spec.cached = plain.cached = []  # the two engines share one KV cache: no prefix reuse
+        res = spec.generate(ids, sp)
+        st = spec.last_stats
+        d = rows.setdefault(r["kind"], {"prompts": 0, "steps": 0, "accepted": 0, "drafted": 0,
+                                        "tokens": 0, "spec_s": 0.0, "plain_tokens": 0, "plain_s": 0.0,
+                                        "identical": 0})
+        d["prompts"] += 1
+        d["steps"] += st.steps
+        d["accepted"] += st.accepted
+        d["drafted"] += st.drafted
+        d["tokens"] += len(res.token_ids) - 1
+        d["spec_s"] += res.decode_s
+        if compare_plain:
+            spec.cached = plain.cached = []
+            pres = plain.generate(ids, sp)
+            d["plain_tokens"] += len(pres.token_ids) - 1
+            d["plain_s"] += pres.decode_s
+            d["identical"] += int(pres.token_ids == res.token_ids)
+    table = {}
+    for kind, d in list(rows.items()) + [("all", {key: sum(v[key] for v in rows.values())
+                                                 for key in next(iter(rows.values()), {})})]:
+        if not d or not d.get("steps"):
+            continue
+        row = {"prompts": d["prompts"],
+               "tokens_per_step": round((d["accepted"] + d["steps"]) / d["steps"], 3),
+               "accept_rate": round(d["accepted"] / max(d["drafted"], 1), 3),
+               "spec_tok_s": round(d["tokens"] / d["spec_s"], 1) if d["spec_s"] else None}
+        if compare_plain:
+            row["plain_tok_s"] = round(d["plain_tokens"] / d["plain_s"], 1) if d["plain_s"] else None
+            if sp.temperature == 0:
+                row["identical_to_plain"] = f"{d['identical']}/{d['prompts']}"
+        table[kind] = row
+    return table
+
+
+def print_eval_table(table: dict, k: int, out=sys.stdout) -> None:
+    cols = ["prompts", "tokens_per_step", "accept_rate", "spec_tok_s", "plain_tok_s", "identical_to_plain"]
+    cols = [c for c in cols if any(c in r for r in table.values())]
+    print(f"k={k}  (tokens_per_step counts the target's own token: 1 + accepted drafts)", file=out)
+    print(f"{'kind':<8}" + "".join(f"{c:>20}" for c in cols), file=out)
+    for kind, r in table.items():
+        print(f"{kind:<8}" + "".join(f"{str(r.get(c, '')):>20}" for c in cols), file=out)
+
+
+# ------------------------------------------------------------------ CLI
+
+def _device_dtype(args):
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return dev, (torch.float32 if dev.type == "cpu" else torch.bfloat16)
+
+
+def cmd_harvest(args) -> int:
+    from .loading import load_model
+
+    lm = load_model(args.model)
+    dev, dtype = _device_dtype(args)
+    prompts = draft_prompts("train")
+    if args.kinds:
+        bad = set(args.kinds.split(",")) - set(KINDS)
+        if bad:
+            raise DraftError(f"--kinds: unknown kind {sorted(bad)[0]!r}; choose from {', '.join(KINDS)}")
+        prompts = [p for p in prompts if p["kind"] in args.kinds.split(",")]
+    if args.num_prompts:
+        prompts = prompts[: args.num_prompts]
+    print(f"harvest: {len(prompts)} prompts from {PROMPT_SET} on {dev} ({dtype}), batch {args.batch_size}, "
+          f"{args.max_new_tokens} new tokens each", flush=True)
+    harvest(lm, args.out, prompts, args.batch_size, args.max_new_tokens, args.temperature, dev, dtype,
+            args.time_budget, args.seed)
+    return 0
+
+
+def cmd_train(args) -> int:
+    from .loading import load_model
+
+    lm = load_model(args.model)
+    dev, _ = _device_dtype(args)
+    data = load_harvest(args.data, lm.cfg)
+    dcfg = draft_config_for(lm.cfg, args.layers, args.intermediate_size, args.k)
+    draft = DraftHead(dcfg).to(dev)
+    draft.attach_target(lm.cfg, lm.params, dev, torch.float32 if dev.type == "cpu" else torch.bfloat16)
+    print(f"train: {data.tokens.shape[0]} sequences; draft {num_parameters(draft) / 1e6:.2f}M params "
+          f"({args.layers} block(s)), rollout depth {args.depth}, on {dev}", flush=True)
+    rec = train_draft(draft, data, args.out, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                      depth=args.depth, reg_weight=args.reg_weight, time_budget=args.time_budget,
+                      eval_every=args.eval_every, ckpt_every=args.ckpt_every, k_eval=args.k,
+                      seed=args.seed, resume=args.resume)
+    save_draft(draft, args.out, dtype=getattr(torch, args.save_dtype))
+    print(f"train: draft saved to {args.out} ({json.dumps({k: rec[k] for k in ('steps', 'loss_first', 'loss_last') if k in rec})})")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from .backend import default_backend, make_backend
+    from .engine import SamplingParams
+    from .loading import load_model
+
+    lm = load_model(args.model)
+    if lm.tokenizer is None:
+        raise DraftError(f"{lm.source}: eval needs a tokenizer (the prompts are text)")
+    name = args.backend or default_backend()
+    backend = make_backend(name, lm, args.max_seq_len, device=args.device)
+    draft = load_draft(args.draft, lm.cfg, lm.params, device=backend.device)
+    prompts = eval_prompts(args.prompts_per_kind)
+    sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                        seed=args.seed)
+    results = {"draft": str(args.draft), "backend": name, "device": str(backend.device),
+               "prompt_set": PROMPT_SET, "max_new_tokens": args.max_new_tokens,
+               "temperature": args.temperature, "by_k": {}}
+    ks = [int(x) for x in args.k.split(",")] if args.k else [draft.cfg.k_default]
+    for i, k in enumerate(ks):
+        table = eval_acceptance(backend, lm.tokenizer, draft, prompts, k, args.max_new_tokens, sp,
+                                compare_plain=args.plain and i == 0, time_budget=args.time_budget)
+        print_eval_table(table, k)
+        results["by_k"][str(k)] = table
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results))
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("draft", help="speculative-decoding draft head: harvest, train, eval")
+    dsub = p.add_subparsers(dest="draft_command", required=True)
+
+    def model_args(q):
+        q.add_argument("--model", default=None, help="target model spec (default: the embedded SmolLM2)")
+        q.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+        q.add_argument("--seed", type=int, default=0)
+
+    q = dsub.add_parser("harvest", help=f"target continuations of {PROMPT_SET} -> hidden-state shards")
+    model_args(q)
+    q.add_argument("--out", required=True, help="shard directory (resumable: done prompts are skipped)")
+    q.add_argument("--num-prompts", type=int, default=None, help="first N training prompts (default all)")
+    q.add_argument("--kinds", default=None, help=f"comma list of {', '.join(KINDS)} (default all)")
+    q.add_argument("--batch-size", type=int, default=64)
+    q.add_argument("--max-new-tokens", type=int, default=256)
+    q.add_argument("--temperature", type=float, default=0.0, help="0 = greedy continuations")
+    q.add_argument("--time-budget", type=float, default=None, help="stop after this many seconds")
+    q.set_defaults(func=cmd_harvest)
+
+    q = dsub.add_parser("train", help="train a draft head (teacher forcing + multi-step rollout)")
+    model_args(q)
+    q.add_argument("--data", required=True, help="harvest shard directory")
+    q.add_argument("--out", required=True, help="draft directory (draft.json, draft.safetensors, train_state.pt)")
+    q.add_argument("--layers", type=int, default=1, help="MLP blocks after the 2H->H projection")
+    q.add_argument("--intermediate-size", type=int, default=None, help="default: the target's")
+    q.add_argument("--depth", type=int, default=3, help="rollout depth (1 = teacher forcing only)")
+    q.add_argument("--steps", type=int, default=2000)
+    q.add_argument("--batch-size", type=int, default=32, help="sequences per step")
+    q.add_argument("--lr", type=float, default=1e-3)
+    q.add_argument("--reg-weight", type=float, default=0.5, help="weight of the hidden-state loss")
+    q.add_argument("--k", type=int, default=4, help="draft tokens per step for validation and the default K")
+    q.add_argument("--eval-every", type=int, default=250)
+    q.add_argument("--ckpt-every", type=int, default=500)
+    q.add_argument("--time-budget", type=float, default=None, help="stop after this many seconds")
+    q.add_argument("--save-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    q.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
+    q.set_defaults(func=cmd_train)
+
+    q = dsub.add_parser("eval", help="acceptance of speculative decoding on held-out prompts, by kind")
+    model_args(q)
+    q.add_argument("--draft", required=True, help="draft directory or shipped draft name")
+    q.add_argument("--backend", default=None, help="decode backend (default: as flint chat)")
+    q.add_argument("--max-seq-len", type=int, default=1024)
+    q.add_argument("--k", default=None, help="draft tokens per step; comma list to sweep (default: the draft's)")
+    q.add_argument("--prompts-per-kind", type=int, default=8)
+    q.add_argument("--max-new-tokens", type=int, default=128)
+    q.add_argument("--temperature", type=float, default=0.0)
+    q.add_argument("--top-p", type=float, default=1.0)
+    q.add_argument("--plain", action="store_true", help="also decode without the draft (tok/s, identity)")
+    q.add_argument("--time-budget", type=float, default=None, help="per k, stop after this many seconds")
+    q.add_argument("--json", default=None, help="write the results here")
+    q.set_defaults(func=cmd_eval)

@@ -1,0 +1,166 @@
+"""Build the decode megakernel library (libflint_mk.so): the ONE place with nvcc flags.
+
+The library is cached in ``$FLINT_KERNEL_DIR/<hash>/`` (default ``~/.cache/flint/kernels/<hash>/``),
+keyed by a hash of the sources and flags, so a user on a Hopper GPU gets it built on first use and
+never again. megakernel.cu is compiled once per token count M (1..8) in parallel, plus the host
+part; ptxas's report is parsed and the build FAILS if any function spills registers.
+
+    python -m flint.kernels.build            # build (or find) and print the ptxas report
+    python -m flint.kernels.build --force    # rebuild even if cached
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SOURCES = ("mk_common.cuh", "megakernel.cu", "megakernel_host.cu")
+M_VALUES = tuple(range(1, 9))
+LIB_NAME = "libflint_mk.so"
+
+NVCC_FLAGS = [
+    "-gencode", "arch=compute_90a,code=sm_90a",
+    "-O3", "-lineinfo", "-std=c++17",
+    "-Xptxas=-v,--warn-on-spills",
+    "-Xcompiler", "-fPIC",
+]
+LINK_FLAGS = ["-shared", "-gencode", "arch=compute_90a,code=sm_90a", "-Xcompiler", "-fPIC"]
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def source_hash() -> str:
+    h = hashlib.sha256()
+    for name in SOURCES:
+        h.update(name.encode())
+        h.update((HERE / name).read_bytes())
+    h.update(" ".join(NVCC_FLAGS + LINK_FLAGS).encode())
+    h.update(repr(M_VALUES).encode())
+    return h.hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    env = os.environ.get("FLINT_KERNEL_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "flint" / "kernels"
+
+
+def library_path() -> Path:
+    return cache_root() / source_hash() / LIB_NAME
+
+
+def find_nvcc() -> str | None:
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        return nvcc
+    for cand in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if cand and (Path(cand) / "bin" / "nvcc").exists():
+            return str(Path(cand) / "bin" / "nvcc")
+    return None
+
+
+_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def parse_ptxas(report: str) -> list[dict]:
+    """[{function, registers, stack, spill_stores, spill_loads}] from a `-Xptxas -v` report."""
+    out, cur = [], None
+    for line in report.splitlines():
+        m = re.search(r"Function properties for (\S+)", line) or re.search(r"Compiling entry function '(\S+)'", line)
+        if m:
+            if cur is None or cur["function"] != m.group(1):
+                cur = {"function": m.group(1), "registers": None, "stack": 0, "spill_stores": 0, "spill_loads": 0}
+                out.append(cur)
+            continue
+        if cur is None:
+            continue
+        m = re.search(r"(\d+) bytes stack frame", line)
+        if m:
+            cur["stack"] = int(m.group(1))
+        m = _SPILL.search(line)
+        if m:
+            cur["spill_stores"], cur["spill_loads"] = int(m.group(1)), int(m.group(2))
+        m = re.search(r"Used (\d+) registers", line)
+        if m:
+            cur["registers"] = int(m.group(1))
+    return [f for f in out if f["registers"] is not None]
+
+
+def _run(cmd: list[str]) -> str:
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise BuildError(f"nvcc failed ({' '.join(cmd)}):\n{r.stdout}\n{r.stderr}")
+    return r.stdout + r.stderr
+
+
+def build(force: bool = False, verbose: bool = False) -> Path:
+    """Build (or find) libflint_mk.so; returns its path. Raises BuildError on failure or spills."""
+    lib = library_path()
+    if lib.exists() and not force:
+        return lib
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise BuildError("nvcc not found (install the CUDA toolkit >= 12.4 or set CUDA_HOME); "
+                         "the megakernel is built from source on first use")
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="build-", dir=lib.parent))
+    try:
+        jobs = [(f"m{m}", [nvcc, *NVCC_FLAGS, f"-DFLINT_MK_M={m}", "-c", str(HERE / "megakernel.cu"),
+                           "-o", str(tmp / f"mk_m{m}.o")]) for m in M_VALUES]
+        jobs.append(("host", [nvcc, *NVCC_FLAGS, "-c", str(HERE / "megakernel_host.cu"), "-o",
+                              str(tmp / "mk_host.o")]))
+        with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 4)) as ex:
+            reports = list(ex.map(lambda j: (j[0], _run(j[1])), jobs))
+        text = "\n".join(f"== {name}\n{rep}" for name, rep in reports)
+        funcs = parse_ptxas(text)
+        spills = [f for f in funcs if f["spill_stores"] or f["spill_loads"]]
+        if spills:
+            raise BuildError("register spills (build refused):\n" + "\n".join(map(str, spills)))
+        _run([nvcc, *LINK_FLAGS, "-o", str(tmp / LIB_NAME), *sorted(str(p) for p in tmp.glob("*.o"))])
+        (tmp / "ptxas.txt").write_text(text)
+        (tmp / LIB_NAME).replace(lib)
+        (tmp / "ptxas.txt").replace(lib.parent / "ptxas.txt")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if verbose:
+        print(report())
+    return lib
+
+
+def report() -> str:
+    p = library_path().parent / "ptxas.txt"
+    if not p.exists():
+        return "(no ptxas report: library not built)"
+    rows = parse_ptxas(p.read_text())
+    lines = [f"{'function':60s} {'regs':>5s} {'stack':>6s} {'spill st/ld':>12s}"]
+    for f in rows:
+        lines.append(f"{f['function'][:60]:60s} {f['registers']:5d} {f['stack']:6d} "
+                     f"{f['spill_stores']:5d}/{f['spill_loads']:<5d}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--force", action="store_true", help="rebuild even if a cached library exists")
+    args = ap.parse_args(argv)
+    try:
+        lib = build(force=args.force)
+    except BuildError as e:
+        print(f"build failed: {e}", file=sys.stderr)
+        return 1
+    print(report())
+    print(f"library: {lib}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+// flint decode megakernel: host side. Unpacks the flat argument arrays that flint/megakernel.py
+// builds, lays out shared memory per M, checks co-residency, and dispatches by M to the per-M
+// launch functions of megakernel.cu (an unsupported M is an error, never another M's kernel).
+// Every CUDA return code is checked; failures return nonzero and flint_mk_last_error() says why.
+// Build: python -m flint.kernels.build      Test: pytest tests/test_megakernel.py
+#include <cstdio>
+#include <cstring>
+#include <new>
+
+#include "mk_common.cuh"
+
+#define MK_DECL(m)                                                                                      \
+  extern "C" int flint_mk_launch_m##m(const mk::Params*, const mk::Smem*, int, const long long*, int, \
+                                      cudaStream_t, int);                                              \
+  extern "C" int flint_mk_occupancy_m##m(int, int*);
+MK_DECL(1) MK_DECL(2) MK_DECL(3) MK_DECL(4) MK_DECL(5) MK_DECL(6) MK_DECL(7) MK_DECL(8)
+
+typedef int (*launch_fn)(const mk::Params*, const mk::Smem*, int, const long long*, int, cudaStream_t, int);
+typedef int (*occ_fn)(int, int*);
+static const launch_fn kLaunch[mk::MAX_M + 1] = {nullptr,
+                                                 flint_mk_launch_m1, flint_mk_launch_m2, flint_mk_launch_m3,
+                                                 flint_mk_launch_m4, flint_mk_launch_m5, flint_mk_launch_m6,
+                                                 flint_mk_launch_m7, flint_mk_launch_m8};
+static const occ_fn kOcc[mk::MAX_M + 1] = {nullptr,
+                                           flint_mk_occupancy_m1, flint_mk_occupancy_m2, flint_mk_occupancy_m3,
+                                           flint_mk_occupancy_m4, flint_mk_occupancy_m5, flint_mk_occupancy_m6,
+                                           flint_mk_occupancy_m7, flint_mk_occupancy_m8};
+
+static thread_local char g_err[512];
+
+static int fail(const char* msg, int code = 1) {
+  snprintf(g_err, sizeof(g_err), "%s", msg);
+  return code ? code : 1;
+}
+static int cuda_fail(const char* what, int e) {
+  snprintf(g_err, sizeof(g_err), "%s: %s (%d)", what, cudaGetErrorString((cudaError_t)e), e);
+  return e ? e : 1;
+}
+
+struct Handle {
+  mk::Params p;
+  mk::Smem sl[mk::MAX_M + 1];
+  bool ready[mk::MAX_M + 1];
+  int* h_argmax;  // pinned
+  int smem_optin;
+};
+
+extern "C" const char* flint_mk_last_error() { return g_err; }
+
+extern "C" int flint_mk_abi_version() { return 1; }
+
+// iargs: see flint/megakernel.py (_pack_args) for the order; it is the one definition of it.
+extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, int n_f, void** out) {
+  *out = nullptr;
+  const int NI = 10 + 21 + mk::NMAT * 10, NF = 5;
+  if (n_i != NI || n_f != NF) {
+    snprintf(g_err, sizeof(g_err), "flint_mk_create: expected %d int and %d float args, got %d and %d", NI, NF, n_i,
+             n_f);
+    return 1;
+  }
+  Handle* h = new (std::nothrow) Handle();
+  if (!h) return fail("flint_mk_create: out of host memory");
+  mk::Params& p = h->p;
+  int k = 0;
+  p.H = (int)ia[k++]; p.I = (int)ia[k++]; p.nh = (int)ia[k++]; p.nkv = (int)ia[k++]; p.D = (int)ia[k++];
+  p.L = (int)ia[k++]; p.V = (int)ia[k++]; p.max_seq = (int)ia[k++]; p.use_rope = (int)ia[k++];
+  p.nblocks = (int)ia[k++];
+  void** ptrs[] = {(void**)&p.embed, (void**)&p.norms, (void**)&p.final_norm, (void**)&p.rope_cos,
+                   (void**)&p.rope_sin, (void**)&p.kcache, (void**)&p.vcache, (void**)&p.resid, (void**)&p.q,
+                   (void**)&p.attn, (void**)&p.act, (void**)&p.part, (void**)&p.att_count, (void**)&p.logits,
+                   (void**)&p.arg_val, (void**)&p.arg_idx, (void**)&p.argmax, (void**)&p.done_count,
+                   (void**)&p.bar_counter, (void**)&p.epoch, (void**)&p.trace};
+  for (int i = 0; i < 21; ++i) *ptrs[i] = (void*)(uintptr_t)ia[k++];
+  int kseg_max = 0;
+  for (int m = 0; m < mk::NMAT; ++m) {
+    mk::Mat& mt = p.mat[m];
+    mt.base = (const uint8_t*)(uintptr_t)ia[k++];
+    mt.layer_stride = ia[k++]; mt.seg_stride = ia[k++];
+    mt.N = (int)ia[k++]; mt.K = (int)ia[k++]; mt.G = (int)ia[k++]; mt.nseg = (int)ia[k++];
+    mt.kseg = (int)ia[k++]; mt.srb = (int)ia[k++]; mt.rpc = (int)ia[k++];
+    mt.gshift = mt.G == 32 ? 5 : mt.G == 64 ? 6 : mt.G == 128 ? 7 : -1;
+    if (mt.gshift < 0 || mt.N % 2 || mt.kseg % 32 || mt.kseg % mt.G || mt.kseg > mk::KSEG_MAX ||
+        mt.kseg * mt.nseg != mt.K || mt.rpc < 2 || mt.rpc % 2 || (long long)mt.rpc * mt.srb > mk::SLOT_BYTES ||
+        mt.srb % 16 || ((uintptr_t)mt.base % 16)) {
+      snprintf(g_err, sizeof(g_err), "flint_mk_create: matrix %d has an unsupported layout (N=%d K=%d G=%d kseg=%d)", m,
+               mt.N, mt.K, mt.G, mt.kseg);
+      delete h;
+      return 1;
+    }
+    if (mt.kseg > kseg_max) kseg_max = mt.kseg;
+  }
+  p.eps = (float)fa[0]; p.emb_mult = (float)fa[1]; p.res_mult = (float)fa[2]; p.attn_scale = (float)fa[3];
+  p.inv_logit_scale = (float)fa[4];
+  if (p.D != 64 && p.D != 128) { delete h; return fail("flint_mk_create: head_dim must be 64 or 128"); }
+
+  int dev, e;
+  if ((e = cudaGetDevice(&dev))) { delete h; return cuda_fail("cudaGetDevice", e); }
+  int nsm = 0, optin = 0, coop = 0;
+  if ((e = cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, dev))) { delete h; return cuda_fail("attr", e); }
+  if ((e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev))) { delete h; return cuda_fail("attr", e); }
+  if ((e = cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev))) { delete h; return cuda_fail("attr", e); }
+  if (!coop) { delete h; return fail("flint_mk_create: device does not support cooperative launch"); }
+  if (p.nblocks <= 0 || p.nblocks > nsm) p.nblocks = nsm;
+  h->smem_optin = optin;
+
+  const int g = p.nh / p.nkv;
+  for (int M = 1; M <= mk::MAX_M; ++M) {
+    mk::Smem& s = h->sl[M];
+    h->ready[M] = false;
+    auto al = [](int x) { return (x + 127) & ~127; };
+    int off = 0;
+    s.bars = off; off += al(2 * mk::MAX_SLOTS * 8);
+    s.misc = off; off += al((int)sizeof(mk::MiscSmem));
+    s.acc = off; off += al(2 * mk::ACC_PAIRS * M * 4);
+    s.xsum = off; off += al(M * (mk::KSEG_MAX / 16) * 4);
+    const int R = g * M;
+    const int att = 2 * mk::ATT_T * p.D * 2 * 2 + R * p.D * 4 * 2 + R * mk::ATT_T * 4;
+    const int xs = M * kseg_max * 4;
+    s.uni = off; off += al(att > xs ? att : xs);
+    off = (off + 1023) & ~1023;
+    s.ring = off;
+    int ns = (optin - off) / mk::SLOT_BYTES;
+    if (ns > mk::MAX_SLOTS) ns = mk::MAX_SLOTS;
+    s.nslots = ns;
+    s.total = off + ns * mk::SLOT_BYTES;
+    if (R <= mk::MAX_ROWS_ATT && ns >= 3) h->ready[M] = true;
+  }
+  if (!h->ready[1]) { delete h; return fail("flint_mk_create: this shape does not fit shared memory even at M=1"); }
+  if ((e = cudaMallocHost((void**)&h->h_argmax, mk::MAX_M * sizeof(int)))) { delete h; return cuda_fail("cudaMallocHost", e); }
+  *out = h;
+  return 0;
+}
+
+extern "C" void flint_mk_destroy(void* hv) {
+  Handle* h = (Handle*)hv;
+  if (!h) return;
+  if (h->h_argmax) cudaFreeHost(h->h_argmax);
+  delete h;
+}
+
+extern "C" int flint_mk_max_m(void* hv) {
+  Handle* h = (Handle*)hv;
+  int m = 0;
+  while (m < mk::MAX_M && h->ready[m + 1]) ++m;
+  return m;
+}
+
+extern "C" int flint_mk_smem_info(void* hv, int M, int* out4) {
+  Handle* h = (Handle*)hv;
+  if (M < 1 || M > mk::MAX_M) return fail("flint_mk_smem_info: bad M");
+  out4[0] = h->sl[M].total; out4[1] = h->sl[M].nslots; out4[2] = h->sl[M].ring; out4[3] = h->p.nblocks;
+  return 0;
+}
+
+static int launch(Handle* h, int M, int start, const long long* tokens, int tok0, cudaStream_t stream) {
+  if (M < 1 || M > mk::MAX_M || !kLaunch[M]) {
+    snprintf(g_err, sizeof(g_err), "megakernel: M=%d tokens per step is not compiled (1..%d)", M, mk::MAX_M);
+    return 1;
+  }
+  if (!h->ready[M]) {
+    snprintf(g_err, sizeof(g_err), "megakernel: M=%d does not fit this model's shared-memory layout "
+             "(query heads per kv head * M must be <= %d)", M, mk::MAX_ROWS_ATT);
+    return 1;
+  }
+  if (start < 0 || start + M > h->p.max_seq) {
+    snprintf(g_err, sizeof(g_err), "megakernel: positions %d..%d exceed max_seq_len %d", start, start + M - 1,
+             h->p.max_seq);
+    return 1;
+  }
+  static bool attr_done[mk::MAX_M + 1] = {false};
+  int set_attr = 0;
+  if (!attr_done[M]) {
+    int bps = 0;
+    int e = kOcc[M](h->smem_optin, &bps);
+    if (e) return cuda_fail("megakernel occupancy query", e);
+    if (bps < 1) return fail("megakernel: kernel cannot be resident with the requested shared memory");
+    attr_done[M] = true;  // the occupancy query raised the kernel's smem limit to the opt-in maximum
+  }
+  int e = kLaunch[M](&h->p, &h->sl[M], start, tokens, tok0, stream, set_attr);
+  if (e) return cuda_fail("megakernel launch", e);
+  return 0;
+}
+
+extern "C" int flint_mk_forward(void* hv, int M, const long long* tokens_dev, int start, void* stream) {
+  return launch((Handle*)hv, M, start, tokens_dev, 0, (cudaStream_t)stream);
+}
+
+// M = 1 greedy step: token by value, argmax back through pinned memory; one stream sync.
+extern "C" int flint_mk_greedy(void* hv, int token, int pos, void* stream, int* out) {
+  Handle* h = (Handle*)hv;
+  cudaStream_t s = (cudaStream_t)stream;
+  int e = launch(h, 1, pos, nullptr, token, s);
+  if (e) return e;
+  if ((e = cudaMemcpyAsync(h->h_argmax, h->p.argmax, sizeof(int), cudaMemcpyDeviceToHost, s)))
+    return cuda_fail("megakernel argmax copy", e);
+  if ((e = cudaStreamSynchronize(s))) return cuda_fail("megakernel step", e);
+  *out = h->h_argmax[0];
+  return 0;
+}

@@ -1,0 +1,321 @@
+"""The megakernel backend: one persistent CUDA launch per decode step (flint/kernels/megakernel.cu).
+
+``MegakernelBackend(cfg, params, max_seq_len)`` repacks every int4 linear once (row-segments of
+codes followed by interleaved (scale, min) pairs, q/k rows paired for RoPE, gate/up rows
+interleaved; codes are copied, never re-rounded), allocates an fp16 KV cache
+[layers, kv_heads, max_seq_len, head_dim] (K and V: 4 * layers * kv_heads * head_dim bytes per
+token) and scratch, and serves the backend API (flint.backend). The library is built by
+flint.kernels.build on first use and bound with ctypes (no torch extension).
+
+Test: ``pytest tests/test_megakernel.py`` (GPU tests need an sm_90 device). Design and measured
+numbers: docs/megakernel.md.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from .config import ModelConfig
+from .quant import Int4Weight
+
+MAX_M = 8          # tokens per launch compiled (1..8); must match mk::MAX_M
+KSEG_MAX = 2560    # codes per K segment; must match mk::KSEG_MAX
+SLOT_BYTES = 16384
+LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+_lib = None
+
+
+def load_library():
+    """Build (cached) and load libflint_mk.so; set the ctypes signatures once."""
+    global _lib
+    if _lib is not None:
+        return _lib
+    from .kernels.build import build
+
+    lib = ctypes.CDLL(str(build()))
+    c_ll_p, c_d_p, vp = ctypes.POINTER(ctypes.c_longlong), ctypes.POINTER(ctypes.c_double), ctypes.c_void_p
+    lib.flint_mk_create.argtypes = [c_ll_p, ctypes.c_int, c_d_p, ctypes.c_int, ctypes.POINTER(vp)]
+    lib.flint_mk_create.restype = ctypes.c_int
+    lib.flint_mk_destroy.argtypes = [vp]
+    lib.flint_mk_destroy.restype = None
+    lib.flint_mk_forward.argtypes = [vp, ctypes.c_int, vp, ctypes.c_int, vp]
+    lib.flint_mk_forward.restype = ctypes.c_int
+    lib.flint_mk_greedy.argtypes = [vp, ctypes.c_int, ctypes.c_int, vp, ctypes.POINTER(ctypes.c_int)]
+    lib.flint_mk_greedy.restype = ctypes.c_int
+    lib.flint_mk_max_m.argtypes = [vp]
+    lib.flint_mk_max_m.restype = ctypes.c_int
+    lib.flint_mk_smem_info.argtypes = [vp, ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+    lib.flint_mk_smem_info.restype = ctypes.c_int
+    lib.flint_mk_last_error.argtypes = []
+    lib.flint_mk_last_error.restype = ctypes.c_char_p
+    _lib = lib
+    return lib
+
+
+class MegakernelError(RuntimeError):
+    pass
+
+
+def _check(rc: int) -> None:
+    if rc != 0:
+        raise MegakernelError(_lib.flint_mk_last_error().decode(errors="replace"))
+
+
+# ------------------------------------------------------------------ repacking (once, at load)
+
+def segment_plan(k: int, g: int) -> tuple[int, int]:
+    """(nseg, kseg): the fewest equal K segments of at most KSEG_MAX codes, each a multiple of G."""
+    unit = max(g, 32)
+    n = max(1, -(-k // KSEG_MAX))
+    while n <= k // unit:
+        if k % n == 0 and (k // n) % unit == 0 and k // n <= KSEG_MAX:
+            return n, k // n
+        n += 1
+    raise ValueError(f"K={k} cannot be split into segments of <= {KSEG_MAX} codes at group size {g}")
+
+
+def row_segment_bytes(kseg: int, g: int) -> int:
+    sm = kseg // g * 4
+    return kseg // 2 + (sm + 15) // 16 * 16
+
+
+def repack(ws: list[Int4Weight], name: str, device) -> tuple[torch.Tensor, dict]:
+    """Layers of one [N, K] int4 matrix -> uint8 [layers, nseg, N_even, srb] and its descriptor."""
+    n, k = ws[0].shape
+    g = ws[0].group_size
+    nseg, kseg = segment_plan(k, g)
+    srb = row_segment_bytes(kseg, g)
+    n_even = n + (n & 1)
+    ng = kseg // g
+    out = torch.zeros((len(ws), nseg, n_even, srb), dtype=torch.uint8, device=device)
+    for li, w in enumerate(ws):
+        if w.shape != (n, k) or w.group_size != g:
+            raise ValueError(f"{name}: layer {li} has shape {w.shape}/G{w.group_size}, expected {(n, k)}/G{g}")
+        qw = w.qweight.to(device)
+        sm = torch.stack((w.scales.to(device, torch.float16), w.mins.to(device, torch.float16)), -1)
+        for s in range(nseg):
+            out[li, s, :n, : kseg // 2] = qw[:, s * kseg // 2:(s + 1) * kseg // 2]
+            out[li, s, :n, kseg // 2: kseg // 2 + ng * 4] = (
+                sm[:, s * ng:(s + 1) * ng].contiguous().view(torch.uint8).view(n, ng * 4))
+    rpc = (SLOT_BYTES // srb) & ~1
+    desc = dict(N=n_even, K=k, G=g, nseg=nseg, kseg=kseg, srb=srb, rpc=rpc,
+                layer_stride=nseg * n_even * srb, seg_stride=n_even * srb)
+    return out, desc
+
+
+def _rope_pair_rows(w: Int4Weight, heads: int, d: int) -> Int4Weight:
+    """Row order (i, i + D/2) for i < D/2 per head, so one warp holds both halves of a RoPE pair."""
+    half = d // 2
+    i = torch.arange(half)
+    per_head = torch.stack((i, i + half), 1).flatten()
+    idx = (torch.arange(heads)[:, None] * d + per_head[None, :]).flatten()
+    return w.rows(idx.to(w.qweight.device))
+
+
+def _cat(ws: list[Int4Weight], name: str) -> Int4Weight:
+    g = ws[0].group_size
+    if any(w.group_size != g for w in ws):
+        raise ValueError(f"{name}: parts have different group sizes {[w.group_size for w in ws]}")
+    return Int4Weight(torch.cat([w.qweight for w in ws]), torch.cat([w.scales for w in ws]),
+                      torch.cat([w.mins for w in ws]), g)
+
+
+def _interleave_rows(a: Int4Weight, b: Int4Weight, name: str) -> Int4Weight:
+    n = a.shape[0]
+    both = _cat([a, b], name)
+    idx = torch.stack((torch.arange(n), torch.arange(n) + n), 1).flatten()
+    return both.rows(idx.to(both.qweight.device))
+
+
+# ------------------------------------------------------------------ the backend
+
+class MegakernelBackend:
+    name = "megakernel"
+
+    def __init__(self, cfg: ModelConfig, params: dict, max_seq_len: int, device="cuda"):
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.max_seq_len = int(max_seq_len)
+        if self.device.type != "cuda":
+            raise ValueError(f"megakernel: device must be CUDA, got {device!r}")
+        if torch.cuda.get_device_capability(self.device) < (9, 0):
+            raise ValueError("megakernel: needs an sm_90 (Hopper) GPU")
+        self._validate(cfg, params)
+        lib = load_library()
+        dev = self.device
+        nh, nkv, d, L, H, I, V = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers,
+                                  cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size)
+        with torch.device(dev):
+            mats, descs = {}, {}
+            qkv, o, gu, dn = [], [], [], []
+            for i in range(L):
+                p = f"layers.{i}."
+                wq = _rope_pair_rows(params[p + "wq"].to(dev), nh, d)
+                wk = _rope_pair_rows(params[p + "wk"].to(dev), nkv, d)
+                qkv.append(_cat([wq, wk, params[p + "wv"].to(dev)], p + "wq|wk|wv"))
+                o.append(params[p + "wo"].to(dev))
+                gu.append(_interleave_rows(params[p + "w_gate"].to(dev), params[p + "w_up"].to(dev),
+                                           p + "w_gate|w_up"))
+                dn.append(params[p + "w_down"].to(dev))
+            for key, ws in (("qkv", qkv), ("o", o), ("gu", gu), ("down", dn),
+                            ("lm_head", [params["lm_head"].to(dev)])):
+                mats[key], descs[key] = repack(ws, key, dev)
+            del qkv, o, gu, dn
+            self.weights = mats
+            self.mat_desc = descs
+            emb = params["embed"]
+            emb = emb.dequantize(torch.float32) if isinstance(emb, Int4Weight) else emb
+            self.embed = emb.to(dev, torch.float32).contiguous()
+            self.norms = torch.stack([torch.stack((params[f"layers.{i}.attn_norm"].float(),
+                                                   params[f"layers.{i}.ffn_norm"].float()))
+                                      for i in range(L)]).to(dev).contiguous()
+            self.final_norm = params["norm"].to(dev, torch.float32).contiguous()
+            from .model import rope_tables
+
+            cos, sin = rope_tables(cfg, self.max_seq_len, dev)
+            self.rope_cos, self.rope_sin = cos.contiguous(), sin.contiguous()
+            self.k_cache = torch.zeros((L, nkv, self.max_seq_len, d), dtype=torch.float16)
+            self.v_cache = torch.zeros_like(self.k_cache)
+            self.nblocks = torch.cuda.get_device_properties(dev).multi_processor_count
+            g = nh // nkv
+            nsplit = max(1, self.nblocks // nkv)
+            f32 = dict(dtype=torch.float32)
+            self.resid = torch.zeros((MAX_M, H), **f32)
+            self.q = torch.zeros((MAX_M, nh * d), **f32)
+            self.attn = torch.zeros((MAX_M, nh * d), **f32)
+            self.act = torch.zeros((MAX_M, I), **f32)
+            self.part = torch.zeros((nkv * nsplit * g * MAX_M * (d + 2),), **f32)
+            self.att_count = torch.zeros((nkv,), dtype=torch.int32)
+            self.logits = torch.zeros((MAX_M, V), **f32)
+            self.arg_val = torch.zeros((self.nblocks * MAX_M,), **f32)
+            self.arg_idx = torch.zeros((self.nblocks * MAX_M,), dtype=torch.int32)
+            self.argmax = torch.zeros((MAX_M,), dtype=torch.int32)
+            self.done_count = torch.zeros((1,), dtype=torch.int32)
+            self.bar_counter = torch.zeros((1,), dtype=torch.int64)
+            self.epoch = torch.zeros((1,), dtype=torch.int64)
+            # FLINT_MK_TRACE=1: block 0 stamps %globaltimer at every stage boundary (see stage_times)
+            self.trace = (torch.zeros((L * 16,), dtype=torch.int64)
+                          if os.environ.get("FLINT_MK_TRACE") == "1" else None)
+        torch.cuda.synchronize(dev)
+        self._lib = lib
+        self._h = ctypes.c_void_p()
+        ia, fa = self._pack_args()
+        _check(lib.flint_mk_create((ctypes.c_longlong * len(ia))(*ia), len(ia),
+                                   (ctypes.c_double * len(fa))(*fa), len(fa), ctypes.byref(self._h)))
+        self.max_chunk = lib.flint_mk_max_m(self._h)
+        self.kv_bytes_per_token = 2 * L * nkv * d * 2
+
+    @staticmethod
+    def _validate(cfg: ModelConfig, params: dict) -> None:
+        if cfg.head_dim not in (64, 128):
+            raise ValueError(f"megakernel: head_dim={cfg.head_dim} is not supported (64 or 128)")
+        if cfg.num_heads % cfg.num_kv_heads:
+            raise ValueError(f"megakernel: num_heads={cfg.num_heads} is not a multiple of "
+                             f"num_kv_heads={cfg.num_kv_heads}")
+        if cfg.num_heads // cfg.num_kv_heads > 64:
+            raise ValueError(f"megakernel: num_heads/num_kv_heads={cfg.num_heads // cfg.num_kv_heads} > 64")
+        if cfg.hidden_size % 32 or cfg.intermediate_size % 32 or (cfg.num_heads * cfg.head_dim) % 32:
+            raise ValueError(f"megakernel: hidden_size={cfg.hidden_size}, intermediate_size="
+                             f"{cfg.intermediate_size} and num_heads*head_dim must be multiples of 32")
+        names = [f"layers.{i}.{n}" for i in range(cfg.num_layers) for n in LINEARS] + ["lm_head"]
+        for n in names:
+            w = params.get(n)
+            if not isinstance(w, Int4Weight):
+                raise ValueError(f"megakernel: tensor {n!r} must be an Int4Weight (flint-int4-v1), got "
+                                 f"{type(w).__name__}; quantize with flint.quant.quantize_params")
+            if w.group_size not in (32, 64, 128):
+                raise ValueError(f"megakernel: tensor {n!r} has group_size {w.group_size} (32/64/128)")
+        for n in ("embed", "norm"):
+            if n not in params:
+                raise ValueError(f"megakernel: tensor {n!r} is missing")
+
+    def _pack_args(self) -> tuple[list[int], list[float]]:
+        c = self.cfg
+        ia = [c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers,
+              c.vocab_size, self.max_seq_len, int(bool(c.use_rope)), self.nblocks]
+        for t in (self.embed, self.norms, self.final_norm, self.rope_cos, self.rope_sin, self.k_cache,
+                  self.v_cache, self.resid, self.q, self.attn, self.act, self.part, self.att_count,
+                  self.logits, self.arg_val, self.arg_idx, self.argmax, self.done_count, self.bar_counter,
+                  self.epoch, self.trace):
+            ia.append(t.data_ptr() if t is not None else 0)
+        for key in ("qkv", "o", "gu", "down", "lm_head"):
+            dsc = self.mat_desc[key]
+            ia += [self.weights[key].data_ptr(), dsc["layer_stride"], dsc["seg_stride"], dsc["N"], dsc["K"],
+                   dsc["G"], dsc["nseg"], dsc["kseg"], dsc["srb"], dsc["rpc"]]
+        fa = [c.rms_norm_eps, c.embedding_multiplier, c.residual_multiplier, c.attn_scale,
+              1.0 / c.logits_scaling]
+        return ia, fa
+
+    def weight_bytes(self) -> int:
+        """Bytes of int4 weights (codes + scales/mins, as streamed) read per decode step."""
+        return sum(t.numel() for t in self.weights.values())
+
+    def __del__(self):
+        h = getattr(self, "_h", None)
+        if h is not None and h.value and _lib is not None:
+            _lib.flint_mk_destroy(h)
+            self._h = None
+
+    def reset(self) -> None:
+        """Clear the barrier/merge counters (needed only after a failed launch); the cache needs no
+        clearing (positions >= start_pos are written before they are read)."""
+        for t in (self.bar_counter, self.epoch, self.att_count, self.done_count):
+            t.zero_()
+        torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, start_pos: int, return_hidden: bool = False):
+        toks = tokens.reshape(-1)
+        m = toks.numel()
+        if m < 1 or m > self.max_chunk:
+            raise ValueError(f"megakernel: {m} tokens per step is not supported (1..{self.max_chunk})")
+        if start_pos < 0 or start_pos + m > self.max_seq_len:
+            raise ValueError(f"megakernel: positions {start_pos}..{start_pos + m - 1} exceed max_seq_len "
+                             f"{self.max_seq_len}")
+        if toks.device.type == "cpu":
+            lo, hi = int(toks.min()), int(toks.max())
+            if lo < 0 or hi >= self.cfg.vocab_size:
+                raise ValueError(f"megakernel: token id {hi if hi >= self.cfg.vocab_size else lo} is outside "
+                                 f"the vocabulary (size {self.cfg.vocab_size})")
+        toks = toks.to(self.device, torch.int64).contiguous()
+        stream = torch.cuda.current_stream(self.device)
+        _check(self._lib.flint_mk_forward(self._h, m, ctypes.c_void_p(toks.data_ptr()), int(start_pos),
+                                          ctypes.c_void_p(stream.cuda_stream)))
+        logits = self.logits[:m].clone()
+        if return_hidden:
+            return logits, self.resid[:m].clone()
+        return logits
+
+    def greedy_next(self, token: int, pos: int) -> int:
+        """One M = 1 step for ``token`` at ``pos``; returns the argmax. One launch + one 4-byte copy."""
+        if not 0 <= token < self.cfg.vocab_size:
+            raise ValueError(f"megakernel: token id {token} is outside the vocabulary")
+        if not 0 <= pos < self.max_seq_len:
+            raise ValueError(f"megakernel: position {pos} exceeds max_seq_len {self.max_seq_len}")
+        out = ctypes.c_int()
+        stream = torch.cuda.current_stream(self.device)
+        _check(self._lib.flint_mk_greedy(self._h, int(token), int(pos), ctypes.c_void_p(stream.cuda_stream),
+                                         ctypes.byref(out)))
+        return out.value
+
+    STAGES = ("rstd1", "qkv", "bar1", "attn", "bar2", "o", "bar3", "rstd2", "gate_up", "bar4", "down", "bar5")
+
+    def stage_times(self) -> dict:
+        """Mean microseconds per stage per layer of the last launch (needs FLINT_MK_TRACE=1)."""
+        if self.trace is None:
+            raise RuntimeError("stage_times needs FLINT_MK_TRACE=1 at construction")
+        t = self.trace.view(self.cfg.num_layers, 16).cpu().double()
+        out = {}
+        for i, n in enumerate(self.STAGES[:-1]):
+            out[n] = float((t[:, i + 1] - t[:, i]).mean()) / 1e3
+        out["bar5"] = float((t[1:, 0] - t[:-1, 11]).mean()) / 1e3 if self.cfg.num_layers > 1 else 0.0
+        out["lm_head"] = float(t[-1, 13] - t[-1, 12]) / 1e3
+        return out
+
+    def smem_info(self, m: int = 1) -> dict:
+        arr = (ctypes.c_int * 4)()
+        _check(self._lib.flint_mk_smem_info(self._h, m, arr))
+        return dict(smem_bytes=arr[0], ring_slots=arr[1], ring_offset=arr[2], blocks=arr[3])

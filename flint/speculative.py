@@ -1,0 +1,222 @@
+"""Speculative decoding on any backend: a draft proposes K tokens, the target checks them in ONE
+forward of M = K + 1 tokens, and the output is exactly what the target alone would produce.
+
+Greedy: the matching prefix of the proposals is accepted, plus the target's own next token (a
+correction on a mismatch, a bonus when all K match). Sampling (temperature / top-k / top-p, the
+same transforms as flint.engine): standard speculative sampling — proposal x drawn from the draft's
+q is kept with probability min(1, p(x)/q(x)), a rejection is replaced by a draw from
+norm(max(0, p - q)), and when all K are kept a bonus token is drawn from p — so every token is
+distributed as the target's. Rejected positions need no cleanup: the next forward starts at the
+right start_pos and overwrites them (the backend API's rollback).
+
+The draft is any object with ``propose(context_ids, hidden, k, sp, gen) -> (tokens[k], q[k, V] or
+None)`` (flint.draft.DraftHead; ``hidden`` is the target's last-layer hidden state before
+context_ids[-1]). Acceptance is reported as tokens per verify step = accepted drafts + 1 (the
+target's own token is counted), so it lies in [1, K + 1]. Tests: ``pytest tests/test_speculative.py``.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .engine import Engine, GenerationResult, SamplingParams, _stop_holdback, probs_from_logits, sample
+
+
+@dataclass
+class SpeculativeStats:
+    steps: int = 0  # target verify forwards
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens accepted
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Mean tokens emitted per verify step: accepted drafts + the target's own token."""
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+    @property
+    def accept_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def add(self, other: "SpeculativeStats") -> None:
+        self.steps += other.steps
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+
+
+def verify_greedy(target_tokens: list[int], drafts: list[int]) -> tuple[int, int]:
+    """target_tokens: the target's argmax after each of the M = k+1 verified tokens. Returns
+    (drafts accepted n, the target's own next token target_tokens[n])."""
+    n = 0
+    while n < len(drafts) and drafts[n] == target_tokens[n]:
+        n += 1
+    return n, target_tokens[n]
+
+
+def verify_sampling(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
+                    gen: torch.Generator | None) -> tuple[int, int]:
+    """Speculative sampling. p [k+1, V]: the target's distributions after each verified token;
+    q [k, V]: the draft's, drafts [k] drawn from q. Returns (accepted n, next token): the next token
+    is drawn from norm(max(0, p[n] - q[n])) after a rejection, from p[k] when all are accepted."""
+    k = drafts.shape[0]
+    if k:
+        u = torch.rand(k, generator=gen, device=p.device)
+        idx = torch.arange(k, device=p.device)
+        px, qx = p[idx, drafts], q[idx, drafts]
+        keep = (u * qx <= px).tolist()  # u < p/q without dividing; q(x) > 0 since x ~ q
+        n = keep.index(False) if False in keep else k
+    else:
+        n = 0
+    if n < k:
+        r = (p[n] - q[n]).clamp_min(0)
+        if float(r.sum()) <= 0:  # p == q up to rounding: rejection had probability ~0
+            r = p[n]
+        return n, int(torch.multinomial(r / r.sum(), 1, generator=gen))
+    return n, int(torch.multinomial(p[k], 1, generator=gen))
+
+
+class SpeculativeEngine(Engine):
+    """Engine's interface (stream / generate / last / check_fits, KV reuse across calls) with
+    speculative decoding; ``last_stats`` / ``acceptance()`` give the last call's acceptance and
+    ``total_stats`` the running sum."""
+
+    def __init__(self, backend, tokenizer, draft, k: int | None = None, eos_token_ids=None):
+        super().__init__(backend, tokenizer, eos_token_ids)
+        if k is None:
+            k = getattr(getattr(draft, "cfg", None), "k_default", 4)
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"speculative decoding: k (draft tokens per step) must be an integer >= 1, got {k!r}")
+        self.draft = draft
+        self.k = k
+        self.last_stats = SpeculativeStats()
+        self.total_stats = SpeculativeStats()
+
+    def acceptance(self) -> float:
+        """Mean tokens per verify step of the last call (accepted drafts + the target's token)."""
+        return self.last_stats.tokens_per_step
+
+    def prefill_hidden(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Engine.prefill that also returns the last position's hidden state (the draft's input)."""
+        c = 0
+        for a, b in zip(self.cached, ids):
+            if a != b:
+                break
+            c += 1
+        c = min(c, len(ids) - 1)
+        chunk = getattr(self.backend, "max_chunk", None) or len(ids)
+        self.cached = self.cached[:c]
+        logits = hidden = None
+        for s in range(c, len(ids), chunk):
+            part = ids[s: s + chunk]
+            logits, hidden = self.backend.forward(torch.tensor(part, dtype=torch.long), s, return_hidden=True)
+            self.cached += part
+        return logits[-1], hidden[-1]
+
+    def _tokens(self, prompt_ids: list[int], sp: SamplingParams, gen):
+        """Yield generated token ids one at a time: the first from the prefill, then the tokens each
+        verify step emits. Stops only when closed; never writes past the context."""
+        stats = self.last_stats
+        greedy = sp.temperature == 0
+        logits, hidden = self.prefill_hidden(list(prompt_ids))
+        pos = len(prompt_ids)
+        tok = sample(logits, sp, gen)
+        ctx = list(prompt_ids) + [tok]
+        yield tok
+        dev = self.backend.device
+        while True:
+            remaining = sp.max_new_tokens - (len(ctx) - len(prompt_ids))
+            k = max(0, min(self.k, remaining - 1, self.max_seq_len - 1 - pos))
+            if k:
+                drafts, q = self.draft.propose(ctx, hidden, k, None if greedy else sp, gen)
+                drafts = drafts.to(dev)
+            else:
+                drafts, q = torch.empty(0, dtype=torch.long, device=dev), None
+            step = torch.cat((torch.tensor([tok], dtype=torch.long, device=dev), drafts))
+            logits, hid = self.backend.forward(step, pos, return_hidden=True)
+            if greedy:
+                vals = torch.cat((torch.argmax(logits, -1), drafts)).tolist()  # one device sync
+                n, nxt = verify_greedy(vals[: k + 1], vals[k + 1:])
+            else:
+                p = probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p)
+                n, nxt = verify_sampling(p, q.to(p.device) if q is not None else q, drafts, gen)
+            new = drafts[:n].tolist() + [nxt]
+            stats.steps += 1
+            stats.drafted += k
+            if not sp.ignore_eos:  # tokens after an eos are never emitted: not counted as accepted
+                at = next((j for j, t in enumerate(new) if t in self.eos), None)
+                if at is not None:
+                    new = new[: at + 1]
+            stats.accepted += len(new) - 1
+            hidden = hid[n]
+            pos += n + 1
+            tok = nxt
+            for t in new:
+                ctx.append(t)
+                yield t
+
+    # The text side below is Engine.stream's, reading tokens from self._tokens; once Engine.stream
+    # takes its tokens from an overridable generator (report for issue 6), this method goes.
+    def stream(self, prompt_ids: list[int], sp: SamplingParams):
+        """Yield (token_id, text_piece) as tokens decode; sets self.last and self.last_stats."""
+        sp.validate()
+        self.check_fits(len(prompt_ids), sp.max_new_tokens)
+        vs = self.backend.cfg.vocab_size
+        for t in prompt_ids:
+            if not 0 <= int(t) < vs:
+                raise ValueError(f"token id {int(t)} is outside the vocabulary (size {vs})")
+        gen = None
+        if sp.temperature > 0:
+            gen = torch.Generator(device=self.backend.device)
+            gen.manual_seed(sp.seed if sp.seed is not None else int(time.time_ns() % (2**31)))
+        dec = self.tokenizer.stream() if self.tokenizer is not None else None
+        self.last = None
+        self.last_stats = SpeculativeStats()
+        if sp.max_new_tokens == 0:
+            self.last = GenerationResult([], "", "length", len(prompt_ids), 0.0, 0.0)
+            return
+        t0 = time.perf_counter()
+        out: list[int] = []
+        text, emitted, finish = "", 0, "length"
+        tokens = self._tokens(prompt_ids, sp, gen)
+        tok = next(tokens)
+        t_first = time.perf_counter()
+        try:
+            while True:
+                out.append(tok)
+                if tok in self.eos and not sp.ignore_eos:
+                    finish = "stop"
+                    break
+                piece = dec.feed(tok) if dec else ""
+                if piece:
+                    text += piece
+                    hit = [h for h in (text.find(s, max(0, emitted - len(s))) for s in sp.stop) if h >= 0]
+                    if hit:
+                        cut = min(hit)
+                        if cut > emitted:
+                            yield tok, text[emitted:cut]
+                        text, emitted, finish = text[:cut], cut, "stop"
+                        break
+                    hold = _stop_holdback(text, sp.stop) if sp.stop else 0
+                    if len(text) - hold > emitted:
+                        yield tok, text[emitted: len(text) - hold]
+                        emitted = len(text) - hold
+                    else:
+                        yield tok, ""
+                else:
+                    yield tok, ""
+                if len(out) >= sp.max_new_tokens:
+                    break
+                tok = next(tokens)
+        finally:
+            tokens.close()
+            # every emitted token but the last has its K/V in the cache (accepted or verified)
+            self.cached = list(prompt_ids) + out[:-1]
+            self.total_stats.add(self.last_stats)
+            self.last = GenerationResult(out, text, finish, len(prompt_ids), t_first - t0,
+                                         time.perf_counter() - t_first)
+        if emitted < len(text):
+            yield out[-1], text[emitted:]
+
+
+__all__ = ["SpeculativeEngine", "SpeculativeStats", "verify_greedy", "verify_sampling"]

@@ -1,0 +1,100 @@
+"""Synthetic models: real shapes, random weights, no download. For speed work and tests.
+
+``synthetic_model("granite-4.1-3b")`` (a name in flint.config.SYNTHETIC) or
+``synthetic_model("path/to/config.json")`` returns a LoadedModel with tokenizer None. Weights are
+random but never zero and scaled like a trained model's (linears ~ N(0, 0.02), norms ~ 1), so
+logits are not degenerate. Speed does not depend on the values, so big shapes are made cheaply:
+
+* float: generated directly in ``dtype`` (bf16 by default) on ``device``;
+* ``int4_group_size=G``: every linear weight and the LM head are random flint-int4-v1 codes with
+  random fp16 scales (G, or the largest group size dividing K where G does not: 64 for K = 576) (no fp32 intermediate: Granite-3B int4 is 1.8 GB, not 13 GB of fp32). A tied
+  embedding is then the head's own dequantized values, so the lookup and the head agree.
+
+CLI: ``--model synthetic:NAME`` everywhere a model is taken. Test: ``pytest tests/test_compiled.py``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .config import SYNTHETIC, ConfigError, ModelConfig, from_hf_dict, load_hf_config
+from .loading import LoadedModel, LoadError
+from .quant import Int4Weight, check_shape, fit_group_size
+
+WEIGHT_STD = 0.02
+# uniform codes 0..15 have std sqrt((16^2 - 1) / 12) = 4.61 steps: scale = std / 4.61
+_CODE_STD = 4.61
+
+
+def synthetic_config(name_or_path: str) -> ModelConfig:
+    """The ModelConfig for a SYNTHETIC name or an HF config.json path."""
+    if name_or_path in SYNTHETIC:
+        cfg = from_hf_dict(dict(SYNTHETIC[name_or_path]), f"synthetic:{name_or_path}")
+    elif name_or_path.endswith(".json") or Path(name_or_path).is_file():
+        try:
+            cfg = load_hf_config(name_or_path)
+        except ConfigError as e:
+            raise LoadError(str(e)) from None
+    else:
+        raise LoadError(f"synthetic:{name_or_path}: unknown synthetic model; choose one of "
+                        f"{', '.join(sorted(SYNTHETIC))} or give a config.json path")
+    cfg.name = f"synthetic:{name_or_path}"
+    return cfg
+
+
+def random_int4(n: int, k: int, group_size: int, gen: torch.Generator, device,
+                std: float = WEIGHT_STD, name: str = "weight") -> Int4Weight:
+    """Random flint-int4-v1 weight: uniform codes, scales ~ std / 4.61 (x e^N(0, 0.1)), centred
+    mins, so values have roughly the given std and mean 0. The group size is ``group_size`` or,
+    where that does not divide K, the largest one that does (flint.quant.fit_group_size)."""
+    group_size = fit_group_size(k, group_size, name)
+    check_shape(name, n, k, group_size)
+    qweight = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen, device=device)
+    jitter = torch.randn((n, k // group_size), generator=gen, device=device).mul_(0.1).exp_()
+    scales = (jitter * (std / _CODE_STD)).to(torch.float16)
+    mins = (scales.float() * -7.5).to(torch.float16)
+    return Int4Weight(qweight, scales, mins, group_size)
+
+
+def synthetic_params(cfg: ModelConfig, seed: int = 0, int4_group_size: int | None = None,
+                     dtype=torch.bfloat16, device="cpu") -> dict:
+    from .loading import expected_shapes
+
+    device = torch.device(device)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    params = {}
+    for name, shape in expected_shapes(cfg).items():
+        if name == "embed" or (name == "lm_head" and cfg.tie_word_embeddings):
+            continue
+        if len(shape) == 1:  # RMSNorm weights ~ 1
+            w = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).mul_(0.1).add_(1.0)
+            params[name] = w.to(dtype)
+        elif int4_group_size:
+            params[name] = random_int4(*shape, int4_group_size, gen, device, name=name)
+        else:
+            params[name] = torch.randn(shape, generator=gen, device=device, dtype=dtype).mul_(WEIGHT_STD)
+    v, h = cfg.vocab_size, cfg.hidden_size
+    if cfg.tie_word_embeddings and int4_group_size:
+        head = random_int4(v, h, int4_group_size, gen, device, name="lm_head")
+        params["lm_head"] = head
+        # the lookup copy holds exactly the head's values (in dtype), row block by row block
+        embed = torch.empty((v, h), dtype=dtype, device=device)
+        step = 8192
+        for r in range(0, v, step):
+            embed[r: r + step] = head.rows(slice(r, r + step)).dequantize(dtype)
+        params["embed"] = embed
+    else:
+        params["embed"] = torch.randn((v, h), generator=gen, device=device, dtype=dtype).mul_(WEIGHT_STD)
+        if cfg.tie_word_embeddings:
+            params["lm_head"] = params["embed"]
+    return params
+
+
+def synthetic_model(name_or_path: str, seed: int = 0, int4_group_size: int | None = None,
+                    dtype=torch.bfloat16, device="cpu") -> LoadedModel:
+    """A LoadedModel with random weights (see module docstring); tokenizer None."""
+    cfg = synthetic_config(name_or_path)
+    params = synthetic_params(cfg, seed, int4_group_size, dtype, device)
+    return LoadedModel(cfg, params, None, cfg.name)

@@ -1,0 +1,110 @@
+"""Shared test fixtures: tiny random Hugging Face checkpoints saved as real model directories.
+
+``make_hf_model(family, **overrides)`` builds a transformers model (llama, granite or an
+all-attention dense granitemoehybrid) with small random weights, norms included, and
+``save_hf_dir(model, path)`` writes it with ``save_pretrained`` (safetensors, optionally sharded)
+next to a byte-level tokenizer (one token per UTF-8 byte plus ChatML specials) and a chat template,
+so ``flint.loading.load_model(path)`` sees the same files a downloaded checkpoint has.
+
+Used by tests/test_hf_parity.py, test_loading.py and test_engine.py; run ``pytest tests``.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+BYTE_VOCAB = len(SPECIALS) + 256  # the tiny models' vocab_size equals the byte tokenizer's
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+# Small enough that a forward is ~1 ms, big enough for GQA, explicit head_dim and two layers.
+TINY = dict(vocab_size=BYTE_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
+            rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+
+
+def hf_config(family: str, rope_theta: float = 10000.0, **overrides):
+    """A transformers config for ``family`` in {"llama", "granite", "granitemoehybrid"}."""
+    from transformers import GraniteConfig, GraniteMoeHybridConfig, LlamaConfig
+
+    kw = dict(TINY, rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)})
+    if family == "granitemoehybrid":
+        kw["shared_intermediate_size"] = kw.pop("intermediate_size")
+        kw.update(num_local_experts=0, position_embedding_type="rope",
+                  layer_types=["attention"] * kw["num_hidden_layers"])
+    kw.update(overrides)
+    cls = {"llama": LlamaConfig, "granite": GraniteConfig,
+           "granitemoehybrid": GraniteMoeHybridConfig}[family]
+    return cls(**kw)
+
+
+def make_hf_model(family: str, seed: int = 0, rope_theta: float = 10000.0, **overrides):
+    """A transformers CausalLM with random weights (norm weights too, so they are exercised)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = hf_config(family, rope_theta, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def byte_tokenizer_json() -> str:
+    """A tokenizer.json: ChatML specials, then one byte-level token per byte, no merges."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {t: i for i, t in enumerate(SPECIALS)}
+    vocab.update({c: len(SPECIALS) + i for i, c in enumerate(alphabet)})
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+    assert tk.get_vocab_size() == BYTE_VOCAB
+    return tk.to_str()
+
+
+def save_hf_dir(model, path: Path, max_shard_size=None, tokenizer: bool = True) -> Path:
+    """save_pretrained(safetensors) plus, optionally, the byte tokenizer and a ChatML template."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kw)
+    if tokenizer:
+        (path / "tokenizer.json").write_text(byte_tokenizer_json())
+        (path / "tokenizer_config.json").write_text(json.dumps({
+            "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False,
+            "chat_template": CHATML}))
+    return path
+
+
+def dir_snapshot(path: Path) -> dict:
+    """{relative path: (size, mtime_ns)} of every file under path: to check nothing was written."""
+    path = Path(path)
+    return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A tiny random llama checkpoint with the byte tokenizer (read-only: copy before damaging)."""
+    model = make_hf_model("llama", seed=1, rope_theta=5000.0)
+    return save_hf_dir(model, tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_llama_dir):
+    """flint.loading.load_model() of tiny_llama_dir (a LoadedModel; do not mutate)."""
+    from flint.loading import load_model
+
+    return load_model(str(tiny_llama_dir))

@@ -1,0 +1,205 @@
+"""The embedded SmolLM2-135M-Instruct GGUF (Q4_1 + Q8_0) against transformers' own GGUF loading.
+
+* weights: every tensor flint loads (Q4_1 codes dequantized, Q8_0 and F32, attn_q/attn_k rows
+  un-permuted) equals transformers' dequantized state dict exactly;
+* greedy continuations of several prompts, 32+ tokens, equal transformers' (flint reference, CPU
+  fp32), and the logits agree to fp32 tolerance;
+* the chat prompt renders exactly like transformers' apply_chat_template;
+* token ids equal transformers' GGUF tokenizer, with one documented exception (digits, below).
+
+Digits: the GGUF says ``tokenizer.ggml.pre = "smollm"``; llama.cpp splits such text with ``\\p{N}``
+(one digit per piece) before the GPT-2 regex, and SmolLM2's original tokenizer.json does the same
+(pre_tokenizer Sequence[Digits(individual_digits=True), ByteLevel]). The vocabulary has no
+multi-digit tokens, so the digits themselves always come out one per token; the split matters for
+the whitespace in front of a digit: "  1" is [ĠĠ, 1] with the digit split and [Ġ, Ġ, 1] without.
+transformers 5.x builds its GGUF tokenizer with a plain ByteLevel pre-tokenizer (it ignores
+"smollm") and so returns the latter. flint follows llama.cpp and the original;
+``test_digit_split_follows_original_pretokenizer`` checks that transformers' own tokenizer with
+the original pre-tokenizer put back gives flint's ids, for the texts where the two differ.
+
+transformers needs ``accelerate`` to load a GGUF model. Run: ``pytest tests/test_gguf.py``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flint.engine import Engine, SamplingParams
+from flint.loading import embedded_gguf_path, load_model
+from flint.model import Transformer
+from flint.quant import Int4Weight
+
+transformers = pytest.importorskip("transformers")
+
+NEW_TOKENS = 32
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in 1999,",
+]
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
+     {"role": "user", "content": "Tell me a joke about a café ☕ in 2024."}],
+]
+TEXTS = [
+    "Hello world",
+    "12345 and 3.14159 or 1,000,000 (year 2024)",
+    "naïve café — 東京 😀 ü ß Ω",
+    "def f(x):\n    return x**2  # square\n\tindented",
+    "x=[1,2,3];y={'a':0x1F}",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "<|endoftext|>abc<|im_end|> <|im_start|>",
+    "  leading spaces\n\n\nnewlines   trailing  ",
+]
+# texts where a digit follows a run of whitespace (see the module docstring)
+DIGIT_WHITESPACE_TEXTS = ["  1", "a  2024", "x\n\n3", "   42 apples", "total:\t\t7"]
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    return embedded_gguf_path()
+
+
+@pytest.fixture(scope="module")
+def lm(gguf_path):
+    return load_model(str(gguf_path))
+
+
+@pytest.fixture(scope="module")
+def hf_tok(gguf_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+
+
+@pytest.fixture(scope="module")
+def hf_model(gguf_path):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        pytest.fail("transformers needs `accelerate` to load a GGUF model: pip install accelerate")
+    return AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def reference(lm):
+    return Transformer(lm.cfg, lm.params, max_seq_len=256)
+
+
+def test_embedded_default_is_smollm2(lm, gguf_path):
+    assert lm.source == str(gguf_path)
+    assert lm.cfg.arch == "llama" and lm.cfg.num_heads % lm.cfg.num_kv_heads == 0
+    assert isinstance(lm.params["layers.0.wq"], Int4Weight)  # Q4_1 kept as codes
+    assert lm.params["lm_head"].shape == (lm.cfg.vocab_size, lm.cfg.hidden_size)
+
+
+def test_weights_equal_transformers_dequantization(lm, hf_model):
+    sd = hf_model.state_dict()
+    hf_name = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight"}
+    per_layer = {"attn_norm": "input_layernorm", "wq": "self_attn.q_proj", "wk": "self_attn.k_proj",
+                 "wv": "self_attn.v_proj", "wo": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+                 "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj"}
+    for i in range(lm.cfg.num_layers):
+        for ours, theirs in per_layer.items():
+            hf_name[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}.weight"
+    for name, key in hf_name.items():
+        w = lm.params[name]
+        w = w.dequantize() if isinstance(w, Int4Weight) else w
+        assert torch.equal(w.float(), sd[key].float()), f"{name} differs from transformers' {key}"
+    head = lm.params["lm_head"]
+    head = head.dequantize() if isinstance(head, Int4Weight) else head
+    assert torch.equal(head.float(), sd["lm_head.weight"].float())
+
+
+@pytest.fixture(scope="module")
+def continuations(lm, reference):
+    """flint's greedy continuations (eos ignored so every prompt gives NEW_TOKENS tokens)."""
+    engine = Engine(reference, lm.tokenizer)
+    out = {}
+    for prompt in PROMPTS + [lm.tokenizer.apply_chat_template(CONVERSATIONS[0])]:
+        ids = lm.tokenizer.encode(prompt)
+        res = engine.generate(ids, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+        out[prompt] = (ids, res.token_ids)
+    return out
+
+
+def test_greedy_continuations_match_transformers(continuations, hf_model, hf_tok):
+    """transformers' greedy pick at every position of prompt + flint's continuation is flint's next
+    token (one forward per prompt decides all NEW_TOKENS greedy steps), and logits agree."""
+    for prompt, (ids, new) in continuations.items():
+        assert ids == hf_tok(prompt).input_ids, f"prompt ids differ for {prompt!r}"
+        assert len(new) == NEW_TOKENS
+        seq = torch.tensor([ids + new[:-1]])
+        with torch.no_grad():
+            logits = hf_model(seq).logits[0, len(ids) - 1:]
+        hf_greedy = logits.argmax(-1).tolist()
+        assert hf_greedy == new, (f"{prompt!r}: transformers continues {hf_tok.decode(hf_greedy)!r}, "
+                                  f"flint {hf_tok.decode(new)!r}")
+
+
+def test_logits_match_transformers(continuations, hf_model, lm):
+    prompt = PROMPTS[1]
+    ids, new = continuations[prompt]
+    seq = torch.tensor(ids + new)
+    ours = Transformer(lm.cfg, lm.params, max_seq_len=128).forward(seq, 0)
+    with torch.no_grad():
+        theirs = hf_model(seq[None]).logits[0]
+    diff = (ours - theirs).abs().max().item()
+    assert diff <= 1e-4 * theirs.abs().max().item(), f"SmolLM2 logits differ from transformers by {diff}"
+
+
+def test_generate_matches_transformers_generate(lm, reference, hf_model):
+    """One prompt through transformers' own generate() (KV cache, stops at eos) for 32 tokens."""
+    ids = lm.tokenizer.encode(PROMPTS[1])
+    with torch.no_grad():
+        hf_out = hf_model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
+    ours = Engine(reference, lm.tokenizer).generate(ids, SamplingParams(max_new_tokens=NEW_TOKENS))
+    assert ours.token_ids == hf_out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_chat_template_matches_transformers(lm, hf_tok, generation_prompt):
+    for conv in CONVERSATIONS:
+        want = hf_tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=generation_prompt)
+        got = lm.tokenizer.apply_chat_template(conv, add_generation_prompt=generation_prompt)
+        assert got == want
+        assert lm.tokenizer.encode_chat(conv, generation_prompt) == hf_tok(want).input_ids
+
+
+def test_token_ids_match_transformers(lm, hf_tok):
+    for text in TEXTS:
+        ids = lm.tokenizer.encode(text)
+        assert ids == hf_tok(text).input_ids, f"ids differ for {text!r}"
+        assert lm.tokenizer.decode(ids, skip_special_tokens=False) == text
+    special = lm.tokenizer.encode("<|im_start|><|im_end|>")
+    assert special == [hf_tok.convert_tokens_to_ids("<|im_start|>"), hf_tok.convert_tokens_to_ids("<|im_end|>")]
+    assert lm.tokenizer.eos_token_ids == [hf_tok.convert_tokens_to_ids("<|im_end|>")]
+
+
+def test_digit_split_follows_original_pretokenizer(lm, hf_tok):
+    from tokenizers import pre_tokenizers
+
+    original = hf_tok.backend_tokenizer.__class__.from_str(hf_tok.backend_tokenizer.to_str())
+    original.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
+    for text in DIGIT_WHITESPACE_TEXTS + TEXTS:
+        ids = lm.tokenizer.encode(text)
+        assert ids == original.encode(text).ids, f"ids differ from the original pre-tokenizer for {text!r}"
+        digits = [i for i in ids if lm.tokenizer.decode([i]).strip().isdigit()]
+        assert all(len(lm.tokenizer.decode([i]).strip()) == 1 for i in digits), text
+
+
+def test_stream_decoder_never_splits_utf8(lm):
+    text = "café ☕ — 東京 😀🙂 ü"
+    ids = lm.tokenizer.encode(text)
+    assert len(ids) > len(text.split()), "expected multi-byte characters to span several tokens"
+    dec = lm.tokenizer.stream()
+    pieces = [dec.feed(i) for i in ids]
+    assert all("\ufffd" not in p for p in pieces), pieces
+    assert "".join(pieces) + dec.flush() == text

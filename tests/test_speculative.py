@@ -1,0 +1,263 @@
+"""Speculative decoding is exact: greedy output equals plain greedy for any draft and K, sampled
+output follows the target's distribution (chi-square against the exact joint law), and the KV
+cache after rejections equals a fresh prefill. Tiny random models on CPU; about 30 s.
+
+Run: ``pytest tests/test_speculative.py``
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flint.config import from_hf_dict
+from flint.draft import DraftHead, draft_config_for
+from flint.engine import Engine, SamplingParams, probs_from_logits
+from flint.loading import LoadedModel, expected_shapes
+from flint.model import Transformer
+from flint import speculative
+from flint.speculative import SpeculativeEngine, verify_sampling
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # tiny tensors: intra-op threads only add contention on a shared 2-core CI box
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_lm(seed=0, vocab=10, hidden=32, layers=2, eos=()):
+    cfg = from_hf_dict(dict(
+        model_type="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=64,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        eos_token_id=list(eos)), "tiny")
+    g = torch.Generator().manual_seed(seed)
+    params = {}
+    for name, shape in expected_shapes(cfg).items():
+        if name.endswith("norm"):
+            params[name] = 1 + 0.1 * torch.randn(shape, generator=g)
+        else:  # logits of std ~1.5: spread enough for sampling, ties rare for greedy
+            scale = 1.5 if name == "lm_head" else 1.0
+            params[name] = torch.randn(shape, generator=g) * scale / shape[1] ** 0.5
+    return LoadedModel(cfg, params, None, "tiny")
+
+
+def random_draft(lm, seed=0):
+    torch.manual_seed(seed)
+    return DraftHead(draft_config_for(lm.cfg, intermediate_size=48)).attach_target(lm.cfg, lm.params)
+
+
+class ScriptedDraft:
+    """Proposes the known continuation, but a wrong token wherever position % wrong_every == 0:
+    runs of accepted drafts, then rejections, at varying offsets."""
+
+    def __init__(self, expected: list[int], vocab: int, wrong_every: int = 4):
+        self.expected, self.vocab, self.wrong_every = expected, vocab, wrong_every
+
+    def propose(self, ctx, hidden, k, sp=None, gen=None):
+        toks = []
+        for i in range(len(ctx), len(ctx) + k):
+            t = self.expected[i] if i < len(self.expected) else 0
+            toks.append((t + 1) % self.vocab if i % self.wrong_every == 0 else t)
+        return torch.tensor(toks), None
+
+
+PROMPTS = [[1, 2, 3], [4, 0, 7, 7, 2, 9, 1], [5]]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_greedy_identical_with_random_draft(k):
+    lm = tiny_lm(eos=(5,))
+    be = Transformer(lm.cfg, lm.params, 128)
+    draft = random_draft(lm, seed=k)
+    for prompt in PROMPTS:
+        sp = SamplingParams(max_new_tokens=30)
+        want = Engine(be).generate(prompt, sp)
+        eng = SpeculativeEngine(be, None, draft, k=k)
+        got = eng.generate(prompt, sp)
+        assert got.token_ids == want.token_ids, (k, prompt)
+        assert got.finish_reason == want.finish_reason
+        st = eng.last_stats
+        assert st.steps >= 1 and 1.0 <= st.tokens_per_step <= k + 1
+        emitted = st.accepted + st.steps  # tokens the verify steps produced after the first
+        if got.finish_reason == "length":  # k is capped so that nothing is produced in vain
+            assert emitted == len(got.token_ids) - 1
+        else:  # an eos may end a run early
+            assert emitted >= len(got.token_ids) - 1
+
+
+@pytest.mark.parametrize("k", [2, 3, 6])
+def test_greedy_identical_with_partly_right_draft(k):
+    lm = tiny_lm(seed=1)
+    be = Transformer(lm.cfg, lm.params, 128)
+    for prompt in PROMPTS:
+        sp = SamplingParams(max_new_tokens=40)
+        want = Engine(be).generate(prompt, sp).token_ids
+        eng = SpeculativeEngine(be, None, ScriptedDraft(prompt + want, lm.cfg.vocab_size), k=k)
+        got = eng.generate(prompt, sp).token_ids
+        assert got == want
+        st = eng.last_stats
+        # every emitted token after the first came from a verify step: accepted drafts or the target's own
+        assert st.accepted + st.steps >= len(got) - 1
+        assert 0 < st.accepted < st.drafted  # both paths ran
+        assert st.tokens_per_step > 1.5
+
+
+def test_kv_cache_after_rejections_equals_fresh_prefill():
+    lm = tiny_lm(seed=2)
+    prompt = [3, 1, 4, 1, 5]
+    sp = SamplingParams(max_new_tokens=37)
+    be = Transformer(lm.cfg, lm.params, 128)
+    want = Engine(be).generate(prompt, sp).token_ids
+    spec_be = Transformer(lm.cfg, lm.params, 128)
+    eng = SpeculativeEngine(spec_be, None, ScriptedDraft(prompt + want, lm.cfg.vocab_size, 3), k=4)
+    got = eng.generate(prompt, sp).token_ids
+    assert got == want
+    assert eng.last_stats.drafted - eng.last_stats.accepted >= 5  # rejected drafts were written
+    seq = prompt + got[:-1]
+    assert eng.cached == seq
+    fresh = Transformer(lm.cfg, lm.params, 128)
+    fresh.forward(torch.tensor(seq), 0)
+    n = len(seq)
+    for name in ("k_cache", "v_cache"):
+        a, b = getattr(spec_be, name)[:, :, :, :n], getattr(fresh, name)[:, :, :, :n]
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+    # and the next step sees the same context
+    nxt = torch.tensor([got[-1]])
+    torch.testing.assert_close(spec_be.forward(nxt, n), fresh.forward(nxt, n), rtol=1e-5, atol=1e-5)
+
+
+def test_prefix_reuse_across_calls():
+    """Multi-turn: the second call re-sends the first exchange; only the tail is prefilled."""
+    lm = tiny_lm(seed=3)
+    sp = SamplingParams(max_new_tokens=20)
+    be = Transformer(lm.cfg, lm.params, 128)
+    eng = SpeculativeEngine(be, None, random_draft(lm), k=3)
+    first = eng.generate([1, 2, 3], sp).token_ids
+    turn2 = [1, 2, 3] + first + [6, 6]
+    got = eng.generate(turn2, sp).token_ids
+    want = Engine(Transformer(lm.cfg, lm.params, 128)).generate(turn2, sp).token_ids
+    assert got == want
+
+
+def test_context_end_caps_k():
+    lm = tiny_lm(seed=4)
+    be = Transformer(lm.cfg, lm.params, 32)
+    prompt = list(range(10)) * 2
+    sp = SamplingParams(max_new_tokens=12)  # prompt + new = the whole 32-token context
+    want = Engine(be).generate(prompt, sp).token_ids
+    got = SpeculativeEngine(be, None, random_draft(lm), k=8).generate(prompt, sp).token_ids
+    assert got == want and len(got) == 12
+
+
+def test_bad_k_is_refused():
+    lm = tiny_lm()
+    be = Transformer(lm.cfg, lm.params, 32)
+    with pytest.raises(ValueError, match="k \\(draft tokens per step\\)"):
+        SpeculativeEngine(be, None, random_draft(lm), k=0)
+
+
+# ------------------------------------------------------------------ sampling is lossless
+
+def test_verify_sampling_one_step_returns_p():
+    """One proposal x ~ q, then min(1, p/q) acceptance or the residual: the token is exactly ~ p."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05, 0.0], [0.2, 0.2, 0.2, 0.2, 0.2]])
+    q = torch.tensor([[0.1, 0.1, 0.2, 0.3, 0.3]])
+    counts = torch.zeros(5)
+    n_draws = 20000
+    for _ in range(n_draws):
+        x = torch.multinomial(q[0], 1, generator=g)
+        n, nxt = verify_sampling(p, q, x, g)
+        counts[x if n == 1 else nxt] += 1
+    assert chi_square_pvalue(counts, p[0] * n_draws) > 1e-3
+
+
+def chi_square_pvalue(observed: torch.Tensor, expected: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit; cells with expected count < 5 are pooled into one."""
+    observed, expected = observed.double().flatten(), expected.double().flatten()
+    small = expected < 5
+    o = torch.cat((observed[~small], observed[small].sum().view(1)))
+    e = torch.cat((expected[~small], expected[small].sum().view(1)))
+    keep = e > 0
+    assert not (o[~keep] > 0).any(), "observed a token sequence of probability 0"
+    o, e = o[keep], e[keep]
+    stat = ((o - e) ** 2 / e).sum()
+    df = torch.tensor(float(len(o) - 1), dtype=torch.float64)
+    return float(torch.special.gammaincc(df / 2, stat / 2))
+
+
+def exact_joint_t2_t3(lm, prompt, sp) -> torch.Tensor:
+    """P(second, third generated token) under plain sampling, summed over the first."""
+    v = lm.cfg.vocab_size
+    m = Transformer(lm.cfg, lm.params, 64)
+
+    def dist(ids):
+        return probs_from_logits(m.forward(torch.tensor(ids), 0)[-1], sp.temperature, sp.top_k, sp.top_p).double()
+
+    p1 = dist(prompt)
+    joint = torch.zeros(v, v, dtype=torch.float64)
+    for t1 in range(v):
+        if p1[t1] == 0:
+            continue
+        p2 = dist(prompt + [t1])
+        for t2 in range(v):
+            if p2[t2] > 0:
+                joint[t2] += p1[t1] * p2[t2] * dist(prompt + [t1, t2])
+    return joint
+
+
+def sample_t2_t3(eng, prompt, sp, n: int) -> torch.Tensor:
+    v = eng.backend.cfg.vocab_size
+    counts = torch.zeros(v, v)
+    for seed in range(n):
+        sp.seed = 1000 + seed
+        ids = eng.generate(prompt, sp).token_ids
+        counts[ids[1], ids[2]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 6, 0.9)])
+def test_speculative_sampling_matches_target_distribution(temperature, top_k, top_p):
+    """Chi-square of the (2nd, 3rd) generated tokens over 2500 seeds against the target's exact
+    joint law; those tokens come from the first verify step (accepts, residual draws, bonus).
+    Tolerance: p-value > 1e-3 (fixed seeds, so the outcome is deterministic)."""
+    lm = tiny_lm(seed=5, vocab=8)
+    prompt = [1, 5, 2]
+    sp = SamplingParams(max_new_tokens=4, temperature=temperature, top_k=top_k, top_p=top_p)
+    exact = exact_joint_t2_t3(lm, prompt, sp)
+    be = Transformer(lm.cfg, lm.params, 64)
+    eng = SpeculativeEngine(be, None, random_draft(lm, seed=1), k=2)
+    n = 2500
+    counts = sample_t2_t3(eng, prompt, sp, n)
+    st = eng.total_stats
+    assert 0.1 < st.accept_rate < 0.95, st  # both acceptance and residual draws were exercised
+    assert chi_square_pvalue(counts, exact * n) > 1e-3
+
+
+def test_sampling_check_detects_a_biased_verifier(monkeypatch):
+    """The same check rejects a verifier that keeps every draft (output would follow q, not p)."""
+    lm = tiny_lm(seed=5, vocab=8)
+    prompt = [1, 5, 2]
+    sp = SamplingParams(max_new_tokens=4, temperature=1.0)
+    exact = exact_joint_t2_t3(lm, prompt, sp)
+
+    def keep_all(p, q, drafts, gen):
+        k = drafts.shape[0]
+        return k, int(torch.multinomial(p[k], 1, generator=gen))
+
+    monkeypatch.setattr(speculative, "verify_sampling", keep_all)
+    eng = SpeculativeEngine(Transformer(lm.cfg, lm.params, 64), None, random_draft(lm, seed=1), k=2)
+    n = 1500
+    counts = sample_t2_t3(eng, prompt, sp, n)
+    assert chi_square_pvalue(counts, exact * n) < 1e-3
+
+
+def test_same_seed_same_text():
+    lm = tiny_lm(seed=6)
+    be = Transformer(lm.cfg, lm.params, 64)
+    eng = SpeculativeEngine(be, None, random_draft(lm), k=3)
+    sp = SamplingParams(max_new_tokens=20, temperature=0.9, seed=7)
+    assert eng.generate([2, 3], sp).token_ids == eng.generate([2, 3], sp).token_ids
