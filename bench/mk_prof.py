@@ -22,3 +22,8 @@ for _ in range(4):
     mk.forward(torch.tensor([7], device="cuda"), 511)
 torch.cuda.synchronize()
 print("done")
+if mk.trace is not None:
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record(); mk.forward(torch.tensor([7], device="cuda"), 511); e.record(); e.synchronize()
+    print(f"step {s.elapsed_time(e) * 1e3:.1f} us for {cfg.num_layers} layers")
+    print({k: round(v, 2) for k, v in mk.stage_times().items()})

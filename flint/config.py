@@ -107,10 +107,12 @@ def from_hf_dict(d: dict, source: str = "config.json") -> ModelConfig:
     for f in ("attention_bias", "mlp_bias"):
         if d.get(f):
             raise ConfigError(f"{source}: field {f!r}=true is not supported")
+    for key in ("rope_parameters", "rope_scaling"):  # transformers 5 / 4 spellings; check both
+        r = d.get(key)
+        rope_type = r.get("rope_type", r.get("type", "default")) if isinstance(r, dict) else "default"
+        if rope_type not in ("default", None):
+            raise ConfigError(f"{source}: field {key!r}: rope type {rope_type!r} is not supported")
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-    if rope_type not in ("default", None):
-        raise ConfigError(f"{source}: rope scaling {rope_type!r} is not supported")
     theta = d.get("rope_theta")
     if theta is None and isinstance(rope, dict):
         theta = rope.get("rope_theta")

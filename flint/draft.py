@@ -349,6 +349,10 @@ _CHAT_SUBJECTS = [
     "a city at night", "a garden", "a dragon who loves books", "learning to cook", "a long train ride",
     "moving to a new city", "a birthday party", "a lighthouse keeper", "winter mornings", "a marathon",
     "a family dinner", "a space explorer", "a quiet library", "a summer festival", "an old clock",
+    "a snowy forest", "a coffee shop", "learning a new language", "a soccer match", "a music lesson",
+    "a camping trip", "an inventor's workshop", "a farmer's market", "a haunted house", "the night sky",
+    "a job interview", "a wedding", "a museum visit", "a science fair", "a road trip",
+    "a talking tree", "a pirate ship", "a small village", "a busy airport", "saving money",
 ]
 _CHAT_TEMPLATES = ["Write a short poem about {t}.", "Write a short story about {t}.",
                    "Write a friendly email to a colleague about {t}.", "Give me some tips related to {t}.",
@@ -661,8 +665,11 @@ def train_draft(draft: DraftHead, data: HarvestData, out_dir: str | Path, steps:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     device = draft.device
+    if device.type == "cuda":  # the whole harvest fits: no per-step host gathers
+        data = HarvestData(data.tokens.to(device), data.hidden.to(device), data.lengths.to(device),
+                           data.prompt_index, data.meta)
     n = data.tokens.shape[0]
-    usable = [i for i in range(n) if int(data.lengths[i]) >= 2]
+    usable = [i for i, ln in enumerate(data.lengths.tolist()) if ln >= 2]
     g = torch.Generator().manual_seed(seed)
     perm = [usable[i] for i in torch.randperm(len(usable), generator=g).tolist()]
     n_val = max(1, int(len(perm) * val_frac)) if len(perm) > 1 else 0
@@ -724,7 +731,9 @@ def train_draft(draft: DraftHead, data: HarvestData, out_dir: str | Path, steps:
     torch.save({"draft": draft.state_dict(), "opt": opt.state_dict(), "step": done}, state_path)
     record = {"steps": done, "depth": depth, "batch_size": batch_size, "lr": lr, "reg_weight": reg_weight,
               "sequences": len(train_rows), "val_sequences": len(val_rows),
-              "harvest": {k: data.meta.get(k) for k in ("prompt_set", "max_new_tokens", "temperature")},
+              "harvest": {"prompt_set": data.meta.get("prompt_set"),
+                          "max_new_tokens": int(data.meta.get("max_new_tokens", 0)),
+                          "temperature": float(data.meta.get("temperature", 0))},
               "train_s": round(time.perf_counter() - t0, 1)}
     if val_rows:
         ks = list(range(1, 9))

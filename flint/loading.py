@@ -286,7 +286,8 @@ def read_gguf(path: str | Path):
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:
-        raise LoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+        raise LoadError(f"{path}: not a readable GGUF file, truncated or corrupt "
+                        f"({type(e).__name__}: {e})") from None
     fields = {}
     for k, f in reader.fields.items():
         try:

@@ -235,7 +235,8 @@ class MegakernelBackend:
     def _pack_args(self) -> tuple[list[int], list[float]]:
         c = self.cfg
         ia = [c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers,
-              c.vocab_size, self.max_seq_len, int(bool(c.use_rope)), self.nblocks]
+              c.vocab_size, self.max_seq_len, int(bool(c.use_rope)), self.nblocks,
+              int(os.environ.get("FLINT_MK_DBG", "0"))]  # debug bits for timing experiments only
         for t in (self.embed, self.norms, self.final_norm, self.rope_cos, self.rope_sin, self.k_cache,
                   self.v_cache, self.resid, self.q, self.attn, self.act, self.part, self.att_count,
                   self.logits, self.arg_val, self.arg_idx, self.argmax, self.done_count, self.bar_counter,

@@ -58,8 +58,8 @@ def _validation_error(e) -> APIError:
     """The first problem in a pydantic ValidationError, as a 400 naming the field."""
     err = e.errors(include_url=False)[0]
     if err["type"] == "json_invalid":
-        return APIError(400, f"the request body is not valid JSON ({err.get('ctx', {}).get('error', err['msg'])})",
-                        code="invalid_json")
+        why = err.get("ctx", {}).get("error", err["msg"])
+        return APIError(400, f"the request body is not valid JSON ({why})", code="invalid_json")
     # a union names the branch it tried ('stop.list[str].0'); the client wants the field path
     loc = [str(x) for x in err["loc"] if not (isinstance(x, str) and ("[" in x or x in _TYPE_TAGS))]
     param = ".".join(loc) or None
@@ -139,12 +139,22 @@ class Job:
             self.cancelled.set()
 
 
-class Scheduler:
-    """A bounded FIFO of jobs and the one thread that runs them on the engine, in order."""
+def _shutdown_error() -> APIError:
+    return APIError(503, "the server is shutting down", "server_error", code="server_shutdown")
 
-    def __init__(self, engine, max_queue: int):
+
+class Scheduler:
+    """A bounded FIFO of jobs and the one thread that runs them on the engine, in order.
+
+    ``should_stop()`` (the server is shutting down) is checked at every token: the running job and
+    all waiting ones then end with a 503 error event, so open streams close and shutdown is quick.
+    """
+
+    def __init__(self, engine, max_queue: int, should_stop=lambda: False):
         self.engine = engine
         self.max_queue = max_queue
+        self.should_stop = should_stop
+        self.closed = False
         self.waiting: deque[Job] = deque()
         self.running: Job | None = None
         self.cv = threading.Condition()
@@ -152,8 +162,13 @@ class Scheduler:
         self.thread = threading.Thread(target=self._loop, name="flint-engine", daemon=True)
         self.thread.start()
 
+    def stopping(self) -> bool:
+        return self.closed or self.should_stop()
+
     def submit(self, job: Job) -> None:
         with self.cv:
+            if self.stopping():
+                raise _shutdown_error()
             if len(self.waiting) >= self.max_queue:
                 raise QueueFull
             self.waiting.append(job)
@@ -168,11 +183,23 @@ class Scheduler:
             except ValueError:
                 pass  # running (stops at its next token) or done
 
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the worker (after its current token) and wait for it."""
+        with self.cv:
+            self.closed = True
+            self.cv.notify_all()
+        self.thread.join(timeout_s)
+
     def _loop(self) -> None:
         while True:
             with self.cv:
-                while not self.waiting:
+                while not self.waiting and not self.stopping():
                     self.cv.wait()
+                if self.stopping():
+                    for job in self.waiting:
+                        job.push("error", _shutdown_error())
+                    self.waiting.clear()
+                    return
                 job = self.waiting.popleft()
                 self.running = job
             try:
@@ -187,11 +214,11 @@ class Scheduler:
         if job.cancelled.is_set():  # the client left between the queue and here
             return
         stream = self.engine.stream(job.prompt_ids, job.sp)
-        cancelled = False
+        stopped = None  # why decoding ended early: the client left, or the server is stopping
         try:
             for _tok, piece in stream:
-                if job.cancelled.is_set():
-                    cancelled = True
+                if job.cancelled.is_set() or self.stopping():
+                    stopped = "cancelled" if job.cancelled.is_set() else "shutdown"
                     break
                 if piece:
                     job.push("text", piece)
@@ -203,10 +230,12 @@ class Scheduler:
             stream.close()
         r = self.engine.last
         log.info("%s prompt=%d completion=%d queued=%.2fs ttft=%.3fs decode=%.1f tok/s finish=%s",
-                 job.id, len(job.prompt_ids), len(r.token_ids) if r else 0, wait_s,
-                 r.ttft_s if r else 0.0, r.decode_tok_s if r else 0.0,
-                 "cancelled" if cancelled else (r.finish_reason if r else "?"))
-        job.push("done", r)
+                 job.id, len(job.prompt_ids), len(r.token_ids), wait_s, r.ttft_s, r.decode_tok_s,
+                 stopped or r.finish_reason)
+        if stopped == "shutdown":
+            job.push("error", _shutdown_error())
+        else:
+            job.push("done", r)
 
 
 # ------------------------------------------------------------------ server state
@@ -221,6 +250,7 @@ class ServerState:
         self.engine = None
         self.scheduler: Scheduler | None = None
         self.ready = threading.Event()
+        self.should_stop = lambda: False  # set to the server's "shutting down" flag
 
     def load(self, args) -> None:
         from .cli import load_engine
@@ -230,7 +260,7 @@ class ServerState:
         if lm.tokenizer is None:
             raise ValueError(f"model {self.model_id!r} has no tokenizer; flint serve needs text in and out")
         self.lm, self.engine = lm, engine
-        self.scheduler = Scheduler(engine, self.max_queue)
+        self.scheduler = Scheduler(engine, self.max_queue, self.should_stop)
         self.ready.set()
         log.info("model %s ready on backend %s (context %d tokens) in %.1fs", self.model_id,
                  backend.name, engine.max_seq_len, time.perf_counter() - t0)
@@ -370,8 +400,6 @@ def create_app(state: ServerState):
     async def read_request(request: Request, model_cls):
         authorize(request)
         require_ready()
-        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
-            raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes", code="request_too_large")
         body = bytearray()
         async for chunk in request.stream():
             body += chunk
@@ -406,8 +434,8 @@ def create_app(state: ServerState):
         try:
             state.scheduler.submit(job)
         except QueueFull:
-            raise APIError(429, f"the queue is full ({state.max_queue} requests waiting); retry later",
-                           "rate_limit_error", code="queue_full") from None
+            raise APIError(429, f"the queue is full ({state.max_queue} waiting, the --max-queue limit); "
+                                "retry later", "rate_limit_error", code="queue_full") from None
         return job
 
     async def watch_disconnect(request: Request, job: Job) -> None:
@@ -436,6 +464,8 @@ def create_app(state: ServerState):
         return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
 
     def engine_failure(e: Exception) -> APIError:
+        if isinstance(e, APIError):
+            return e
         if isinstance(e, ValueError):
             return APIError(400, str(e), code="invalid_value")
         return APIError(500, f"generation failed ({type(e).__name__})", "server_error")
@@ -501,12 +531,15 @@ def create_app(state: ServerState):
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = await read_request(request, ChatRequest)
-        return await respond(request, req, _chat_prompt(req, state), chat=True)
+        # tokenizing (and the chat template) off the event loop: a long prompt must not stall others
+        prompt_ids = await asyncio.to_thread(_chat_prompt, req, state)
+        return await respond(request, req, prompt_ids, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await read_request(request, CompletionRequest)
-        return await respond(request, req, _completion_prompt(req, state), chat=False)
+        prompt_ids = await asyncio.to_thread(_completion_prompt, req, state)
+        return await respond(request, req, prompt_ids, chat=False)
 
     return app
 
@@ -544,6 +577,7 @@ def cmd_serve(args) -> int:
     host, port = sock.getsockname()[:2]
     server = uvicorn.Server(uvicorn.Config(create_app(state), log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=3, lifespan="off"))
+    state.should_stop = lambda: server.should_exit
     failure: list[str] = []
 
     def load() -> None:
@@ -562,6 +596,8 @@ def cmd_serve(args) -> int:
     log.info("listening on http://%s:%d (model %s loading; %s)", url_host, port, state.model_id,
              "API key required" if args.api_key else "no API key")
     server.run(sockets=[sock])
+    if state.scheduler is not None:
+        state.scheduler.close()
     if failure:
         print(f"flint: error: {failure[0]}", file=sys.stderr)
         return 2

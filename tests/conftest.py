@@ -95,10 +95,25 @@ def dir_snapshot(path: Path) -> dict:
             for p in sorted(path.rglob("*")) if p.is_file()}
 
 
+def prefer_printable_ascii(model) -> None:
+    """Scale an untied LM head so the random model mostly emits printable ASCII (readable text
+    for stop-string tests): rows of other tokens are zeroed, printable rows amplified."""
+    from tokenizers import Tokenizer
+
+    printable = Tokenizer.from_str(byte_tokenizer_json()).encode(
+        "".join(chr(c) for c in range(0x20, 0x7F))).ids
+    keep = torch.zeros(model.config.vocab_size, 1)
+    keep[printable] = 4.0
+    with torch.no_grad():
+        model.lm_head.weight.mul_(keep)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
-    """A tiny random llama checkpoint with the byte tokenizer (read-only: copy before damaging)."""
+    """A tiny random llama checkpoint (untied head leaning to printable ASCII) with the byte
+    tokenizer and a ChatML template. Read-only: copy it before damaging it."""
     model = make_hf_model("llama", seed=1, rope_theta=5000.0)
+    prefer_printable_ascii(model)
     return save_hf_dir(model, tmp_path_factory.mktemp("tiny-llama"))
 
 

@@ -64,6 +64,33 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
+__device__ __forceinline__ float4 lds128(uint32_t a) {
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ uint2 lds64(uint32_t a) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ uint32_t lds32(uint32_t a) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ float ldsf(uint32_t a) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(a));
+  return v;
+}
+// (a & mask) | magic in ONE LOP3 (the compiler splits it when both are immediates)
+template <uint32_t MASK>
+__device__ __forceinline__ float nib(uint32_t a, uint32_t magic) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "n"(MASK), "r"(magic));
+  return __uint_as_float(d) - 8388608.f;
+}
 // barrier among the 512 consumer threads only (the producer warp never joins)
 __device__ __forceinline__ void cbar() { asm volatile("bar.sync 1, %0;" ::"n"(NCT) : "memory"); }
 
@@ -155,16 +182,24 @@ struct Stage {
   MiscSmem* misc;
 };
 
-// rstd per token of the vector rows src[m] (length H), block-wide deterministic reduction
+// rstd per token of the vector rows src[m] (length H), block-wide deterministic reduction.
+// Loads are unrolled UNR deep so a thread's L2 round trips overlap (one latency, not H / 480).
+constexpr int UNR = 8;
 template <int M>
 __device__ void compute_rstd(const Params& p, const float* const* src, float mult, MiscSmem* misc) {
   const int t = threadIdx.x, lane = t & 31, w = t >> 5;
 #pragma unroll
   for (int m = 0; m < M; ++m) {
     float s = 0.f;
-    for (int k = t; k < p.H; k += NCT) {
-      float v = __ldcg(src[m] + k) * mult;
-      s = fmaf(v, v, s);
+    for (int base = t; base < p.H; base += NCT * UNR) {
+      float v[UNR];
+#pragma unroll
+      for (int u = 0; u < UNR; ++u) {
+        const int k = base + u * NCT;
+        v[u] = k < p.H ? __ldcg(src[m] + k) * mult : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < UNR; ++u) s = fmaf(v[u], v[u], s);
     }
     s = warp_sum(s);
     if (lane == 0) misc->red[w][m] = s;
@@ -183,11 +218,25 @@ template <int M>
 __device__ void stage_x(const Stage<M>& st, const float* const* src, float mult, const float* norm_w,
                         int k0, int kseg, int G, int gshift) {
   const int t = threadIdx.x;
-  for (int i = t; i < M * kseg; i += NCT) {
-    const int m = i / kseg, k = i - m * kseg;
-    float v = __ldcg(src[m] + k0 + k);
-    if (norm_w) v = ((v * mult) * st.misc->rstd[m]) * __ldg(norm_w + k0 + k);
-    st.x[i] = v * prescale(k);
+  for (int base = t; base < M * kseg; base += NCT * UNR) {
+    float v[UNR], wv[UNR];
+#pragma unroll
+    for (int u = 0; u < UNR; ++u) {
+      const int i = base + u * NCT;
+      const int m = i / kseg, k = i - m * kseg;
+      v[u] = i < M * kseg ? __ldcg(src[min(m, M - 1)] + k0 + k) : 0.f;
+      wv[u] = (norm_w && i < M * kseg) ? __ldg(norm_w + k0 + k) : 1.f;
+    }
+#pragma unroll
+    for (int u = 0; u < UNR; ++u) {
+      const int i = base + u * NCT;
+      if (i < M * kseg) {
+        const int m = i / kseg, k = i - m * kseg;
+        float x = v[u];
+        if (norm_w) x = ((x * mult) * st.misc->rstd[m]) * wv[u];
+        st.x[i] = x * prescale(k);
+      }
+    }
   }
   cbar();
   // sums of the unscaled x per 16-code step (the min term is added once per step, see [5])
@@ -210,16 +259,23 @@ __device__ void stage_x(const Stage<M>& st, const float* const* src, float mult,
 // One warp, two rows of one chunk, MB tokens. Lane handles 16 codes (8 bytes) per step. A nibble
 // at bits 4i of a word, OR-ed into the mantissa of 2^23, minus 2^23, is exactly q * 16^i; x was
 // prescaled by 16^-(k%4) so the product is exactly q * x. 3 ops per code (LOP3, FADD, FFMA).
+extern __shared__ __align__(1024) uint8_t mk_smem[];
+
+// One warp, two rows of one chunk, MB tokens; lane handles 16 codes per step, steps st = lane + 32j.
+// Operands are byte offsets into mk_smem so the compiler knows they are shared (LDS) and may hoist
+// the next step's loads above the current step's math (unroll 2).
 template <int MB>
-__device__ __forceinline__ void dot_pair(const uint8_t* r0, int srb, int kseg, int gshift, const float* xs,
-                                         int xstride, const float* xsum, int gstride, int mvalid, int lane,
-                                         float (&acc)[2][MB]) {
+__device__ __forceinline__ void dot_pair(uint32_t r0, int srb, int kseg, int gshift, uint32_t xs, int xstride,
+                                         uint32_t xsum, int gstride, int mvalid, int lane, float (&acc)[2][MB]) {
   const int nsteps = kseg >> 4;
-  const int smoff = kseg >> 1;
+  const uint32_t smoff = (uint32_t)(kseg >> 1);
+  uint32_t magic;
+  asm("mov.b32 %0, 0x4B000000;" : "=r"(magic));
 #pragma unroll
   for (int r = 0; r < 2; ++r)
 #pragma unroll
     for (int m = 0; m < MB; ++m) acc[r][m] = 0.f;
+#pragma unroll 2
   for (int st = lane; st < nsteps; st += 32) {
     const int k0 = st << 4;
     const int g = k0 >> gshift;
@@ -228,13 +284,13 @@ __device__ __forceinline__ void dot_pair(const uint8_t* r0, int srb, int kseg, i
 #pragma unroll
     for (int m = 0; m < MB; ++m) {
       if (m < mvalid) {
-        const float4* xp = reinterpret_cast<const float4*>(xs + m * xstride + k0);
+        const float4* xa = reinterpret_cast<const float4*>(mk_smem + xs + (uint32_t)(m * xstride + k0) * 4u);
 #pragma unroll
         for (int v = 0; v < 4; ++v) {
-          float4 t = xp[v];
+          const float4 t = xa[v];
           x[m][4 * v] = t.x; x[m][4 * v + 1] = t.y; x[m][4 * v + 2] = t.z; x[m][4 * v + 3] = t.w;
         }
-        xg[m] = xsum[m * gstride + st];
+        xg[m] = *reinterpret_cast<const float*>(mk_smem + xsum + (uint32_t)(m * gstride + st) * 4u);
       } else {
 #pragma unroll
         for (int v = 0; v < 16; ++v) x[m][v] = 0.f;
@@ -243,32 +299,32 @@ __device__ __forceinline__ void dot_pair(const uint8_t* r0, int srb, int kseg, i
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const uint8_t* rp = r0 + r * srb;
-      const uint2 c = *reinterpret_cast<const uint2*>(rp + (st << 3));
+      const uint8_t* rp = mk_smem + r0 + (uint32_t)(r * srb);
+      const uint2 cw = *reinterpret_cast<const uint2*>(rp + (st << 3));
       const __half2 sm = *reinterpret_cast<const __half2*>(rp + smoff + (g << 2));
       const float sc = __low2float(sm), mn = __high2float(sm);
-      float d[MB];
+      float d0[MB], d1[MB];  // two chains (low / high half-words) for ILP
 #pragma unroll
-      for (int m = 0; m < MB; ++m) d[m] = 0.f;
+      for (int m = 0; m < MB; ++m) { d0[m] = 0.f; d1[m] = 0.f; }
 #pragma unroll
       for (int wi = 0; wi < 2; ++wi) {
-        const uint32_t w = wi ? c.y : c.x;
+        const uint32_t w = wi ? cw.y : cw.x;
         const uint32_t hi = w >> 16;
+        const float f0 = nib<0xFu>(w, magic), f1 = nib<0xF0u>(w, magic);
+        const float f2 = nib<0xF00u>(w, magic), f3 = nib<0xF000u>(w, magic);
+        const float h0 = nib<0xFu>(hi, magic), h1 = nib<0xF0u>(hi, magic);
+        const float h2 = nib<0xF00u>(hi, magic), h3 = nib<0xF000u>(hi, magic);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float f = __uint_as_float((w & (0xFu << (4 * i))) | 0x4B000000u) - 8388608.f;
-#pragma unroll
-          for (int m = 0; m < MB; ++m) d[m] = fmaf(f, x[m][wi * 8 + i], d[m]);
-        }
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float f = __uint_as_float((hi & (0xFu << (4 * i))) | 0x4B000000u) - 8388608.f;
-#pragma unroll
-          for (int m = 0; m < MB; ++m) d[m] = fmaf(f, x[m][wi * 8 + 4 + i], d[m]);
+        for (int m = 0; m < MB; ++m) {
+          const float* xm = &x[m][wi * 8];
+          d0[m] = fmaf(f0, xm[0], d0[m]); d1[m] = fmaf(h0, xm[4], d1[m]);
+          d0[m] = fmaf(f1, xm[1], d0[m]); d1[m] = fmaf(h1, xm[5], d1[m]);
+          d0[m] = fmaf(f2, xm[2], d0[m]); d1[m] = fmaf(h2, xm[6], d1[m]);
+          d0[m] = fmaf(f3, xm[3], d0[m]); d1[m] = fmaf(h3, xm[7], d1[m]);
         }
       }
 #pragma unroll
-      for (int m = 0; m < MB; ++m) acc[r][m] = fmaf(sc, d[m], fmaf(mn, xg[m], acc[r][m]));
+      for (int m = 0; m < MB; ++m) acc[r][m] = fmaf(sc, d0[m] + d1[m], fmaf(mn, xg[m], acc[r][m]));
     }
   }
 #pragma unroll
@@ -402,11 +458,15 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
         int first = c0 - rb0;
         int pi = first + ((warp - first) % NCW + NCW) % NCW;
         for (; pi < c1 - rb0; pi += NCW) {
-          const uint8_t* r0 = base + (size_t)(pi - first) * 2 * mt.srb;
+          const uint32_t r0 = (uint32_t)(base - mk_smem) + (uint32_t)((pi - first) * 2 * mt.srb);
+#pragma unroll
+          if (p.dbg & 1) continue;  // debug: stream + barriers only
 #pragma unroll
           for (int tb = 0; tb < M; tb += MB) {
             float acc[2][MB];
-            dot_pair<MB>(r0, mt.srb, mt.kseg, mt.gshift, c.st.x + tb * mt.kseg, mt.kseg, c.st.xsum + tb * nst, nst,
+            dot_pair<MB>(r0, mt.srb, mt.kseg, mt.gshift,
+                         (uint32_t)(reinterpret_cast<const uint8_t*>(c.st.x + tb * mt.kseg) - mk_smem), mt.kseg,
+                         (uint32_t)(reinterpret_cast<const uint8_t*>(c.st.xsum + tb * nst) - mk_smem), nst,
                          M - tb, lane, acc);
             if (lane == 0) {
 #pragma unroll
@@ -609,7 +669,7 @@ template <int M>
 __global__ void __launch_bounds__(NT, 1)
     decode_kernel(const __grid_constant__ Params p, const __grid_constant__ Smem sl, int start,
                   const long long* tokens, int tok0) {
-  extern __shared__ __align__(1024) uint8_t smem[];
+  uint8_t* smem = mk_smem;
   Ring ring;
   ring.slots = smem + sl.ring;
   ring.full = reinterpret_cast<uint64_t*>(smem + sl.bars);

@@ -52,7 +52,7 @@ extern "C" int flint_mk_abi_version() { return 1; }
 // iargs: see flint/megakernel.py (_pack_args) for the order; it is the one definition of it.
 extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, int n_f, void** out) {
   *out = nullptr;
-  const int NI = 10 + 21 + mk::NMAT * 10, NF = 5;
+  const int NI = 11 + 21 + mk::NMAT * 10, NF = 5;
   if (n_i != NI || n_f != NF) {
     snprintf(g_err, sizeof(g_err), "flint_mk_create: expected %d int and %d float args, got %d and %d", NI, NF, n_i,
              n_f);
@@ -65,6 +65,7 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
   p.H = (int)ia[k++]; p.I = (int)ia[k++]; p.nh = (int)ia[k++]; p.nkv = (int)ia[k++]; p.D = (int)ia[k++];
   p.L = (int)ia[k++]; p.V = (int)ia[k++]; p.max_seq = (int)ia[k++]; p.use_rope = (int)ia[k++];
   p.nblocks = (int)ia[k++];
+  p.dbg = (int)ia[k++];
   void** ptrs[] = {(void**)&p.embed, (void**)&p.norms, (void**)&p.final_norm, (void**)&p.rope_cos,
                    (void**)&p.rope_sin, (void**)&p.kcache, (void**)&p.vcache, (void**)&p.resid, (void**)&p.q,
                    (void**)&p.attn, (void**)&p.act, (void**)&p.part, (void**)&p.att_count, (void**)&p.logits,

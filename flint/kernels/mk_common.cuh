@@ -36,7 +36,7 @@ struct Mat {
 
 struct Params {
   Mat mat[NMAT];
-  int H, I, nh, nkv, D, L, V, max_seq, use_rope, nblocks;
+  int H, I, nh, nkv, D, L, V, max_seq, use_rope, nblocks, dbg;  // dbg bit 0: skip dot (timing)
   float eps, emb_mult, res_mult, attn_scale, inv_logit_scale;
   const float* embed;       // [vocab, H] fp32
   const float* norms;       // [L][2][H]: attn_norm, ffn_norm

@@ -1,0 +1,199 @@
+"""The engine on a tiny random llama with a byte-level tokenizer (one token per UTF-8 byte).
+
+Sampling is reproducible under a seed and differs across seeds; top_k=1 is greedy; stop strings
+cut the text (finish_reason "stop"); eos stops; max_new_tokens gives "length"; streamed pieces
+concatenate to the final text; StreamDecoder never emits a broken UTF-8 character; reusing the
+KV prefix gives the same tokens as a fresh engine; one M-token step equals M single steps; the
+sampling distribution obeys temperature, top-k and top-p. Run: ``pytest tests/test_engine.py``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flint.engine import Engine, SamplingParams, probs_from_logits
+from flint.model import Transformer
+
+MAX_SEQ = 96
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_llama):
+    return Transformer(tiny_llama.cfg, tiny_llama.params, max_seq_len=MAX_SEQ)
+
+
+@pytest.fixture
+def engine(backend, tiny_llama):
+    """A fresh engine (empty prefix cache) over the shared backend."""
+    return Engine(backend, tiny_llama.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tiny_llama):
+    return tiny_llama.tokenizer.encode(PROMPT)
+
+
+def run(engine, ids, **kw):
+    """generate() through stream(): (result, streamed pieces)."""
+    pieces = [piece for _, piece in engine.stream(ids, SamplingParams(**kw))]
+    return engine.last, pieces
+
+
+def test_seeded_sampling_is_reproducible(engine, prompt_ids):
+    a, _ = run(engine, prompt_ids, max_new_tokens=24, temperature=1.0, seed=11, ignore_eos=True)
+    b, _ = run(engine, prompt_ids, max_new_tokens=24, temperature=1.0, seed=11, ignore_eos=True)
+    c, _ = run(engine, prompt_ids, max_new_tokens=24, temperature=1.0, seed=12, ignore_eos=True)
+    assert a.token_ids == b.token_ids and a.text == b.text
+    assert a.token_ids != c.token_ids, "seeds 11 and 12 sampled the same 24 tokens"
+    greedy, _ = run(engine, prompt_ids, max_new_tokens=24, ignore_eos=True)
+    assert a.token_ids != greedy.token_ids, "temperature 1 sampling collapsed to greedy"
+
+
+def test_top_k_1_is_greedy(engine, prompt_ids):
+    greedy, _ = run(engine, prompt_ids, max_new_tokens=20, ignore_eos=True)
+    top1, _ = run(engine, prompt_ids, max_new_tokens=20, temperature=1.3, top_k=1, seed=5,
+                  ignore_eos=True)
+    assert top1.token_ids == greedy.token_ids
+
+
+def test_tiny_top_p_is_greedy(engine, prompt_ids):
+    greedy, _ = run(engine, prompt_ids, max_new_tokens=20, ignore_eos=True)
+    nucleus, _ = run(engine, prompt_ids, max_new_tokens=20, temperature=1.0, top_p=1e-6, seed=5,
+                     ignore_eos=True)
+    assert nucleus.token_ids == greedy.token_ids
+
+
+def test_max_new_tokens_gives_length(engine, prompt_ids):
+    res, pieces = run(engine, prompt_ids, max_new_tokens=17, ignore_eos=True)
+    assert res.finish_reason == "length" and len(res.token_ids) == 17
+    assert res.prompt_tokens == len(prompt_ids)
+    assert "".join(pieces) == res.text
+    empty, _ = run(engine, prompt_ids, max_new_tokens=0)
+    assert empty.token_ids == [] and empty.finish_reason == "length"
+
+
+def test_eos_stops(backend, tiny_llama, prompt_ids):
+    free, _ = run(Engine(backend, tiny_llama.tokenizer), prompt_ids, max_new_tokens=30, ignore_eos=True)
+    eos = free.token_ids[6]  # declare a token the model emits as eos
+    first = free.token_ids.index(eos)
+    res, pieces = run(Engine(backend, tiny_llama.tokenizer, eos_token_ids=[eos]), prompt_ids,
+                      max_new_tokens=30)
+    assert res.finish_reason == "stop"
+    assert res.token_ids == free.token_ids[: first + 1]  # the eos token is the last one returned
+    assert "".join(pieces) == res.text
+    ignored, _ = run(Engine(backend, tiny_llama.tokenizer, eos_token_ids=[eos]), prompt_ids,
+                     max_new_tokens=30, ignore_eos=True)
+    assert ignored.token_ids == free.token_ids
+
+
+def test_stop_string_cuts_text(engine, prompt_ids):
+    free, free_pieces = run(engine, prompt_ids, max_new_tokens=40, ignore_eos=True)
+    text = free.text
+    assert "".join(free_pieces) == text
+    # a stop string from the middle of the free-running text, at its first occurrence
+    start = next(i for i in range(len(text) // 3, len(text) - 3) if text.find(text[i:i + 3]) == i)
+    stop = text[start: start + 3]
+    res, pieces = run(engine, prompt_ids, max_new_tokens=40, ignore_eos=True, stop=["\x00never", stop])
+    assert res.finish_reason == "stop"
+    assert res.text == text[:start], (res.text, stop)
+    assert "".join(pieces) == res.text
+    assert res.token_ids == free.token_ids[: len(res.token_ids)] and len(res.token_ids) < 40
+
+
+def test_stop_string_prefix_held_back_then_released(engine, prompt_ids):
+    """A stop string whose start appears but never completes: the held text is released."""
+    free, _ = run(engine, prompt_ids, max_new_tokens=30, ignore_eos=True)
+    tail = free.text[-2:]
+    res, pieces = run(engine, prompt_ids, max_new_tokens=30, ignore_eos=True,
+                      stop=[tail + "\x00\x01never"])
+    assert res.finish_reason == "length" and res.text == free.text
+    assert "".join(pieces) == free.text
+
+
+@pytest.mark.parametrize("text", ["héllo wörld — 東京 😀🙂 ß", "€€€ 𝄞 ok"])
+def test_stream_decoder_never_yields_broken_utf8(tiny_llama, text):
+    tok = tiny_llama.tokenizer
+    ids = tok.encode(text)
+    assert len(ids) == len(text.encode("utf-8")), "byte tokenizer: one token per byte"
+    dec = tok.stream()
+    pieces = [dec.feed(i) for i in ids]
+    for p in pieces:
+        assert "\ufffd" not in p
+        p.encode("utf-8")  # a complete, valid string
+    assert any(p == "" for p in pieces), "multi-byte characters should be held back"
+    assert "".join(pieces) + dec.flush() == text
+
+
+def test_prefix_reuse_matches_fresh_engine(backend, tiny_llama, prompt_ids):
+    class Counting:
+        def __init__(self, inner):
+            self.inner, self.tokens = inner, 0
+            self.cfg, self.device, self.max_seq_len = inner.cfg, inner.device, inner.max_seq_len
+
+        def forward(self, tokens, start_pos, return_hidden=False):
+            self.tokens += tokens.shape[-1]
+            return self.inner.forward(tokens, start_pos, return_hidden)
+
+    counting = Counting(backend)
+    warm = Engine(counting, tiny_llama.tokenizer)
+    first, _ = run(warm, prompt_ids, max_new_tokens=12, ignore_eos=True)
+    follow_up = prompt_ids + first.token_ids + tiny_llama.tokenizer.encode(" and then")
+    counting.tokens = 0
+    again, _ = run(warm, follow_up, max_new_tokens=12, ignore_eos=True)
+    # only the part of the follow-up not already cached was prefilled (+ 11 decode steps)
+    cached = len(prompt_ids) + len(first.token_ids) - 1  # the last sampled token was never fed
+    assert counting.tokens == len(follow_up) - cached + 11
+    fresh, _ = run(Engine(Transformer(tiny_llama.cfg, tiny_llama.params, max_seq_len=MAX_SEQ),
+                          tiny_llama.tokenizer), follow_up, max_new_tokens=12, ignore_eos=True)
+    assert again.token_ids == fresh.token_ids
+    # a shorter, diverging prompt afterwards (the cache rolls back) still matches a fresh engine
+    branch = prompt_ids[:-2] + tiny_llama.tokenizer.encode("X")
+    rolled, _ = run(warm, branch, max_new_tokens=12, ignore_eos=True)
+    fresh, _ = run(Engine(Transformer(tiny_llama.cfg, tiny_llama.params, max_seq_len=MAX_SEQ),
+                          tiny_llama.tokenizer), branch, max_new_tokens=12, ignore_eos=True)
+    assert rolled.token_ids == fresh.token_ids
+
+
+def test_m_token_step_equals_m_single_steps(tiny_llama):
+    ids = torch.tensor(tiny_llama.tokenizer.encode("The quick brown fox jumps"))
+    a = Transformer(tiny_llama.cfg, tiny_llama.params, max_seq_len=MAX_SEQ)
+    b = Transformer(tiny_llama.cfg, tiny_llama.params, max_seq_len=MAX_SEQ)
+    a.forward(ids[:6], 0)
+    b.forward(ids[:6], 0)
+    m = len(ids) - 6
+    block = a.forward(ids[6:], 6)  # one verify-style step of M tokens
+    singles = torch.cat([b.forward(ids[p: p + 1], p) for p in range(6, len(ids))])
+    assert block.shape == singles.shape == (m, tiny_llama.cfg.vocab_size)
+    # fp32: a different matmul shape may round differently; 1e-5 of the logit scale is far
+    # below any real indexing or masking error
+    torch.testing.assert_close(block, singles, rtol=0, atol=1e-5 * singles.abs().max().item())
+    kv_a, kv_b = a.k_cache[:, :, :, : len(ids)], b.k_cache[:, :, :, : len(ids)]
+    torch.testing.assert_close(kv_a, kv_b, rtol=0, atol=1e-5 * kv_b.abs().max().item())
+
+
+def test_probs_from_logits():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(50, generator=g) * 3
+    p = probs_from_logits(logits, 1.0)
+    torch.testing.assert_close(p, torch.softmax(logits, -1))
+    cold, hot = probs_from_logits(logits, 0.25), probs_from_logits(logits, 4.0)
+    assert cold.max() > p.max() > hot.max()
+    k = probs_from_logits(logits, 1.0, top_k=5)
+    assert (k > 0).sum() == 5 and set(k.nonzero().flatten().tolist()) == set(logits.topk(5).indices.tolist())
+    torch.testing.assert_close(k.sum(), torch.tensor(1.0))
+    nucleus = probs_from_logits(logits, 1.0, top_p=0.6)
+    kept = nucleus > 0
+    order = p.argsort(descending=True)
+    n = int(kept.sum())
+    # the kept set is the smallest most-likely prefix whose mass reaches top_p
+    assert set(order[:n].tolist()) == set(kept.nonzero().flatten().tolist())
+    assert p[order[:n]].sum() >= 0.6 > p[order[: n - 1]].sum()
+    torch.testing.assert_close(nucleus[kept], p[kept] / p[kept].sum())
+
+
+@pytest.mark.parametrize("bad", [dict(max_new_tokens=-1), dict(temperature=-0.5), dict(top_p=0.0),
+                                 dict(top_p=1.5), dict(top_k=-2)])
+def test_sampling_params_validation(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        SamplingParams(**bad).validate()
