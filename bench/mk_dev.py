@@ -99,8 +99,8 @@ def hbm_read_bandwidth() -> float:
     return bw
 
 
-def time_granite(ctxs, group=128, iters=50) -> tuple[list[dict], MegakernelBackend]:
-    cfg = granite_cfg()
+def time_model(name, ctxs, group=128, iters=50) -> tuple[list[dict], MegakernelBackend]:
+    cfg = from_hf_dict(dict(SYNTHETIC[name]), name)
     params = synthetic_params(cfg, seed=0, int4_group_size=group, dtype=torch.float32, device="cuda")
     maxlen = max(ctxs) + 16
     mk = MegakernelBackend(cfg, params, maxlen)
@@ -133,7 +133,7 @@ def time_granite(ctxs, group=128, iters=50) -> tuple[list[dict], MegakernelBacke
             mk.greedy_next(123, pos)
         tg = (time.perf_counter() - t0) / iters
         kv = mk.kv_bytes_per_token * ctx
-        rows.append(dict(model="granite-4.1-3b-int4 synthetic", ctx=ctx, step_us=t * 1e6, tok_s=1 / t,
+        rows.append(dict(model=f"{name} int4 G{group} synthetic", ctx=ctx, step_us=t * 1e6, tok_s=1 / t,
                          greedy_tok_s=1 / tg, weight_bytes=wbytes, kv_bytes=kv, achieved_GBps=(wbytes + kv) / t / 1e9,
                          min_us=min(ts) * 1e6, max_us=max(ts) * 1e6))
         print(rows[-1], flush=True)
@@ -166,20 +166,24 @@ def main():
         res["check_error"] = repr(e)
     bw = hbm_read_bandwidth()
     res["hbm_read_Bps"] = bw
-    rows, mk = time_granite([int(c) for c in args.ctxs.split(",")])
+    rows, mk = time_model("granite-4.1-3b", [int(c) for c in args.ctxs.split(",")])
+    res["smem"] = mk.smem_info(1)
+    del mk
+    torch.cuda.empty_cache()
+    srows, _ = time_model("smollm2-135m", [512], group=32)  # L2-resident: weights (~90 MB) vs 60 MB L2
+    rows += srows
     for r in rows:
         r["MBU"] = (r["weight_bytes"] + r["kv_bytes"]) * r["tok_s"] / bw
     res["timing"] = rows
-    res["smem"] = mk.smem_info(1)
     (OUT / "mk_dev.json").write_text(json.dumps(res, indent=1))
     print("\n== correctness (logits rel err vs flint.model.Transformer fp32)")
     for c in res["checks"]:
         print(f"{str(c.get('cfg')):14s} G{c.get('G', '-')!s:4s} ctx {c['ctx']:5d} M {c['M']}  rel {c['rel']:.2e}  "
               f"argmax {'ok' if c['argmax_ok'] else 'DIFF'}  bitwise {c['bitwise']}")
     print(f"\n== timing on {dev}; HBM read (torch bf16 sum, 4 GB) {bw / 1e12:.2f} TB/s; smem {res['smem']}")
-    print(f"{'ctx':>6s} {'step us':>9s} {'tok/s':>8s} {'greedy tok/s':>13s} {'GB/step':>8s} {'MBU':>6s}")
+    print(f"{'model':34s} {'ctx':>6s} {'step us':>9s} {'tok/s':>8s} {'greedy tok/s':>13s} {'GB/step':>8s} {'MBU':>6s}")
     for r in rows:
-        print(f"{r['ctx']:6d} {r['step_us']:9.1f} {r['tok_s']:8.1f} {r['greedy_tok_s']:13.1f} "
+        print(f"{r['model']:34s} {r['ctx']:6d} {r['step_us']:9.1f} {r['tok_s']:8.1f} {r['greedy_tok_s']:13.1f} "
               f"{(r['weight_bytes'] + r['kv_bytes']) / 1e9:8.3f} {r['MBU']:6.1%}")
 
 

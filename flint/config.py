@@ -91,6 +91,8 @@ def _eos_list(v) -> list[int]:
 
 def from_hf_dict(d: dict, source: str = "config.json") -> ModelConfig:
     """Build a ModelConfig from a parsed HF config.json."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
     mt = d.get("model_type")
     if mt not in ("llama", "granite", "granitemoehybrid", "mistral"):
         arch = d.get("architectures")
@@ -154,7 +156,8 @@ def from_hf_dict(d: dict, source: str = "config.json") -> ModelConfig:
         max_position_embeddings=int(_get(d, source, "max_position_embeddings", default=2048)),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         embedding_multiplier=float(d.get("embedding_multiplier", 1.0)) if granite else 1.0,
-        attention_multiplier=float(d["attention_multiplier"]) if granite and d.get("attention_multiplier") is not None else None,
+        # Granite's softmax scale; transformers' Granite configs default it to 1.0, not 1/sqrt(d)
+        attention_multiplier=float(_get(d, source, "attention_multiplier", default=1.0)) if granite else None,
         residual_multiplier=float(d.get("residual_multiplier", 1.0)) if granite else 1.0,
         logits_scaling=float(d.get("logits_scaling", 1.0)) if granite else 1.0,
         bos_token_id=d.get("bos_token_id"),

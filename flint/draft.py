@@ -159,7 +159,8 @@ class DraftHead(nn.Module):
         """The target's head on a (true or predicted) hidden state: fp32 logits [..., V]."""
         self._need_target()
         x = rms_norm(hidden.to(self.head.dtype), self.final_norm, self.target_eps)
-        return (x @ self.head.T).float() / self.logits_scaling
+        logits = (x @ self.head.T).float()
+        return logits / self.logits_scaling if self.logits_scaling != 1.0 else logits
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         self._need_target()

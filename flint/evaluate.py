@@ -154,6 +154,7 @@ def run_eval(model: str | None = None, text_path: str | None = None, against: st
              log=print) -> list[EvalRow]:
     from .loading import load_model
 
+    variants = parse_variants(quantize) if quantize else []  # bad specs fail before any load
     lm = load_model(model)
     if lm.tokenizer is None:
         raise EvalError(f"model {lm.source}: has no tokenizer (synthetic?); flint eval reads text")
@@ -188,7 +189,7 @@ def run_eval(model: str | None = None, text_path: str | None = None, against: st
     else:
         ref = (model_label, _reference_decoder(lm.cfg, lm.params, window, device))
         weights[model_label] = describe_weights(lm.params)
-    for g, float_head in parse_variants(quantize) if quantize else []:
+    for g, float_head in variants:
         params = requantize_params(lm.params, g, float_head)
         label = f"requantized g{g}" + (", float head" if float_head else "")
         cands.append((label, build(params)))

@@ -123,10 +123,13 @@ def _read_safetensors(files: list[Path], desc: str) -> dict[str, torch.Tensor]:
         try:
             with open(f, "rb") as fh:
                 head = fh.read(8)
-            if len(head) < 8:
-                raise LoadError(f"{f}: truncated safetensors file ({size} bytes)")
-            n = int.from_bytes(head, "little")
-            hdr = json.loads(Path(f).open("rb").read(8 + n)[8:])
+                if len(head) < 8:
+                    raise LoadError(f"{f}: truncated safetensors file ({size} bytes)")
+                n = int.from_bytes(head, "little")
+                if 8 + n > size:
+                    raise LoadError(f"{f}: truncated or corrupt safetensors file: header length {n} "
+                                    f"exceeds the file's {size} bytes")
+                hdr = json.loads(fh.read(n))
             end = max((v["data_offsets"][1] for k, v in hdr.items() if k != "__metadata__"), default=0)
             if 8 + n + end > size:
                 raise LoadError(f"{f}: truncated safetensors file: header promises {8 + n + end} bytes, "

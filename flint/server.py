@@ -19,12 +19,14 @@ import functools
 import hmac
 import json
 import logging
+import os
 import socket
 import sys
 import threading
 import time
 import uuid
 from collections import deque
+from contextlib import aclosing
 
 log = logging.getLogger("flint.serve")
 
@@ -94,7 +96,7 @@ def schemas():
         max_tokens: int | None = Field(None, ge=1)
         temperature: float | None = Field(None, ge=0, le=2)  # OpenAI's default is 1
         top_p: float | None = Field(None, gt=0, le=1)
-        seed: int | None = None
+        seed: int | None = Field(None, ge=-(2**63), lt=2**63)  # int64, as OpenAI's
         stop: str | list[str] | None = None
         n: int | None = None
         stream: bool | None = None
@@ -179,9 +181,10 @@ class Scheduler:
         with self.cv:
             try:
                 self.waiting.remove(job)
-                log.info("%s cancelled while queued (%.2fs)", job.id, time.perf_counter() - job.t_submit)
             except ValueError:
-                pass  # running (stops at its next token) or done
+                return  # running (stops at its next token) or done
+        log.info("%s cancelled while queued (%.2fs)", job.id, time.perf_counter() - job.t_submit)
+        job.push("error", APIError(499, "the client closed the request", code="client_closed"))
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the worker (after its current token) and wait for it."""
@@ -350,7 +353,6 @@ def _completion_prompt(req, state: ServerState) -> list[int]:
 
 def create_app(state: ServerState):
     from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
     from pydantic import ValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -361,7 +363,7 @@ def create_app(state: ServerState):
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
         headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-        if request.url.path.startswith("/v1/"):
+        if request.url.path.startswith("/v1/") and e.status != 499:  # 499: logged when cancelled
             log.info("%s %s -> %d %s", request.method, request.url.path, e.status, e.message)
         return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
@@ -370,10 +372,6 @@ def create_app(state: ServerState):
         return JSONResponse(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
                                      code="not_found" if e.status_code == 404 else None).body(),
                             status_code=e.status_code)
-
-    @app.exception_handler(RequestValidationError)
-    async def _request_validation_error(request: Request, e):
-        return JSONResponse(_validation_error(e).body(), status_code=400)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, e: Exception):
@@ -496,28 +494,30 @@ def create_app(state: ServerState):
                 if chat:
                     yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
                                   "logprobs": None, "finish_reason": None}])
-                async for kind, value in events(request, job):
-                    if kind == "text":
-                        yield chunk([choice(value, None)])
-                    elif kind == "done":
-                        yield chunk([choice(None if chat else "", value.finish_reason)])
-                        if with_usage:
-                            yield sse({**head, "choices": [], "usage": usage(value)})
-                    else:  # the status line is gone already: report in the stream, then end it
-                        yield sse(engine_failure(value).body())
+                async with aclosing(events(request, job)) as evs:
+                    async for kind, value in evs:
+                        if kind == "text":
+                            yield chunk([choice(value, None)])
+                        elif kind == "done":
+                            yield chunk([choice(None if chat else "", value.finish_reason)])
+                            if with_usage:
+                                yield sse({**head, "choices": [], "usage": usage(value)})
+                        else:  # the status line is gone already: report in the stream, then end it
+                            yield sse(engine_failure(value).body())
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(body(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
         text = []
-        async for kind, value in events(request, job):
-            if kind == "text":
-                text.append(value)
-            elif kind == "error":
-                raise engine_failure(value)
-            else:
-                r = value
+        async with aclosing(events(request, job)) as evs:
+            async for kind, value in evs:
+                if kind == "text":
+                    text.append(value)
+                elif kind == "error":
+                    raise engine_failure(value)
+                else:
+                    r = value
         out = "".join(text)
         if chat:
             first = {"index": 0, "message": {"role": "assistant", "content": out}, "logprobs": None,
@@ -608,12 +608,13 @@ def register(sub) -> None:
     from .cli import add_model_args
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and completions, SSE)",
-                       description=__doc__.split("\n\n")[0])
+                       description="An OpenAI-compatible HTTP server on the engine; see docs/serve.md.")
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (0 = any free port, printed at start)")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every /v1 route")
+    p.add_argument("--api-key", default=os.environ.get("FLINT_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on every /v1 route (default: $FLINT_API_KEY, "
+                        "which keeps the key out of process listings)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait while one decodes; more are answered 429 (default 64)")
     p.set_defaults(func=cmd_serve)

@@ -54,7 +54,12 @@ class Tokenizer:
             raise TokenizerError(f"{d / 'tokenizer.json'}: cannot be read ({e})") from None
         tc = {}
         if (d / "tokenizer_config.json").exists():
-            tc = json.loads((d / "tokenizer_config.json").read_text())
+            try:
+                tc = json.loads((d / "tokenizer_config.json").read_text())
+            except ValueError as e:  # bad JSON or bad UTF-8
+                raise TokenizerError(f"{d / 'tokenizer_config.json'}: not valid JSON ({e})") from None
+            if not isinstance(tc, dict):
+                raise TokenizerError(f"{d / 'tokenizer_config.json'}: expected a JSON object")
         tmpl = tc.get("chat_template")
         if isinstance(tmpl, list):  # [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in tmpl}

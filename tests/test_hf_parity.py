@@ -133,3 +133,26 @@ def test_sharded_checkpoint_loads_identically(tmp_path):
         want = hf(ids[None]).logits[0]
     ok, diff = close(got, want)
     assert ok, f"sharded checkpoint ({len(shards)} shards): logits differ from HF by {diff}"
+
+
+@pytest.mark.parametrize("family", ["granite", "granitemoehybrid"])
+def test_granite_multipliers_default_like_transformers(tmp_path, family):
+    """A config.json without the four multipliers means transformers' defaults (all 1.0; the
+    attention scale is attention_multiplier = 1.0, not 1/sqrt(head_dim))."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    d = save_hf_dir(make_hf_model(family, seed=5), tmp_path / family, tokenizer=False)
+    cfg = json.loads((d / "config.json").read_text())
+    for field in GRANITE_MULTIPLIERS:
+        cfg.pop(field, None)
+    (d / "config.json").write_text(json.dumps(cfg))
+    hf = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    lm = load_model(str(d))
+    ids = torch.arange(3, 19)
+    got = Transformer(lm.cfg, lm.params, max_seq_len=32).forward(ids, 0)
+    with torch.no_grad():
+        want = hf(ids[None]).logits[0]
+    ok, diff = close(got, want)
+    assert ok, f"{family} with default multipliers: logits differ from HF by {diff}"

@@ -52,13 +52,13 @@ def empty_cwd(tmp_path, monkeypatch):
     assert list(cwd.iterdir()) == [], "files were written to the working directory"
 
 
-def expect_load_error(spec: Path | str, *must_mention: str) -> str:
-    """load_model(spec) raises LoadError naming each of must_mention and leaves the checkpoint
-    byte-for-byte as it was. Returns the message."""
+def expect_load_error(spec: Path | str, *must_mention: str, error=LoadError) -> str:
+    """load_model(spec) raises ``error`` (a ValueError) naming each of must_mention and leaves the
+    checkpoint byte-for-byte as it was. Returns the message."""
     path = Path(spec) if os.path.exists(str(spec)) else None
     watched = None if path is None else (path if path.is_dir() else path.parent)
     before = dir_snapshot(watched) if watched else None
-    with pytest.raises(LoadError) as info:
+    with pytest.raises(error) as info:
         load_model(str(spec))
     msg = str(info.value)
     assert isinstance(info.value, ValueError)
@@ -81,11 +81,24 @@ def test_missing_config(checkpoint):
     expect_load_error(checkpoint, "config.json")
 
 
-@pytest.mark.parametrize("keep", [0.5, 0.999])
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]"])
+def test_bad_config_json(checkpoint, text):
+    (checkpoint / "config.json").write_text(text)
+    expect_load_error(checkpoint, str(checkpoint / "config.json"))
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
+@pytest.mark.parametrize("text", ["{not json", "[]"])
+def test_bad_tokenizer_files(checkpoint, name, text):
+    (checkpoint / name).write_text(text)
+    expect_load_error(checkpoint, str(checkpoint / name), error=TokenizerError)
+
+
+@pytest.mark.parametrize("keep", [20, 0.5, 0.999])  # inside the header, in the data, at the end
 def test_truncated_safetensors(checkpoint, keep):
     f = checkpoint / "model.safetensors"
     data = f.read_bytes()
-    f.write_bytes(data[: int(len(data) * keep)])
+    f.write_bytes(data[: keep if isinstance(keep, int) else int(len(data) * keep)])
     msg = expect_load_error(checkpoint, str(f))
     assert "truncated" in msg
 

@@ -334,9 +334,10 @@ def long_stream(h, server: Server, max_tokens: int = 400):
                           "stream": True, "ignore_eos": True})
 
 
-def data_events(response, n: int) -> list[dict]:
+def data_events(lines, n: int) -> list[dict]:
+    """The next n SSE data objects from an iterator over the response's lines (fewer if it ends)."""
     out = []
-    for line in response.iter_lines():
+    for line in lines:
         if line.startswith("data: {"):
             out.append(json.loads(line[len("data: "):]))
             if len(out) == n:
@@ -351,7 +352,7 @@ def test_queue_limit_answers_429(env):
     narrow = env["narrow"]  # --max-queue 1: one decoding, one waiting, the third is refused
     with httpx.Client() as h1, httpx.Client() as h2, httpx.Client(timeout=30) as h3:
         with long_stream(h1, narrow) as running:
-            assert running.status_code == 200 and data_events(running, 1)
+            assert running.status_code == 200 and data_events(running.iter_lines(), 1)
             with long_stream(h2, narrow) as waiting:  # headers come back at once; it waits in the queue
                 assert waiting.status_code == 200
                 r = h3.post(narrow.url + "/v1/completions", json=SHORT)
@@ -368,13 +369,14 @@ def test_disconnect_mid_stream_frees_the_engine(env):
     narrow = env["narrow"]
     with httpx.Client() as h:
         with long_stream(h, narrow, max_tokens=400) as r:  # read two chunks, then hang up
-            first = data_events(r, 2)
+            first = data_events(r.iter_lines(), 2)
         assert len(first) == 2
         t0 = time.perf_counter()
         with long_stream(h, narrow, max_tokens=4) as r:
-            nxt = data_events(r, 1)
+            lines = r.iter_lines()
+            nxt = data_events(lines, 1)
             ttft = time.perf_counter() - t0
-            nxt += data_events(r, 4)
+            nxt += data_events(lines, 4)
     assert nxt and nxt[-1]["choices"][0]["finish_reason"] == "length"
     long_log = narrow.log_fields(first[0]["id"])
     assert long_log["finish"] == "cancelled", long_log

@@ -218,17 +218,18 @@ template <int M>
 __device__ void stage_x(const Stage<M>& st, const float* const* src, float mult, const float* norm_w,
                         int k0, int kseg, int G, int gshift) {
   const int t = threadIdx.x;
-  for (int base = t; base < M * kseg; base += NCT * UNR) {
-    float v[UNR], wv[UNR];
+  constexpr int U = M <= 2 ? UNR : 2;  // register budget of the larger-M kernels
+  for (int base = t; base < M * kseg; base += NCT * U) {
+    float v[U], wv[U];
 #pragma unroll
-    for (int u = 0; u < UNR; ++u) {
+    for (int u = 0; u < U; ++u) {
       const int i = base + u * NCT;
       const int m = i / kseg, k = i - m * kseg;
       v[u] = i < M * kseg ? __ldcg(src[min(m, M - 1)] + k0 + k) : 0.f;
       wv[u] = (norm_w && i < M * kseg) ? __ldg(norm_w + k0 + k) : 1.f;
     }
 #pragma unroll
-    for (int u = 0; u < UNR; ++u) {
+    for (int u = 0; u < U; ++u) {
       const int i = base + u * NCT;
       if (i < M * kseg) {
         const int m = i / kseg, k = i - m * kseg;
@@ -275,7 +276,7 @@ __device__ __forceinline__ void dot_pair(uint32_t r0, int srb, int kseg, int gsh
   for (int r = 0; r < 2; ++r)
 #pragma unroll
     for (int m = 0; m < MB; ++m) acc[r][m] = 0.f;
-#pragma unroll 2
+#pragma unroll (MB <= 2 ? 2 : 1)
   for (int st = lane; st < nsteps; st += 32) {
     const int k0 = st << 4;
     const int g = k0 >> gshift;
@@ -461,7 +462,7 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
           const uint32_t r0 = (uint32_t)(base - mk_smem) + (uint32_t)((pi - first) * 2 * mt.srb);
 #pragma unroll
           if (p.dbg & 1) continue;  // debug: stream + barriers only
-#pragma unroll
+#pragma unroll 1
           for (int tb = 0; tb < M; tb += MB) {
             float acc[2][MB];
             dot_pair<MB>(r0, mt.srb, mt.kseg, mt.gshift,

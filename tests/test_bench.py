@@ -1,0 +1,111 @@
+"""`flint bench` on a CPU with a tiny synthetic model: the JSON schema, bytes per token, MBU, the
+table, the plot, and clear errors for bad arguments. Run: ``pytest tests/test_bench.py`` (~10 s).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flint.backend import BackendError
+from flint.bench import BenchError, main, markdown_table, plot, run_bench
+
+TINY = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+            tie_word_embeddings=True, max_position_embeddings=64)
+
+
+@pytest.fixture(scope="module")
+def tiny_spec(tmp_path_factory):
+    p = tmp_path_factory.mktemp("bench") / "config.json"
+    p.write_text(json.dumps(TINY))
+    return f"synthetic:{p}"
+
+
+def _quiet(*a, **k):
+    pass
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tiny_spec, tmp_path_factory):
+    path = tmp_path_factory.mktemp("out") / "bench.json"
+    doc = run_bench([tiny_spec], ["reference", "compiled", "compiled-bf16"], [8, 24], n_tokens=3, repeats=2,
+                    prompt_len=5, device="cpu", group_size=32, json_path=str(path), bw_bytes=32 << 20, log=_quiet)
+    return doc, json.loads(path.read_text())
+
+
+def test_json_schema(cpu_run, tiny_spec):
+    doc, on_disk = cpu_run
+    assert on_disk == doc
+    assert set(doc) == {"device", "hbm_read_GBps", "results", "ttft"}
+    assert isinstance(doc["device"], str) and doc["device"].startswith("CPU")
+    assert isinstance(doc["hbm_read_GBps"], float) and doc["hbm_read_GBps"] > 0
+    assert len(doc["results"]) == 6
+    types = {"model": str, "backend": str, "ctx": int, "tok_s": float, "ms_per_token": float,
+             "bytes_per_token": int, "mbu": float}
+    for r in doc["results"]:
+        assert set(r) == set(types)
+        for k, t in types.items():
+            assert isinstance(r[k], t), (k, r[k])
+        assert r["model"] == tiny_spec and r["tok_s"] > 0
+        assert r["ms_per_token"] == pytest.approx(1e3 / r["tok_s"], rel=1e-2)
+        assert r["mbu"] == pytest.approx(r["bytes_per_token"] * r["tok_s"] / (doc["hbm_read_GBps"] * 1e9),
+                                         rel=1e-2, abs=1e-4)
+    assert [(r["backend"], r["ctx"]) for r in doc["results"]] == [
+        (b, c) for b in ("reference", "compiled", "compiled-bf16") for c in (8, 24)]
+    assert {r["backend"] for r in doc["ttft"]} == {"reference", "compiled", "compiled-bf16"}
+    assert all(r["prompt_len"] == 5 and r["ttft_ms"] > 0 for r in doc["ttft"])
+
+
+def test_bytes_per_token(cpu_run):
+    """Weights as each backend holds them, plus K and V at ctx (counted here independently)."""
+    doc, _ = cpu_run
+    c = TINY
+    h, i, v, L = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["num_hidden_layers"]
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    linear = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]  # fused q|k|v and gate|up
+    n_weights = L * sum(n * k for n, k in linear) + v * h
+    norms = (2 * L + 1) * h
+
+    def kv_bytes(ctx, el):
+        return 2 * L * kv * ctx * el
+
+    by = {(r["backend"], r["ctx"]): r["bytes_per_token"] for r in doc["results"]}
+    # reference on CPU: fp32 weights, the tied head read whole, one embedding row
+    assert by["reference", 8] == 4 * (n_weights + norms + h) + kv_bytes(8, 4)
+    # compiled-bf16: bf16
+    assert by["compiled-bf16", 24] == 2 * (n_weights + norms + h) + kv_bytes(24, 2)
+    # compiled on CPU: int4 codes (K/2 bytes a row) + fp32 scale and zero per group of 32, fp32 rest
+    groups = n_weights // 32
+    assert by["compiled", 8] == n_weights // 2 + 8 * groups + 4 * (norms + h) + kv_bytes(8, 4)
+    assert by["compiled", 24] - by["compiled", 8] == kv_bytes(16, 4)
+
+
+def test_table_and_plot(cpu_run, tmp_path):
+    doc, _ = cpu_run
+    table = markdown_table(doc)
+    assert "| model | backend | ctx | tok/s | ms/token | GB/token | MBU |" in table
+    assert table.count("| compiled-bf16 |") == 2 + 1  # two decode rows, one TTFT row
+    png = tmp_path / "bench.png"
+    plot(doc, str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_arguments_are_clear_errors(tiny_spec, capsys):
+    with pytest.raises(BackendError, match="unknown backend 'turbo'"):
+        run_bench([tiny_spec], ["reference", "turbo"], [8], device="cpu", log=_quiet)
+    with pytest.raises(BenchError, match="needs 67 positions; model .* has a context of 64"):
+        run_bench([tiny_spec], ["reference"], [60], n_tokens=7, device="cpu", log=_quiet)
+    assert main(["--model", tiny_spec, "--backend", "reference", "--ctx", "100", "--device", "cpu"]) == 2
+    assert "flint: error: --ctx 100 + --tokens 32" in capsys.readouterr().err
+    assert main(["--model", tiny_spec, "--ctx", "8,x", "--device", "cpu"]) == 2
+    assert "not a comma-separated list of integers" in capsys.readouterr().err
+
+
+def test_cli_writes_json_and_table(tiny_spec, tmp_path, capsys):
+    out = tmp_path / "b.json"
+    rc = main(["--model", tiny_spec, "--backend", "compiled", "--ctx", "4", "--tokens", "2", "--repeats", "1",
+               "--device", "cpu", "--group-size", "32", "--bw-gib", "0.03", "--json", str(out)])
+    assert rc == 0
+    assert "| compiled | 4 |" in capsys.readouterr().out
+    assert json.loads(out.read_text())["results"][0]["backend"] == "compiled"
