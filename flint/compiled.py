@@ -7,14 +7,16 @@ through ``aten._convert_weight_to_int4pack`` / ``aten._weight_int4pack_mm`` (tin
 eagerly. Serves the backend API of flint.backend.
 
 How it is compiled, and why: the decoder layer is one function compiled once with
-``torch.compile(fullgraph=True, dynamic=False)`` and called for every layer with that layer's
-weights as arguments (all layers share shapes, so 40 layers cost one compile, not 40 unrolled
-copies); the whole step — embedding, all layers, norm, head, argmax — is then captured into a
-single CUDA graph, which is what ``mode="reduce-overhead"`` would do for the unrolled step, at a
-fraction of the compile time. Attention reads the static cache up to a bucket length A >= the
-context, A a multiple of 128 (at most 127 positions more than needed: 10 MB on Granite-3B, 0.6% of
-its int4 weights). A is a dynamic dimension of the one compiled graph, so a new bucket costs only a
-CUDA graph capture, on first use.
+``torch.compile(fullgraph=True)`` and called for every layer with that layer's weights as
+arguments (all layers share shapes, so 40 layers cost one compile, not 40 unrolled copies); the
+whole step — embedding, all layers, norm, head, argmax — is then captured into a single CUDA
+graph, which is what ``mode="reduce-overhead"`` would do for the unrolled step, at a fraction of
+the compile time (the whole H200 run of docs/bench.md, four compiles included, took 126 s).
+Attention reads the static cache up to a bucket length A >= the context, A a multiple of 128 (at
+most 127 positions more than needed: 10 MB on Granite-3B, 0.6% of its int4 weights). A is the
+one dynamic dimension of the compiled graph (every other shape is static), so a new bucket costs
+only a CUDA graph capture, on first use. On a CPU nothing is compiled by default (see
+CompiledBackend).
 
 int4 format conversion: flint-int4-v1 stores value = q * scale + min (fp16 scale and min); tinygemm
 computes value = (q - 8) * scale + zero with ``qScaleAndZeros`` [K/G, N, 2]. So zero = min + 8 *
@@ -28,8 +30,6 @@ activations and an fp32 ``qScaleAndZeros`` (int32 codes in), which is exact up t
 Test: ``pytest tests/test_compiled.py`` (CPU: eager and one small real compile; GPU tests marked).
 """
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F

@@ -13,7 +13,6 @@ Test: ``pytest tests/test_server.py``.
 Heavy imports (fastapi, pydantic, uvicorn, torch) happen inside functions: `flint` imports this
 module to build its parser, and other subcommands should not pay for them.
 """
-import argparse
 import asyncio
 import functools
 import hmac
@@ -566,11 +565,11 @@ def cmd_serve(args) -> int:
 
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
-    if not logging.getLogger().handlers and not log.handlers:
+    log.setLevel(logging.INFO)
+    if not log.handlers and not logging.getLogger().handlers:  # else the embedding app's logging rules
         h = logging.StreamHandler(sys.stderr)
         h.setFormatter(logging.Formatter("%(asctime)s flint serve: %(message)s", "%H:%M:%S"))
         log.addHandler(h)
-        log.setLevel(logging.INFO)
         log.propagate = False
     state = ServerState(args.model or DEFAULT_MODEL, args.api_key, args.max_queue)
     sock = _bind(args.host, args.port)
@@ -618,9 +617,3 @@ def register(sub) -> None:
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait while one decodes; more are answered 429 (default 64)")
     p.set_defaults(func=cmd_serve)
-
-
-if __name__ == "__main__":  # python -m flint.server ... == flint serve ...
-    from .cli import main
-
-    sys.exit(main(["serve", *sys.argv[1:]]))

@@ -14,6 +14,8 @@ import torch
 from flint.engine import Engine, SamplingParams, probs_from_logits
 from flint.model import Transformer
 
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
 MAX_SEQ = 96
 PROMPT = "Once upon a time"
 

@@ -34,6 +34,8 @@ from flint.loading import embedded_gguf_path, load_model
 from flint.model import Transformer
 from flint.quant import Int4Weight
 
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
 transformers = pytest.importorskip("transformers")
 
 NEW_TOKENS = 32

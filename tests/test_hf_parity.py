@@ -16,6 +16,8 @@ from conftest import make_hf_model, save_hf_dir
 from flint.loading import load_model
 from flint.model import Transformer
 
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
 transformers = pytest.importorskip("transformers")
 
 GRANITE_MULTIPLIERS = dict(embedding_multiplier=3.0, attention_multiplier=0.07,

@@ -27,6 +27,8 @@ from flint.loading import LoadError, embedded_gguf_path, load_model
 from flint.model import Transformer
 from flint.tokenizer import TokenizerError
 
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -303,7 +305,8 @@ def test_unknown_token_id(tiny_llama):
 def run_cli(*args: str, env_extra: dict | None = None) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), **(env_extra or {}))
     env.pop("FLINT_DEBUG", None)
-    return subprocess.Popen([sys.executable, "-m", "flint", *args], cwd=REPO_ROOT, env=env,
+    # cwd: the test's empty directory (the empty_cwd fixture checks that it stays empty)
+    return subprocess.Popen([sys.executable, "-m", "flint", *args], cwd=os.getcwd(), env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

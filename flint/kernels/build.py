@@ -143,7 +143,9 @@ def report() -> str:
     rows = parse_ptxas(p.read_text())
     lines = [f"{'function':60s} {'regs':>5s} {'stack':>6s} {'spill st/ld':>12s}"]
     for f in rows:
-        lines.append(f"{f['function'][:60]:60s} {f['registers']:5d} {f['stack']:6d} "
+        m = re.search(r"decode_kernelILi(\d+)EE", f["function"])
+        name = f"decode_kernel<M={m.group(1)}>" if m else f["function"][:60]
+        lines.append(f"{name:60s} {f['registers']:5d} {f['stack']:6d} "
                      f"{f['spill_stores']:5d}/{f['spill_loads']:<5d}")
     return "\n".join(lines)
 
