@@ -409,12 +409,21 @@ class HarvestData:
     """Per sequence, the region from the last prompt position P-1 on. Region index r is position
     P-1+r: tokens [N, G+1] (the last prompt token, then the G generated), hidden [N, G+1, H] (the
     target's last-layer hidden state there), lengths [N]: hidden states 0..length-1 are valid, and
-    tokens 0..length (token `length` is the last generated one: eos or the G-th)."""
+    tokens 0..length (token `length` is the last generated one: eos or the G-th). group [N]: the
+    prompt's subject (validation holds out whole subjects); kind [N]: index into KINDS, -1 unknown."""
     tokens: torch.Tensor
     hidden: torch.Tensor
     lengths: torch.Tensor
     prompt_index: torch.Tensor
     meta: dict
+    group: torch.Tensor | None = None
+    kind: torch.Tensor | None = None
+
+
+def _group_key(r: dict, index: int) -> int:
+    if "subject" not in r:
+        return index
+    return int(hashlib.sha256(f"{r.get('kind')}|{r['subject']}".encode()).hexdigest(), 16) % (2**31)
 
 
 def harvest(lm, out_dir: str | Path, prompts: list[dict], batch_size: int = 64,
@@ -422,10 +431,8 @@ def harvest(lm, out_dir: str | Path, prompts: list[dict], batch_size: int = 64,
             dtype: torch.dtype | None = None, time_budget: float | None = None, seed: int = 0,
             log=print) -> int:
     """Self-distillation: generate continuations of ``prompts`` (rows with 'text', chat-templated,
-    or pre-tokenized 'ids') with the target and write shards
-    (one per batch) to ``out_dir``; prompts already in a shard are skipped (resume). Prompts in a
-    batch share one length (the reference decoder takes [B, M] at one start_pos, no padding).
-    Returns the number of sequences written in this call."""
+    or pre-tokenized 'ids') with the target and write shards (one per batch) to ``out_dir``;
+    prompts already in a shard are skipped (resume). Returns the number of sequences written."""
     from safetensors import safe_open
     from safetensors.torch import save_file
     from tqdm import tqdm
@@ -461,13 +468,15 @@ def harvest(lm, out_dir: str | Path, prompts: list[dict], batch_size: int = 64,
     if not todo:
         log(f"harvest: all {len(prompts)} prompts already in {out}")
         return 0
-    by_len: dict[int, list] = {}
-    for i, ids in todo:
-        by_len.setdefault(len(ids), []).append((i, ids))
-    batches = [grp[s: s + batch_size] for grp in by_len.values() for s in range(0, len(grp), batch_size)]
+    # Batches mix prompt lengths: all rows share one position per step (the reference decoder takes
+    # [B, M] at one start_pos), and a row whose prompt is not over yet is fed its next prompt token
+    # instead of a generated one. Sorting by length keeps the extra steps per batch few.
+    todo.sort(key=lambda x: len(x[1]))
+    batches = [todo[s: s + batch_size] for s in range(0, len(todo), batch_size)]
     random.Random(seed).shuffle(batches)  # a time budget then leaves a mix of lengths and kinds
-    max_len = max(by_len) + max_new_tokens + 1
-    model = Transformer(cfg, lm.params, max_len, device=device, dtype=dtype, batch_size=batch_size)
+    longest = max(len(ids) for _, ids in todo)
+    model = Transformer(cfg, lm.params, longest + max_new_tokens, device=device, dtype=dtype,
+                        batch_size=min(batch_size, len(todo)))
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     eos = torch.tensor(sorted(set(cfg.eos_token_ids) or {-1}), device=device)
@@ -480,40 +489,52 @@ def harvest(lm, out_dir: str | Path, prompts: list[dict], batch_size: int = 64,
             log(f"harvest: time budget {time_budget:.0f}s reached")
             break
         idx = [i for i, _ in batch]
-        toks = torch.tensor([ids for _, ids in batch], device=device)
-        b, plen = toks.shape
-
-        def choose(logits):
-            if temperature == 0:
-                return torch.argmax(logits, -1)
-            return torch.multinomial(probs_from_logits(logits, temperature), 1, generator=gen)[:, 0]
-
-        logits, hid = model.forward(toks, 0, return_hidden=True)
-        reg_t, reg_h = [toks[:, -1]], [hid[:, -1]]
-        nxt = choose(logits[:, -1])
+        b = len(batch)
+        plen = torch.tensor([len(ids) for _, ids in batch], device=device)
+        pmin, pmax = min(len(ids) for _, ids in batch), max(len(ids) for _, ids in batch)
+        seq = torch.zeros(b, pmax + max_new_tokens, dtype=torch.long, device=device)
+        for r, (_, ids) in enumerate(batch):
+            seq[r, : len(ids)] = torch.tensor(ids, device=device)
+        logits, hid = model.forward(seq[:, :pmin], 0, return_hidden=True)
+        hiddens = [hid[:, -1]]  # hidden at position pmin - 1 + j is hiddens[j]
+        logits = logits[:, -1]
         finished = torch.zeros(b, dtype=torch.bool, device=device)
-        length = torch.full((b,), max_new_tokens, dtype=torch.long, device=device)
-        for s in range(max_new_tokens):
-            reg_t.append(nxt)  # region index s + 1
-            is_eos = torch.isin(nxt, eos) & ~finished
-            length = torch.where(is_eos, s + 1, length)
-            finished |= is_eos
-            if s == max_new_tokens - 1 or bool(finished.all()):
-                break  # the last token's hidden state would only predict a token never generated
-            logits, hid = model.forward(nxt[:, None], plen + s, return_hidden=True)
-            reg_h.append(hid[:, 0])
-            nxt = choose(logits[:, 0])
+        eos_pos = torch.full((b,), -1, dtype=torch.long, device=device)
+        last = pmax + max_new_tokens - 1  # the last position any row needs a token at
+        for pos in range(pmin, last + 1):
+            if temperature == 0:
+                chosen = torch.argmax(logits, -1)
+            else:
+                chosen = torch.multinomial(probs_from_logits(logits, temperature), 1, generator=gen)[:, 0]
+            generated = pos >= plen
+            tok_now = torch.where(generated, chosen, seq[:, pos])
+            seq[:, pos] = tok_now
+            new_eos = generated & ~finished & torch.isin(tok_now, eos)
+            eos_pos = torch.where(new_eos, pos, eos_pos)
+            finished |= new_eos | (pos >= plen + max_new_tokens - 1)
+            if pos == last or bool(finished.all()):
+                break  # a finished row's last token needs no hidden state: it predicts nothing kept
+            logits, hid = model.forward(tok_now[:, None], pos, return_hidden=True)
+            hiddens.append(hid[:, 0])
+            logits = logits[:, 0]
+        hiddens = torch.stack(hiddens, 1)  # [b, steps, H]
         n = max_new_tokens + 1
         tokens = torch.zeros(b, n, dtype=torch.int32)
         hidden = torch.zeros(b, n, cfg.hidden_size, dtype=torch.bfloat16)
-        t_all = torch.stack(reg_t, 1).to("cpu", torch.int32)
-        h_all = torch.stack(reg_h, 1).to("cpu", torch.bfloat16)
-        tokens[:, : t_all.shape[1]] = t_all[:, :n]
-        hidden[:, : h_all.shape[1]] = h_all[:, :n]
-        length = length.cpu()
+        lengths = []
+        for r in range(b):
+            p = int(plen[r])  # region index 0 is position p - 1
+            ln = max_new_tokens if int(eos_pos[r]) < 0 else int(eos_pos[r]) - p + 1
+            lengths.append(ln)
+            tokens[r, : ln + 1] = seq[r, p - 1: p + ln].to("cpu", torch.int32)
+            hidden[r, :ln] = hiddens[r, p - pmin: p - pmin + ln].to("cpu", torch.bfloat16)
         shard = out / f"shard_{shard_no:05d}.safetensors"
-        save_file({"tokens": tokens, "hidden": hidden, "lengths": length.to(torch.int32),
-                   "prompt_index": torch.tensor(idx, dtype=torch.int32)}, str(shard),
+        groups = [_group_key(prompts[i], i) for i in idx]
+        kinds = [KINDS.index(prompts[i]["kind"]) if prompts[i].get("kind") in KINDS else -1 for i in idx]
+        save_file({"tokens": tokens, "hidden": hidden, "lengths": torch.tensor(lengths, dtype=torch.int32),
+                   "prompt_index": torch.tensor(idx, dtype=torch.int32),
+                   "group": torch.tensor(groups, dtype=torch.int32),
+                   "kind": torch.tensor(kinds, dtype=torch.int32)}, str(shard),
                   metadata={k: str(v) for k, v in meta.items()})
         shard_no += 1
         written += b
@@ -531,7 +552,7 @@ def load_harvest(data_dir: str | Path, target_cfg=None) -> HarvestData:
     shards = sorted(d.glob("shard_*.safetensors"))
     if not shards:
         raise DraftError(f"{d}: no harvest shards (shard_*.safetensors); run `flint draft harvest` first")
-    parts = {"tokens": [], "hidden": [], "lengths": [], "prompt_index": []}
+    parts = {"tokens": [], "hidden": [], "lengths": [], "prompt_index": [], "group": [], "kind": []}
     meta = {}
     for sh in shards:
         with safe_open(str(sh), framework="pt") as fh:
@@ -542,8 +563,9 @@ def load_harvest(data_dir: str | Path, target_cfg=None) -> HarvestData:
                                  f"{target_cfg.name!r}")
             for k in parts:
                 parts[k].append(fh.get_tensor(k))
-    return HarvestData(torch.cat(parts["tokens"]).long(), torch.cat(parts["hidden"]),
-                       torch.cat(parts["lengths"]).long(), torch.cat(parts["prompt_index"]).long(), meta)
+    cat = {k: torch.cat(v) for k, v in parts.items()}
+    return HarvestData(cat["tokens"].long(), cat["hidden"], cat["lengths"].long(), cat["prompt_index"].long(),
+                       meta, cat["group"].long(), cat["kind"].long())
 
 
 # ------------------------------------------------------------------ training
@@ -629,6 +651,8 @@ def simulated_acceptance(runs: torch.Tensor, lengths: torch.Tensor) -> float:
 
 
 def evaluate_val(draft, data: HarvestData, rows, ks, device, batch: int = 16) -> dict:
+    """{k: {'all': tokens per step, KIND: ...}} of the greedy walk over the ``rows`` sequences
+    (exact for greedy harvests: the walk is what the engine does on those prompts)."""
     runs_by_k = {k: [] for k in ks}
     lens = []
     draft.eval()
@@ -643,8 +667,17 @@ def evaluate_val(draft, data: HarvestData, rows, ks, device, batch: int = 16) ->
                 runs_by_k[k].append(F.pad(accepted_runs(draft, h, t, ln, k), (0, data.tokens.shape[1] - L), value=-1).cpu())
         lens.append(data.lengths[r])
     draft.train()
-    lens = torch.cat(lens)
-    return {k: simulated_acceptance(torch.cat(v), lens) for k, v in runs_by_k.items()}
+    lens = torch.cat(lens).cpu()
+    kinds = data.kind[rows].cpu() if data.kind is not None else torch.full((len(rows),), -1)
+    out = {}
+    for k, v in runs_by_k.items():
+        runs = torch.cat(v)
+        out[k] = {"all": simulated_acceptance(runs, lens)}
+        for ki, name in enumerate(KINDS):
+            sel = kinds == ki
+            if sel.any():
+                out[k][name] = simulated_acceptance(runs[sel], lens[sel])
+    return out
 
 
 def _autocast(device):
@@ -668,13 +701,17 @@ def train_draft(draft: DraftHead, data: HarvestData, out_dir: str | Path, steps:
     device = draft.device
     if device.type == "cuda":  # the whole harvest fits: no per-step host gathers
         data = HarvestData(data.tokens.to(device), data.hidden.to(device), data.lengths.to(device),
-                           data.prompt_index, data.meta)
-    n = data.tokens.shape[0]
+                           data.prompt_index, data.meta, data.group, data.kind)
     usable = [i for i, ln in enumerate(data.lengths.tolist()) if ln >= 2]
+    # validation holds out whole prompt subjects, so it measures prompts unlike any trained on
+    groups = data.group.tolist() if data.group is not None else data.prompt_index.tolist()
+    uniq = sorted({groups[i] for i in usable})
     g = torch.Generator().manual_seed(seed)
-    perm = [usable[i] for i in torch.randperm(len(usable), generator=g).tolist()]
-    n_val = max(1, int(len(perm) * val_frac)) if len(perm) > 1 else 0
-    val_rows, train_rows = perm[:n_val], perm[n_val:] or perm
+    uniq = [uniq[i] for i in torch.randperm(len(uniq), generator=g).tolist()]
+    n_val = min(len(uniq) - 1, math.ceil(len(uniq) * val_frac)) if val_frac > 0 else 0
+    held = set(uniq[:max(n_val, 0)])
+    val_rows = [i for i in usable if groups[i] in held]
+    train_rows = [i for i in usable if groups[i] not in held]
     opt = torch.optim.AdamW(draft.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     warm = max(1, min(100, steps // 10))
 
@@ -694,6 +731,7 @@ def train_draft(draft: DraftHead, data: HarvestData, out_dir: str | Path, steps:
         step0 = st["step"]
         log(f"train: resumed at step {step0} from {state_path}")
     hist = {"steps": [], "val": []}
+    best = (-1.0, None, 0)  # (val tokens/step, weights, step): the final draft is the best validated
     t0 = time.perf_counter()
     draft.train()
     bar = tqdm(range(step0, steps), desc="train", unit="step", disable=None)
@@ -722,15 +760,24 @@ def train_draft(draft: DraftHead, data: HarvestData, out_dir: str | Path, steps:
         hist["steps"].append(rec)
         bar.set_postfix(loss=f"{rec['loss']:.3f}", top1="/".join(f"{x:.2f}" for x in rec["top1"]))
         if val_rows and ((step + 1) % eval_every == 0):
-            acc = evaluate_val(draft, data, val_rows, [k_eval], device)
-            hist["val"].append({"step": step + 1, f"tokens_per_step_k{k_eval}": acc[k_eval]})
-            log(f"train: step {step + 1} loss {rec['loss']:.3f} top1 {rec['top1']} "
-                f"val tokens/step (k={k_eval}) {acc[k_eval]:.3f}")
+            acc = evaluate_val(draft, data, val_rows, [k_eval], device)[k_eval]["all"]
+            hist["val"].append({"step": step + 1, f"tokens_per_step_k{k_eval}": acc})
+            log(f"train: step {step + 1} loss {rec['loss']:.3f} top1 "
+                f"{'/'.join(f'{x:.3f}' for x in rec['top1'])} val tokens/step (k={k_eval}) {acc:.3f}")
+            if acc > best[0]:
+                best = (acc, {k: v.detach().clone() for k, v in draft.state_dict().items()}, step + 1)
         if (step + 1) % ckpt_every == 0:
             torch.save({"draft": draft.state_dict(), "opt": opt.state_dict(), "step": step + 1}, state_path)
     bar.close()
+    kept = done
+    if val_rows and done > step0:
+        acc = evaluate_val(draft, data, val_rows, [k_eval], device)[k_eval]["all"]
+        if best[1] is not None and best[0] > acc:
+            log(f"train: keeping the step-{best[2]} weights (val {best[0]:.3f} > final {acc:.3f})")
+            draft.load_state_dict(best[1])
+            kept = best[2]
     torch.save({"draft": draft.state_dict(), "opt": opt.state_dict(), "step": done}, state_path)
-    record = {"steps": done, "depth": depth, "batch_size": batch_size, "lr": lr, "reg_weight": reg_weight,
+    record = {"steps": done, "kept_step": kept, "depth": depth, "batch_size": batch_size, "lr": lr, "reg_weight": reg_weight,
               "sequences": len(train_rows), "val_sequences": len(val_rows),
               "harvest": {"prompt_set": data.meta.get("prompt_set"),
                           "max_new_tokens": int(data.meta.get("max_new_tokens", 0)),
@@ -739,9 +786,12 @@ def train_draft(draft: DraftHead, data: HarvestData, out_dir: str | Path, steps:
     if val_rows:
         ks = list(range(1, 9))
         acc = evaluate_val(draft, data, val_rows, ks, device)
-        record["val_tokens_per_step"] = {str(k): round(v, 3) for k, v in acc.items()}
-        log("train: val tokens/step by k (greedy walk, target token counted): " +
-            ", ".join(f"k={k}: {v:.3f}" for k, v in acc.items()))
+        record["val_tokens_per_step"] = {str(k): round(v["all"], 3) for k, v in acc.items()}
+        record["val_tokens_per_step_by_kind"] = {name: round(x, 3) for name, x in acc[k_eval].items()}
+        log("train: val tokens/step by k (greedy walk on held-out subjects, target token counted): " +
+            ", ".join(f"k={k}: {v['all']:.3f}" for k, v in acc.items()))
+        log(f"train: val tokens/step at k={k_eval} by kind: " +
+            ", ".join(f"{n}: {x:.3f}" for n, x in acc[k_eval].items()))
     if hist["steps"]:
         first, last = hist["steps"][0], hist["steps"][-1]
         record["loss_first"], record["loss_last"] = round(first["loss"], 4), round(last["loss"], 4)

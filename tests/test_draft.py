@@ -51,8 +51,8 @@ def tiny_lm(seed=0, vocab=16, hidden=32, layers=2):
 def id_prompts(n, seed=0, vocab=16):
     g = torch.Generator().manual_seed(seed)
     # three lengths, so harvest batches by length
-    return [{"kind": KINDS[i % 4], "ids": torch.randint(0, vocab, (3 + i % 3,), generator=g).tolist()}
-            for i in range(n)]
+    return [{"kind": KINDS[i % 4], "subject": f"s{i % 8}",
+             "ids": torch.randint(0, vocab, (3 + i % 3,), generator=g).tolist()} for i in range(n)]
 
 
 def test_prompt_set_is_deterministic_with_held_out_subjects():
@@ -108,10 +108,13 @@ def test_harvest_matches_teacher_forced_forward_and_resumes(tmp_path):
     lm = tiny_lm(seed=1)
     prompts = id_prompts(7)
     out = tmp_path / "h"
-    assert harvest(lm, out, prompts[:5], batch_size=2, max_new_tokens=10, log=lambda *a: None) == 5
+    # batches of 3 over lengths 3,3,4,4,5 (then 3,5) mix prompt lengths
+    assert harvest(lm, out, prompts[:5], batch_size=3, max_new_tokens=10, log=lambda *a: None) == 5
     assert harvest(lm, out, prompts, batch_size=2, max_new_tokens=10, log=lambda *a: None) == 2  # resume
     data = load_harvest(out, lm.cfg)
     assert sorted(data.prompt_index.tolist()) == list(range(7))
+    assert data.kind.tolist() == [KINDS.index(prompts[i]["kind"]) for i in data.prompt_index.tolist()]
+    assert len(set(data.group.tolist())) == 7  # one subject per prompt here
     ref = Transformer(lm.cfg, lm.params, 64)
     for row, pi in enumerate(data.prompt_index.tolist()):
         ids = prompts[pi]["ids"]
@@ -137,7 +140,12 @@ def test_training_lowers_loss_and_val_acceptance_matches_engine(tmp_path):
     torch.manual_seed(0)
     draft = DraftHead(draft_config_for(lm.cfg, intermediate_size=64)).attach_target(lm.cfg, lm.params)
     rec = train_draft(draft, data, tmp_path / "d", steps=60, batch_size=8, lr=3e-3, depth=3,
-                      val_frac=0.0, eval_every=1000, log=lambda *a: None)
+                      val_frac=0.25, eval_every=20, k_eval=3, log=lambda *a: None)
+    # validation holds out whole subjects (2 of 8), and reports by kind
+    assert rec["val_sequences"] > 0
+    assert rec["val_sequences"] + rec["sequences"] == int((data.lengths >= 2).sum())
+    assert set(rec["val_tokens_per_step_by_kind"]) <= {"all", *KINDS}
+    assert 1.0 <= rec["val_tokens_per_step"]["3"] <= 4.0
     log = json.loads((tmp_path / "d" / "train_log.json").read_text())["steps"]
     first = sum(r["loss"] for r in log[:5]) / 5
     last = sum(r["loss"] for r in log[-5:]) / 5

@@ -317,9 +317,12 @@ def test_16_concurrent_clients_all_answered(env):
                 out.append({"status": r.status_code, "body": r.json()})
         return out
 
-    with ThreadPoolExecutor(max_workers=16) as pool:
+    pool = ThreadPoolExecutor(max_workers=16)
+    try:
         futures = [pool.submit(one_client, i) for i in range(16)]
-        done, not_done = wait(futures, timeout=180)
+        _, not_done = wait(futures, timeout=180)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)  # leftovers end by their httpx timeouts
     assert not not_done, "clients still waiting after 180 s"
     results = [r for f in futures for r in f.result()]
     assert len(results) == 64
