@@ -15,7 +15,6 @@ import argparse
 import importlib
 import os
 import sys
-import time
 
 SUBCOMMAND_MODULES = ("flint.server", "flint.bench", "flint.evaluate", "flint.quantize", "flint.draft")
 

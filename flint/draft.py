@@ -342,8 +342,10 @@ _EXPLAIN_TEMPLATES = ["Explain {t} in simple terms.", "Explain how {t} works.",
                       "What is {t} and why does it matter?", "Give a short overview of {t} for a beginner.",
                       "Describe {t} in a few paragraphs.", "Teach me the basics of {t}."]
 _QA_TEMPLATES = ["What are the main facts about {t}?", "List five interesting facts about {t}.",
-                 "What are common misconceptions about {t}?", "What are the advantages and disadvantages of {t}?",
-                 "Who were the key people involved in {t}?", "What questions do students often ask about {t}?"]
+                 "What are common misconceptions about {t}?",
+                 "What are the advantages and disadvantages of {t}?",
+                 "Who were the key people involved in {t}?",
+                 "What questions do students often ask about {t}?"]
 _CHAT_SUBJECTS = [
     "a rainy day", "friendship", "the ocean", "a lost cat", "autumn leaves", "a robot learning to paint",
     "a trip to the mountains", "starting a new job", "a small bakery", "the first day of school",
@@ -420,6 +422,10 @@ class HarvestData:
     kind: torch.Tensor | None = None
 
 
+def _prompt_key(ids) -> int:
+    return int(hashlib.sha256(json.dumps([int(t) for t in ids]).encode()).hexdigest(), 16) % (2**62)
+
+
 def _group_key(r: dict, index: int) -> int:
     if "subject" not in r:
         return index
@@ -458,13 +464,12 @@ def harvest(lm, out_dir: str | Path, prompts: list[dict], batch_size: int = 64,
                 if str(m.get(key)) != str(meta[key]):
                     raise DraftError(f"{sh}: metadata {key!r} is {m.get(key)!r}, this harvest uses "
                                      f"{meta[key]!r}; pass another --out to start a new harvest")
-            done.update(fh.get_tensor("prompt_index").tolist())
+            done.update(fh.get_tensor("prompt_key").tolist())
     todo = []
     for i, r in enumerate(prompts):
-        if i in done:
-            continue
         ids = r["ids"] if "ids" in r else tok.encode_chat([{"role": "user", "content": r["text"]}])
-        todo.append((i, list(ids)))
+        if _prompt_key(ids) not in done:  # keyed by content: any prompt list or order resumes
+            todo.append((i, list(ids)))
     if not todo:
         log(f"harvest: all {len(prompts)} prompts already in {out}")
         return 0
@@ -533,6 +538,7 @@ def harvest(lm, out_dir: str | Path, prompts: list[dict], batch_size: int = 64,
         kinds = [KINDS.index(prompts[i]["kind"]) if prompts[i].get("kind") in KINDS else -1 for i in idx]
         save_file({"tokens": tokens, "hidden": hidden, "lengths": torch.tensor(lengths, dtype=torch.int32),
                    "prompt_index": torch.tensor(idx, dtype=torch.int32),
+                   "prompt_key": torch.tensor([_prompt_key(ids) for _, ids in batch], dtype=torch.int64),
                    "group": torch.tensor(groups, dtype=torch.int32),
                    "kind": torch.tensor(kinds, dtype=torch.int32)}, str(shard),
                   metadata={k: str(v) for k, v in meta.items()})
@@ -664,7 +670,8 @@ def evaluate_val(draft, data: HarvestData, rows, ks, device, batch: int = 16) ->
         ln = data.lengths[r].to(device)
         with _autocast(device):
             for k in ks:
-                runs_by_k[k].append(F.pad(accepted_runs(draft, h, t, ln, k), (0, data.tokens.shape[1] - L), value=-1).cpu())
+                runs = accepted_runs(draft, h, t, ln, k)
+                runs_by_k[k].append(F.pad(runs, (0, data.tokens.shape[1] - L), value=-1).cpu())
         lens.append(data.lengths[r])
     draft.train()
     lens = torch.cat(lens).cpu()
@@ -756,7 +763,8 @@ def train_draft(draft: DraftHead, data: HarvestData, out_dir: str | Path, steps:
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
         opt.step()
         done = step + 1
-        rec = {"step": step + 1, "loss": float(loss.detach()), "kl": [x["kl"] for x in st], "top1": [x["top1"] for x in st]}
+        rec = {"step": step + 1, "loss": float(loss.detach()), "kl": [x["kl"] for x in st],
+               "top1": [x["top1"] for x in st]}
         hist["steps"].append(rec)
         bar.set_postfix(loss=f"{rec['loss']:.3f}", top1="/".join(f"{x:.2f}" for x in rec["top1"]))
         if val_rows and ((step + 1) % eval_every == 0):
@@ -777,7 +785,8 @@ def train_draft(draft: DraftHead, data: HarvestData, out_dir: str | Path, steps:
             draft.load_state_dict(best[1])
             kept = best[2]
     torch.save({"draft": draft.state_dict(), "opt": opt.state_dict(), "step": done}, state_path)
-    record = {"steps": done, "kept_step": kept, "depth": depth, "batch_size": batch_size, "lr": lr, "reg_weight": reg_weight,
+    record = {"steps": done, "kept_step": kept, "depth": depth, "batch_size": batch_size, "lr": lr,
+              "reg_weight": reg_weight,
               "sequences": len(train_rows), "val_sequences": len(val_rows),
               "harvest": {"prompt_set": data.meta.get("prompt_set"),
                           "max_new_tokens": int(data.meta.get("max_new_tokens", 0)),
@@ -910,7 +919,8 @@ def cmd_train(args) -> int:
                       eval_every=args.eval_every, ckpt_every=args.ckpt_every, k_eval=args.k,
                       seed=args.seed, resume=args.resume)
     save_draft(draft, args.out, dtype=getattr(torch, args.save_dtype))
-    print(f"train: draft saved to {args.out} ({json.dumps({k: rec[k] for k in ('steps', 'loss_first', 'loss_last') if k in rec})})")
+    brief = {k: rec[k] for k in ("steps", "kept_step", "loss_first", "loss_last") if k in rec}
+    print(f"train: draft saved to {args.out} ({json.dumps(brief)})")
     return 0
 
 
@@ -966,7 +976,8 @@ def register(sub) -> None:
     q = dsub.add_parser("train", help="train a draft head (teacher forcing + multi-step rollout)")
     model_args(q)
     q.add_argument("--data", required=True, help="harvest shard directory")
-    q.add_argument("--out", required=True, help="draft directory (draft.json, draft.safetensors, train_state.pt)")
+    q.add_argument("--out", required=True,
+                   help="draft directory (draft.json, draft.safetensors, train_state.pt)")
     q.add_argument("--layers", type=int, default=1, help="MLP blocks after the 2H->H projection")
     q.add_argument("--intermediate-size", type=int, default=None, help="default: the target's")
     q.add_argument("--depth", type=int, default=3, help="rollout depth (1 = teacher forcing only)")
@@ -987,7 +998,8 @@ def register(sub) -> None:
     q.add_argument("--draft", required=True, help="draft directory or shipped draft name")
     q.add_argument("--backend", default=None, help="decode backend (default: as flint chat)")
     q.add_argument("--max-seq-len", type=int, default=1024)
-    q.add_argument("--k", default=None, help="draft tokens per step; comma list to sweep (default: the draft's)")
+    q.add_argument("--k", default=None,
+                   help="draft tokens per step; comma list to sweep (default: the draft's)")
     q.add_argument("--prompts-per-kind", type=int, default=8)
     q.add_argument("--max-new-tokens", type=int, default=128)
     q.add_argument("--temperature", type=float, default=0.0)

@@ -111,8 +111,9 @@ class Engine:
             raise ContextError(f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new_tokens}) "
                                f"exceeds the context of {self.max_seq_len} tokens")
 
-    def prefill(self, ids: list[int]) -> torch.Tensor:
-        """Bring the cache to ``ids`` (reusing the common prefix); returns the last logits."""
+    def prefill(self, ids: list[int], return_hidden: bool = False):
+        """Bring the cache to ``ids`` (reusing the common prefix); returns the last logits (and
+        the last hidden state when return_hidden: the draft head's input)."""
         c = 0
         for a, b in zip(self.cached, ids):
             if a != b:
@@ -120,13 +121,37 @@ class Engine:
             c += 1
         c = min(c, len(ids) - 1)
         chunk = getattr(self.backend, "max_chunk", None) or len(ids)
-        logits = None
+        out = None
         self.cached = self.cached[:c]
         for s in range(c, len(ids), chunk):
             part = ids[s: s + chunk]
-            logits = self.backend.forward(torch.tensor(part, dtype=torch.long), s)
+            out = self.backend.forward(torch.tensor(part, dtype=torch.long), s, return_hidden=return_hidden)
             self.cached += part
-        return logits[-1]
+        if return_hidden:
+            return out[0][-1], out[1][-1]
+        return out[-1]
+
+    def _tokens(self, prompt_ids: list[int], sp: SamplingParams, gen):
+        """Yield generated token ids: the first from the prefill, then one per decode step.
+        Subclasses (speculative decoding) override this; stream() does the text side."""
+        logits = self.prefill(list(prompt_ids))
+        pos = len(prompt_ids)
+        fast = sp.temperature == 0 and hasattr(self.backend, "greedy_next")
+        tok = sample(logits, sp, gen)
+        while True:
+            yield tok
+            if fast:
+                tok = self.backend.greedy_next(tok, pos)
+            else:
+                logits = self.backend.forward(torch.tensor([tok], dtype=torch.long), pos)[-1]
+                tok = sample(logits, sp, gen)
+            pos += 1
+
+    def _on_start(self) -> None:
+        """Hook: a generation begins (subclasses reset their per-call stats)."""
+
+    def _on_finish(self) -> None:
+        """Hook: a generation ended (normally, by a stop, or because the consumer closed)."""
 
     def stream(self, prompt_ids: list[int], sp: SamplingParams):
         """Yield (token_id, text_piece) as tokens decode; sets self.last when done.
@@ -145,21 +170,17 @@ class Engine:
             gen = torch.Generator(device=self.backend.device)
             gen.manual_seed(sp.seed if sp.seed is not None else int(time.time_ns() % (2**31)))
         dec = self.tokenizer.stream() if self.tokenizer is not None else None
-        t0 = time.perf_counter()
-        out: list[int] = []
-        text, emitted = "", 0
-        finish = "length"
-        ttft = 0.0
         self.last = None
+        self._on_start()
         if sp.max_new_tokens == 0:
             self.last = GenerationResult([], "", "length", len(prompt_ids), 0.0, 0.0)
             return
-        logits = self.prefill(list(prompt_ids))
-        pos = len(prompt_ids)
-        fast = sp.temperature == 0 and hasattr(self.backend, "greedy_next")
-        tok = sample(logits, sp, gen)
+        t0 = time.perf_counter()
+        out: list[int] = []
+        text, emitted, finish = "", 0, "length"
+        tokens = self._tokens(prompt_ids, sp, gen)
+        tok = next(tokens)
         t_first = time.perf_counter()
-        ttft = t_first - t0
         try:
             while True:
                 out.append(tok)
@@ -169,14 +190,12 @@ class Engine:
                 piece = dec.feed(tok) if dec else ""
                 if piece:
                     text += piece
-                    hit = [text.find(s, max(0, emitted - len(s))) for s in sp.stop]
-                    hit = [h for h in hit if h >= 0]
+                    hit = [h for h in (text.find(s, max(0, emitted - len(s))) for s in sp.stop) if h >= 0]
                     if hit:
                         cut = min(hit)
                         if cut > emitted:
                             yield tok, text[emitted:cut]
-                        text, emitted = text[:cut], cut
-                        finish = "stop"
+                        text, emitted, finish = text[:cut], cut, "stop"
                         break
                     hold = _stop_holdback(text, sp.stop) if sp.stop else 0
                     if len(text) - hold > emitted:
@@ -188,15 +207,13 @@ class Engine:
                     yield tok, ""
                 if len(out) >= sp.max_new_tokens:
                     break
-                if fast:
-                    tok = self.backend.greedy_next(tok, pos)
-                else:
-                    logits = self.backend.forward(torch.tensor([tok], dtype=torch.long), pos)[-1]
-                    tok = sample(logits, sp, gen)
-                self.cached.append(out[-1])
-                pos += 1
+                tok = next(tokens)
         finally:
-            self.last = GenerationResult(out, text, finish, len(prompt_ids), ttft,
+            tokens.close()
+            # every emitted token but the last has its K/V in the cache
+            self.cached = list(prompt_ids) + out[:-1]
+            self._on_finish()
+            self.last = GenerationResult(out, text, finish, len(prompt_ids), t_first - t0,
                                          time.perf_counter() - t_first)
         if emitted < len(text):  # a held-back stop-string prefix that never completed
             yield out[-1], text[emitted:]

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .config import SYNTHETIC, ConfigError, ModelConfig, from_hf_dict
+from .config import ConfigError, ModelConfig, from_hf_dict
 from .quant import Int4Weight, dequant_q8_0_blocks, from_q4_0_blocks, from_q4_1_blocks
 
 DEFAULT_MODEL = "embedded:smollm2"

@@ -16,12 +16,11 @@ target's own token is counted), so it lies in [1, K + 1]. Tests: ``pytest tests/
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
-from .engine import Engine, GenerationResult, SamplingParams, _stop_holdback, probs_from_logits, sample
+from .engine import Engine, SamplingParams, probs_from_logits, sample
 
 
 @dataclass
@@ -86,7 +85,8 @@ class SpeculativeEngine(Engine):
         if k is None:
             k = getattr(getattr(draft, "cfg", None), "k_default", 4)
         if not isinstance(k, int) or k < 1:
-            raise ValueError(f"speculative decoding: k (draft tokens per step) must be an integer >= 1, got {k!r}")
+            raise ValueError("speculative decoding: k (draft tokens per step) must be an integer >= 1, "
+                             f"got {k!r}")
         self.draft = draft
         self.k = k
         self.last_stats = SpeculativeStats()
@@ -96,29 +96,18 @@ class SpeculativeEngine(Engine):
         """Mean tokens per verify step of the last call (accepted drafts + the target's token)."""
         return self.last_stats.tokens_per_step
 
-    def prefill_hidden(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Engine.prefill that also returns the last position's hidden state (the draft's input)."""
-        c = 0
-        for a, b in zip(self.cached, ids):
-            if a != b:
-                break
-            c += 1
-        c = min(c, len(ids) - 1)
-        chunk = getattr(self.backend, "max_chunk", None) or len(ids)
-        self.cached = self.cached[:c]
-        logits = hidden = None
-        for s in range(c, len(ids), chunk):
-            part = ids[s: s + chunk]
-            logits, hidden = self.backend.forward(torch.tensor(part, dtype=torch.long), s, return_hidden=True)
-            self.cached += part
-        return logits[-1], hidden[-1]
+    def _on_start(self) -> None:
+        self.last_stats = SpeculativeStats()
+
+    def _on_finish(self) -> None:
+        self.total_stats.add(self.last_stats)
 
     def _tokens(self, prompt_ids: list[int], sp: SamplingParams, gen):
         """Yield generated token ids one at a time: the first from the prefill, then the tokens each
         verify step emits. Stops only when closed; never writes past the context."""
         stats = self.last_stats
         greedy = sp.temperature == 0
-        logits, hidden = self.prefill_hidden(list(prompt_ids))
+        logits, hidden = self.prefill(list(prompt_ids), return_hidden=True)
         pos = len(prompt_ids)
         tok = sample(logits, sp, gen)
         ctx = list(prompt_ids) + [tok]
@@ -136,11 +125,13 @@ class SpeculativeEngine(Engine):
             logits, hid = self.backend.forward(step, pos, return_hidden=True)
             if greedy:
                 vals = torch.cat((torch.argmax(logits, -1), drafts)).tolist()  # one device sync
-                n, nxt = verify_greedy(vals[: k + 1], vals[k + 1:])
+                proposed = vals[k + 1:]
+                n, nxt = verify_greedy(vals[: k + 1], proposed)
             else:
                 p = probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p)
                 n, nxt = verify_sampling(p, q.to(p.device) if q is not None else q, drafts, gen)
-            new = drafts[:n].tolist() + [nxt]
+                proposed = drafts.tolist()
+            new = proposed[:n] + [nxt]
             stats.steps += 1
             stats.drafted += k
             if not sp.ignore_eos:  # tokens after an eos are never emitted: not counted as accepted
@@ -154,69 +145,6 @@ class SpeculativeEngine(Engine):
             for t in new:
                 ctx.append(t)
                 yield t
-
-    # The text side below is Engine.stream's, reading tokens from self._tokens; once Engine.stream
-    # takes its tokens from an overridable generator (report for issue 6), this method goes.
-    def stream(self, prompt_ids: list[int], sp: SamplingParams):
-        """Yield (token_id, text_piece) as tokens decode; sets self.last and self.last_stats."""
-        sp.validate()
-        self.check_fits(len(prompt_ids), sp.max_new_tokens)
-        vs = self.backend.cfg.vocab_size
-        for t in prompt_ids:
-            if not 0 <= int(t) < vs:
-                raise ValueError(f"token id {int(t)} is outside the vocabulary (size {vs})")
-        gen = None
-        if sp.temperature > 0:
-            gen = torch.Generator(device=self.backend.device)
-            gen.manual_seed(sp.seed if sp.seed is not None else int(time.time_ns() % (2**31)))
-        dec = self.tokenizer.stream() if self.tokenizer is not None else None
-        self.last = None
-        self.last_stats = SpeculativeStats()
-        if sp.max_new_tokens == 0:
-            self.last = GenerationResult([], "", "length", len(prompt_ids), 0.0, 0.0)
-            return
-        t0 = time.perf_counter()
-        out: list[int] = []
-        text, emitted, finish = "", 0, "length"
-        tokens = self._tokens(prompt_ids, sp, gen)
-        tok = next(tokens)
-        t_first = time.perf_counter()
-        try:
-            while True:
-                out.append(tok)
-                if tok in self.eos and not sp.ignore_eos:
-                    finish = "stop"
-                    break
-                piece = dec.feed(tok) if dec else ""
-                if piece:
-                    text += piece
-                    hit = [h for h in (text.find(s, max(0, emitted - len(s))) for s in sp.stop) if h >= 0]
-                    if hit:
-                        cut = min(hit)
-                        if cut > emitted:
-                            yield tok, text[emitted:cut]
-                        text, emitted, finish = text[:cut], cut, "stop"
-                        break
-                    hold = _stop_holdback(text, sp.stop) if sp.stop else 0
-                    if len(text) - hold > emitted:
-                        yield tok, text[emitted: len(text) - hold]
-                        emitted = len(text) - hold
-                    else:
-                        yield tok, ""
-                else:
-                    yield tok, ""
-                if len(out) >= sp.max_new_tokens:
-                    break
-                tok = next(tokens)
-        finally:
-            tokens.close()
-            # every emitted token but the last has its K/V in the cache (accepted or verified)
-            self.cached = list(prompt_ids) + out[:-1]
-            self.total_stats.add(self.last_stats)
-            self.last = GenerationResult(out, text, finish, len(prompt_ids), t_first - t0,
-                                         time.perf_counter() - t_first)
-        if emitted < len(text):
-            yield out[-1], text[emitted:]
 
 
 __all__ = ["SpeculativeEngine", "SpeculativeStats", "verify_greedy", "verify_sampling"]

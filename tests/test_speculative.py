@@ -1,6 +1,7 @@
 """Speculative decoding is exact: greedy output equals plain greedy for any draft and K, sampled
 output follows the target's distribution (chi-square against the exact joint law), and the KV
-cache after rejections equals a fresh prefill. Tiny random models on CPU; about 30 s.
+cache after rejections equals a fresh prefill; text and stop strings behave as Engine's. Tiny
+random models on CPU; about 25 s.
 
 Run: ``pytest tests/test_speculative.py``
 """
@@ -142,6 +143,29 @@ def test_prefix_reuse_across_calls():
     assert got == want
 
 
+def test_text_and_stop_strings_as_engine(tiny_llama):
+    """Streamed pieces, text, finish reason and tokens equal Engine's, with stop strings hit inside
+    a run of accepted drafts and a stop-string prefix held back then released (byte tokenizer)."""
+    tok = tiny_llama.tokenizer
+    be = Transformer(tiny_llama.cfg, tiny_llama.params, 96)
+    ids = tok.encode("Once upon a time")
+    free = Engine(be, tok).generate(ids, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    text = free.text
+    assert len(text) > 24
+    for stop in ([], [text[10:13]], [text[20:22] + "\x00never"]):
+        sp = SamplingParams(max_new_tokens=40, ignore_eos=True, stop=stop)
+        plain = Engine(be, tok)
+        want = [piece for _, piece in plain.stream(ids, sp)]
+        draft = ScriptedDraft(ids + free.token_ids, tiny_llama.cfg.vocab_size, 5)
+        eng = SpeculativeEngine(be, tok, draft, k=4)
+        got = [piece for _, piece in eng.stream(ids, sp)]
+        assert got == want, stop
+        assert (eng.last.text, eng.last.finish_reason, eng.last.token_ids) == \
+            (plain.last.text, plain.last.finish_reason, plain.last.token_ids)
+        assert eng.last_stats.accepted > 0
+        assert eng.last.finish_reason == ("stop" if stop == [text[10:13]] else "length")
+
+
 def test_context_end_caps_k():
     lm = tiny_lm(seed=4)
     be = Transformer(lm.cfg, lm.params, 32)
@@ -195,7 +219,8 @@ def exact_joint_t2_t3(lm, prompt, sp) -> torch.Tensor:
     m = Transformer(lm.cfg, lm.params, 64)
 
     def dist(ids):
-        return probs_from_logits(m.forward(torch.tensor(ids), 0)[-1], sp.temperature, sp.top_k, sp.top_p).double()
+        logits = m.forward(torch.tensor(ids), 0)[-1]
+        return probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p).double()
 
     p1 = dist(prompt)
     joint = torch.zeros(v, v, dtype=torch.float64)
