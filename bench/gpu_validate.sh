@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One device call that validates the GPU paths after the GGUF is staged (see docs/megakernel.md):
+# megakernel + compiled GPU tests (incl. SmolLM2 256-token greedy vs reference), the chat selftest on
+# the megakernel, flint bench (compiled vs megakernel, same run), and compute-sanitizer on a 1-layer model.
+# Usage on the device: bash bench/gpu_validate.sh   (carry: build, .stage2; part_aa already in /var/tmp/flint)
+set -uo pipefail
+export PYTHONUNBUFFERED=1 FLINT_KERNEL_DIR=build/kernels
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+G=/var/tmp/flint/smollm2.gguf
+[ -f $G ] || cat /var/tmp/flint/part_aa .stage2/part_ab > $G
+echo "sha256 $(sha256sum $G | cut -c1-16) expected $(cut -c1-16 .stage2/smollm2.sha256)"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .stage2/*.whl && export PYTHONPATH=/tmp/site:$PWD
+export FLINT_SMOLLM2_GGUF=$G
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+python3 -m pytest -q -m gpu tests/test_megakernel.py tests/test_compiled.py -rs 2>&1 | tee $OUT/pytest_gpu.log | tail -25
+python3 -m flint chat --selftest --model $G 2>&1 | tee $OUT/selftest.log
+python3 -m flint bench --model synthetic:granite-4.1-3b,synthetic:smollm2-135m --backend compiled,megakernel \
+  --ctx 512,2048,8192 --tokens 32 --repeats 3 --json $OUT/bench.json --plot $OUT/bench.png 2>&1 | tee $OUT/bench.log | tail -22
+timeout 120 compute-sanitizer --tool memcheck --print-limit 5 python3 bench/mk_debug.py > $OUT/memcheck.log 2>&1; echo "memcheck rc=$?"; tail -3 $OUT/memcheck.log
+timeout 120 compute-sanitizer --tool racecheck --print-limit 5 python3 bench/mk_debug.py > $OUT/racecheck.log 2>&1; echo "racecheck rc=$?"; tail -3 $OUT/racecheck.log
