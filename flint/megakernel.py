@@ -55,6 +55,10 @@ def load_library():
     return lib
 
 
+def names_int4(cfg: ModelConfig) -> list[str]:
+    return [f"layers.{i}.{n}" for i in range(cfg.num_layers) for n in LINEARS] + ["lm_head"]
+
+
 class MegakernelError(RuntimeError):
     pass
 
@@ -207,6 +211,10 @@ class MegakernelBackend:
                                    (ctypes.c_double * len(fa))(*fa), len(fa), ctypes.byref(self._h)))
         self.max_chunk = lib.flint_mk_max_m(self._h)
         self.kv_bytes_per_token = 2 * L * nkv * d * 2
+        # what one step reads besides K/V: int4 codes + scales/mins of every linear and the head,
+        # the fp32 norm weights, one fp32 embedding row (flint bench's bytes-per-token)
+        self.weight_bytes_per_token = (sum(params[n].nbytes for n in names_int4(cfg))
+                                       + 4 * H * (2 * L + 1) + 4 * H)
 
     @staticmethod
     def _validate(cfg: ModelConfig, params: dict) -> None:
@@ -220,8 +228,7 @@ class MegakernelBackend:
         if cfg.hidden_size % 32 or cfg.intermediate_size % 32 or (cfg.num_heads * cfg.head_dim) % 32:
             raise ValueError(f"megakernel: hidden_size={cfg.hidden_size}, intermediate_size="
                              f"{cfg.intermediate_size} and num_heads*head_dim must be multiples of 32")
-        names = [f"layers.{i}.{n}" for i in range(cfg.num_layers) for n in LINEARS] + ["lm_head"]
-        for n in names:
+        for n in names_int4(cfg):
             w = params.get(n)
             if not isinstance(w, Int4Weight):
                 raise ValueError(f"megakernel: tensor {n!r} must be an Int4Weight (flint-int4-v1), got "

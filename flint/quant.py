@@ -168,7 +168,8 @@ def quantize_params(params: dict, group_size: int = 128, names=None) -> dict:
     for k in targets:
         w = params[k]
         if not isinstance(w, Int4Weight):
-            out[k] = quantize_int4(w, group_size, name=k)
+            # the largest group <= group_size dividing K (SmolLM2's K = 576 takes 64)
+            out[k] = quantize_int4(w, fit_group_size(w.shape[1], group_size, k), name=k)
     return out
 
 
