@@ -109,3 +109,19 @@ def test_cli_writes_json_and_table(tiny_spec, tmp_path, capsys):
     assert rc == 0
     assert "| compiled | 4 |" in capsys.readouterr().out
     assert json.loads(out.read_text())["results"][0]["backend"] == "compiled"
+
+
+def test_bench_draft_reports_acceptance_beside_plain():
+    """`flint bench --draft`: speculative and plain decoding on the same held-out prompts, greedy
+    outputs identical on the fp32 reference, acceptance within [1, k + 1]."""
+    from flint.bench import draft_table, run_draft_bench
+
+    doc = run_draft_bench(None, ["reference"], "smollm2-135m", 3, per_kind=1, max_new_tokens=8,
+                          device="cpu", log=lambda *a, **k: None)
+    rows = {r["kind"]: r for r in doc["speculative"]}
+    assert set(rows) >= {"code", "all"}
+    allrow = rows["all"]
+    assert 1.0 <= allrow["tokens_per_step"] <= 4.0
+    assert allrow["identical_to_plain"] == f"{allrow['prompts']}/{allrow['prompts']}"
+    assert allrow["spec_tok_s"] > 0 and allrow["plain_tok_s"] > 0
+    assert "tokens_per_step" in draft_table(doc)
