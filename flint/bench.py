@@ -471,17 +471,10 @@ def register(sub) -> None:
 
 
 def main(argv=None) -> int:
-    import argparse
+    """`python -m flint.bench` = `flint bench`."""
+    from .cli import main as cli_main
 
-    ap = argparse.ArgumentParser(prog="flint")
-    sub = ap.add_subparsers(dest="command", required=True)
-    register(sub)
-    args = ap.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return args.func(args)
-    except ValueError as e:
-        print(f"flint: error: {e}", file=sys.stderr)
-        return 2
+    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

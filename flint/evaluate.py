@@ -246,17 +246,10 @@ def register(sub) -> None:
 
 
 def main(argv=None) -> int:
-    import argparse
+    """`python -m flint.evaluate` = `flint eval`."""
+    from .cli import main as cli_main
 
-    ap = argparse.ArgumentParser(prog="flint")
-    sub = ap.add_subparsers(dest="command", required=True)
-    register(sub)
-    args = ap.parse_args(["eval", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return args.func(args)
-    except ValueError as e:
-        print(f"flint: error: {e}", file=sys.stderr)
-        return 2
+    return cli_main(["eval", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

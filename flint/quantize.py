@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig
-from .loading import QUANT_METHOD, LoadedModel, LoadError, load_model
+from .loading import QUANT_METHOD, LoadedModel, load_model
 from .model import LINEAR_NAMES
 from .quant import GROUP_SIZES, Int4Weight, check_shape, int4_group_size, quantize_int4
 
@@ -221,17 +221,10 @@ def register(sub) -> None:
 
 
 def main(argv=None) -> int:
-    import argparse
+    """`python -m flint.quantize` = `flint quantize`."""
+    from .cli import main as cli_main
 
-    ap = argparse.ArgumentParser(prog="flint")
-    sub = ap.add_subparsers(dest="command", required=True)
-    register(sub)
-    args = ap.parse_args(["quantize", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return args.func(args)
-    except (ValueError, LoadError) as e:
-        print(f"flint: error: {e}", file=sys.stderr)
-        return 2
+    return cli_main(["quantize", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

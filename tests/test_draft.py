@@ -22,11 +22,8 @@ from flint.speculative import SpeculativeEngine
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def one_thread(torch_one_thread):
+    """Tiny tensors: intra-op threads only add contention on a shared 2-core CI box."""
 
 
 def tiny_lm(seed=0, vocab=16, hidden=32, layers=2):

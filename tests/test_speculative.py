@@ -20,12 +20,8 @@ from flint.speculative import SpeculativeEngine, verify_sampling
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny tensors: intra-op threads only add contention on a shared 2-core CI box
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def one_thread(torch_one_thread):
+    """Tiny tensors: intra-op threads only add contention on a shared 2-core CI box."""
 
 
 def tiny_lm(seed=0, vocab=10, hidden=32, layers=2, eos=()):
