@@ -37,6 +37,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="reference backend precision (default: float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--group-size", type=int, default=128, choices=(32, 64, 128),
                    help="int4 group size for weights not already int4 (kernel backends)")
+    p.add_argument("--draft", default=None,
+                   help="speculative decoding with this draft head (a path, or a shipped name: smollm2-135m)")
+    p.add_argument("--draft-k", type=int, default=None,
+                   help="draft tokens per verify step (default: the draft's own)")
 
 
 def load_engine(args, quiet: bool = False):
@@ -180,8 +184,6 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(p)
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--selftest", action="store_true", help="one factual prompt; non-zero exit if wrong")
-    p.add_argument("--draft", default=None, help="speculative decoding with this draft head")
-    p.add_argument("--draft-k", type=int, default=None, help="draft tokens per verify step")
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("generate", help="generate text for a prompt; text to stdout")
@@ -191,8 +193,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--system", default=None)
     p.add_argument("--stats", action="store_true", help="print tokens, tok/s and TTFT to stderr")
-    p.add_argument("--draft", default=None, help="speculative decoding with this draft head")
-    p.add_argument("--draft-k", type=int, default=None)
     p.set_defaults(func=cmd_generate)
 
     for mod in SUBCOMMAND_MODULES:
