@@ -417,8 +417,15 @@ def draft_table(doc: dict) -> str:
     return "\n".join(lines) + "\n\ntokens_per_step counts the target's own token (1 + accepted drafts)."
 
 
+def default_backends(device: torch.device) -> str:
+    from .backend import cuda_sm90
+
+    return DEFAULT_BACKENDS + (",megakernel" if device.type == "cuda" and cuda_sm90() else "")
+
+
 def _run(args) -> int:
     dev = torch.device(args.device or default_device())
+    args.backend = args.backend or default_backends(dev)
     if args.draft:
         doc = run_draft_bench(args.model, _parse_list(args.backend, "backend"), args.draft, args.draft_k,
                               args.draft_prompts, args.tokens * 4, device=str(dev),
@@ -447,8 +454,8 @@ def register(sub) -> None:
     p.add_argument("--model", default=None,
                    help="model spec(s), comma-separated: synthetic:granite-4.1-3b, synthetic:smollm2-135m, "
                         "a .gguf, a checkpoint directory (default: the embedded SmolLM2)")
-    p.add_argument("--backend", default=DEFAULT_BACKENDS, help=f"comma-separated, from {', '.join(BACKENDS)} "
-                   f"(default {DEFAULT_BACKENDS})")
+    p.add_argument("--backend", default=None, help=f"comma-separated, from {', '.join(BACKENDS)} "
+                   f"(default {DEFAULT_BACKENDS}, plus megakernel on a Hopper GPU)")
     p.add_argument("--ctx", default=None, help="contexts, comma-separated (default 128,512,2048,8192 on a GPU, "
                    "128,512 on a CPU)")
     p.add_argument("--tokens", type=int, default=32, help="decoded tokens per timed pass (default 32)")
