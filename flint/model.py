@@ -119,11 +119,9 @@ class Transformer:
             self.v_cache[li, :b, :, start_pos:end] = v.transpose(1, 2)
             kk = self.k_cache[li, :b, :, :end]
             vv = self.v_cache[li, :b, :, :end]
-            if nh != nkv:
-                kk = kk.repeat_interleave(nh // nkv, dim=1)
-                vv = vv.repeat_interleave(nh // nkv, dim=1)
+            # GQA without materializing repeated K/V (a copy of the whole cache per layer per step)
             att = F.scaled_dot_product_attention(q.transpose(1, 2), kk, vv, attn_mask=mask,
-                                                 scale=cfg.attn_scale)
+                                                 scale=cfg.attn_scale, enable_gqa=nh != nkv)
             x = x + (att.transpose(1, 2).reshape(b, m, nh * d) @ L["wo"].T) * rm
             h = rms_norm(x, L["ffn_norm"], cfg.rms_norm_eps)
             gu = h @ L["w_gu"].T
