@@ -1,0 +1,226 @@
+// flint dev kernel (NOT in the mainline): int4 x fp16 dot of a 16-row weight tile with up to 8
+// tokens on the tensor cores (mma.sync m16n8k16, fp32 accumulation), reading flint's repacked
+// row-segment layout unchanged. Status: UNVALIDATED on a GPU; the lane/register mapping below is
+// emulated bit-for-bit in flint/kernels/dev/mma_dot_emulation.py (pytest tests/test_mma_dot_emulation.py).
+// Compile check: nvcc -gencode arch=compute_90a,code=sm_90a -c -x cu flint/kernels/dev/mma_dot.cuh
+// Benchmark + GPU correctness check: flint/kernels/dev/mma_dot_bench.cu (see its header).
+//
+// ---- Operand layout (source: PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point
+// type", .f16 A/B, .f32 C/D; groupID = lane >> 2, tig = lane & 3):
+//   A (16x16, row-major, 4 x .f16x2 regs): a0 = A[groupID  ][2tig, 2tig+1]   a1 = A[groupID+8][2tig, 2tig+1]
+//                                           a2 = A[groupID  ][2tig+8, +9]    a3 = A[groupID+8][2tig+8, +9]
+//   B (16x8, col-major, 2 x .f16x2 regs):   b0 = B[2tig, 2tig+1][groupID]    b1 = B[2tig+8, 2tig+9][groupID]
+//   C/D (16x8, 4 x f32):                    c0,c1 = D[groupID][2tig, 2tig+1] c2,c3 = D[groupID+8][2tig, 2tig+1]
+//   (lower k / lower column in the low 16 bits of a .f16x2 register.)
+// Here: A rows = 16 weight rows of the tile, B columns = tokens (column n = token n, clamped to the
+// last valid token so lanes of absent tokens read valid x and their outputs are simply dropped).
+//
+// ---- Weights (flint/megakernel.py repack): row r of the tile starts at tile + r * srb; bytes
+// [0, kseg/2) are flint-int4-v1 codes (byte j: code 2j low nibble, 2j+1 high nibble, so nibble i of
+// 32-bit word w is code 8w + i), then kseg/G half2 (scale, min). Per group (G codes) a lane loads
+// WPL = G/32 words of its row groupID and WPL words of row groupID+8: words tig*WPL .. tig*WPL+WPL-1
+// of the group (one LDS.32 / .64 / .128). A whole mma (16 k) therefore stays inside one group, so
+// one fp32 accumulator per group can take the group's scale.
+//
+// ---- Dequant (exact): fp16 0x6400 = 1024 with ulp 1, so for a word w with nibbles q0..q7
+//   (w      & 0x000F000F) | 0x64006400 = half2(1024 + q0, 1024 + q4)
+//   (w      & 0x00F000F0) | 0x64006400 = half2(1024 + 16 q1, 1024 + 16 q5)   (x prescaled by 1/16)
+//   (w >> 8 & 0x000F000F) | 0x64006400 = half2(1024 + q2, 1024 + q6)
+//   (w >> 8 & 0x00F000F0) | 0x64006400 = half2(1024 + 16 q3, 1024 + 16 q7)
+// one SHF + four LOP3 per 8 codes. Word c of the lane's group share feeds two mmas:
+//   mma 2c:   a0/a1 = (q0, q4) of rows g / g+8, a2/a3 = (16q1, 16q5)
+//   mma 2c+1: a0/a1 = (q2, q6),                 a2/a3 = (16q3, 16q7)
+//
+// ---- Staged x (fp16, this file's mma_stage_x): token row m at xs + m * xstride bytes; the G codes
+// of group gi occupy fp16 elements [gi*G, gi*G + G) but permuted: lane tig's B fragments for word c
+// are ONE 16-byte chunk at element gi*G + (4c + tig) * 8, slots
+//   [b0 lo, b0 hi, b1 lo, b1 hi] of mma 2c, then of mma 2c+1  =  codes 8w + {0, 4, 1, 5, 2, 6, 3, 7}
+// (w = tig*WPL + c), odd codes (the 16q nibbles) stored as x/16. So the 4 lanes of one token read 64
+// contiguous bytes per LDS.128; xstride = roundup(2 kseg, 128) + 64 bytes puts tokens g and g+1
+// (the same 8-lane phase) in opposite halves of the 32 banks.
+// xsum: MMA_XSUM_FLOATS (24) floats per group gi, for 8 tokens n (zeros for absent tokens), with
+//   off_n = -1024 * (fp32 sum of the group's staged fp16 values x'),  eff_n = sum of x' * (16 if odd k else 1)
+//   [4t .. 4t+3] = (off_2t, off_2t+1, off_2t, off_2t+1)   t = 0..3: lane tig's initial C, one LDS.128
+//   [16 + n]     = eff_n                                  lane tig reads eff_2t, eff_2t+1: one LDS.64
+//
+// ---- Group algebra: with x'_k the staged fp16 value and c_k = 16 for odd k else 1,
+//   C = sum_k (1024 + c_k q_k) x'_k  =  1024 sum x' + sum q x_eff        (x_eff = c_k x'_k, exact)
+//   sum_k (s q_k + m) x_eff_k = s (C - 1024 sum x') + m sum x_eff.
+// The -1024 sum x' term is the initial C of the group's first mma chain (no extra FADD); two mma
+// chains per group (even / odd mma) halve the dependent HMMA chain. Precision: C carries ~1024|x|
+// per element while the signal is ~7.5|x|, i.e. ~7 bits of the fp32 accumulator go to the offset
+// (projection: ~1e-5 relative per group if the tensor core accumulates with >= 23 bits; the bench
+// measures the real error against an fp64 reference).
+#pragma once
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace flint_dev {
+
+constexpr int MMA_MAX_TOKENS = 8;
+constexpr int MMA_XSUM_FLOATS = 24;  // per group (see the header)
+
+// Bytes between staged token rows (see the header: conflict-free LDS.128 for tokens g, g+1).
+__host__ __device__ constexpr int mma_x_stride_bytes(int kseg) { return (2 * kseg + 127) / 128 * 128 + 64; }
+
+// fp16 element index of code k (0 <= k < kseg) inside a staged token row, group size G (32/64/128).
+__host__ __device__ inline int mma_x_pos(int k, int G) {
+  const int wpl = G >> 5;
+  const int gi = k / G, r = k - gi * G;
+  const int w = r >> 3, i = r & 7;
+  const int tig = w / wpl, c = w - tig * wpl;
+  const int slot = 2 * (i & 3) + (i >> 2);  // inverse of {0,4,1,5,2,6,3,7}
+  return gi * G + (c * 4 + tig) * 8 + slot;
+}
+
+__device__ __forceinline__ uint32_t mma_smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ uint4 mma_lds128(uint32_t a) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ uint32_t mma_lds32(uint32_t a) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a));
+  return v;
+}
+// WPL consecutive 32-bit code words (one LDS of 4, 8 or 16 bytes)
+template <int WPL>
+__device__ __forceinline__ void mma_lds_words(uint32_t a, uint32_t (&w)[WPL]) {
+  if constexpr (WPL == 1) {
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(w[0]) : "r"(a));
+  } else if constexpr (WPL == 2) {
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "r"(a));
+  } else {
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(a));
+  }
+}
+
+// (a & MASK) | magic in one LOP3 (magic in a register: with two immediates ptxas emits two ops)
+template <uint32_t MASK>
+__device__ __forceinline__ uint32_t mma_nib(uint32_t a, uint32_t magic) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "n"(MASK), "r"(magic));
+  return d;
+}
+
+__device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                          uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// ---------------------------------------------------------------- x staging (block-cooperative)
+// Pass 1: x'[m][pos(k)] = fp16(src[m][k] * (k odd ? 1/16 : 1)) for m < M, 0 <= k < kseg.
+// src[m] points at the segment's first element (already normalized by the caller).
+// Call mma_stage_x_sums after a barrier over the participating threads.
+template <int M>
+__device__ void mma_stage_x(const float* const* src, int kseg, int G, uint32_t xs, int xstride,
+                            int tid, int nthreads) {
+  for (int i = tid; i < M * kseg; i += nthreads) {
+    const int m = i / kseg, k = i - m * kseg;
+    const float v = src[m][k] * ((k & 1) ? 0.0625f : 1.f);
+    const __half h = __float2half_rn(v);
+    const uint32_t a = xs + (uint32_t)(m * xstride + 2 * mma_x_pos(k, G));
+    asm volatile("st.shared.u16 [%0], %1;" ::"r"(a), "h"(__half_as_ushort(h)) : "memory");
+  }
+}
+
+// Pass 2: off / eff sums (header) over the G staged fp16 values of group gi of token n (n < 8;
+// zeros for n >= M). Chunk order does not matter for a sum; the odd codes sit in slots 2,3 and 6,7
+// of every 8-element chunk (codes {1,5} and {3,7}).
+template <int M>
+__device__ void mma_stage_x_sums(int kseg, int G, uint32_t xs, int xstride, uint32_t xsum, int tid,
+                                 int nthreads) {
+  const int ng = kseg / G;
+  for (int task = tid; task < ng * MMA_MAX_TOKENS; task += nthreads) {
+    const int gi = task / MMA_MAX_TOKENS, n = task - gi * MMA_MAX_TOKENS;
+    float s_raw = 0.f, s_eff = 0.f;
+    if (n < M) {
+      for (int ch = 0; ch < G / 8; ++ch) {
+        const uint4 v = mma_lds128(xs + (uint32_t)(n * xstride + 2 * (gi * G + ch * 8)));
+        const float2 p0 = __half22float2(*reinterpret_cast<const __half2*>(&v.x));  // codes 0, 4
+        const float2 p1 = __half22float2(*reinterpret_cast<const __half2*>(&v.y));  // codes 1, 5 (/16)
+        const float2 p2 = __half22float2(*reinterpret_cast<const __half2*>(&v.z));  // codes 2, 6
+        const float2 p3 = __half22float2(*reinterpret_cast<const __half2*>(&v.w));  // codes 3, 7 (/16)
+        const float even = (p0.x + p0.y) + (p2.x + p2.y), odd = (p1.x + p1.y) + (p3.x + p3.y);
+        s_raw += even + odd;
+        s_eff += even + 16.f * odd;
+      }
+    }
+    const uint32_t a = xsum + (uint32_t)(gi * MMA_XSUM_FLOATS * 4);
+    const float off = -1024.f * s_raw;
+    const uint32_t a_off = a + (uint32_t)(4 * (4 * (n >> 1) + (n & 1)));
+    asm volatile("st.shared.f32 [%0], %1;" ::"r"(a_off), "f"(off) : "memory");
+    asm volatile("st.shared.f32 [%0], %1;" ::"r"(a_off + 8u), "f"(off) : "memory");
+    asm volatile("st.shared.f32 [%0], %1;" ::"r"(a + (uint32_t)(4 * (16 + n))), "f"(s_eff) : "memory");
+  }
+}
+
+// ---------------------------------------------------------------- the tile dot (one warp)
+// tile: shared address of the tile's row 0 (rows at stride srb); kseg codes per row; G = 32 * WPL.
+// xs / xstride: staged x (mma_stage_x); xsum: mma_stage_x_sums; mvalid: tokens 1..8.
+// Out: acc[0], acc[1] = rows groupID, tokens 2tig, 2tig+1; acc[2], acc[3] = row groupID+8, same tokens.
+// No warp reduction: the mma sums across lanes.
+template <int WPL>
+__device__ __forceinline__ void mma_tile_dot(uint32_t tile, int srb, int kseg, uint32_t xs, int xstride,
+                                             uint32_t xsum, int mvalid, int lane, float (&acc)[4]) {
+  constexpr int G = 32 * WPL;
+  const int g = lane >> 2, t = lane & 3;
+  const int tok = min(g, mvalid - 1);
+  const uint32_t row_a = tile + (uint32_t)(g * srb);
+  const uint32_t row_b = row_a + (uint32_t)(8 * srb);
+  const uint32_t code_a = row_a + (uint32_t)(t * WPL * 4), code_b = row_b + (uint32_t)(t * WPL * 4);
+  const uint32_t sm_a = row_a + (uint32_t)(kseg >> 1), sm_b = row_b + (uint32_t)(kseg >> 1);
+  const uint32_t xa = xs + (uint32_t)(tok * xstride + t * 16);
+  const uint32_t xs_off = xsum + (uint32_t)(t * 16), xs_eff = xsum + (uint32_t)(64 + t * 8);
+  const int ng = kseg / G;
+  uint32_t magic;
+  asm("mov.b32 %0, 0x64006400;" : "=r"(magic));
+#pragma unroll
+  for (int j = 0; j < 4; ++j) acc[j] = 0.f;
+#pragma unroll (WPL == 1 ? 4 : 2)
+  for (int gi = 0; gi < ng; ++gi) {
+    uint32_t wa[WPL], wb[WPL];
+    mma_lds_words<WPL>(code_a + (uint32_t)(gi * (G / 2)), wa);
+    mma_lds_words<WPL>(code_b + (uint32_t)(gi * (G / 2)), wb);
+    // the chain of the even mmas starts at -1024 sum x' (tokens 2t, 2t+1 for rows g and g+8)
+    const uint4 off = mma_lds128(xs_off + (uint32_t)(gi * MMA_XSUM_FLOATS * 4));
+    float d0[4] = {__uint_as_float(off.x), __uint_as_float(off.y), __uint_as_float(off.z), __uint_as_float(off.w)};
+    float d1[4] = {0.f, 0.f, 0.f, 0.f};
+    float2 eff;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(eff.x), "=f"(eff.y)
+                 : "r"(xs_eff + (uint32_t)(gi * MMA_XSUM_FLOATS * 4)));
+    const float c_eff0 = eff.x, c_eff1 = eff.y;
+#pragma unroll
+    for (int c = 0; c < WPL; ++c) {
+      const uint4 xb = mma_lds128(xa + (uint32_t)(gi * G * 2 + c * 64));
+      const uint32_t a_lo = wa[c], b_lo = wb[c];
+      const uint32_t a_hi = a_lo >> 8, b_hi = b_lo >> 8;
+      mma_16816(d0, mma_nib<0x000F000Fu>(a_lo, magic), mma_nib<0x000F000Fu>(b_lo, magic),
+                mma_nib<0x00F000F0u>(a_lo, magic), mma_nib<0x00F000F0u>(b_lo, magic), xb.x, xb.y);
+      mma_16816(d1, mma_nib<0x000F000Fu>(a_hi, magic), mma_nib<0x000F000Fu>(b_hi, magic),
+                mma_nib<0x00F000F0u>(a_hi, magic), mma_nib<0x00F000F0u>(b_hi, magic), xb.z, xb.w);
+    }
+    const uint32_t hsa = mma_lds32(sm_a + (uint32_t)(gi * 4)), hsb = mma_lds32(sm_b + (uint32_t)(gi * 4));
+    const float2 fa = __half22float2(*reinterpret_cast<const __half2*>(&hsa));  // (scale, min) row g
+    const float2 fb = __half22float2(*reinterpret_cast<const __half2*>(&hsb));  // row g + 8
+    acc[0] = fmaf(fa.x, d0[0] + d1[0], fmaf(fa.y, c_eff0, acc[0]));
+    acc[1] = fmaf(fa.x, d0[1] + d1[1], fmaf(fa.y, c_eff1, acc[1]));
+    acc[2] = fmaf(fb.x, d0[2] + d1[2], fmaf(fb.y, c_eff0, acc[2]));
+    acc[3] = fmaf(fb.x, d0[3] + d1[3], fmaf(fb.y, c_eff1, acc[3]));
+  }
+}
+
+// Runtime G dispatch (G in 32/64/128; anything else is a caller bug: the host validates G).
+__device__ __forceinline__ void mma_tile_dot_g(int G, uint32_t tile, int srb, int kseg, uint32_t xs, int xstride,
+                                               uint32_t xsum, int mvalid, int lane, float (&acc)[4]) {
+  if (G == 128) mma_tile_dot<4>(tile, srb, kseg, xs, xstride, xsum, mvalid, lane, acc);
+  else if (G == 64) mma_tile_dot<2>(tile, srb, kseg, xs, xstride, xsum, mvalid, lane, acc);
+  else mma_tile_dot<1>(tile, srb, kseg, xs, xstride, xsum, mvalid, lane, acc);
+}
+
+}  // namespace flint_dev
