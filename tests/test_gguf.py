@@ -103,6 +103,18 @@ def reference(lm):
     return Transformer(lm.cfg, lm.params, max_seq_len=256)
 
 
+
+def hf_to_flint_names(num_layers: int) -> dict[str, str]:
+    """HF tensor name -> flint param name, written out here independently of flint.loading."""
+    names = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
+    per_layer = {"input_layernorm": "attn_norm", "self_attn.q_proj": "wq", "self_attn.k_proj": "wk",
+                 "self_attn.v_proj": "wv", "self_attn.o_proj": "wo", "post_attention_layernorm": "ffn_norm",
+                 "mlp.gate_proj": "w_gate", "mlp.up_proj": "w_up", "mlp.down_proj": "w_down"}
+    for i in range(num_layers):
+        for theirs, ours in per_layer.items():
+            names[f"model.layers.{i}.{theirs}.weight"] = f"layers.{i}.{ours}"
+    return names
+
 def test_embedded_default_is_smollm2(lm, gguf_path):
     assert lm.source == str(gguf_path)
     assert lm.cfg.arch == "llama" and lm.cfg.num_heads % lm.cfg.num_kv_heads == 0
@@ -112,13 +124,8 @@ def test_embedded_default_is_smollm2(lm, gguf_path):
 
 def test_weights_equal_transformers_dequantization(lm, hf_model):
     sd = hf_model.state_dict()
-    hf_name = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight"}
-    per_layer = {"attn_norm": "input_layernorm", "wq": "self_attn.q_proj", "wk": "self_attn.k_proj",
-                 "wv": "self_attn.v_proj", "wo": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
-                 "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj"}
-    for i in range(lm.cfg.num_layers):
-        for ours, theirs in per_layer.items():
-            hf_name[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}.weight"
+    hf_name = {ours: theirs for theirs, ours in hf_to_flint_names(lm.cfg.num_layers).items()
+               if theirs != "lm_head.weight"}
     for name, key in hf_name.items():
         w = lm.params[name]
         w = w.dequantize() if isinstance(w, Int4Weight) else w
@@ -309,14 +316,7 @@ def test_tiny_gguf_every_tensor_type(tmp_path, family, overrides):
     assert lm.cfg.arch == family and lm.cfg.head_dim == 24
     assert lm.cfg.num_kv_heads == overrides["num_key_value_heads"]
     # every tensor exactly as the gguf package dequantizes it, rows back in HF order
-    flint_name = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm",
-                  "lm_head.weight": "lm_head"}
-    per_layer = {"input_layernorm": "attn_norm", "self_attn.q_proj": "wq", "self_attn.k_proj": "wk",
-                 "self_attn.v_proj": "wv", "self_attn.o_proj": "wo", "post_attention_layernorm": "ffn_norm",
-                 "mlp.gate_proj": "w_gate", "mlp.up_proj": "w_up", "mlp.down_proj": "w_down"}
-    for i in range(lm.cfg.num_layers):
-        for theirs, ours in per_layer.items():
-            flint_name[f"model.layers.{i}.{theirs}.weight"] = f"layers.{i}.{ours}"
+    flint_name = hf_to_flint_names(lm.cfg.num_layers)
     int4 = 0
     for key, want in expected.items():
         got = lm.params[flint_name[key]]

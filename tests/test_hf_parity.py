@@ -123,17 +123,22 @@ def test_batched_rows_match_single(case):
     assert ok, f"{case['name']}: batched logits differ from HF by {diff}"
 
 
+def prefill_matches_hf(lm, hf) -> tuple[bool, float]:
+    """Prefill 16 tokens through flint's reference and through the HF model; (close?, max diff)."""
+    ids = torch.arange(3, 19)
+    got = Transformer(lm.cfg, lm.params, max_seq_len=32).forward(ids, 0)
+    with torch.no_grad():
+        want = hf(ids[None]).logits[0]
+    return close(got, want)
+
+
 def test_sharded_checkpoint_loads_identically(tmp_path):
     hf = make_hf_model("granite", seed=3, rope_theta=1e4, head_dim=24, **GRANITE_MULTIPLIERS)
     d = save_hf_dir(hf, tmp_path / "sharded", max_shard_size="40KB", tokenizer=False)
     shards = sorted(p.name for p in d.glob("*.safetensors"))
     assert (d / "model.safetensors.index.json").exists() and len(shards) > 2, shards
     lm = load_model(str(d))
-    ids = torch.arange(3, 19)
-    got = Transformer(lm.cfg, lm.params, max_seq_len=32).forward(ids, 0)
-    with torch.no_grad():
-        want = hf(ids[None]).logits[0]
-    ok, diff = close(got, want)
+    ok, diff = prefill_matches_hf(lm, hf)
     assert ok, f"sharded checkpoint ({len(shards)} shards): logits differ from HF by {diff}"
 
 
@@ -152,9 +157,5 @@ def test_granite_multipliers_default_like_transformers(tmp_path, family):
     (d / "config.json").write_text(json.dumps(cfg))
     hf = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
     lm = load_model(str(d))
-    ids = torch.arange(3, 19)
-    got = Transformer(lm.cfg, lm.params, max_seq_len=32).forward(ids, 0)
-    with torch.no_grad():
-        want = hf(ids[None]).logits[0]
-    ok, diff = close(got, want)
+    ok, diff = prefill_matches_hf(lm, hf)
     assert ok, f"{family} with default multipliers: logits differ from HF by {diff}"
