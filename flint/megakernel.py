@@ -22,7 +22,7 @@ from .quant import Int4Weight
 
 MAX_M = 8          # tokens per launch compiled (1..8); must match mk::MAX_M
 KSEG_MAX = 2560    # codes per K segment; must match mk::KSEG_MAX
-SLOT_BYTES = 16384
+TILE_ROWS = 16     # rows per weight tile (one mma A operand); must match mk::TILE_ROWS
 LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 _lib = None
@@ -87,14 +87,15 @@ def row_segment_bytes(kseg: int, g: int) -> int:
 
 
 def repack(ws: list[Int4Weight], name: str, device) -> tuple[torch.Tensor, dict]:
-    """Layers of one [N, K] int4 matrix -> uint8 [layers, nseg, N_even, srb] and its descriptor."""
+    """Layers of one [N, K] int4 matrix -> uint8 [layers, nseg, N16, srb] and its descriptor; N is
+    padded to a multiple of 16 rows (a tile) with zero codes and zero (scale, min)."""
     n, k = ws[0].shape
     g = ws[0].group_size
     nseg, kseg = segment_plan(k, g)
     srb = row_segment_bytes(kseg, g)
-    n_even = n + (n & 1)
+    n_pad = -(-n // TILE_ROWS) * TILE_ROWS
     ng = kseg // g
-    out = torch.zeros((len(ws), nseg, n_even, srb), dtype=torch.uint8, device=device)
+    out = torch.zeros((len(ws), nseg, n_pad, srb), dtype=torch.uint8, device=device)
     for li, w in enumerate(ws):
         if w.shape != (n, k) or w.group_size != g:
             raise ValueError(f"{name}: layer {li} has shape {w.shape}/G{w.group_size}, expected {(n, k)}/G{g}")
@@ -104,9 +105,8 @@ def repack(ws: list[Int4Weight], name: str, device) -> tuple[torch.Tensor, dict]
             out[li, s, :n, : kseg // 2] = qw[:, s * kseg // 2:(s + 1) * kseg // 2]
             out[li, s, :n, kseg // 2: kseg // 2 + ng * 4] = (
                 sm[:, s * ng:(s + 1) * ng].contiguous().view(torch.uint8).view(n, ng * 4))
-    rpc = (SLOT_BYTES // srb) & ~1
-    desc = dict(N=n_even, K=k, G=g, nseg=nseg, kseg=kseg, srb=srb, rpc=rpc,
-                layer_stride=nseg * n_even * srb, seg_stride=n_even * srb)
+    desc = dict(N=n_pad, K=k, G=g, nseg=nseg, kseg=kseg, srb=srb, nreal=n,
+                layer_stride=nseg * n_pad * srb, seg_stride=n_pad * srb)
     return out, desc
 
 
@@ -252,7 +252,7 @@ class MegakernelBackend:
         for key in ("qkv", "o", "gu", "down", "lm_head"):
             dsc = self.mat_desc[key]
             ia += [self.weights[key].data_ptr(), dsc["layer_stride"], dsc["seg_stride"], dsc["N"], dsc["K"],
-                   dsc["G"], dsc["nseg"], dsc["kseg"], dsc["srb"], dsc["rpc"]]
+                   dsc["G"], dsc["nseg"], dsc["kseg"], dsc["srb"], dsc["nreal"]]
         fa = [c.rms_norm_eps, c.embedding_multiplier, c.residual_multiplier, c.attn_scale,
               1.0 / c.logits_scaling]
         return ia, fa
@@ -326,4 +326,4 @@ class MegakernelBackend:
     def smem_info(self, m: int = 1) -> dict:
         arr = (ctypes.c_int * 4)()
         _check(self._lib.flint_mk_smem_info(self._h, m, arr))
-        return dict(smem_bytes=arr[0], ring_slots=arr[1], ring_offset=arr[2], blocks=arr[3])
+        return dict(smem_bytes=arr[0], ring_slots=arr[1], slot_bytes=arr[2], blocks=arr[3])

@@ -2,18 +2,21 @@
 // (embedding -> L x [rmsnorm, qkv+rope+kv-append, attention, o-proj, rmsnorm, gate/up+silu, down]
 // -> final norm -> lm_head -> argmax) for M tokens at once (M = FLINT_MK_M, 1..8; one object per M).
 //
-// Per block (one per SM): warp 15 is the PRODUCER: one lane streams this block's share of every
-// weight matrix of the whole step, in a fixed order, into a ring of 16 KB shared-memory slots with
-// cp.async.bulk (TMA 1-D) completing on mbarriers. Weights do not depend on activations, so it
-// runs ahead across grid barriers; only ring space stops it. Warps 0..14 are CONSUMERS: they stage
-// the stage's input vector into smem (recomputing RMSNorm per block), compute row pairs from the
-// ring, run the epilogue (RoPE + KV append / residual add / silu*up / logits) and meet at grid
-// barriers (a monotonic counter; the producer never waits on them).
+// Per block (one per SM): warp 15 is the PRODUCER: one lane streams this block's tiles (16 row-
+// segments) of every weight matrix of the whole step, in a fixed order, into a ring of shared-memory
+// slots with cp.async.bulk (TMA 1-D) completing on mbarriers. Weights do not depend on activations,
+// so it runs ahead across grid barriers; only ring space stops it. Warps 0..14 are CONSUMERS: they
+// stage the stage's input vector into smem as two fp16 terms (recomputing RMSNorm per block),
+// compute K parts of tiles on the tensor cores (mk_mma.cuh), the last warp of a tile reduces the
+// parts and runs its epilogue (RoPE + KV append / residual add / silu*up / logits + argmax), and
+// meet at grid barriers (a monotonic counter; the producer never waits on them).
 //
-// Sections: [1] PTX helpers  [2] grid barrier  [3] producer  [4] x staging  [5] int4 row-pair dot
-//           [6] matvec stage + epilogues  [7] attention  [8] kernel  [9] launch entry point
+// Sections: [1] PTX helpers  [2] grid barrier  [3] producer  [4] x staging
+//           [5] matvec stage + epilogues  [6] (tile dot: mk_mma.cuh)  [7] attention  [8] kernel
+//           [9] launch entry point
 // Build: python -m flint.kernels.build      Test: pytest tests/test_megakernel.py
 #include "mk_common.cuh"
+#include "mk_mma.cuh"
 
 #ifndef FLINT_MK_M
 #define FLINT_MK_M 1
@@ -84,13 +87,6 @@ __device__ __forceinline__ float ldsf(uint32_t a) {
   asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(a));
   return v;
 }
-// (a & mask) | magic in ONE LOP3 (the compiler splits it when both are immediates)
-template <uint32_t MASK>
-__device__ __forceinline__ float nib(uint32_t a, uint32_t magic) {
-  uint32_t d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "n"(MASK), "r"(magic));
-  return __uint_as_float(d) - 8388608.f;
-}
 // barrier among the 512 consumer threads only (the producer warp never joins)
 __device__ __forceinline__ void cbar() { asm volatile("bar.sync 1, %0;" ::"n"(NCT) : "memory"); }
 
@@ -104,17 +100,14 @@ __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
-// x prescale so that a nibble masked in place at bits 4i (i = k % 4) needs no shift (see [5])
-__device__ __forceinline__ float prescale(int k) { return __int_as_float((127 - 4 * (k & 3)) << 23); }
-
 // =====================================================================[2] grid barrier
 // Consumers of every block arrive once per barrier; thread 0 spins on an acquire load. The counter
 // only grows: barrier b of launch e completes at nblocks * (e * S + b + 1), S = barriers per launch.
 __device__ __forceinline__ void grid_barrier(const Params& p, unsigned long long target) {
   cbar();
   if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(p.bar_counter, 1ull);
+    // release (cumulative over the block's writes ordered before it by cbar); no return value to wait for
+    asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p.bar_counter), "l"(1ull) : "memory");
     unsigned long long v;
     do {
       asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p.bar_counter) : "memory");
@@ -123,11 +116,10 @@ __device__ __forceinline__ void grid_barrier(const Params& p, unsigned long long
   cbar();
 }
 
-// block b's share of a matrix: row pairs [pb0, pb1)
-__device__ __forceinline__ void block_pairs(int N, int nb, int b, int& pb0, int& pb1) {
-  long long P = N / 2;
-  pb0 = (int)(P * b / nb);
-  pb1 = (int)(P * (b + 1) / nb);
+// block b's share of a matrix: tiles [t0, t1)
+__device__ __forceinline__ void block_tiles(int ntiles, int nb, int b, int& t0, int& t1) {
+  t0 = (int)((long long)ntiles * b / nb);
+  t1 = (int)((long long)ntiles * (b + 1) / nb);
 }
 
 // =====================================================================[3] producer
@@ -136,29 +128,25 @@ struct Ring {
   uint64_t* full;
   uint64_t* empty;
   int nslots;
+  int slot_bytes;
 };
 
-__device__ void produce_matrix(const Mat& mt, int layer, const Ring& ring, uint32_t& q, uint64_t pol,
-                               int nb) {
-  int pb0, pb1;
-  block_pairs(mt.N, nb, blockIdx.x, pb0, pb1);
-  const int ppc = mt.rpc / 2;
+// One ring slot per tile-segment (16 row-segments), in the consumers' order: segment-major, tiles
+// in order within a segment.
+__device__ void produce_matrix(const Mat& mt, int layer, const Ring& ring, uint32_t& q, uint64_t pol, int nb) {
+  int t0, t1;
+  block_tiles(mt.ntiles, nb, blockIdx.x, t0, t1);
+  const uint32_t bytes = (uint32_t)(TILE_ROWS * mt.srb);
   const uint8_t* lbase = mt.base + (long long)layer * mt.layer_stride;
-  for (int rb0 = pb0; rb0 < pb1; rb0 += ACC_PAIRS) {
-    const int rb1 = min(pb1, rb0 + ACC_PAIRS);
-    for (int s = 0; s < mt.nseg; ++s) {
-      for (int c0 = rb0; c0 < rb1; c0 += ppc) {
-        const int c1 = min(rb1, c0 + ppc);
-        const uint32_t bytes = (uint32_t)((c1 - c0) * 2 * mt.srb);
-        const int slot = q % ring.nslots;
-        const uint32_t fill = q / ring.nslots;
-        if (fill > 0) mbar_wait(&ring.empty[slot], (fill - 1) & 1);
-        mbar_expect_tx(&ring.full[slot], bytes);
-        bulk_g2s(ring.slots + (size_t)slot * SLOT_BYTES,
-                 lbase + (long long)s * mt.seg_stride + (long long)c0 * 2 * mt.srb, bytes, &ring.full[slot],
-                 pol);
-        ++q;
-      }
+  for (int s = 0; s < mt.nseg; ++s) {
+    for (int tl = t0; tl < t1; ++tl) {
+      const int slot = q % ring.nslots;
+      const uint32_t fill = q / ring.nslots;
+      if (fill > 0) mbar_wait(&ring.empty[slot], (fill - 1) & 1);
+      mbar_expect_tx(&ring.full[slot], bytes);
+      bulk_g2s(ring.slots + (size_t)slot * ring.slot_bytes, lbase + (long long)s * mt.seg_stride + (long long)tl * bytes,
+               bytes, &ring.full[slot], pol);
+      ++q;
     }
   }
 }
@@ -173,13 +161,21 @@ __device__ void producer(const Params& p, const Ring& ring) {
 }
 
 // =====================================================================[4] x staging
-// The stage's input vector segment [k0, k0 + kseg) for every token goes to smem, prescaled, with
-// sums of the unscaled values per 16 codes (sum_k (q s + m) x = s sum q x + m sum x).
+extern __shared__ __align__(1024) uint8_t mk_smem[];
+
 template <int M>
-struct Stage {
-  float* x;      // [M][kseg]
-  float* xsum;   // [M][kseg / 16]
+struct Ctx {
+  const Params* p;
+  const Smem* sl;
+  Ring ring;
+  uint32_t q;          // chunk sequence number (must match the producer's)
   MiscSmem* misc;
+  float* acc;          // [tiles][16][M] sums across K segments
+  float* own;          // [o tiles][16][M] this block's residual rows
+  float* rope;         // [M][D/2] cos, [M][D/2] sin
+  float* parts;        // [nslots][pstride]
+  uint32_t xs, xsum;   // shared addresses of the staged x and its per-group sums
+  int start;
 };
 
 // rstd per token of the vector rows src[m] (length H), block-wide deterministic reduction.
@@ -213,284 +209,243 @@ __device__ void compute_rstd(const Params& p, const float* const* src, float mul
   cbar();
 }
 
-// norm_w == nullptr: plain copy (attention output / act); else rmsnorm(src * mult) * norm_w
+// fp16 element index of code k inside a staged token row (mkmma::mma_x_pos with shifts)
+__device__ __forceinline__ int x_pos(int k, int gshift) {
+  const int G = 1 << gshift, wshift = gshift - 5;
+  const int gi = k >> gshift, r = k & (G - 1);
+  const int w = r >> 3, i = r & 7;
+  const int tig = w >> wshift, cc = w & ((1 << wshift) - 1);
+  return gi * G + (cc * 4 + tig) * 8 + 2 * (i & 3) + (i >> 2);
+}
+
+// The stage's input [k0, k0 + kst) for every token -> hi/lo fp16 terms in mma order (mk_mma.cuh), then
+// the per-group sums. norm_w == nullptr: plain copy (attention output / act); else
+// rmsnorm(src * mult) * norm_w with the rstd of compute_rstd.
 template <int M>
-__device__ void stage_x(const Stage<M>& st, const float* const* src, float mult, const float* norm_w,
-                        int k0, int kseg, int G, int gshift) {
+__device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, const float* norm_w, int k0, int kst,
+                        int G, int gshift) {
   const int t = threadIdx.x;
-  constexpr int U = M <= 2 ? UNR : 2;  // register budget of the larger-M kernels
-  for (int base = t; base < M * kseg; base += NCT * U) {
+  const int xstride = c.sl->xstride;
+  const uint32_t xlo = (uint32_t)(M * xstride);
+  constexpr int U = M <= 2 ? UNR : 4;
+  for (int base = t; base < M * kst; base += NCT * U) {
     float v[U], wv[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int i = base + u * NCT;
-      const int m = i / kseg, k = i - m * kseg;
-      v[u] = i < M * kseg ? __ldcg(src[min(m, M - 1)] + k0 + k) : 0.f;
-      wv[u] = (norm_w && i < M * kseg) ? __ldg(norm_w + k0 + k) : 1.f;
+      const int m = i / kst, k = i - m * kst;
+      v[u] = i < M * kst ? __ldcg(src[min(m, M - 1)] + k0 + k) : 0.f;
+      wv[u] = (norm_w && i < M * kst) ? __ldg(norm_w + k0 + k) : 1.f;
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int i = base + u * NCT;
-      if (i < M * kseg) {
-        const int m = i / kseg, k = i - m * kseg;
+      if (i < M * kst) {
+        const int m = i / kst, k = i - m * kst;
         float x = v[u];
-        if (norm_w) x = ((x * mult) * st.misc->rstd[m]) * wv[u];
-        st.x[i] = x * prescale(k);
+        if (norm_w) x = ((x * mult) * c.misc->rstd[m]) * wv[u];
+        mkmma::mma_put_x(c.xs, xstride, xlo, m, x_pos(k, gshift), (k & 1) ? x * 0.0625f : x);
       }
     }
   }
   cbar();
-  // sums of the unscaled x per 16-code step (the min term is added once per step, see [5])
-  const int ns = kseg >> 4;
-  for (int task = t; task < M * ns; task += NCT) {
-    const int m = task / ns, j = task - m * ns;
-    const float4* xp = reinterpret_cast<const float4*>(st.x + m * kseg + j * 16);
-    float s = 0.f;
-#pragma unroll
-    for (int v = 0; v < 4; ++v) {
-      const float4 a = xp[v];
-      s += a.x + a.y * 16.f + a.z * 256.f + a.w * 4096.f;
-    }
-    st.xsum[task] = s;
-  }
+  mkmma::mma_stage_x_sums<M>(kst >> gshift, G, c.xs, xstride, xlo, c.xsum, t, NCT);
   cbar();
 }
 
-// =====================================================================[5] int4 row-pair dot
-// One warp, two rows of one chunk, MB tokens. Lane handles 16 codes (8 bytes) per step. A nibble
-// at bits 4i of a word, OR-ed into the mantissa of 2^23, minus 2^23, is exactly q * 16^i; x was
-// prescaled by 16^-(k%4) so the product is exactly q * x. 3 ops per code (LOP3, FADD, FFMA).
-extern __shared__ __align__(1024) uint8_t mk_smem[];
-
-// One warp, two rows of one chunk, MB tokens; lane handles 16 codes per step, steps st = lane + 32j.
-// Operands are byte offsets into mk_smem so the compiler knows they are shared (LDS) and may hoist
-// the next step's loads above the current step's math (unroll 2).
-template <int MB>
-__device__ __forceinline__ void dot_pair(uint32_t r0, int srb, int kseg, int gshift, uint32_t xs, int xstride,
-                                         uint32_t xsum, int gstride, int mvalid, int lane, float (&acc)[2][MB]) {
-  const int nsteps = kseg >> 4;
-  const uint32_t smoff = (uint32_t)(kseg >> 1);
-  uint32_t magic;
-  asm("mov.b32 %0, 0x4B000000;" : "=r"(magic));
-#pragma unroll
-  for (int r = 0; r < 2; ++r)
-#pragma unroll
-    for (int m = 0; m < MB; ++m) acc[r][m] = 0.f;
-#pragma unroll (MB <= 2 ? 2 : 1)
-  for (int st = lane; st < nsteps; st += 32) {
-    const int k0 = st << 4;
-    const int g = k0 >> gshift;
-    float x[MB][16];
-    float xg[MB];
-#pragma unroll
-    for (int m = 0; m < MB; ++m) {
-      if (m < mvalid) {
-        const float4* xa = reinterpret_cast<const float4*>(mk_smem + xs + (uint32_t)(m * xstride + k0) * 4u);
-#pragma unroll
-        for (int v = 0; v < 4; ++v) {
-          const float4 t = xa[v];
-          x[m][4 * v] = t.x; x[m][4 * v + 1] = t.y; x[m][4 * v + 2] = t.z; x[m][4 * v + 3] = t.w;
-        }
-        xg[m] = *reinterpret_cast<const float*>(mk_smem + xsum + (uint32_t)(m * gstride + st) * 4u);
-      } else {
-#pragma unroll
-        for (int v = 0; v < 16; ++v) x[m][v] = 0.f;
-        xg[m] = 0.f;
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const uint8_t* rp = mk_smem + r0 + (uint32_t)(r * srb);
-      const uint2 cw = *reinterpret_cast<const uint2*>(rp + (st << 3));
-      const __half2 sm = *reinterpret_cast<const __half2*>(rp + smoff + (g << 2));
-      const float sc = __low2float(sm), mn = __high2float(sm);
-      float d0[MB], d1[MB];  // two chains (low / high half-words) for ILP
-#pragma unroll
-      for (int m = 0; m < MB; ++m) { d0[m] = 0.f; d1[m] = 0.f; }
-#pragma unroll
-      for (int wi = 0; wi < 2; ++wi) {
-        const uint32_t w = wi ? cw.y : cw.x;
-        const uint32_t hi = w >> 16;
-        const float f0 = nib<0xFu>(w, magic), f1 = nib<0xF0u>(w, magic);
-        const float f2 = nib<0xF00u>(w, magic), f3 = nib<0xF000u>(w, magic);
-        const float h0 = nib<0xFu>(hi, magic), h1 = nib<0xF0u>(hi, magic);
-        const float h2 = nib<0xF00u>(hi, magic), h3 = nib<0xF000u>(hi, magic);
-#pragma unroll
-        for (int m = 0; m < MB; ++m) {
-          const float* xm = &x[m][wi * 8];
-          d0[m] = fmaf(f0, xm[0], d0[m]); d1[m] = fmaf(h0, xm[4], d1[m]);
-          d0[m] = fmaf(f1, xm[1], d0[m]); d1[m] = fmaf(h1, xm[5], d1[m]);
-          d0[m] = fmaf(f2, xm[2], d0[m]); d1[m] = fmaf(h2, xm[6], d1[m]);
-          d0[m] = fmaf(f3, xm[3], d0[m]); d1[m] = fmaf(h3, xm[7], d1[m]);
-        }
-      }
-#pragma unroll
-      for (int m = 0; m < MB; ++m) acc[r][m] = fmaf(sc, d0[m] + d1[m], fmaf(mn, xg[m], acc[r][m]));
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < 2; ++r)
-#pragma unroll
-    for (int m = 0; m < MB; ++m) acc[r][m] = warp_sum(acc[r][m]);
-}
-
-// =====================================================================[6] matvec stage + epilogues
-template <int M>
-struct Ctx {
-  const Params* p;
-  Ring ring;
-  uint32_t q;          // chunk sequence number (must match the producer's)
-  Stage<M> st;
-  float* acc;          // [2 * ACC_PAIRS][M]
-  MiscSmem* misc;
-  int start;
-  const float* tok_src[M];  // embedding rows of the tokens
-};
-
+// =====================================================================[5] matvec stage + epilogues
 __device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }
 
-// Epilogue for rows of pairs [rb0, rb1) of matrix `mi`; acc rows are local to the row block.
+// Epilogue of one row pair (n0, n0 + 1) of token m (act: m < M; all lanes must call it, the lm_head
+// argmax shuffles within the 8 lanes of a token). Pairs are (2i, 2i+1): RoPE pairs for q/k (rows
+// were permuted), (gate_j, up_j) for gate/up (rows interleaved).
 template <int M>
-__device__ void epilogue(Ctx<M>& c, int mi, int layer, int rb0, int rb1) {
+__device__ __forceinline__ void pair_epilogue(Ctx<M>& c, int mi, int layer, int n0, int own_row, int mm, bool act,
+                                              int jp, int warp, float a, float b) {
   const Params& p = *c.p;
-  const int npairs = rb1 - rb0;
-  const int t = threadIdx.x;
-  for (int i = t; i < npairs * M; i += NCT) {
-    const int lp = i / M, m = i - lp * M;
-    const int pair = rb0 + lp;
-    const float a = c.acc[(2 * lp) * M + m], b = c.acc[(2 * lp + 1) * M + m];
-    const int pos = c.start + m;
-    if (mi == MAT_QKV) {
-      const int n0 = 2 * pair;
-      const int qd = p.nh * p.D, kd = p.nkv * p.D;
-      if (n0 < qd + kd) {  // q or k: rows were permuted so a pair is (i, i + D/2) of one head
-        const int nn = n0 < qd ? n0 : n0 - qd;
-        const int head = nn / p.D, ip = (nn % p.D) >> 1, half = p.D >> 1;
-        float o1 = a, o2 = b;
-        if (p.use_rope) {
-          const float cs = __ldg(p.rope_cos + (size_t)pos * half + ip);
-          const float sn = __ldg(p.rope_sin + (size_t)pos * half + ip);
-          o1 = a * cs - b * sn;
-          o2 = b * cs + a * sn;
-        }
-        if (n0 < qd) {
-          float* qp = p.q + (size_t)m * qd + head * p.D;
-          qp[ip] = o1;
-          qp[ip + half] = o2;
-        } else {
-          __half* kp = p.kcache + ((((size_t)layer * p.nkv + head) * p.max_seq + pos) * p.D);
-          kp[ip] = __float2half_rn(o1);
-          kp[ip + half] = __float2half_rn(o2);
-        }
-      } else {  // v: natural row order
-        const int nn = n0 - qd - kd;
-        const int head = nn / p.D, d0 = nn % p.D;
-        __half* vp = p.vcache + ((((size_t)layer * p.nkv + head) * p.max_seq + pos) * p.D) + d0;
-        vp[0] = __float2half_rn(a);
-        vp[1] = __float2half_rn(b);
+  const int pos = c.start + mm;
+  if (mi == MAT_QKV) {
+    const int qd = p.nh * p.D, kd = p.nkv * p.D;
+    if (!act) {
+    } else if (n0 < qd + kd) {  // q or k: a pair is (i, i + D/2) of one head
+      const int nn = n0 < qd ? n0 : n0 - qd;
+      const int head = nn / p.D, ip = (nn % p.D) >> 1, half = p.D >> 1;
+      float o1 = a, o2 = b;
+      if (p.use_rope) {
+        const float cs = c.rope[mm * half + ip], sn = c.rope[(M + mm) * half + ip];
+        o1 = a * cs - b * sn;
+        o2 = b * cs + a * sn;
       }
-    } else if (mi == MAT_O || mi == MAT_D) {
-      const int n0 = 2 * pair;
-      float* rp = p.resid + (size_t)m * p.H;
-      rp[n0] = rp[n0] + p.res_mult * a;
-      if (n0 + 1 < p.H) rp[n0 + 1] = rp[n0 + 1] + p.res_mult * b;
-    } else if (mi == MAT_GU) {  // rows interleaved gate_j, up_j
-      p.act[(size_t)m * p.I + pair] = silu(a) * b;
-    } else {  // MAT_LM
-      const int n0 = 2 * pair;
-      float* lp_ = p.logits + (size_t)m * p.V;
-      const float l0 = a * p.inv_logit_scale, l1 = b * p.inv_logit_scale;
-      lp_[n0] = l0;
-      c.acc[(2 * lp) * M + m] = l0;
-      if (n0 + 1 < p.V) lp_[n0 + 1] = l1;
-      c.acc[(2 * lp + 1) * M + m] = (n0 + 1 < p.V) ? l1 : -INFINITY;
+      if (n0 < qd) {
+        float* qp = p.q + (size_t)mm * qd + head * p.D;
+        qp[ip] = o1;
+        qp[ip + half] = o2;
+      } else {
+        __half* kp = p.kcache + ((((size_t)layer * p.nkv + head) * p.max_seq + pos) * p.D);
+        kp[ip] = __float2half_rn(o1);
+        kp[ip + half] = __float2half_rn(o2);
+      }
+    } else {  // v: natural row order
+      const int nn = n0 - qd - kd;
+      const int head = nn / p.D, d0 = nn % p.D;
+      __half2* vp = reinterpret_cast<__half2*>(p.vcache + ((((size_t)layer * p.nkv + head) * p.max_seq + pos) * p.D) + d0);
+      *vp = __floats2half2_rn(a, b);
     }
-  }
-  if (mi == MAT_LM) {  // running argmax per token over this block's rows (first index wins ties)
-    cbar();
-    const int w = t >> 5, lane = t & 31;
-    if (w < M) {
-      float bv = -INFINITY;
-      int bi = 0x7fffffff;
-      for (int r = lane; r < 2 * npairs; r += 32) {
-        const float v = c.acc[r * M + w];
-        if (v > bv) { bv = v; bi = 2 * rb0 + r; }
+  } else if (mi == MAT_O || mi == MAT_D) {  // residual rows owned by this block (o and down share the tiling)
+    if (act && n0 < p.H) {
+      float* ow = c.own + own_row * M + mm;
+      const float r0 = ow[0] + p.res_mult * a, r1 = ow[M] + p.res_mult * b;
+      ow[0] = r0;
+      ow[M] = r1;
+      *reinterpret_cast<float2*>(p.resid + (size_t)mm * p.H + n0) = make_float2(r0, r1);
+    }
+  } else if (mi == MAT_GU) {  // rows interleaved gate_j, up_j
+    if (act && (n0 >> 1) < p.I) p.act[(size_t)mm * p.I + (n0 >> 1)] = silu(a) * b;
+  } else {  // MAT_LM: logits + this warp's running argmax (first index wins ties)
+    const float l0 = a * p.inv_logit_scale, l1 = b * p.inv_logit_scale;
+    float bv = -INFINITY;
+    int bi = 0x7fffffff;
+    if (act && n0 < p.V) {
+      float* lp_ = p.logits + (size_t)mm * p.V;
+      lp_[n0] = l0;
+      bv = l0; bi = n0;
+      if (n0 + 1 < p.V) {
+        lp_[n0 + 1] = l1;
+        if (l1 > bv) { bv = l1; bi = n0 + 1; }
       }
+    }
 #pragma unroll
-      for (int o = 16; o; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
-      }
-      if (lane == 0 && (bv > c.misc->best_val[w] || (bv == c.misc->best_val[w] && bi < c.misc->best_idx[w]))) {
-        c.misc->best_val[w] = bv;
-        c.misc->best_idx[w] = bi;
-      }
+    for (int o = 1; o < 8; o <<= 1) {  // within the 8 lanes of token m
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+    }
+    if (act && jp == 0) {
+      float& wv = c.misc->best_val[warp][mm];
+      int& wi = c.misc->best_idx[warp][mm];
+      if (bv > wv || (bv == wv && bi < wi)) { wv = bv; wi = bi; }
     }
   }
 }
 
-// One matrix stage: consume this block's chunks (same order as produce_matrix), run epilogues.
+// The warp that finishes a tile-segment's last K part sums the parts (fixed order: deterministic).
+// One segment: epilogue now. Several: the segment's sums go to c.acc[tile][s]; the warp that
+// completes the tile's last segment (a shared counter per tile) sums the segments in order and runs
+// the epilogue, so segments need no barrier between them. Lane = (pair jp = lane & 7, token
+// m = lane >> 3 (+4)).
 template <int M>
-__device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* src, float mult,
-                             const float* norm_w) {
+__device__ void tile_epilogue(Ctx<M>& c, int mi, int layer, int tl, int tl_local, int s, const float* pp, int S,
+                              int lane, int warp) {
+  const Mat& mt = c.p->mat[mi];
+  const int jp = lane & 7;
+  const int n0 = tl * TILE_ROWS + 2 * jp;
+  const int own_row = tl_local * TILE_ROWS + 2 * jp;
+  float* acc_t = c.acc + (size_t)tl_local * mt.nseg * TILE_ROWS * M;
+#pragma unroll
+  for (int m0 = 0; m0 < M; m0 += 4) {
+    const int m = m0 + (lane >> 3);
+    const bool act = m < M;
+    const int mm = act ? m : 0;
+    float a = 0.f, b = 0.f;
+    for (int pt = 0; pt < S; ++pt) {
+      a += pp[(pt * TILE_ROWS + 2 * jp) * M + mm];
+      b += pp[(pt * TILE_ROWS + 2 * jp + 1) * M + mm];
+    }
+    if (mt.nseg == 1) {
+      pair_epilogue<M>(c, mi, layer, n0, own_row, mm, act, jp, warp, a, b);
+    } else if (act) {
+      float* as = acc_t + ((size_t)s * TILE_ROWS + 2 * jp) * M + mm;
+      as[0] = a;
+      as[M] = b;
+    }
+  }
+  if (mt.nseg == 1) return;
+  __syncwarp();
+  int last = 0;
+  if (lane == 0) {
+    __threadfence_block();
+    last = atomicAdd(&c.misc->seg_count[tl_local], 1) == mt.nseg - 1;
+  }
+  last = __shfl_sync(0xffffffffu, last, 0);
+  if (!last) return;
+  __threadfence_block();
+#pragma unroll
+  for (int m0 = 0; m0 < M; m0 += 4) {
+    const int m = m0 + (lane >> 3);
+    const bool act = m < M;
+    const int mm = act ? m : 0;
+    float a = 0.f, b = 0.f;
+    for (int s2 = 0; s2 < mt.nseg; ++s2) {
+      const float* as = acc_t + ((size_t)s2 * TILE_ROWS + 2 * jp) * M + mm;
+      a += as[0];
+      b += as[M];
+    }
+    pair_epilogue<M>(c, mi, layer, n0, own_row, mm, act, jp, warp, a, b);
+  }
+  if (lane == 0) c.misc->seg_count[tl_local] = 0;
+}
+
+// One matrix stage. Tile-segment j of segment s is ring chunk q; its K range is split into S parts,
+// part pt of item (s, j) goes to warp ((s * ntiles + j) * S + pt) mod 15 (so tiles rotate over the
+// warps). A warp writes its part's 16 x M sums to the slot's partial area; the last of the S warps
+// (a shared counter per slot) reduces and runs the epilogue. Every warp waits for every chunk and
+// arrives once on its empty barrier, after its own use of the slot (and of its partial area).
+template <int M>
+__device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* src, float mult, const float* norm_w) {
   const Params& p = *c.p;
   const Mat& mt = p.mat[mi];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  int pb0, pb1;
-  block_pairs(mt.N, p.nblocks, blockIdx.x, pb0, pb1);
-  const int ppc = mt.rpc / 2;
-  const int nst = mt.kseg >> 4;
-  constexpr int MB = M <= 2 ? M : (M % 3 == 0 ? 3 : 2);  // register budget: x is 16 * MB floats
-  bool staged = false;
-  for (int rb0 = pb0; rb0 < pb1; rb0 += ACC_PAIRS) {
-    const int rb1 = min(pb1, rb0 + ACC_PAIRS);
-    for (int s = 0; s < mt.nseg; ++s) {
-      if (!staged || mt.nseg > 1) {
-        stage_x<M>(c.st, src, mult, norm_w, s * mt.kseg, mt.kseg, mt.G, mt.gshift);
-        staged = true;
-      }
-      for (int c0 = rb0; c0 < rb1; c0 += ppc) {
-        const int c1 = min(rb1, c0 + ppc);
-        const int slot = c.q % c.ring.nslots;
-        mbar_wait(&c.ring.full[slot], (c.q / c.ring.nslots) & 1);
-        const uint8_t* base = c.ring.slots + (size_t)slot * SLOT_BYTES;
-        // pair index within the row block decides the warp: the same warp owns a pair in every segment
-        int first = c0 - rb0;
-        int pi = first + ((warp - first) % NCW + NCW) % NCW;
-        for (; pi < c1 - rb0; pi += NCW) {
-          const uint32_t r0 = (uint32_t)(base - mk_smem) + (uint32_t)((pi - first) * 2 * mt.srb);
-#pragma unroll
-          if (p.dbg & 1) continue;  // debug: stream + barriers only
-#pragma unroll 1
-          for (int tb = 0; tb < M; tb += MB) {
-            float acc[2][MB];
-            dot_pair<MB>(r0, mt.srb, mt.kseg, mt.gshift,
-                         (uint32_t)(reinterpret_cast<const uint8_t*>(c.st.x + tb * mt.kseg) - mk_smem), mt.kseg,
-                         (uint32_t)(reinterpret_cast<const uint8_t*>(c.st.xsum + tb * nst) - mk_smem), nst,
-                         M - tb, lane, acc);
-            if (lane == 0) {
-#pragma unroll
-              for (int r = 0; r < 2; ++r)
-#pragma unroll
-                for (int m = 0; m < MB; ++m) {
-                  if (tb + m < M) {
-                    float* ap = c.acc + (2 * pi + r) * M + tb + m;
-                    *ap = (s == 0) ? acc[r][m] : *ap + acc[r][m];
-                  }
-                }
-            }
-          }
+  int t0, t1;
+  block_tiles(mt.ntiles, p.nblocks, blockIdx.x, t0, t1);
+  const int nt = t1 - t0;
+  const int S = c.sl->nparts[mi];
+  const bool xall = c.sl->xall[mi] != 0;
+  const int ng = mt.kseg >> mt.gshift;
+  const int xstride = c.sl->xstride;
+  const uint32_t xlo = (uint32_t)(M * xstride);
+  const uint32_t ring0 = smem_u32(c.ring.slots);
+  const int gq = lane >> 2, tq = lane & 3;
+  for (int s = 0; s < mt.nseg; ++s) {
+    if (s == 0 || !xall) {
+      if (s > 0) cbar();  // every warp is done with segment s-1's x before it is overwritten
+      stage_x<M>(c, src, mult, norm_w, xall ? 0 : s * mt.kseg, xall ? mt.K : mt.kseg, mt.G, mt.gshift);
+    }
+    const uint32_t xs = c.xs + (xall ? (uint32_t)(s * mt.kseg * 2) : 0u);
+    const uint32_t xsum = c.xsum + (xall ? (uint32_t)(s * ng * mkmma::MMA_XSUM_FLOATS * 4) : 0u);
+    for (int j = 0; j < nt; ++j) {
+      const int slot = c.q % c.ring.nslots;
+      const int item0 = (s * nt + j) * S;
+      const int part = ((warp - item0) % NCW + NCW) % NCW;
+      mbar_wait(&c.ring.full[slot], (c.q / c.ring.nslots) & 1);
+      if (part < S) {
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        const int gi0 = ng * part / S, gi1 = ng * (part + 1) / S;
+        if (!(p.dbg & 1))
+          mkmma::mma_tile_dot_g(mt.G, ring0 + (uint32_t)(slot * c.ring.slot_bytes), mt.srb, mt.kseg, gi0, gi1, xs,
+                                xstride, xlo, xsum, M, lane, acc);
+        float* pp = c.parts + slot * c.sl->pstride;
+        float* pw = pp + part * TILE_ROWS * M;
+        if (2 * tq < M) { pw[gq * M + 2 * tq] = acc[0]; pw[(gq + 8) * M + 2 * tq] = acc[2]; }
+        if (2 * tq + 1 < M) { pw[gq * M + 2 * tq + 1] = acc[1]; pw[(gq + 8) * M + 2 * tq + 1] = acc[3]; }
+        __syncwarp();
+        int last = 0;
+        if (lane == 0) {
+          __threadfence_block();
+          last = atomicAdd(&c.misc->part_count[slot], 1) == S - 1;
+        }
+        last = __shfl_sync(0xffffffffu, last, 0);
+        if (last) {
+          __threadfence_block();
+          tile_epilogue<M>(c, mi, layer, t0 + j, j, s, pp, S, lane, warp);
+          if (lane == 0) c.misc->part_count[slot] = 0;
         }
         __syncwarp();
-        if (lane == 0) mbar_arrive(&c.ring.empty[slot]);
-        ++c.q;
       }
-      cbar();  // acc complete for this segment; x may be restaged
+      if (lane == 0) mbar_arrive(&c.ring.empty[slot]);
+      ++c.q;
     }
-    epilogue<M>(c, mi, layer, rb0, rb1);
-    cbar();
   }
+  cbar();  // all parts and epilogues done; the staged x may be overwritten
 }
 
 // =====================================================================[7] attention
@@ -676,12 +631,20 @@ __global__ void __launch_bounds__(NT, 1)
   ring.full = reinterpret_cast<uint64_t*>(smem + sl.bars);
   ring.empty = ring.full + MAX_SLOTS;
   ring.nslots = sl.nslots;
+  ring.slot_bytes = sl.slot;
+  MiscSmem* misc = reinterpret_cast<MiscSmem*>(smem + sl.misc);
   if (threadIdx.x == 0) {
     for (int i = 0; i < ring.nslots; ++i) {
       mbar_init(&ring.full[i], 1);
       mbar_init(&ring.empty[i], NCW);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  if (threadIdx.x < MAX_SLOTS) misc->part_count[threadIdx.x] = 0;
+  if (threadIdx.x < MAX_ACC_TILES) misc->seg_count[threadIdx.x] = 0;
+  for (int i = threadIdx.x; i < NCW * M; i += blockDim.x) {
+    misc->best_val[i / M][i % M] = -INFINITY;
+    misc->best_idx[i / M][i % M] = 0x7fffffff;
   }
   __syncthreads();
   if (threadIdx.x >= NCT) {  // producer warp
@@ -690,45 +653,56 @@ __global__ void __launch_bounds__(NT, 1)
   }
   Ctx<M> c;
   c.p = &p;
+  c.sl = &sl;
   c.ring = ring;
   c.q = 0;
-  c.misc = reinterpret_cast<MiscSmem*>(smem + sl.misc);
+  c.misc = misc;
   c.acc = reinterpret_cast<float*>(smem + sl.acc);
-  c.st.x = reinterpret_cast<float*>(smem + sl.uni);
-  c.st.xsum = reinterpret_cast<float*>(smem + sl.xsum);
-  c.st.misc = c.misc;
+  c.own = reinterpret_cast<float*>(smem + sl.own);
+  c.rope = reinterpret_cast<float*>(smem + sl.rope);
+  c.parts = reinterpret_cast<float*>(smem + sl.parts);
+  c.xs = smem_u32(smem + sl.uni);
+  c.xsum = smem_u32(smem + sl.xsum);
   c.start = start;
   const unsigned long long epoch = __ldcg(p.epoch);
   const unsigned long long S = 5ull * p.L;
   unsigned long long nbar = 0;
   auto gsync = [&]() { ++nbar; grid_barrier(p, (unsigned long long)p.nblocks * (epoch * S + nbar)); };
 
-  const float* resid_rows[M];
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
+  enum { ROW_TOK = 0, ROW_RESID, ROW_ATTN, ROW_ACT };
+  if (threadIdx.x < M) {
+    const int m = threadIdx.x;
     const long long tk = tokens ? tokens[m] : (long long)tok0;
-    c.tok_src[m] = p.embed + (size_t)tk * p.H;
-    resid_rows[m] = p.resid + (size_t)m * p.H;
+    misc->rows[ROW_TOK][m] = p.embed + (size_t)tk * p.H;
+    misc->rows[ROW_RESID][m] = p.resid + (size_t)m * p.H;
+    misc->rows[ROW_ATTN][m] = p.attn + (size_t)m * p.nh * p.D;
+    misc->rows[ROW_ACT][m] = p.act + (size_t)m * p.I;
   }
-  if (threadIdx.x < M) { c.misc->best_val[threadIdx.x] = -INFINITY; c.misc->best_idx[threadIdx.x] = 0x7fffffff; }
-  // residual = embed * multiplier, for the rows this block owns in the o/down stages
+  cbar();
+  const float* const* tok_src = misc->rows[ROW_TOK];
+  const float* const* resid_rows = misc->rows[ROW_RESID];
+  const float* const* attn_rows = misc->rows[ROW_ATTN];
+  const float* const* act_rows = misc->rows[ROW_ACT];
+  // this step's RoPE rows, once
   {
-    int pb0, pb1;
-    block_pairs(p.mat[MAT_O].N, p.nblocks, blockIdx.x, pb0, pb1);
-    const int n0 = 2 * pb0, n1 = min(2 * pb1, p.H);
-    for (int i = threadIdx.x; i < M * (n1 - n0); i += NCT) {
-      const int m = i / (n1 - n0), n = n0 + i % (n1 - n0);
-      p.resid[(size_t)m * p.H + n] = __ldg(c.tok_src[m] + n) * p.emb_mult;
+    const int half = p.D >> 1;
+    for (int i = threadIdx.x; i < M * half; i += NCT) {
+      const int m = i / half, ip = i - m * half;
+      c.rope[i] = p.use_rope ? __ldg(p.rope_cos + (size_t)(start + m) * half + ip) : 1.f;
+      c.rope[M * half + i] = p.use_rope ? __ldg(p.rope_sin + (size_t)(start + m) * half + ip) : 0.f;
     }
   }
-  const float* const* attn_rows_dummy = nullptr;
-  (void)attn_rows_dummy;
-  const float* attn_rows[M];
-  const float* act_rows[M];
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-    attn_rows[m] = p.attn + (size_t)m * p.nh * p.D;
-    act_rows[m] = p.act + (size_t)m * p.I;
+  // residual = embed * multiplier, for the rows this block owns in the o/down stages (kept in smem too)
+  {
+    int t0, t1;
+    block_tiles(p.mat[MAT_O].ntiles, p.nblocks, blockIdx.x, t0, t1);
+    const int n0 = t0 * TILE_ROWS, n1 = min(t1 * TILE_ROWS, p.H);
+    for (int i = threadIdx.x; i < M * (n1 - n0); i += NCT) {
+      const int m = i / (n1 - n0), n = n0 + i % (n1 - n0);
+      const float v = __ldg(tok_src[m] + n) * p.emb_mult;
+      c.own[(n - n0) * M + m] = v;
+      p.resid[(size_t)m * p.H + n] = v;
+    }
   }
   uint8_t* uni = smem + sl.uni;
   const bool tracing = p.trace != nullptr && blockIdx.x == 0;
@@ -741,7 +715,7 @@ __global__ void __launch_bounds__(NT, 1)
   };
   for (int l = 0; l < p.L; ++l) {
     stamp(l, 0);
-    const float* const* xsrc = l == 0 ? c.tok_src : resid_rows;
+    const float* const* xsrc = l == 0 ? tok_src : resid_rows;
     const float mult = l == 0 ? p.emb_mult : 1.f;
     const float* an = p.norms + (size_t)l * 2 * p.H;
     compute_rstd<M>(p, xsrc, mult, c.misc);
@@ -772,10 +746,17 @@ __global__ void __launch_bounds__(NT, 1)
   compute_rstd<M>(p, resid_rows, 1.f, c.misc);
   matvec_stage<M>(c, MAT_LM, 0, resid_rows, 1.f, p.final_norm);
   stamp(p.L - 1, 13);
-  // argmax: block partials, the last block to finish reduces them in block order
+  // argmax: warps' partials -> block partial (warp order) -> the last block reduces blocks in order
   if (threadIdx.x < M) {
-    p.arg_val[blockIdx.x * M + threadIdx.x] = c.misc->best_val[threadIdx.x];
-    p.arg_idx[blockIdx.x * M + threadIdx.x] = c.misc->best_idx[threadIdx.x];
+    float bv = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int w = 0; w < NCW; ++w) {
+      const float v = c.misc->best_val[w][threadIdx.x];
+      const int ix = c.misc->best_idx[w][threadIdx.x];
+      if (v > bv || (v == bv && ix < bi)) { bv = v; bi = ix; }
+    }
+    p.arg_val[blockIdx.x * M + threadIdx.x] = bv;
+    p.arg_idx[blockIdx.x * M + threadIdx.x] = bi;
   }
   cbar();
   if (threadIdx.x == 0) {

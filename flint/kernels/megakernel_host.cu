@@ -8,6 +8,7 @@
 #include <new>
 
 #include "mk_common.cuh"
+#include "mk_mma.cuh"
 
 #define MK_DECL(m)                                                                                      \
   extern "C" int flint_mk_launch_m##m(const mk::Params*, const mk::Smem*, int, const long long*, int, \
@@ -47,7 +48,7 @@ struct Handle {
 
 extern "C" const char* flint_mk_last_error() { return g_err; }
 
-extern "C" int flint_mk_abi_version() { return 1; }
+extern "C" int flint_mk_abi_version() { return 2; }
 
 // iargs: see flint/megakernel.py (_pack_args) for the order; it is the one definition of it.
 extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, int n_f, void** out) {
@@ -72,23 +73,22 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
                    (void**)&p.arg_val, (void**)&p.arg_idx, (void**)&p.argmax, (void**)&p.done_count,
                    (void**)&p.bar_counter, (void**)&p.epoch, (void**)&p.trace};
   for (int i = 0; i < 21; ++i) *ptrs[i] = (void*)(uintptr_t)ia[k++];
-  int kseg_max = 0;
   for (int m = 0; m < mk::NMAT; ++m) {
     mk::Mat& mt = p.mat[m];
     mt.base = (const uint8_t*)(uintptr_t)ia[k++];
     mt.layer_stride = ia[k++]; mt.seg_stride = ia[k++];
     mt.N = (int)ia[k++]; mt.K = (int)ia[k++]; mt.G = (int)ia[k++]; mt.nseg = (int)ia[k++];
-    mt.kseg = (int)ia[k++]; mt.srb = (int)ia[k++]; mt.rpc = (int)ia[k++];
+    mt.kseg = (int)ia[k++]; mt.srb = (int)ia[k++]; mt.nreal = (int)ia[k++];
     mt.gshift = mt.G == 32 ? 5 : mt.G == 64 ? 6 : mt.G == 128 ? 7 : -1;
-    if (mt.gshift < 0 || mt.N % 2 || mt.kseg % 32 || mt.kseg % mt.G || mt.kseg > mk::KSEG_MAX ||
-        mt.kseg * mt.nseg != mt.K || mt.rpc < 2 || mt.rpc % 2 || (long long)mt.rpc * mt.srb > mk::SLOT_BYTES ||
-        mt.srb % 16 || ((uintptr_t)mt.base % 16)) {
+    mt.ntiles = mt.N / mk::TILE_ROWS;
+    if (mt.gshift < 0 || mt.N % mk::TILE_ROWS || mt.nreal > mt.N || mt.nreal <= mt.N - mk::TILE_ROWS ||
+        mt.kseg % mt.G || mt.kseg > mk::KSEG_MAX || mt.kseg * mt.nseg != mt.K || mt.srb % 16 ||
+        mt.srb < mt.kseg / 2 + 4 * (mt.kseg / mt.G) || ((uintptr_t)mt.base % 16)) {
       snprintf(g_err, sizeof(g_err), "flint_mk_create: matrix %d has an unsupported layout (N=%d K=%d G=%d kseg=%d)", m,
                mt.N, mt.K, mt.G, mt.kseg);
       delete h;
       return 1;
     }
-    if (mt.kseg > kseg_max) kseg_max = mt.kseg;
   }
   p.eps = (float)fa[0]; p.emb_mult = (float)fa[1]; p.res_mult = (float)fa[2]; p.attn_scale = (float)fa[3];
   p.inv_logit_scale = (float)fa[4];
@@ -105,26 +105,65 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
   h->smem_optin = optin;
 
   const int g = p.nh / p.nkv;
+  auto al = [](int x) { return (x + 127) & ~127; };
+  auto cdiv = [](int a, int b) { return (a + b - 1) / b; };
+  int slot = 0;
+  for (int m = 0; m < mk::NMAT; ++m) slot = slot > mk::TILE_ROWS * p.mat[m].srb ? slot : mk::TILE_ROWS * p.mat[m].srb;
+  slot = al(slot);
   for (int M = 1; M <= mk::MAX_M; ++M) {
     mk::Smem& s = h->sl[M];
     h->ready[M] = false;
-    auto al = [](int x) { return (x + 127) & ~127; };
+    // per matrix: stage the whole K once (multi-segment matrices whose 2 x M token rows fit XALL_BYTES),
+    // and the K parts per tile that balance this block's tiles over the 15 consumer warps
+    int kx = 0, ngx = 0, acc_tiles = 0, max_acc_tiles = 0, max_parts = 1;
+    for (int m = 0; m < mk::NMAT; ++m) {
+      const mk::Mat& mt = p.mat[m];
+      s.xall[m] = mt.nseg > 1 && 2 * M * mkmma::mma_x_stride_bytes(mt.K) <= mk::XALL_BYTES;
+      const int kst = s.xall[m] ? mt.K : mt.kseg;
+      kx = kx > kst ? kx : kst;
+      ngx = ngx > kst / mt.G ? ngx : kst / mt.G;
+      const int T = cdiv(mt.ntiles, p.nblocks);
+      if (mt.nseg > 1 && T * mt.nseg > acc_tiles) acc_tiles = T * mt.nseg;
+      if (mt.nseg > 1 && T > max_acc_tiles) max_acc_tiles = T;
+      const int ng = mt.kseg / mt.G;
+      int cap = mk::PART_FLOATS / M;
+      cap = cap < mk::MAX_PARTS ? cap : mk::MAX_PARTS;
+      cap = cap < ng ? cap : ng;
+      int best = 1;
+      long long best_cost = -1;
+      for (int S = 1; S <= cap; ++S) {
+        const long long cost = (long long)cdiv(T * S, mk::NCW) * (cdiv(ng, S) + 1);
+        if (best_cost < 0 || cost < best_cost) { best_cost = cost; best = S; }
+      }
+      s.nparts[m] = best;
+      max_parts = max_parts > best ? max_parts : best;
+    }
+    s.xstride = mkmma::mma_x_stride_bytes(kx);
+    const int own_tiles = cdiv(p.mat[mk::MAT_O].ntiles, p.nblocks);
     int off = 0;
     s.bars = off; off += al(2 * mk::MAX_SLOTS * 8);
     s.misc = off; off += al((int)sizeof(mk::MiscSmem));
-    s.acc = off; off += al(2 * mk::ACC_PAIRS * M * 4);
-    s.xsum = off; off += al(M * (mk::KSEG_MAX / 16) * 4);
+    s.acc = off; off += al(acc_tiles * mk::TILE_ROWS * M * 4);
+    s.own = off; off += al(own_tiles * mk::TILE_ROWS * M * 4);
+    s.rope = off; off += al(2 * M * (p.D / 2) * 4);
+    s.xsum = off; off += al(ngx * mkmma::MMA_XSUM_FLOATS * 4);
     const int R = g * M;
     const int att = 2 * mk::ATT_T * p.D * 2 * 2 + R * p.D * 4 * 2 + R * mk::ATT_T * 4;
-    const int xs = M * kseg_max * 4;
+    const int xs = 2 * M * s.xstride;
     s.uni = off; off += al(att > xs ? att : xs);
+    const int pstride = max_parts * mk::TILE_ROWS * M * 4;  // bytes per slot of partial sums
+    s.parts = off;
+    s.pstride = pstride / 4;
+    s.slot = slot;
+    int ns = (optin - off - 1024) / (slot + pstride);
+    if (ns > mk::MAX_SLOTS) ns = mk::MAX_SLOTS;
+    if (ns < 0) ns = 0;
+    off += al(ns * pstride);
     off = (off + 1023) & ~1023;
     s.ring = off;
-    int ns = (optin - off) / mk::SLOT_BYTES;
-    if (ns > mk::MAX_SLOTS) ns = mk::MAX_SLOTS;
     s.nslots = ns;
-    s.total = off + ns * mk::SLOT_BYTES;
-    if (R <= mk::MAX_ROWS_ATT && ns >= 3) h->ready[M] = true;
+    s.total = off + ns * slot;
+    if (R <= mk::MAX_ROWS_ATT && ns >= 3 && s.total <= optin && max_acc_tiles <= mk::MAX_ACC_TILES) h->ready[M] = true;
   }
   if (!h->ready[1]) { delete h; return fail("flint_mk_create: this shape does not fit shared memory even at M=1"); }
   if ((e = cudaMallocHost((void**)&h->h_argmax, mk::MAX_M * sizeof(int)))) { delete h; return cuda_fail("cudaMallocHost", e); }
@@ -149,7 +188,7 @@ extern "C" int flint_mk_max_m(void* hv) {
 extern "C" int flint_mk_smem_info(void* hv, int M, int* out4) {
   Handle* h = (Handle*)hv;
   if (M < 1 || M > mk::MAX_M) return fail("flint_mk_smem_info: bad M");
-  out4[0] = h->sl[M].total; out4[1] = h->sl[M].nslots; out4[2] = h->sl[M].ring; out4[3] = h->p.nblocks;
+  out4[0] = h->sl[M].total; out4[1] = h->sl[M].nslots; out4[2] = h->sl[M].slot; out4[3] = h->p.nblocks;
   return 0;
 }
 

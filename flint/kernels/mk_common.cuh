@@ -14,24 +14,30 @@ namespace mk {
 constexpr int NCW = 15;
 constexpr int NCT = NCW * 32;
 constexpr int NT = NCT + 32;
-constexpr int SLOT_BYTES = 16384;   // one weight chunk (whole row-segments) per ring slot
-constexpr int MAX_SLOTS = 16;
-constexpr int ACC_PAIRS = 128;      // row pairs accumulated per row-block (acc in smem)
+constexpr int TILE_ROWS = 16;       // weight rows per tile (one mma.m16n8k16 A operand)
+constexpr int MAX_SLOTS = 16;       // ring slots, one tile-segment (16 row-segments) each
+constexpr int MAX_PARTS = 15;       // K parts per tile (one warp each; <= NCW so a warp holds at most one)
+constexpr int PART_FLOATS = 32;     // parts * M <= PART_FLOATS (per-slot partial sums, 64 B each per M)
+constexpr int MAX_ACC_TILES = 64;  // tiles per block of a multi-segment matrix
+constexpr int XALL_BYTES = 40960;   // stage the whole K of a multi-segment matrix when it fits this
 constexpr int ATT_T = 64;           // keys per attention sub-tile
 constexpr int MAX_M = 8;
-constexpr int KSEG_MAX = 2560;      // codes per K segment: MAX_M * KSEG_MAX * 4 B of staged x
+constexpr int KSEG_MAX = 2560;      // codes per K segment
 constexpr int MAX_ROWS_ATT = 64;    // (num_heads / num_kv_heads) * M
+constexpr int MAX_HALF_D = 64;      // head_dim / 2
 
 enum { MAT_QKV = 0, MAT_O, MAT_GU, MAT_D, MAT_LM, NMAT };
 
 // One repacked int4 matrix (all layers). Layout: [layer][seg][row][srb bytes], each row-segment =
-// kseg/2 bytes of flint-int4-v1 codes, then (kseg/G) half2 (scale, min), padded to 16 bytes.
+// kseg/2 bytes of flint-int4-v1 codes, then (kseg/G) half2 (scale, min), padded to 16 bytes; rows
+// padded to a multiple of 16 (zero codes and scales). A tile = 16 consecutive row-segments.
 struct Mat {
   const uint8_t* base;
   long long layer_stride;  // bytes
   long long seg_stride;    // bytes = N * srb
-  int N;                   // rows, even (padded)
-  int K, G, gshift, nseg, kseg, srb, rpc;  // rpc: rows per chunk (even, rpc * srb <= SLOT_BYTES)
+  int N;                   // rows, multiple of TILE_ROWS (padded)
+  int K, G, gshift, nseg, kseg, srb, nreal;  // nreal: rows before padding
+  int ntiles;              // N / TILE_ROWS
 };
 
 struct Params {
@@ -61,24 +67,35 @@ struct Params {
   unsigned long long* trace;        // optional [L * 16] globaltimer stamps of block 0 (nullptr: off)
 };
 
-// Shared-memory layout (byte offsets), computed on the host per M.
+// Shared-memory layout (byte offsets) and per-matrix work split, computed on the host per M.
 struct Smem {
   int bars;    // 2 * MAX_SLOTS mbarriers (full, empty)
-  int misc;    // small scalars (rstd, reductions, argmax, flags)
-  int acc;     // [2 * ACC_PAIRS][M] fp32
-  int xsum;    // [M][KSEG_MAX / 16] fp32
-  int uni;     // union: staged x [M][kseg] | attention tiles
-  int ring;    // nslots * SLOT_BYTES
+  int misc;    // small scalars (rstd, reductions, argmax, flags, per-slot part counters)
+  int acc;     // [tiles of a multi-segment matrix per block][nseg][16][M] fp32 (per-segment sums)
+  int own;     // [o-proj tiles per block][16][M] fp32: this block's rows of the residual stream
+  int rope;    // [M][D/2] cos, then [M][D/2] sin of this step's positions
+  int parts;   // [nslots][parts][16][M] fp32 partial tile sums
+  int xsum;    // [groups staged][MMA_XSUM_FLOATS] fp32
+  int uni;     // union: staged x (2 * MAX_M rows of xstride) | attention tiles
+  int ring;    // nslots * slot
+  int slot;    // bytes per ring slot (max tile-segment bytes, 128-aligned)
   int nslots;
   int total;
+  int nparts[NMAT];  // K parts per tile (one warp each)
+  int xall[NMAT];    // 1: the whole K is staged once (multi-segment matrices that fit)
+  int xstride;       // bytes between staged token rows (for the largest staged K)
+  int pstride;       // floats per ring slot of partial sums (max parts * 16 * M)
 };
 
 struct MiscSmem {
   float rstd[MAX_M];
   float red[NCW][MAX_M];
-  float best_val[MAX_M];
-  int best_idx[MAX_M];
+  float best_val[NCW][MAX_M];  // per-warp running argmax of the lm_head stage
+  int best_idx[NCW][MAX_M];
   float att_m[MAX_ROWS_ATT], att_l[MAX_ROWS_ATT], att_alpha[MAX_ROWS_ATT];
+  int part_count[MAX_SLOTS];   // warps done with the current tile of each slot
+  int seg_count[MAX_ACC_TILES];  // K segments done per tile of a multi-segment matrix
+  const float* rows[4][MAX_M]; // per token: embedding row, residual, attention output, act (kept here, not in registers)
   int flag;
 };
 

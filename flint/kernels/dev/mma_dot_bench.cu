@@ -58,7 +58,7 @@ __global__ void fill_weights(uint8_t* w, long long rows, int K, int G, int srb) 
       const int gi = (b - K / 2) / 4, part = (b - K / 2) & 3;
       const uint32_t h = hash32((uint32_t)(r * 131 + gi) ^ 0x9e3779b9u);
       const __half s = __float2half_rn(0.002f + (h % 1000) * 2e-5f);
-      const __half m = __float2half_rn(-((h >> 10) % 1000) * 1e-4f);
+      const __half m = __float2half_rn(-(float)((h >> 10) % 1000) * 1e-4f);  // (float) first: unsigned negation gave inf
       const uint32_t hm = (uint32_t)__half_as_ushort(s) | ((uint32_t)__half_as_ushort(m) << 16);
       v = (uint8_t)(hm >> (8 * part));
     }
@@ -219,10 +219,12 @@ static Result run_one(Cfg c, bool resident, int reps, int nsm, const std::vector
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+  if (!resident) CK(cudaMemset(c.y, 0xFF, (size_t)c.rows * M * 4));  // NaN poison: unwritten rows show
   std::vector<float> ms;
   for (int r = 0; r < reps + 2; ++r) {
     CK(cudaEventRecord(e0));
     kern<<<nsm, NTHREADS, smem>>>(c);
+    CK(cudaGetLastError());
     CK(cudaEventRecord(e1));
     CK(cudaEventSynchronize(e1));
     CK(cudaGetLastError());
@@ -242,6 +244,14 @@ static Result run_one(Cfg c, bool resident, int reps, int nsm, const std::vector
     std::vector<float> y((size_t)c.rows * M);
     CK(cudaMemcpy(y.data(), c.y, y.size() * 4, cudaMemcpyDeviceToHost));
     double num = 0, den = 0;
+    long long nonfinite = 0, first_bad = -1;
+    for (size_t i = 0; i < y.size(); ++i)
+      if (!std::isfinite(y[i])) { if (first_bad < 0) first_bad = (long long)i; ++nonfinite; }
+    if (nonfinite)
+      std::printf("  [%s %s M=%d] %lld non-finite y of %zu; first at row %lld token %lld (tile %lld)\n",
+                  res.mode.c_str(), res.dot.c_str(), M, nonfinite, y.size(), first_bad / M, first_bad % M,
+                  first_bad / M / 16);
+    int shown = 0;
     for (size_t si = 0; si < sample_tiles.size(); ++si)
       for (int r = 0; r < 16; ++r) {
         const uint8_t* row = sample_bytes.data() + (si * 16 + r) * c.srb;
@@ -257,6 +267,11 @@ static Result run_one(Cfg c, bool resident, int reps, int nsm, const std::vector
             ref += ((double)q * __half2float(s) + __half2float(mn)) * hx[(size_t)m * c.K + k];
           }
           const double d = y[gr * M + m] - ref;
+          if (shown < 3 && (si == 0 || !std::isfinite(d))) {
+            std::printf("  [%s %s M=%d] tile %d row %d token %d: y %.6g ref %.6g\n", res.mode.c_str(),
+                        res.dot.c_str(), M, sample_tiles[si], r, m, y[gr * M + m], ref);
+            ++shown;
+          }
           num += d * d; den += ref * ref;
         }
       }
@@ -294,6 +309,7 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&y, (size_t)rows * 8 * 4));
   CK(cudaMalloc(&sink, 4));
   fill_weights<<<4 * nsm, 256>>>(w, rows, K, G, srb);
+  CK(cudaGetLastError());
   std::vector<float> hx((size_t)8 * K);
   for (size_t i = 0; i < hx.size(); ++i) hx[i] = (float)((int)(hash32((uint32_t)i ^ 0xabcdefu) % 2001) - 1000) / 1000.f;
   CK(cudaMemcpy(x, hx.data(), hx.size() * 4, cudaMemcpyHostToDevice));

@@ -1,9 +1,10 @@
-// flint dev kernel (NOT in the mainline): int4 x fp16 dot of a 16-row weight tile with up to 8
-// tokens on the tensor cores (mma.sync m16n8k16, fp32 accumulation), reading flint's repacked
-// row-segment layout unchanged. Status: UNVALIDATED on a GPU; the lane/register mapping below is
-// emulated bit-for-bit in flint/kernels/dev/mma_dot_emulation.py (pytest tests/test_mma_dot_emulation.py).
-// Compile check: nvcc -gencode arch=compute_90a,code=sm_90a -c -x cu flint/kernels/dev/mma_dot.cuh
-// Benchmark + GPU correctness check: flint/kernels/dev/mma_dot_bench.cu (see its header).
+// flint decode megakernel: int4 x fp16 dot of a 16-row weight tile with up to 8 tokens on the
+// tensor cores (mma.sync m16n8k16, fp32 accumulation), reading flint's repacked row-segment layout.
+// x is carried as two fp16 terms (hi + lo, ~22 significant bits), so the dot's error is that of the
+// fp32 accumulation, not of fp16 activations. The lane/register mapping below is emulated
+// bit-for-bit (one term) in flint/kernels/dev/mma_dot_emulation.py (pytest tests/test_mma_dot_emulation.py);
+// validated on the H200 by flint/kernels/dev/mma_dot_bench.cu (fp64 host reference) and inside the
+// megakernel by tests/test_megakernel.py.
 //
 // ---- Operand layout (source: PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point
 // type", .f16 A/B, .f32 C/D; groupID = lane >> 2, tig = lane & 3):
@@ -55,7 +56,7 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
-namespace flint_dev {
+namespace mkmma {
 
 constexpr int MMA_MAX_TOKENS = 8;
 constexpr int MMA_XSUM_FLOATS = 24;  // per group (see the header)
@@ -114,41 +115,39 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a
 }
 
 // ---------------------------------------------------------------- x staging (block-cooperative)
-// Pass 1: x'[m][pos(k)] = fp16(src[m][k] * (k odd ? 1/16 : 1)) for m < M, 0 <= k < kseg.
-// src[m] points at the segment's first element (already normalized by the caller).
-// Call mma_stage_x_sums after a barrier over the participating threads.
-template <int M>
-__device__ void mma_stage_x(const float* const* src, int kseg, int G, uint32_t xs, int xstride,
-                            int tid, int nthreads) {
-  for (int i = tid; i < M * kseg; i += nthreads) {
-    const int m = i / kseg, k = i - m * kseg;
-    const float v = src[m][k] * ((k & 1) ? 0.0625f : 1.f);
-    const __half h = __float2half_rn(v);
-    const uint32_t a = xs + (uint32_t)(m * xstride + 2 * mma_x_pos(k, G));
-    asm volatile("st.shared.u16 [%0], %1;" ::"r"(a), "h"(__half_as_ushort(h)) : "memory");
-  }
+// Token m's terms live in two rows: hi at xs + m * xstride, lo at xs + xlo + m * xstride (xlo = M *
+// xstride: M hi rows, then M lo rows; lo = fp16(v - hi), v = x * (k odd ? 1/16 : 1)), each permuted
+// by mma_x_pos within its group.
+__device__ __forceinline__ void mma_put_x(uint32_t xs, int xstride, uint32_t xlo, int m, int pos, float v) {
+  const __half hi = __float2half_rn(v);
+  const __half lo = __float2half_rn(v - __half2float(hi));
+  const uint32_t a = xs + (uint32_t)(m * xstride + 2 * pos);
+  asm volatile("st.shared.u16 [%0], %1;" ::"r"(a), "h"(__half_as_ushort(hi)) : "memory");
+  asm volatile("st.shared.u16 [%0], %1;" ::"r"(a + xlo), "h"(__half_as_ushort(lo))
+               : "memory");
 }
 
-// Pass 2: off / eff sums (header) over the G staged fp16 values of group gi of token n (n < 8;
-// zeros for n >= M). Chunk order does not matter for a sum; the odd codes sit in slots 2,3 and 6,7
-// of every 8-element chunk (codes {1,5} and {3,7}).
+// off / eff sums (header) over the G staged values (hi + lo) of group gi of token n (n < 8; zeros
+// for n >= M). Call after a barrier over the threads that staged x.
 template <int M>
-__device__ void mma_stage_x_sums(int kseg, int G, uint32_t xs, int xstride, uint32_t xsum, int tid,
+__device__ void mma_stage_x_sums(int ng, int G, uint32_t xs, int xstride, uint32_t xlo, uint32_t xsum, int tid,
                                  int nthreads) {
-  const int ng = kseg / G;
   for (int task = tid; task < ng * MMA_MAX_TOKENS; task += nthreads) {
     const int gi = task / MMA_MAX_TOKENS, n = task - gi * MMA_MAX_TOKENS;
     float s_raw = 0.f, s_eff = 0.f;
     if (n < M) {
-      for (int ch = 0; ch < G / 8; ++ch) {
-        const uint4 v = mma_lds128(xs + (uint32_t)(n * xstride + 2 * (gi * G + ch * 8)));
-        const float2 p0 = __half22float2(*reinterpret_cast<const __half2*>(&v.x));  // codes 0, 4
-        const float2 p1 = __half22float2(*reinterpret_cast<const __half2*>(&v.y));  // codes 1, 5 (/16)
-        const float2 p2 = __half22float2(*reinterpret_cast<const __half2*>(&v.z));  // codes 2, 6
-        const float2 p3 = __half22float2(*reinterpret_cast<const __half2*>(&v.w));  // codes 3, 7 (/16)
-        const float even = (p0.x + p0.y) + (p2.x + p2.y), odd = (p1.x + p1.y) + (p3.x + p3.y);
-        s_raw += even + odd;
-        s_eff += even + 16.f * odd;
+      for (int half = 0; half < 2; ++half) {
+        const uint32_t row = xs + (half ? xlo : 0u) + (uint32_t)(n * xstride + 2 * gi * G);
+        for (int ch = 0; ch < G / 8; ++ch) {
+          const uint4 v = mma_lds128(row + (uint32_t)(16 * ch));
+          const float2 p0 = __half22float2(*reinterpret_cast<const __half2*>(&v.x));  // codes 0, 4
+          const float2 p1 = __half22float2(*reinterpret_cast<const __half2*>(&v.y));  // codes 1, 5 (/16)
+          const float2 p2 = __half22float2(*reinterpret_cast<const __half2*>(&v.z));  // codes 2, 6
+          const float2 p3 = __half22float2(*reinterpret_cast<const __half2*>(&v.w));  // codes 3, 7 (/16)
+          const float even = (p0.x + p0.y) + (p2.x + p2.y), odd = (p1.x + p1.y) + (p3.x + p3.y);
+          s_raw += even + odd;
+          s_eff += even + 16.f * odd;
+        }
       }
     }
     const uint32_t a = xsum + (uint32_t)(gi * MMA_XSUM_FLOATS * 4);
@@ -161,13 +160,15 @@ __device__ void mma_stage_x_sums(int kseg, int G, uint32_t xs, int xstride, uint
 }
 
 // ---------------------------------------------------------------- the tile dot (one warp)
-// tile: shared address of the tile's row 0 (rows at stride srb); kseg codes per row; G = 32 * WPL.
-// xs / xstride: staged x (mma_stage_x); xsum: mma_stage_x_sums; mvalid: tokens 1..8.
-// Out: acc[0], acc[1] = rows groupID, tokens 2tig, 2tig+1; acc[2], acc[3] = row groupID+8, same tokens.
+// tile: shared address of the tile's row 0 (rows at stride srb); kseg codes per row; groups
+// [gi0, gi1) of the tile (G = 32 * WPL); xs / xstride / xsum: the staged x of this K range
+// (group gi of the tile reads x group gi); mvalid: tokens 1..8.
+// Out: acc[0], acc[1] = row groupID, tokens 2tig, 2tig+1; acc[2], acc[3] = row groupID+8, same tokens.
 // No warp reduction: the mma sums across lanes.
 template <int WPL>
-__device__ __forceinline__ void mma_tile_dot(uint32_t tile, int srb, int kseg, uint32_t xs, int xstride,
-                                             uint32_t xsum, int mvalid, int lane, float (&acc)[4]) {
+__device__ __forceinline__ void mma_tile_dot(uint32_t tile, int srb, int kseg, int gi0, int gi1, uint32_t xs,
+                                             int xstride, uint32_t xlo, uint32_t xsum, int mvalid, int lane,
+                                             float (&acc)[4]) {
   constexpr int G = 32 * WPL;
   const int g = lane >> 2, t = lane & 3;
   const int tok = min(g, mvalid - 1);
@@ -177,50 +178,54 @@ __device__ __forceinline__ void mma_tile_dot(uint32_t tile, int srb, int kseg, u
   const uint32_t sm_a = row_a + (uint32_t)(kseg >> 1), sm_b = row_b + (uint32_t)(kseg >> 1);
   const uint32_t xa = xs + (uint32_t)(tok * xstride + t * 16);
   const uint32_t xs_off = xsum + (uint32_t)(t * 16), xs_eff = xsum + (uint32_t)(64 + t * 8);
-  const int ng = kseg / G;
   uint32_t magic;
   asm("mov.b32 %0, 0x64006400;" : "=r"(magic));
 #pragma unroll
   for (int j = 0; j < 4; ++j) acc[j] = 0.f;
-#pragma unroll (WPL == 1 ? 4 : 2)
-  for (int gi = 0; gi < ng; ++gi) {
+#pragma unroll (WPL == 1 ? 2 : 1)
+  for (int gi = gi0; gi < gi1; ++gi) {
     uint32_t wa[WPL], wb[WPL];
     mma_lds_words<WPL>(code_a + (uint32_t)(gi * (G / 2)), wa);
     mma_lds_words<WPL>(code_b + (uint32_t)(gi * (G / 2)), wb);
-    // the chain of the even mmas starts at -1024 sum x' (tokens 2t, 2t+1 for rows g and g+8)
+    // the first chain starts at -1024 sum x' (tokens 2t, 2t+1 for rows g and g+8)
     const uint4 off = mma_lds128(xs_off + (uint32_t)(gi * MMA_XSUM_FLOATS * 4));
     float d0[4] = {__uint_as_float(off.x), __uint_as_float(off.y), __uint_as_float(off.z), __uint_as_float(off.w)};
-    float d1[4] = {0.f, 0.f, 0.f, 0.f};
+    float d1[4] = {0.f, 0.f, 0.f, 0.f}, e0[4] = {0.f, 0.f, 0.f, 0.f}, e1[4] = {0.f, 0.f, 0.f, 0.f};
     float2 eff;
     asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(eff.x), "=f"(eff.y)
                  : "r"(xs_eff + (uint32_t)(gi * MMA_XSUM_FLOATS * 4)));
-    const float c_eff0 = eff.x, c_eff1 = eff.y;
 #pragma unroll
     for (int c = 0; c < WPL; ++c) {
-      const uint4 xb = mma_lds128(xa + (uint32_t)(gi * G * 2 + c * 64));
+      const uint32_t xo = xa + (uint32_t)(gi * G * 2 + c * 64);
+      const uint4 xh = mma_lds128(xo), xl = mma_lds128(xo + xlo);
       const uint32_t a_lo = wa[c], b_lo = wb[c];
       const uint32_t a_hi = a_lo >> 8, b_hi = b_lo >> 8;
-      mma_16816(d0, mma_nib<0x000F000Fu>(a_lo, magic), mma_nib<0x000F000Fu>(b_lo, magic),
-                mma_nib<0x00F000F0u>(a_lo, magic), mma_nib<0x00F000F0u>(b_lo, magic), xb.x, xb.y);
-      mma_16816(d1, mma_nib<0x000F000Fu>(a_hi, magic), mma_nib<0x000F000Fu>(b_hi, magic),
-                mma_nib<0x00F000F0u>(a_hi, magic), mma_nib<0x00F000F0u>(b_hi, magic), xb.z, xb.w);
+      const uint32_t p0 = mma_nib<0x000F000Fu>(a_lo, magic), p1 = mma_nib<0x000F000Fu>(b_lo, magic);
+      const uint32_t p2 = mma_nib<0x00F000F0u>(a_lo, magic), p3 = mma_nib<0x00F000F0u>(b_lo, magic);
+      const uint32_t r0 = mma_nib<0x000F000Fu>(a_hi, magic), r1 = mma_nib<0x000F000Fu>(b_hi, magic);
+      const uint32_t r2 = mma_nib<0x00F000F0u>(a_hi, magic), r3 = mma_nib<0x00F000F0u>(b_hi, magic);
+      mma_16816(d0, p0, p1, p2, p3, xh.x, xh.y);
+      mma_16816(d1, r0, r1, r2, r3, xh.z, xh.w);
+      mma_16816(e0, p0, p1, p2, p3, xl.x, xl.y);
+      mma_16816(e1, r0, r1, r2, r3, xl.z, xl.w);
     }
     const uint32_t hsa = mma_lds32(sm_a + (uint32_t)(gi * 4)), hsb = mma_lds32(sm_b + (uint32_t)(gi * 4));
     const float2 fa = __half22float2(*reinterpret_cast<const __half2*>(&hsa));  // (scale, min) row g
     const float2 fb = __half22float2(*reinterpret_cast<const __half2*>(&hsb));  // row g + 8
-    acc[0] = fmaf(fa.x, d0[0] + d1[0], fmaf(fa.y, c_eff0, acc[0]));
-    acc[1] = fmaf(fa.x, d0[1] + d1[1], fmaf(fa.y, c_eff1, acc[1]));
-    acc[2] = fmaf(fb.x, d0[2] + d1[2], fmaf(fb.y, c_eff0, acc[2]));
-    acc[3] = fmaf(fb.x, d0[3] + d1[3], fmaf(fb.y, c_eff1, acc[3]));
+    acc[0] = fmaf(fa.x, (d0[0] + d1[0]) + (e0[0] + e1[0]), fmaf(fa.y, eff.x, acc[0]));
+    acc[1] = fmaf(fa.x, (d0[1] + d1[1]) + (e0[1] + e1[1]), fmaf(fa.y, eff.y, acc[1]));
+    acc[2] = fmaf(fb.x, (d0[2] + d1[2]) + (e0[2] + e1[2]), fmaf(fb.y, eff.x, acc[2]));
+    acc[3] = fmaf(fb.x, (d0[3] + d1[3]) + (e0[3] + e1[3]), fmaf(fb.y, eff.y, acc[3]));
   }
 }
 
-// Runtime G dispatch (G in 32/64/128; anything else is a caller bug: the host validates G).
-__device__ __forceinline__ void mma_tile_dot_g(int G, uint32_t tile, int srb, int kseg, uint32_t xs, int xstride,
-                                               uint32_t xsum, int mvalid, int lane, float (&acc)[4]) {
-  if (G == 128) mma_tile_dot<4>(tile, srb, kseg, xs, xstride, xsum, mvalid, lane, acc);
-  else if (G == 64) mma_tile_dot<2>(tile, srb, kseg, xs, xstride, xsum, mvalid, lane, acc);
-  else mma_tile_dot<1>(tile, srb, kseg, xs, xstride, xsum, mvalid, lane, acc);
+// Runtime G dispatch (G in 32/64/128; anything else is refused by the host at create time).
+__device__ __forceinline__ void mma_tile_dot_g(int G, uint32_t tile, int srb, int kseg, int gi0, int gi1, uint32_t xs,
+                                               int xstride, uint32_t xlo, uint32_t xsum, int mvalid, int lane,
+                                               float (&acc)[4]) {
+  if (G == 128) mma_tile_dot<4>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, mvalid, lane, acc);
+  else if (G == 64) mma_tile_dot<2>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, mvalid, lane, acc);
+  else mma_tile_dot<1>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, mvalid, lane, acc);
 }
 
-}  // namespace flint_dev
+}  // namespace mkmma
