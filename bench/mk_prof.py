@@ -26,4 +26,5 @@ if mk.trace is not None:
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     s.record(); mk.forward(torch.tensor([7], device="cuda"), 511); e.record(); e.synchronize()
     print(f"step {s.elapsed_time(e) * 1e3:.1f} us for {cfg.num_layers} layers")
-    print({k: round(v, 2) for k, v in mk.stage_times().items()})
+    for b in (0, 1):
+        print(f"block {'0' if b == 0 else 'last'}:", {k: round(v, 2) for k, v in mk.stage_times(b).items()})

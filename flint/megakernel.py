@@ -200,8 +200,8 @@ class MegakernelBackend:
             self.done_count = torch.zeros((1,), dtype=torch.int32)
             self.bar_counter = torch.zeros((1,), dtype=torch.int64)
             self.epoch = torch.zeros((1,), dtype=torch.int64)
-            # FLINT_MK_TRACE=1: block 0 stamps %globaltimer at every stage boundary (see stage_times)
-            self.trace = (torch.zeros((L * 16,), dtype=torch.int64)
+            # FLINT_MK_TRACE=1: blocks 0 and nblocks-1 stamp %globaltimer at stage boundaries (stage_times)
+            self.trace = (torch.zeros((2 * L * 32,), dtype=torch.int64)
                           if os.environ.get("FLINT_MK_TRACE") == "1" else None)
         torch.cuda.synchronize(dev)
         self._lib = lib
@@ -310,17 +310,25 @@ class MegakernelBackend:
         return out.value
 
     STAGES = ("rstd1", "qkv", "bar1", "attn", "bar2", "o", "bar3", "rstd2", "gate_up", "bar4", "down", "bar5")
+    SUBSTAGES = ("qkv", "o", "gate_up", "down")
 
-    def stage_times(self) -> dict:
-        """Mean microseconds per stage per layer of the last launch (needs FLINT_MK_TRACE=1)."""
+    def stage_times(self, block: int = 0) -> dict:
+        """Mean microseconds per stage per layer of the last launch (needs FLINT_MK_TRACE=1); block 0
+        or 1 (= the last block). "<stage>.stage_x": staging of the stage's input, "<stage>.tiles": the
+        tile loop of thread 0's warp, the rest of the stage is waiting for the other warps."""
         if self.trace is None:
             raise RuntimeError("stage_times needs FLINT_MK_TRACE=1 at construction")
-        t = self.trace.view(self.cfg.num_layers, 16).cpu().double()
+        L = self.cfg.num_layers
+        t = self.trace.view(2, L, 32)[block].cpu().double()
         out = {}
         for i, n in enumerate(self.STAGES[:-1]):
             out[n] = float((t[:, i + 1] - t[:, i]).mean()) / 1e3
-        out["bar5"] = float((t[1:, 0] - t[:-1, 11]).mean()) / 1e3 if self.cfg.num_layers > 1 else 0.0
+        out["bar5"] = float((t[1:, 0] - t[:-1, 11]).mean()) / 1e3 if L > 1 else 0.0
         out["lm_head"] = float(t[-1, 13] - t[-1, 12]) / 1e3
+        starts = {"qkv": 1, "o": 5, "gate_up": 8, "down": 10}
+        for mi, n in enumerate(self.SUBSTAGES):
+            out[n + ".stage_x"] = float((t[:, 16 + 4 * mi] - t[:, starts[n]]).mean()) / 1e3
+            out[n + ".tiles"] = float((t[:, 17 + 4 * mi] - t[:, 16 + 4 * mi]).mean()) / 1e3
         return out
 
     def smem_info(self, m: int = 1) -> dict:

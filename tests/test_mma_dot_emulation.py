@@ -1,5 +1,6 @@
-"""CPU checks of the tensor-core int4 tile dot's lane mapping (flint/kernels/dev/mma_dot.cuh) through
-its NumPy emulation (flint/kernels/dev/mma_dot_emulation.py), before any GPU time is spent.
+"""CPU checks of the tensor-core int4 tile dot's lane mapping (flint/kernels/mk_mma.cuh, namespace mkmma)
+through its NumPy emulation (flint/kernels/dev/mma_dot_emulation.py), before any GPU time is spent.
+The emulation models one fp16 term of x; the mainline runs the same mapping twice (hi and lo terms).
 
 Run: ``pytest tests/test_mma_dot_emulation.py`` (a few seconds).
 """

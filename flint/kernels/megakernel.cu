@@ -122,6 +122,16 @@ __device__ __forceinline__ void block_tiles(int ntiles, int nb, int b, int& t0, 
   t1 = (int)((long long)ntiles * (b + 1) / nb);
 }
 
+// FLINT_MK_TRACE: blocks 0 and nblocks-1 stamp %globaltimer at stage boundaries, trace[2][L][32]
+__device__ __forceinline__ void trace_stamp(const Params& p, int l, int k) {
+  if (p.trace == nullptr || threadIdx.x != 0) return;
+  const int which = blockIdx.x == 0 ? 0 : blockIdx.x == p.nblocks - 1 ? 1 : -1;
+  if (which < 0) return;
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  p.trace[((size_t)which * p.L + l) * 32 + k] = t;
+}
+
 // =====================================================================[3] producer
 struct Ring {
   uint8_t* slots;
@@ -209,47 +219,98 @@ __device__ void compute_rstd(const Params& p, const float* const* src, float mul
   cbar();
 }
 
-// fp16 element index of code k inside a staged token row (mkmma::mma_x_pos with shifts)
-__device__ __forceinline__ int x_pos(int k, int gshift) {
-  const int G = 1 << gshift, wshift = gshift - 5;
-  const int gi = k >> gshift, r = k & (G - 1);
-  const int w = r >> 3, i = r & 7;
-  const int tig = w >> wshift, cc = w & ((1 << wshift) - 1);
-  return gi * G + (cc * 4 + tig) * 8 + 2 * (i & 3) + (i >> 2);
-}
-
-// The stage's input [k0, k0 + kst) for every token -> hi/lo fp16 terms in mma order (mk_mma.cuh), then
-// the per-group sums. norm_w == nullptr: plain copy (attention output / act); else
-// rmsnorm(src * mult) * norm_w with the rstd of compute_rstd.
+// The stage's input [k0, k0 + kst) for every token -> hi/lo fp16 terms in mma order (mk_mma.cuh) and
+// the per-group sums, in ONE pass: thread = 4 consecutive codes (one float4 load, U in flight); the
+// G/4 lanes of a (token, group) sit in one warp and reduce the group sums with shuffles (fixed
+// order: deterministic); lanes 2j, 2j+1 hold codes 8w..8w+3 and 8w+4..8w+7, exchange halves and
+// write the 16-byte hi chunk (even lane) and lo chunk (odd lane). norm_w == nullptr: plain copy
+// (attention output / act); else rmsnorm(src * mult) * norm_w with the rstd of compute_rstd.
+// xsum entries of tokens >= M stay 0 (zeroed at kernel start).
 template <int M>
 __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, const float* norm_w, int k0, int kst,
                         int G, int gshift) {
   const int t = threadIdx.x;
   const int xstride = c.sl->xstride;
   const uint32_t xlo = (uint32_t)(M * xstride);
-  constexpr int U = M <= 2 ? UNR : 4;
-  for (int base = t; base < M * kst; base += NCT * U) {
-    float v[U], wv[U];
+  const int cpr = kst >> 2;         // float4 chunks per token row
+  const int total = M * cpr;
+  const int L = G >> 2;             // lanes per (token, group)
+  const int wshift = gshift - 5;
+  constexpr int U = M <= 2 ? 8 : 4;
+  for (int c0 = 0; c0 < total; c0 += NCT * U) {
+    float4 v[U], wv[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int i = base + u * NCT;
-      const int m = i / kst, k = i - m * kst;
-      v[u] = i < M * kst ? __ldcg(src[min(m, M - 1)] + k0 + k) : 0.f;
-      wv[u] = (norm_w && i < M * kst) ? __ldg(norm_w + k0 + k) : 1.f;
+      const int ch = c0 + u * NCT + t;
+      const int m = M == 1 ? 0 : ch / cpr, kk = ch - m * cpr;
+      const bool ok = ch < total;
+      v[u] = ok ? __ldcg(reinterpret_cast<const float4*>(src[ok ? m : 0] + k0) + kk) : make_float4(0.f, 0.f, 0.f, 0.f);
+      wv[u] = (norm_w && ok) ? __ldg(reinterpret_cast<const float4*>(norm_w + k0) + kk) : make_float4(1.f, 1.f, 1.f, 1.f);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int i = base + u * NCT;
-      if (i < M * kst) {
-        const int m = i / kst, k = i - m * kst;
-        float x = v[u];
-        if (norm_w) x = ((x * mult) * c.misc->rstd[m]) * wv[u];
-        mkmma::mma_put_x(c.xs, xstride, xlo, m, x_pos(k, gshift), (k & 1) ? x * 0.0625f : x);
+      if (c0 + u * NCT >= total) break;  // block-uniform: no idle rounds
+      const int ch = c0 + u * NCT + t;
+      const bool ok = ch < total;
+      const int m = (M == 1 || !ok) ? 0 : ch / cpr, kk = ch - m * cpr;
+      float x[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+      const float wx[4] = {wv[u].x, wv[u].y, wv[u].z, wv[u].w};
+      const float r = norm_w ? mult * c.misc->rstd[m] : 1.f;
+      uint32_t hp[2], lp[2];  // this lane's 4 hi / lo halves, packed pairwise (k, k+1)
+      float s_raw = 0.f, s_eff = 0.f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        float xv = norm_w ? ((x[j] * r) * wx[j]) : x[j];
+        if (j & 1) xv *= 0.0625f;  // odd k: the code arrives as 16 q
+        const __half hi = __float2half_rn(xv);
+        const __half lo = __float2half_rn(xv - __half2float(hi));
+        const float sum = __half2float(hi) + __half2float(lo);
+        s_raw += sum;
+        s_eff += (j & 1) ? 16.f * sum : sum;
+        const uint32_t hb = __half_as_ushort(hi), lb = __half_as_ushort(lo);
+        if (j & 1) { hp[j >> 1] |= hb << 16; lp[j >> 1] |= lb << 16; }
+        else { hp[j >> 1] = hb; lp[j >> 1] = lb; }
+      }
+      // exchange: the even lane (codes 8w+0..3) keeps hi and gets the partner's hi; the odd lane lo
+      const bool odd = t & 1;
+      const uint32_t send0 = odd ? hp[0] : lp[0], send1 = odd ? hp[1] : lp[1];
+      const uint32_t got0 = __shfl_xor_sync(0xffffffffu, send0, 1), got1 = __shfl_xor_sync(0xffffffffu, send1, 1);
+      const uint32_t m0 = odd ? lp[0] : hp[0], m1 = odd ? lp[1] : hp[1];  // own (k, k+1), (k+2, k+3)
+      // own halves are codes i = 0..3 (even lane) or 4..7 (odd lane); chunk order {0,4,1,5,2,6,3,7}
+      const uint32_t lo_i0 = odd ? got0 : m0, lo_i1 = odd ? got1 : m1;  // codes 0..3 (pairs)
+      const uint32_t hi_i0 = odd ? m0 : got0, hi_i1 = odd ? m1 : got1;  // codes 4..7 (pairs)
+      uint4 chunk;
+      chunk.x = (lo_i0 & 0xFFFFu) | (hi_i0 << 16);          // (0, 4)
+      chunk.y = (lo_i0 >> 16) | (hi_i0 & 0xFFFF0000u);      // (1, 5)
+      chunk.z = (lo_i1 & 0xFFFFu) | (hi_i1 << 16);          // (2, 6)
+      chunk.w = (lo_i1 >> 16) | (hi_i1 & 0xFFFF0000u);      // (3, 7)
+      // group sums over the L lanes of (m, group)
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        if (o < L) {
+          s_raw += __shfl_xor_sync(0xffffffffu, s_raw, o);
+          s_eff += __shfl_xor_sync(0xffffffffu, s_eff, o);
+        }
+      }
+      if (ok) {
+        const int k = kk << 2;                  // first code of this lane, relative to k0
+        const int gi = k >> gshift, w = (k & (G - 1)) >> 3;
+        const int pos = gi * G + ((w & ((1 << wshift) - 1)) * 4 + (w >> wshift)) * 8;
+        const uint32_t a = c.xs + (uint32_t)(m * xstride + 2 * pos) + (odd ? xlo : 0u);
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(chunk.x), "r"(chunk.y), "r"(chunk.z),
+                     "r"(chunk.w)
+                     : "memory");
+        if ((t & (L - 1)) == 0) {
+          const uint32_t xa = c.xsum + (uint32_t)(gi * mkmma::MMA_XSUM_FLOATS * 4);
+          const float off = -1024.f * s_raw;
+          const uint32_t a_off = xa + (uint32_t)(4 * (4 * (m >> 1) + (m & 1)));
+          asm volatile("st.shared.f32 [%0], %1;" ::"r"(a_off), "f"(off) : "memory");
+          asm volatile("st.shared.f32 [%0], %1;" ::"r"(a_off + 8u), "f"(off) : "memory");
+          asm volatile("st.shared.f32 [%0], %1;" ::"r"(xa + (uint32_t)(4 * (16 + m))), "f"(s_eff) : "memory");
+        }
       }
     }
   }
-  cbar();
-  mkmma::mma_stage_x_sums<M>(kst >> gshift, G, c.xs, xstride, xlo, c.xsum, t, NCT);
   cbar();
 }
 
@@ -409,6 +470,7 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
     if (s == 0 || !xall) {
       if (s > 0) cbar();  // every warp is done with segment s-1's x before it is overwritten
       stage_x<M>(c, src, mult, norm_w, xall ? 0 : s * mt.kseg, xall ? mt.K : mt.kseg, mt.G, mt.gshift);
+      if (s == 0 && mi != MAT_LM) trace_stamp(p, layer, 16 + 4 * mi);
     }
     const uint32_t xs = c.xs + (xall ? (uint32_t)(s * mt.kseg * 2) : 0u);
     const uint32_t xsum = c.xsum + (xall ? (uint32_t)(s * ng * mkmma::MMA_XSUM_FLOATS * 4) : 0u);
@@ -422,7 +484,7 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
         const int gi0 = ng * part / S, gi1 = ng * (part + 1) / S;
         if (!(p.dbg & 1))
           mkmma::mma_tile_dot_g(mt.G, ring0 + (uint32_t)(slot * c.ring.slot_bytes), mt.srb, mt.kseg, gi0, gi1, xs,
-                                xstride, xlo, xsum, M, lane, acc);
+                                xstride, xlo, xsum, M, lane, acc, (p.dbg & 2) == 0);
         float* pp = c.parts + slot * c.sl->pstride;
         float* pw = pp + part * TILE_ROWS * M;
         if (2 * tq < M) { pw[gq * M + 2 * tq] = acc[0]; pw[(gq + 8) * M + 2 * tq] = acc[2]; }
@@ -445,6 +507,7 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
       ++c.q;
     }
   }
+  if (mi != MAT_LM) trace_stamp(p, layer, 16 + 4 * mi + 1);  // thread 0's warp is done
   cbar();  // all parts and epilogues done; the staged x may be overwritten
 }
 
@@ -642,6 +705,7 @@ __global__ void __launch_bounds__(NT, 1)
   }
   if (threadIdx.x < MAX_SLOTS) misc->part_count[threadIdx.x] = 0;
   if (threadIdx.x < MAX_ACC_TILES) misc->seg_count[threadIdx.x] = 0;
+  for (int i = threadIdx.x; i < (sl.uni - sl.xsum) / 4; i += blockDim.x) reinterpret_cast<float*>(smem + sl.xsum)[i] = 0.f;
   for (int i = threadIdx.x; i < NCW * M; i += blockDim.x) {
     misc->best_val[i / M][i % M] = -INFINITY;
     misc->best_idx[i / M][i % M] = 0x7fffffff;
@@ -705,14 +769,7 @@ __global__ void __launch_bounds__(NT, 1)
     }
   }
   uint8_t* uni = smem + sl.uni;
-  const bool tracing = p.trace != nullptr && blockIdx.x == 0;
-  auto stamp = [&](int l, int k) {
-    if (tracing && threadIdx.x == 0) {
-      unsigned long long t;
-      asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-      p.trace[l * 16 + k] = t;
-    }
-  };
+  auto stamp = [&](int l, int k) { trace_stamp(p, l, k); };
   for (int l = 0; l < p.L; ++l) {
     stamp(l, 0);
     const float* const* xsrc = l == 0 ? tok_src : resid_rows;

@@ -165,7 +165,7 @@ __device__ void mma_stage_x_sums(int ng, int G, uint32_t xs, int xstride, uint32
 // (group gi of the tile reads x group gi); mvalid: tokens 1..8.
 // Out: acc[0], acc[1] = row groupID, tokens 2tig, 2tig+1; acc[2], acc[3] = row groupID+8, same tokens.
 // No warp reduction: the mma sums across lanes.
-template <int WPL>
+template <int WPL, bool LO>
 __device__ __forceinline__ void mma_tile_dot(uint32_t tile, int srb, int kseg, int gi0, int gi1, uint32_t xs,
                                              int xstride, uint32_t xlo, uint32_t xsum, int mvalid, int lane,
                                              float (&acc)[4]) {
@@ -197,7 +197,7 @@ __device__ __forceinline__ void mma_tile_dot(uint32_t tile, int srb, int kseg, i
 #pragma unroll
     for (int c = 0; c < WPL; ++c) {
       const uint32_t xo = xa + (uint32_t)(gi * G * 2 + c * 64);
-      const uint4 xh = mma_lds128(xo), xl = mma_lds128(xo + xlo);
+      const uint4 xh = mma_lds128(xo);
       const uint32_t a_lo = wa[c], b_lo = wb[c];
       const uint32_t a_hi = a_lo >> 8, b_hi = b_lo >> 8;
       const uint32_t p0 = mma_nib<0x000F000Fu>(a_lo, magic), p1 = mma_nib<0x000F000Fu>(b_lo, magic);
@@ -206,8 +206,11 @@ __device__ __forceinline__ void mma_tile_dot(uint32_t tile, int srb, int kseg, i
       const uint32_t r2 = mma_nib<0x00F000F0u>(a_hi, magic), r3 = mma_nib<0x00F000F0u>(b_hi, magic);
       mma_16816(d0, p0, p1, p2, p3, xh.x, xh.y);
       mma_16816(d1, r0, r1, r2, r3, xh.z, xh.w);
-      mma_16816(e0, p0, p1, p2, p3, xl.x, xl.y);
-      mma_16816(e1, r0, r1, r2, r3, xl.z, xl.w);
+      if constexpr (LO) {  // the lo term (the sums in xsum include it; LO = false is a timing experiment only)
+        const uint4 xl = mma_lds128(xo + xlo);
+        mma_16816(e0, p0, p1, p2, p3, xl.x, xl.y);
+        mma_16816(e1, r0, r1, r2, r3, xl.z, xl.w);
+      }
     }
     const uint32_t hsa = mma_lds32(sm_a + (uint32_t)(gi * 4)), hsb = mma_lds32(sm_b + (uint32_t)(gi * 4));
     const float2 fa = __half22float2(*reinterpret_cast<const __half2*>(&hsa));  // (scale, min) row g
@@ -222,10 +225,16 @@ __device__ __forceinline__ void mma_tile_dot(uint32_t tile, int srb, int kseg, i
 // Runtime G dispatch (G in 32/64/128; anything else is refused by the host at create time).
 __device__ __forceinline__ void mma_tile_dot_g(int G, uint32_t tile, int srb, int kseg, int gi0, int gi1, uint32_t xs,
                                                int xstride, uint32_t xlo, uint32_t xsum, int mvalid, int lane,
-                                               float (&acc)[4]) {
-  if (G == 128) mma_tile_dot<4>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, mvalid, lane, acc);
-  else if (G == 64) mma_tile_dot<2>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, mvalid, lane, acc);
-  else mma_tile_dot<1>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, mvalid, lane, acc);
+                                               float (&acc)[4], bool lo = true) {
+  if (!lo) {
+    if (G == 128) mma_tile_dot<4, false>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, mvalid, lane, acc);
+    else if (G == 64) mma_tile_dot<2, false>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, mvalid, lane, acc);
+    else mma_tile_dot<1, false>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, mvalid, lane, acc);
+    return;
+  }
+  if (G == 128) mma_tile_dot<4, true>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, mvalid, lane, acc);
+  else if (G == 64) mma_tile_dot<2, true>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, mvalid, lane, acc);
+  else mma_tile_dot<1, true>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, mvalid, lane, acc);
 }
 
 }  // namespace mkmma

@@ -1,21 +1,25 @@
-// flint dev microbenchmark: the tensor-core int4 tile dot (flint/kernels/dev/mma_dot.cuh) against the
-// mainline row-pair dot (mk::dot_pair, flint/kernels/megakernel.cu, included unchanged), both fed the
-// way the megakernel feeds them: one block per SM, 15 consumer warps + 1 producer warp streaming
-// 16-row tiles of flint's repacked row segments (codes + half2 (scale, min)) with cp.async.bulk into
-// a ring of shared-memory slots (every consumer warp waits on / releases every slot, as the
-// mainline does). The weight buffer (default 2 GiB) is larger than the 60 MB L2, so "stream" mode
-// measures the dot at HBM speed; "resident" mode re-reads tiles already in shared memory (math only).
-// Every stream-mode result is checked against an fp64 host reference on sampled tiles; the exit
-// status is 1 if either dot is off (rel >= 2e-3), so the first GPU run also validates the mapping.
+// flint dev microbenchmark: the mainline tensor-core int4 tile dot (mkmma::mma_tile_dot_g,
+// flint/kernels/mk_mma.cuh; x staged as two fp16 terms, hi + lo), fed the way the megakernel feeds
+// it: one block per SM, 15 consumer warps + 1 producer warp streaming 16-row tiles of flint's
+// repacked row segments (codes + half2 (scale, min)) with cp.async.bulk into a ring of shared-memory
+// slots (every consumer warp waits on / releases every slot, as the mainline does). The weight
+// buffer (default 2 GiB) is larger than the 60 MB L2, so "stream" mode measures the dot at HBM
+// speed; "resident" mode re-reads tiles already in shared memory (math only).
+// --parts S splits each tile's K groups into S contiguous ranges [ng*p/S, ng*(p+1)/S), one warp each
+// (item = tile * S + p, warp = item % 15, as matvec_stage). Timed launches fold the results into a
+// register (no global stores, like the megakernel's per-slot partial sums in smem); one extra,
+// untimed stream launch writes each part's sums to y_part [S][rows][M] (NaN-poisoned first), the
+// host adds the parts in part order and checks them against an fp64 reference on sampled tiles.
+// Exit status 1 if any stream result is off (rel >= 2e-3). (The old mainline dot_pair's figures
+// are in bench/results/mma_dot_bench_2026-11-29b.log.)
 //
 // Compile (here or on the device; sm_90a only):
-//   nvcc -gencode arch=compute_90a,code=sm_90a -O3 -std=c++17 -lineinfo -Xptxas=--warn-on-spills \
-//        -o build/mma_dot_bench flint/kernels/dev/mma_dot_bench.cu
-// Run:  ./build/mma_dot_bench [--K 2560] [--G 128] [--gib 2] [--reps 10]      (all M in 1, 2, 4, 8)
-// Output: one line per (mode, dot, M), then one JSON line.
-#define FLINT_MK_M 1
-#include "../megakernel.cu"
-#include "mma_dot.cuh"
+//   mkdir -p build/dev && nvcc -gencode arch=compute_90a,code=sm_90a -O3 -std=c++17 -lineinfo \
+//        -Xptxas=--warn-on-spills -o build/dev/mma_dot_bench flint/kernels/dev/mma_dot_bench.cu
+// Run:  ./build/dev/mma_dot_bench [--K 2560] [--G 128] [--parts 1] [--gib 2] [--reps 10]  (M = 1, 2, 4, 8)
+// Output: one line per (mode, M), then one JSON line.
+#include "../mk_common.cuh"
+#include "../mk_mma.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -28,15 +32,48 @@
 namespace bench {
 
 constexpr int CW = mk::NCW;  // consumer warps
+constexpr int NCT = mk::NCT;
 constexpr int NTHREADS = mk::NT;
 constexpr int SMEM_MAX = 227 * 1024;
+
+extern __shared__ __align__(1024) uint8_t bench_smem[];
+
+// ---- PTX helpers (as megakernel.cu [1])
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}" ::"r"(smem_u32(bar)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra WAIT_%=;\n}" ::"r"(
+          smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
+          smem_u32(dst)),
+      "l"(src), "r"(bytes), "r"(smem_u32(bar)), "l"(policy)
+      : "memory");
+}
+// barrier among the 480 consumer threads only (the producer warp never joins)
+__device__ __forceinline__ void cbar() { asm volatile("bar.sync 1, %0;" ::"n"(NCT) : "memory"); }
 
 struct Cfg {
   const uint8_t* w;  // [rows][srb]
   long long rows;
-  int K, G, gshift, srb, nslots, resident_reps;
+  int K, G, srb, nslots, resident_reps, parts, store;
   const float* x;  // [M][K] fp32
-  float* y;        // [rows][M]
+  float* y;        // y_part [parts][rows][M] (store != 0); y[0] keeps the math otherwise
   int x_off, xsum_off, ring_off, bar_off;  // smem byte offsets
 };
 
@@ -75,41 +112,30 @@ __global__ void read_bandwidth(const uint4* p, long long n, unsigned* sink) {
   if (acc == 0x12345678u) *sink = acc;  // keeps the loads
 }
 
+// x [M][K] -> hi/lo fp16 terms in mma order (M hi rows, then M lo rows at xlo), then the group sums
 template <int M>
-__device__ void stage(const Cfg& c, bool mma) {
+__device__ void stage(const Cfg& c) {
   const int t = threadIdx.x;
-  using namespace mk;
-  if (mma) {
-    const uint32_t xs = smem_u32(mk_smem) + c.x_off, xsum = smem_u32(mk_smem) + c.xsum_off;
-    const float* src[M];
-#pragma unroll
-    for (int m = 0; m < M; ++m) src[m] = c.x + (size_t)m * c.K;
-    flint_dev::mma_stage_x<M>(src, c.K, c.G, xs, flint_dev::mma_x_stride_bytes(c.K), t, NCT);
-    cbar();
-    flint_dev::mma_stage_x_sums<M>(c.K, c.G, xs, flint_dev::mma_x_stride_bytes(c.K), xsum, t, NCT);
-  } else {  // the mainline's stage_x layout: prescaled fp32 x [M][K], sums of unscaled x per 16 codes
-    float* x = reinterpret_cast<float*>(mk_smem + c.x_off);
-    float* xsum = reinterpret_cast<float*>(mk_smem + c.xsum_off);
-    for (int i = t; i < M * c.K; i += NCT) x[i] = c.x[i] * prescale(i % c.K);
-    const int ns = c.K >> 4;
-    for (int task = t; task < M * ns; task += NCT) {
-      const int m = task / ns, j = task - m * ns;
-      float s = 0.f;
-      for (int v = 0; v < 16; ++v) s += c.x[(size_t)m * c.K + j * 16 + v];
-      xsum[task] = s;
-    }
+  const int xstride = mkmma::mma_x_stride_bytes(c.K);
+  const uint32_t xs = smem_u32(bench_smem) + c.x_off, xsum = smem_u32(bench_smem) + c.xsum_off;
+  const uint32_t xlo = (uint32_t)(M * xstride);
+  for (int i = t; i < M * c.K; i += NCT) {
+    const int m = i / c.K, k = i - m * c.K;
+    const float x = c.x[i];
+    mkmma::mma_put_x(xs, xstride, xlo, m, mkmma::mma_x_pos(k, c.G), (k & 1) ? x * 0.0625f : x);
   }
+  cbar();
+  mkmma::mma_stage_x_sums<M>(c.K / c.G, c.G, xs, xstride, xlo, xsum, t, NCT);
   cbar();
 }
 
 // One launch = the whole buffer once (stream) or resident_reps passes over the first tiles (resident).
-template <int M, bool MMA>
+template <int M>
 __global__ void __launch_bounds__(NTHREADS, 1) dot_bench(Cfg c) {
-  using namespace mk;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  uint64_t* full = reinterpret_cast<uint64_t*>(mk_smem + c.bar_off);
+  uint64_t* full = reinterpret_cast<uint64_t*>(bench_smem + c.bar_off);
   uint64_t* empty = full + c.nslots;
-  uint8_t* ring = mk_smem + c.ring_off;
+  uint8_t* ring = bench_smem + c.ring_off;
   const int tile_bytes = 16 * c.srb;
   const long long ntiles = c.rows / 16;
   const long long t0 = ntiles * blockIdx.x / gridDim.x, t1 = ntiles * (blockIdx.x + 1) / gridDim.x;
@@ -135,55 +161,38 @@ __global__ void __launch_bounds__(NTHREADS, 1) dot_bench(Cfg c) {
     }
     return;
   }
-  stage<M>(c, MMA);
-  const uint32_t base = smem_u32(mk_smem);
-  constexpr int MB = M <= 2 ? M : (M % 3 == 0 ? 3 : 2);  // as matvec_stage
+  stage<M>(c);
+  const uint32_t base = smem_u32(bench_smem);
+  const int xstride = mkmma::mma_x_stride_bytes(c.K);
+  const uint32_t xlo = (uint32_t)(M * xstride);
+  const int S = c.parts, ng = c.K / c.G;
+  const int g = lane >> 2, t = lane & 3;
   const int passes = resident ? c.resident_reps : 1;
   float keep = 0.f;
   for (int pass = 0; pass < passes; ++pass) {
     for (long long j = 0; j < nt; ++j) {
       const int slot = (int)(j % c.nslots);
       if (pass == 0) mbar_wait(&full[slot], (uint32_t)(j / c.nslots) & 1);
-      const uint32_t tile_off = (uint32_t)(c.ring_off + slot * tile_bytes);
-      const long long row0 = (t0 + j) * 16;
-      if (MMA) {
-        if ((j + pass) % CW == warp) {
-          float acc[4];
-          flint_dev::mma_tile_dot_g(c.G, base + tile_off, c.srb, c.K, base + c.x_off,
-                                    flint_dev::mma_x_stride_bytes(c.K), base + c.xsum_off, M, lane, acc);
-          const int g = lane >> 2, t = lane & 3;
-          if (resident) {
-            keep += acc[0] + acc[1] + acc[2] + acc[3];
-          } else {
-            if (2 * t < M) { c.y[(row0 + g) * M + 2 * t] = acc[0]; c.y[(row0 + g + 8) * M + 2 * t] = acc[2]; }
-            if (2 * t + 1 < M) { c.y[(row0 + g) * M + 2 * t + 1] = acc[1]; c.y[(row0 + g + 8) * M + 2 * t + 1] = acc[3]; }
-          }
-        }
-      } else {
-        for (int p = 0; p < 8; ++p) {
-          if ((int)(((j + pass) * 8 + p) % CW) != warp) continue;
-          for (int tb = 0; tb < M; tb += MB) {
-            float acc[2][MB];
-            dot_pair<MB>(tile_off + (uint32_t)(2 * p * c.srb), c.srb, c.K, c.gshift, (uint32_t)(c.x_off + tb * c.K * 4),
-                         c.K, (uint32_t)(c.xsum_off + tb * (c.K >> 4) * 4), c.K >> 4, M - tb, lane, acc);
-            if (lane == 0) {
-#pragma unroll
-              for (int r = 0; r < 2; ++r)
-#pragma unroll
-                for (int m = 0; m < MB; ++m)
-                  if (tb + m < M) {
-                    if (resident) keep += acc[r][m];
-                    else c.y[(row0 + 2 * p + r) * M + tb + m] = acc[r][m];
-                  }
-            }
-          }
+      const int item0 = (int)(((j + pass) * S) % CW);  // item = tile * S + part, warp = item % 15
+      const int part = (warp - item0 + CW) % CW;
+      if (part < S) {
+        const int gi0 = ng * part / S, gi1 = ng * (part + 1) / S;
+        float acc[4];
+        mkmma::mma_tile_dot_g(c.G, base + (uint32_t)(c.ring_off + slot * tile_bytes), c.srb, c.K, gi0, gi1,
+                              base + c.x_off, xstride, xlo, base + c.xsum_off, M, lane, acc);
+        if (c.store) {
+          float* yp = c.y + ((long long)part * c.rows + (t0 + j) * 16) * M;
+          if (2 * t < M) { yp[g * M + 2 * t] = acc[0]; yp[(g + 8) * M + 2 * t] = acc[2]; }
+          if (2 * t + 1 < M) { yp[g * M + 2 * t + 1] = acc[1]; yp[(g + 8) * M + 2 * t + 1] = acc[3]; }
+        } else {
+          keep += (acc[0] + acc[1]) + (acc[2] + acc[3]);
         }
       }
       __syncwarp();
       if (lane == 0 && pass == 0) mbar_arrive(&empty[slot]);
     }
   }
-  if (resident && keep == 1.2345e-30f) c.y[0] = keep;  // keeps the math
+  if (!c.store && keep == 1.2345e-30f) c.y[0] = keep;  // keeps the math
 }
 
 }  // namespace bench
@@ -199,27 +208,27 @@ using namespace bench;
     }                                                                                          \
   } while (0)
 
-struct Result { std::string mode, dot; int M; double us, gbps, codes_per_s, rel_err; };
+struct Result { std::string mode; int M, nslots; double us, gbps, codes_per_s, rel_err; };
 
-template <int M, bool MMA>
+template <int M>
 static Result run_one(Cfg c, bool resident, int reps, int nsm, const std::vector<int>& sample_tiles,
                       const std::vector<uint8_t>& sample_bytes, const std::vector<float>& hx) {
-  const int xsz = MMA ? M * flint_dev::mma_x_stride_bytes(c.K) : M * c.K * 4;
-  const int xsumsz = MMA ? (c.K / c.G) * flint_dev::MMA_XSUM_FLOATS * 4 : M * (c.K >> 4) * 4;
+  const int xsz = 2 * M * mkmma::mma_x_stride_bytes(c.K);  // hi rows, then lo rows
+  const int xsumsz = (c.K / c.G) * mkmma::MMA_XSUM_FLOATS * 4;
   c.x_off = 0;
   c.xsum_off = (xsz + 127) / 128 * 128;
   c.bar_off = (c.xsum_off + xsumsz + 127) / 128 * 128;
-  c.ring_off = c.bar_off + 2 * 16 * 8 + 128 - (2 * 16 * 8) % 128;
+  c.ring_off = c.bar_off + 2 * mk::MAX_SLOTS * 8;  // 256 B of mbarriers: stays 128-aligned
   const int tile_bytes = 16 * c.srb;
-  c.nslots = std::min(16, (SMEM_MAX - c.ring_off) / tile_bytes);
+  c.nslots = std::min(mk::MAX_SLOTS, (SMEM_MAX - c.ring_off) / tile_bytes);
   const int smem = c.ring_off + c.nslots * tile_bytes;
-  if (c.nslots < 2) { std::fprintf(stderr, "mma_dot_bench: K=%d leaves %d ring slots\n", c.K, c.nslots); std::exit(2); }
+  if (c.nslots < 2) { std::fprintf(stderr, "mma_dot_bench: K=%d M=%d leaves %d ring slots\n", c.K, M, c.nslots); std::exit(2); }
   c.resident_reps = resident ? 200 : 0;
-  auto kern = dot_bench<M, MMA>;
+  c.store = 0;
+  auto kern = dot_bench<M>;
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
-  if (!resident) CK(cudaMemset(c.y, 0xFF, (size_t)c.rows * M * 4));  // NaN poison: unwritten rows show
   std::vector<float> ms;
   for (int r = 0; r < reps + 2; ++r) {
     CK(cudaEventRecord(e0));
@@ -233,24 +242,37 @@ static Result run_one(Cfg c, bool resident, int reps, int nsm, const std::vector
   }
   std::sort(ms.begin(), ms.end());
   const double med = ms[ms.size() / 2] * 1e-3;
-  Result res{resident ? "resident" : "stream", MMA ? "mma_tile" : "dot_pair", M, med * 1e6, 0, 0, -1};
+  Result res{resident ? "resident" : "stream", M, c.nslots, med * 1e6, 0, 0, -1};
   if (resident) {
     const long long per_block = std::min<long long>(c.rows / 16 / nsm, c.nslots);
     res.codes_per_s = (double)nsm * per_block * 16 * c.K * c.resident_reps / med;
   } else {
     res.gbps = (double)c.rows * c.srb / med / 1e9;
     res.codes_per_s = (double)c.rows * c.K / med;
-    // fp64 reference on the sampled tiles
-    std::vector<float> y((size_t)c.rows * M);
-    CK(cudaMemcpy(y.data(), c.y, y.size() * 4, cudaMemcpyDeviceToHost));
-    double num = 0, den = 0;
+    // one untimed launch that stores every part's sums, then the fp64 reference on the sampled tiles
+    const int S = c.parts;
+    const size_t ny = (size_t)S * c.rows * M;
+    CK(cudaMemset(c.y, 0xFF, ny * 4));  // NaN poison: unwritten (part, row) entries show
+    c.store = 1;
+    kern<<<nsm, NTHREADS, smem>>>(c);
+    CK(cudaGetLastError());
+    CK(cudaDeviceSynchronize());
+    std::vector<float> yp(ny);
+    CK(cudaMemcpy(yp.data(), c.y, ny * 4, cudaMemcpyDeviceToHost));
     long long nonfinite = 0, first_bad = -1;
-    for (size_t i = 0; i < y.size(); ++i)
-      if (!std::isfinite(y[i])) { if (first_bad < 0) first_bad = (long long)i; ++nonfinite; }
-    if (nonfinite)
-      std::printf("  [%s %s M=%d] %lld non-finite y of %zu; first at row %lld token %lld (tile %lld)\n",
-                  res.mode.c_str(), res.dot.c_str(), M, nonfinite, y.size(), first_bad / M, first_bad % M,
-                  first_bad / M / 16);
+    for (size_t i = 0; i < ny; ++i)
+      if (!std::isfinite(yp[i])) { if (first_bad < 0) first_bad = (long long)i; ++nonfinite; }
+    if (nonfinite) {
+      const long long pr = first_bad / M;  // part * rows + row
+      std::printf("  [%s S=%d M=%d] %lld non-finite partial y of %zu; first at part %lld row %lld token %lld (tile %lld)\n",
+                  res.mode.c_str(), S, M, nonfinite, ny, pr / c.rows, pr % c.rows, first_bad % M, pr % c.rows / 16);
+    }
+    auto ysum = [&](long long row, int m) {  // parts added in part order, in fp32 (as the megakernel)
+      float v = 0.f;
+      for (int p = 0; p < S; ++p) v += yp[((size_t)p * c.rows + row) * M + m];
+      return v;
+    };
+    double num = 0, den = 0;
     int shown = 0;
     for (size_t si = 0; si < sample_tiles.size(); ++si)
       for (int r = 0; r < 16; ++r) {
@@ -266,10 +288,11 @@ static Result run_one(Cfg c, bool resident, int reps, int nsm, const std::vector
             std::memcpy(&mn, row + c.K / 2 + 4 * gi + 2, 2);
             ref += ((double)q * __half2float(s) + __half2float(mn)) * hx[(size_t)m * c.K + k];
           }
-          const double d = y[gr * M + m] - ref;
+          const float y = ysum(gr, m);
+          const double d = y - ref;
           if (shown < 3 && (si == 0 || !std::isfinite(d))) {
-            std::printf("  [%s %s M=%d] tile %d row %d token %d: y %.6g ref %.6g\n", res.mode.c_str(),
-                        res.dot.c_str(), M, sample_tiles[si], r, m, y[gr * M + m], ref);
+            std::printf("  [%s S=%d M=%d] tile %d row %d token %d: y %.6g ref %.6g\n", res.mode.c_str(), S, M,
+                        sample_tiles[si], r, m, y, ref);
             ++shown;
           }
           num += d * d; den += ref * ref;
@@ -282,31 +305,39 @@ static Result run_one(Cfg c, bool resident, int reps, int nsm, const std::vector
 }
 
 int main(int argc, char** argv) {
-  int K = 2560, G = 128, reps = 10;
+  int K = 2560, G = 128, reps = 10, S = 1;
   double gib = 2.0;
-  for (int i = 1; i + 1 < argc; i += 2) {
+  for (int i = 1; i < argc; i += 2) {
     const std::string a = argv[i];
+    if (i + 1 >= argc) { std::fprintf(stderr, "mma_dot_bench: %s needs a value\n", argv[i]); return 2; }
     if (a == "--K") K = std::atoi(argv[i + 1]);
     else if (a == "--G") G = std::atoi(argv[i + 1]);
+    else if (a == "--parts") S = std::atoi(argv[i + 1]);
     else if (a == "--gib") gib = std::atof(argv[i + 1]);
     else if (a == "--reps") reps = std::atoi(argv[i + 1]);
     else { std::fprintf(stderr, "mma_dot_bench: unknown argument %s\n", argv[i]); return 2; }
   }
-  if ((G != 32 && G != 64 && G != 128) || K % G || K % 32 || K > mk::KSEG_MAX) {
+  if ((G != 32 && G != 64 && G != 128) || K <= 0 || K % G || K > mk::KSEG_MAX) {
     std::fprintf(stderr, "mma_dot_bench: --K %d --G %d: need G in 32/64/128, K %% G == 0, K <= %d\n", K, G, mk::KSEG_MAX);
     return 2;
   }
+  if (S < 1 || S > mk::MAX_PARTS || S > K / G) {
+    std::fprintf(stderr, "mma_dot_bench: --parts %d: need 1 <= S <= min(%d, K/G = %d)\n", S, mk::MAX_PARTS, K / G);
+    return 2;
+  }
+  if (reps < 1) { std::fprintf(stderr, "mma_dot_bench: --reps %d: need >= 1\n", reps); return 2; }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   const int nsm = prop.multiProcessorCount;
   const int srb = K / 2 + (K / G * 4 + 15) / 16 * 16;  // flint/megakernel.py row_segment_bytes
   const long long rows = (long long)(gib * (1ll << 30) / srb) / (16ll * nsm) * (16ll * nsm);
+  if (rows <= 0) { std::fprintf(stderr, "mma_dot_bench: --gib %g is too small\n", gib); return 2; }
   Cfg c{};
-  c.rows = rows; c.K = K; c.G = G; c.gshift = G == 32 ? 5 : G == 64 ? 6 : 7; c.srb = srb;
+  c.rows = rows; c.K = K; c.G = G; c.srb = srb; c.parts = S;
   uint8_t* w; float *x, *y; unsigned* sink;
   CK(cudaMalloc(&w, (size_t)rows * srb));
   CK(cudaMalloc(&x, (size_t)8 * K * 4));
-  CK(cudaMalloc(&y, (size_t)rows * 8 * 4));
+  CK(cudaMalloc(&y, (size_t)S * rows * 8 * 4));  // y_part [S][rows][M], M <= 8
   CK(cudaMalloc(&sink, 4));
   fill_weights<<<4 * nsm, 256>>>(w, rows, K, G, srb);
   CK(cudaGetLastError());
@@ -336,31 +367,30 @@ int main(int argc, char** argv) {
   }
   std::sort(bw.begin(), bw.end());
   const double hbm = bw[bw.size() / 2];
-  std::printf("device %s, %d SMs; buffer %.2f GB (%lld rows x %d B, K=%d G=%d); HBM read %.0f GB/s\n", prop.name, nsm,
-              rows * (double)srb / 1e9, rows, srb, K, G, hbm);
+  std::printf("device %s, %d SMs; buffer %.2f GB (%lld rows x %d B, K=%d G=%d, %d part%s per tile); HBM read %.0f GB/s\n",
+              prop.name, nsm, rows * (double)srb / 1e9, rows, srb, K, G, S, S > 1 ? "s" : "", hbm);
   std::vector<Result> out;
   for (int resident = 0; resident < 2; ++resident) {
-    out.push_back(run_one<1, false>(c, resident, reps, nsm, sample_tiles, sample_bytes, hx));
-    out.push_back(run_one<1, true>(c, resident, reps, nsm, sample_tiles, sample_bytes, hx));
-    out.push_back(run_one<2, false>(c, resident, reps, nsm, sample_tiles, sample_bytes, hx));
-    out.push_back(run_one<2, true>(c, resident, reps, nsm, sample_tiles, sample_bytes, hx));
-    out.push_back(run_one<4, false>(c, resident, reps, nsm, sample_tiles, sample_bytes, hx));
-    out.push_back(run_one<4, true>(c, resident, reps, nsm, sample_tiles, sample_bytes, hx));
-    out.push_back(run_one<8, false>(c, resident, reps, nsm, sample_tiles, sample_bytes, hx));
-    out.push_back(run_one<8, true>(c, resident, reps, nsm, sample_tiles, sample_bytes, hx));
+    out.push_back(run_one<1>(c, resident, reps, nsm, sample_tiles, sample_bytes, hx));
+    out.push_back(run_one<2>(c, resident, reps, nsm, sample_tiles, sample_bytes, hx));
+    out.push_back(run_one<4>(c, resident, reps, nsm, sample_tiles, sample_bytes, hx));
+    out.push_back(run_one<8>(c, resident, reps, nsm, sample_tiles, sample_bytes, hx));
   }
-  std::printf("%-9s %-9s %2s %10s %8s %7s %12s %9s\n", "mode", "dot", "M", "us", "GB/s", "of HBM", "Gcodes/s", "rel err");
+  std::printf("%-9s %2s %2s %5s %10s %8s %7s %12s %9s\n", "mode", "S", "M", "slots", "us", "GB/s", "of HBM", "Gcodes/s",
+              "rel err");
   bool ok = true;
   for (const Result& r : out) {
-    std::printf("%-9s %-9s %2d %10.1f %8.0f %6.1f%% %12.1f %9.2e\n", r.mode.c_str(), r.dot.c_str(), r.M, r.us, r.gbps,
+    std::printf("%-9s %2d %2d %5d %10.1f %8.0f %6.1f%% %12.1f %9.2e\n", r.mode.c_str(), S, r.M, r.nslots, r.us, r.gbps,
                 r.gbps > 0 ? 100.0 * r.gbps / hbm : 0.0, r.codes_per_s / 1e9, r.rel_err);
     if (r.mode == "stream" && !(r.rel_err >= 0 && r.rel_err < 2e-3)) ok = false;
   }
-  std::printf("{\"device\": \"%s\", \"K\": %d, \"G\": %d, \"hbm_read_gbps\": %.1f, \"results\": [", prop.name, K, G, hbm);
+  std::printf("{\"device\": \"%s\", \"K\": %d, \"G\": %d, \"parts\": %d, \"hbm_read_gbps\": %.1f, \"results\": [",
+              prop.name, K, G, S, hbm);
   for (size_t i = 0; i < out.size(); ++i)
-    std::printf("%s{\"mode\": \"%s\", \"dot\": \"%s\", \"M\": %d, \"us\": %.2f, \"gbps\": %.1f, \"gcodes_per_s\": %.2f, "
-                "\"rel_err\": %.3e}", i ? ", " : "", out[i].mode.c_str(), out[i].dot.c_str(), out[i].M, out[i].us,
+    std::printf("%s{\"mode\": \"%s\", \"M\": %d, \"slots\": %d, \"us\": %.2f, \"gbps\": %.1f, \"gcodes_per_s\": %.2f, "
+                "\"rel_err\": %.3e}", i ? ", " : "", out[i].mode.c_str(), out[i].M, out[i].nslots, out[i].us,
                 out[i].gbps, out[i].codes_per_s / 1e9, out[i].rel_err);
   std::printf("], \"correct\": %s}\n", ok ? "true" : "false");
+  CK(cudaFree(w)); CK(cudaFree(x)); CK(cudaFree(y)); CK(cudaFree(sink));
   return ok ? 0 : 1;
 }

@@ -1,10 +1,13 @@
-"""NumPy emulation of flint/kernels/dev/mma_dot.cuh, lane by lane and register by register.
+"""NumPy emulation of the tile dot in flint/kernels/mk_mma.cuh (namespace mkmma), lane by lane and
+register by register, for ONE fp16 term of x: the mainline stages x as two fp16 terms (hi + lo,
+mkmma::mma_put_x) and runs this same mapping twice, once per term (its d0/d1 and e0/e1 chains).
 
 It reads the same bytes the CUDA code reads (flint's repacked row segments, the staged fp16 x, the
 per-group sums), builds the same 32-bit registers per lane, and runs mma.sync m16n8k16 through the
 PTX ISA fragment layout (``mma_m16n8k16``: lanes' registers -> A, B, C matrices -> D -> lanes'
 registers). If the k-permutation of the staged x did not match the order in which a lane feeds its
-codes into the A fragment, the result would be wrong here before any GPU time is spent.
+codes into the A fragment, the result would be wrong here before any GPU time is spent. With one
+term the x error is fp16 rounding (~2-3e-4 relative), not the mainline's.
 
 Test: ``pytest tests/test_mma_dot_emulation.py`` (CPU, a few seconds).
 """
@@ -17,17 +20,17 @@ from flint.quant import Int4Weight
 
 MAGIC_1024 = 0x64006400  # fp16 1024.0 in both halves
 MAX_TOKENS = 8
-XSUM_FLOATS = 24          # per group; must match flint_dev::MMA_XSUM_FLOATS
+XSUM_FLOATS = 24          # per group; must match mkmma::MMA_XSUM_FLOATS
 TILE_ROWS = 16
 
 
 def x_stride_bytes(kseg: int) -> int:
-    """Bytes between staged token rows (flint_dev::mma_x_stride_bytes)."""
+    """Bytes between staged token rows (mkmma::mma_x_stride_bytes)."""
     return (2 * kseg + 127) // 128 * 128 + 64
 
 
 def x_pos(k, g: int):
-    """fp16 element index of code k inside a staged token row (flint_dev::mma_x_pos); k may be an array."""
+    """fp16 element index of code k inside a staged token row (mkmma::mma_x_pos); k may be an array."""
     wpl = g >> 5
     k = np.asarray(k)
     gi, r = k // g, k % g
@@ -106,8 +109,8 @@ def repack_segments(w: Int4Weight) -> tuple[np.ndarray, int, int, int]:
 
 
 def stage_x(x: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray]:
-    """mma_stage_x + mma_stage_x_sums for one K segment: x float [M, kseg] ->
-    (staged bytes uint8 [M, x_stride_bytes], xsum float32 [kseg/G, 24])."""
+    """The hi term only of mkmma::mma_put_x (no lo rows), then mkmma::mma_stage_x_sums, for one K
+    segment: x float [M, kseg] -> (staged bytes uint8 [M, x_stride_bytes], xsum float32 [kseg/G, 24])."""
     m, kseg = x.shape
     xstride = x_stride_bytes(kseg)
     staged = np.zeros((m, xstride // 2), dtype=np.uint16)
@@ -138,8 +141,9 @@ def stage_x(x: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray]:
 # ---------------------------------------------------------------- the tile dot, per lane
 
 def tile_dot(tile: np.ndarray, kseg: int, g: int, staged: np.ndarray, xsum: np.ndarray, mvalid: int) -> np.ndarray:
-    """mma_tile_dot<G/32> for one warp. tile: uint8 [16, srb] (row r at r * srb, as in the slot);
-    staged: uint8 [M, xstride]; returns float32 [16, mvalid] (rows x tokens)."""
+    """mkmma::mma_tile_dot<G/32> for one warp and one x term (its d0/d1 chains), all groups of the
+    segment. tile: uint8 [16, srb] (row r at r * srb, as in the slot); staged: uint8 [M, xstride];
+    returns float32 [16, mvalid] (rows x tokens)."""
     wpl = g // 32
     srb = tile.shape[1]
     flat = tile.reshape(-1)
