@@ -17,5 +17,6 @@ python3 -m flint chat --selftest --model $G 2>&1 | tee $OUT/selftest.log
 python3 -m flint bench --model synthetic:smollm2-135m --backend compiled,megakernel --ctx 512,2048 --tokens 32 --repeats 3 --json $OUT/bench_smollm2.json 2>&1 | tee $OUT/bench_smollm2.log | tail -8
 python3 -m flint bench --model synthetic:granite-4.1-3b --backend compiled,megakernel \
   --ctx 512,2048,8192 --tokens 32 --repeats 3 --json $OUT/bench.json --plot $OUT/bench.png 2>&1 | tee $OUT/bench.log | tail -22
+timeout 150 python3 -m flint bench --model $G --backend megakernel --ctx 512 --draft smollm2-135m --tokens 64 --repeats 3 --json $OUT/bench_spec.json 2>&1 | tee $OUT/bench_spec.log | tail -8
 timeout 120 compute-sanitizer --tool memcheck --print-limit 5 python3 bench/mk_debug.py > $OUT/memcheck.log 2>&1; echo "memcheck rc=$?"; tail -3 $OUT/memcheck.log
 timeout 120 compute-sanitizer --tool racecheck --print-limit 5 python3 bench/mk_debug.py > $OUT/racecheck.log 2>&1; echo "racecheck rc=$?"; tail -3 $OUT/racecheck.log

@@ -23,6 +23,7 @@ for _ in range(4):
 torch.cuda.synchronize()
 print("done")
 if mk.trace is not None:
+    mk.trace.zero_()  # some slots accumulate
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     s.record(); mk.forward(torch.tensor([7], device="cuda"), 511); e.record(); e.synchronize()
     print(f"step {s.elapsed_time(e) * 1e3:.1f} us for {cfg.num_layers} layers")

@@ -87,6 +87,13 @@ __device__ __forceinline__ float ldsf(uint32_t a) {
   asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(a));
   return v;
 }
+// CTA-scope ordering for the shared-memory part/segment hand-offs between warps. dbg bit 4 / 8 are
+// timing experiments (bit 4: none, NOT correct; bit 8: fence.acq_rel.cta); default: __threadfence_block
+__device__ __forceinline__ void cta_fence(int dbg) {
+  if (dbg & 4) return;
+  if (dbg & 8) { asm volatile("fence.acq_rel.cta;" ::: "memory"); return; }
+  __threadfence_block();
+}
 // barrier among the 512 consumer threads only (the producer warp never joins)
 __device__ __forceinline__ void cbar() { asm volatile("bar.sync 1, %0;" ::"n"(NCT) : "memory"); }
 
@@ -220,46 +227,51 @@ __device__ void compute_rstd(const Params& p, const float* const* src, float mul
 }
 
 // The stage's input [k0, k0 + kst) for every token -> hi/lo fp16 terms in mma order (mk_mma.cuh) and
-// the per-group sums, in ONE pass: thread = 4 consecutive codes (one float4 load, U in flight); the
-// G/4 lanes of a (token, group) sit in one warp and reduce the group sums with shuffles (fixed
-// order: deterministic); lanes 2j, 2j+1 hold codes 8w..8w+3 and 8w+4..8w+7, exchange halves and
-// write the 16-byte hi chunk (even lane) and lo chunk (odd lane). norm_w == nullptr: plain copy
-// (attention output / act); else rmsnorm(src * mult) * norm_w with the rstd of compute_rstd.
-// xsum entries of tokens >= M stay 0 (zeroed at kernel start).
+// the per-group sums, in ONE pass: thread = one 32-bit code word's 8 codes (two float4 loads, U
+// words in flight); it writes the word's 16-byte hi chunk and lo chunk; the G/8 lanes of a
+// (token, group) sit in one warp and reduce the group sums with shuffles (fixed order:
+// deterministic). norm_w == nullptr: plain copy (attention output / act); else
+// rmsnorm(src * mult) * norm_w with the rstd of compute_rstd. xsum entries of tokens >= M stay 0
+// (zeroed at kernel start).
 template <int M>
 __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, const float* norm_w, int k0, int kst,
                         int G, int gshift) {
   const int t = threadIdx.x;
   const int xstride = c.sl->xstride;
   const uint32_t xlo = (uint32_t)(M * xstride);
-  const int cpr = kst >> 2;         // float4 chunks per token row
-  const int total = M * cpr;
-  const int L = G >> 2;             // lanes per (token, group)
+  const int wpr = kst >> 3;         // code words per token row
+  const int total = M * wpr;
+  const int L = G >> 3;             // lanes per (token, group)
   const int wshift = gshift - 5;
-  constexpr int U = M <= 2 ? 8 : 4;
+  constexpr int U = 2;  // words in flight per thread (more raises register pressure for the whole kernel)
   for (int c0 = 0; c0 < total; c0 += NCT * U) {
-    float4 v[U], wv[U];
+    float4 v[U][2], wv[U][2];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int ch = c0 + u * NCT + t;
-      const int m = M == 1 ? 0 : ch / cpr, kk = ch - m * cpr;
-      const bool ok = ch < total;
-      v[u] = ok ? __ldcg(reinterpret_cast<const float4*>(src[ok ? m : 0] + k0) + kk) : make_float4(0.f, 0.f, 0.f, 0.f);
-      wv[u] = (norm_w && ok) ? __ldg(reinterpret_cast<const float4*>(norm_w + k0) + kk) : make_float4(1.f, 1.f, 1.f, 1.f);
+      const int wi = c0 + u * NCT + t;
+      const bool ok = wi < total;
+      const int m = (M == 1 || !ok) ? 0 : wi / wpr, kw = wi - m * wpr;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        v[u][h] = ok ? __ldcg(reinterpret_cast<const float4*>(src[m] + k0) + 2 * kw + h) : make_float4(0.f, 0.f, 0.f, 0.f);
+        wv[u][h] = (norm_w && ok) ? __ldg(reinterpret_cast<const float4*>(norm_w + k0) + 2 * kw + h)
+                                  : make_float4(1.f, 1.f, 1.f, 1.f);
+      }
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (c0 + u * NCT >= total) break;  // block-uniform: no idle rounds
-      const int ch = c0 + u * NCT + t;
-      const bool ok = ch < total;
-      const int m = (M == 1 || !ok) ? 0 : ch / cpr, kk = ch - m * cpr;
-      float x[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
-      const float wx[4] = {wv[u].x, wv[u].y, wv[u].z, wv[u].w};
+      const int wi = c0 + u * NCT + t;
+      const bool ok = wi < total;
+      const int m = (M == 1 || !ok) ? 0 : wi / wpr, kw = wi - m * wpr;
+      const float x[8] = {v[u][0].x, v[u][0].y, v[u][0].z, v[u][0].w, v[u][1].x, v[u][1].y, v[u][1].z, v[u][1].w};
+      const float wx[8] = {wv[u][0].x, wv[u][0].y, wv[u][0].z, wv[u][0].w,
+                           wv[u][1].x, wv[u][1].y, wv[u][1].z, wv[u][1].w};
       const float r = norm_w ? mult * c.misc->rstd[m] : 1.f;
-      uint32_t hp[2], lp[2];  // this lane's 4 hi / lo halves, packed pairwise (k, k+1)
+      uint32_t hw[8], lw[8];
       float s_raw = 0.f, s_eff = 0.f;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
+      for (int j = 0; j < 8; ++j) {
         float xv = norm_w ? ((x[j] * r) * wx[j]) : x[j];
         if (j & 1) xv *= 0.0625f;  // odd k: the code arrives as 16 q
         const __half hi = __float2half_rn(xv);
@@ -267,38 +279,28 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
         const float sum = __half2float(hi) + __half2float(lo);
         s_raw += sum;
         s_eff += (j & 1) ? 16.f * sum : sum;
-        const uint32_t hb = __half_as_ushort(hi), lb = __half_as_ushort(lo);
-        if (j & 1) { hp[j >> 1] |= hb << 16; lp[j >> 1] |= lb << 16; }
-        else { hp[j >> 1] = hb; lp[j >> 1] = lb; }
+        hw[j] = __half_as_ushort(hi);
+        lw[j] = __half_as_ushort(lo);
       }
-      // exchange: the even lane (codes 8w+0..3) keeps hi and gets the partner's hi; the odd lane lo
-      const bool odd = t & 1;
-      const uint32_t send0 = odd ? hp[0] : lp[0], send1 = odd ? hp[1] : lp[1];
-      const uint32_t got0 = __shfl_xor_sync(0xffffffffu, send0, 1), got1 = __shfl_xor_sync(0xffffffffu, send1, 1);
-      const uint32_t m0 = odd ? lp[0] : hp[0], m1 = odd ? lp[1] : hp[1];  // own (k, k+1), (k+2, k+3)
-      // own halves are codes i = 0..3 (even lane) or 4..7 (odd lane); chunk order {0,4,1,5,2,6,3,7}
-      const uint32_t lo_i0 = odd ? got0 : m0, lo_i1 = odd ? got1 : m1;  // codes 0..3 (pairs)
-      const uint32_t hi_i0 = odd ? m0 : got0, hi_i1 = odd ? m1 : got1;  // codes 4..7 (pairs)
-      uint4 chunk;
-      chunk.x = (lo_i0 & 0xFFFFu) | (hi_i0 << 16);          // (0, 4)
-      chunk.y = (lo_i0 >> 16) | (hi_i0 & 0xFFFF0000u);      // (1, 5)
-      chunk.z = (lo_i1 & 0xFFFFu) | (hi_i1 << 16);          // (2, 6)
-      chunk.w = (lo_i1 >> 16) | (hi_i1 & 0xFFFF0000u);      // (3, 7)
-      // group sums over the L lanes of (m, group)
+      // chunk order {0,4,1,5,2,6,3,7}
+      const uint4 hc = make_uint4(hw[0] | (hw[4] << 16), hw[1] | (hw[5] << 16), hw[2] | (hw[6] << 16), hw[3] | (hw[7] << 16));
+      const uint4 lc = make_uint4(lw[0] | (lw[4] << 16), lw[1] | (lw[5] << 16), lw[2] | (lw[6] << 16), lw[3] | (lw[7] << 16));
 #pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
+      for (int o = 1; o < 16; o <<= 1) {  // group sums over the L lanes of (m, group)
         if (o < L) {
           s_raw += __shfl_xor_sync(0xffffffffu, s_raw, o);
           s_eff += __shfl_xor_sync(0xffffffffu, s_eff, o);
         }
       }
       if (ok) {
-        const int k = kk << 2;                  // first code of this lane, relative to k0
+        const int k = kw << 3;                  // first code of this word, relative to k0
         const int gi = k >> gshift, w = (k & (G - 1)) >> 3;
         const int pos = gi * G + ((w & ((1 << wshift) - 1)) * 4 + (w >> wshift)) * 8;
-        const uint32_t a = c.xs + (uint32_t)(m * xstride + 2 * pos) + (odd ? xlo : 0u);
-        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(chunk.x), "r"(chunk.y), "r"(chunk.z),
-                     "r"(chunk.w)
+        const uint32_t a = c.xs + (uint32_t)(m * xstride + 2 * pos);
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(hc.x), "r"(hc.y), "r"(hc.z), "r"(hc.w)
+                     : "memory");
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(a + xlo), "r"(lc.x), "r"(lc.y), "r"(lc.z),
+                     "r"(lc.w)
                      : "memory");
         if ((t & (L - 1)) == 0) {
           const uint32_t xa = c.xsum + (uint32_t)(gi * mkmma::MMA_XSUM_FLOATS * 4);
@@ -424,12 +426,12 @@ __device__ void tile_epilogue(Ctx<M>& c, int mi, int layer, int tl, int tl_local
   __syncwarp();
   int last = 0;
   if (lane == 0) {
-    __threadfence_block();
+    cta_fence(c.p->dbg);
     last = atomicAdd(&c.misc->seg_count[tl_local], 1) == mt.nseg - 1;
   }
   last = __shfl_sync(0xffffffffu, last, 0);
   if (!last) return;
-  __threadfence_block();
+  cta_fence(c.p->dbg);
 #pragma unroll
   for (int m0 = 0; m0 < M; m0 += 4) {
     const int m = m0 + (lane >> 3);
@@ -483,7 +485,7 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         const int gi0 = ng * part / S, gi1 = ng * (part + 1) / S;
         if (!(p.dbg & 1))
-          mkmma::mma_tile_dot_g(mt.G, ring0 + (uint32_t)(slot * c.ring.slot_bytes), mt.srb, mt.kseg, gi0, gi1, xs,
+          mkmma::mma_tile_dot_g<1>(mt.G, ring0 + (uint32_t)(slot * c.ring.slot_bytes), mt.srb, mt.kseg, gi0, gi1, xs,
                                 xstride, xlo, xsum, M, lane, acc, (p.dbg & 2) == 0);
         float* pp = c.parts + slot * c.sl->pstride;
         float* pw = pp + part * TILE_ROWS * M;
@@ -492,12 +494,12 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
         __syncwarp();
         int last = 0;
         if (lane == 0) {
-          __threadfence_block();
+          cta_fence(c.p->dbg);
           last = atomicAdd(&c.misc->part_count[slot], 1) == S - 1;
         }
         last = __shfl_sync(0xffffffffu, last, 0);
         if (last) {
-          __threadfence_block();
+          cta_fence(c.p->dbg);
           tile_epilogue<M>(c, mi, layer, t0 + j, j, s, pp, S, lane, warp);
           if (lane == 0) c.misc->part_count[slot] = 0;
         }
@@ -507,7 +509,9 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
       ++c.q;
     }
   }
-  if (mi != MAT_LM) trace_stamp(p, layer, 16 + 4 * mi + 1);  // thread 0's warp is done
+  if (mi != MAT_LM) {
+    trace_stamp(p, layer, 16 + 4 * mi + 1);  // thread 0's warp is done
+  }
   cbar();  // all parts and epilogues done; the staged x may be overwritten
 }
 

@@ -165,7 +165,7 @@ __device__ void mma_stage_x_sums(int ng, int G, uint32_t xs, int xstride, uint32
 // (group gi of the tile reads x group gi); mvalid: tokens 1..8.
 // Out: acc[0], acc[1] = row groupID, tokens 2tig, 2tig+1; acc[2], acc[3] = row groupID+8, same tokens.
 // No warp reduction: the mma sums across lanes.
-template <int WPL, bool LO>
+template <int WPL, bool LO, int UNROLL>
 __device__ __forceinline__ void mma_tile_dot(uint32_t tile, int srb, int kseg, int gi0, int gi1, uint32_t xs,
                                              int xstride, uint32_t xlo, uint32_t xsum, int mvalid, int lane,
                                              float (&acc)[4]) {
@@ -182,7 +182,7 @@ __device__ __forceinline__ void mma_tile_dot(uint32_t tile, int srb, int kseg, i
   asm("mov.b32 %0, 0x64006400;" : "=r"(magic));
 #pragma unroll
   for (int j = 0; j < 4; ++j) acc[j] = 0.f;
-#pragma unroll (WPL == 1 ? 2 : 1)
+#pragma unroll UNROLL
   for (int gi = gi0; gi < gi1; ++gi) {
     uint32_t wa[WPL], wb[WPL];
     mma_lds_words<WPL>(code_a + (uint32_t)(gi * (G / 2)), wa);
@@ -223,18 +223,19 @@ __device__ __forceinline__ void mma_tile_dot(uint32_t tile, int srb, int kseg, i
 }
 
 // Runtime G dispatch (G in 32/64/128; anything else is refused by the host at create time).
+template <int UNROLL = 1>
 __device__ __forceinline__ void mma_tile_dot_g(int G, uint32_t tile, int srb, int kseg, int gi0, int gi1, uint32_t xs,
                                                int xstride, uint32_t xlo, uint32_t xsum, int mvalid, int lane,
                                                float (&acc)[4], bool lo = true) {
   if (!lo) {
-    if (G == 128) mma_tile_dot<4, false>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, mvalid, lane, acc);
-    else if (G == 64) mma_tile_dot<2, false>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, mvalid, lane, acc);
-    else mma_tile_dot<1, false>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, mvalid, lane, acc);
+    if (G == 128) mma_tile_dot<4, false, UNROLL>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, mvalid, lane, acc);
+    else if (G == 64) mma_tile_dot<2, false, UNROLL>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, mvalid, lane, acc);
+    else mma_tile_dot<1, false, UNROLL>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, mvalid, lane, acc);
     return;
   }
-  if (G == 128) mma_tile_dot<4, true>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, mvalid, lane, acc);
-  else if (G == 64) mma_tile_dot<2, true>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, mvalid, lane, acc);
-  else mma_tile_dot<1, true>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, mvalid, lane, acc);
+  if (G == 128) mma_tile_dot<4, true, UNROLL>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, mvalid, lane, acc);
+  else if (G == 64) mma_tile_dot<2, true, UNROLL>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, mvalid, lane, acc);
+  else mma_tile_dot<1, true, UNROLL>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, mvalid, lane, acc);
 }
 
 }  // namespace mkmma
