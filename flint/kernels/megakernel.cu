@@ -485,8 +485,8 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         const int gi0 = ng * part / S, gi1 = ng * (part + 1) / S;
         if (!(p.dbg & 1))
-          mkmma::mma_tile_dot_g<1>(mt.G, ring0 + (uint32_t)(slot * c.ring.slot_bytes), mt.srb, mt.kseg, gi0, gi1, xs,
-                                xstride, xlo, xsum, M, lane, acc, (p.dbg & 2) == 0);
+          mkmma::mma_tile_dot_g<M>(mt.G, ring0 + (uint32_t)(slot * c.ring.slot_bytes), mt.srb, mt.kseg, gi0, gi1, xs,
+                                   xstride, xlo, xsum, lane, acc);
         float* pp = c.parts + slot * c.sl->pstride;
         float* pw = pp + part * TILE_ROWS * M;
         if (2 * tq < M) { pw[gq * M + 2 * tq] = acc[0]; pw[(gq + 8) * M + 2 * tq] = acc[2]; }

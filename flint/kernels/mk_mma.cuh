@@ -162,21 +162,29 @@ __device__ void mma_stage_x_sums(int ng, int G, uint32_t xs, int xstride, uint32
 // ---------------------------------------------------------------- the tile dot (one warp)
 // tile: shared address of the tile's row 0 (rows at stride srb); kseg codes per row; groups
 // [gi0, gi1) of the tile (G = 32 * WPL); xs / xstride / xsum: the staged x of this K range
-// (group gi of the tile reads x group gi); mvalid: tokens 1..8.
+// (group gi of the tile reads x group gi); M tokens (1..8).
 // Out: acc[0], acc[1] = row groupID, tokens 2tig, 2tig+1; acc[2], acc[3] = row groupID+8, same tokens.
 // No warp reduction: the mma sums across lanes.
-template <int WPL, bool LO, int UNROLL>
+// The hi and lo terms: for M <= 4 they share ONE mma, as B columns (n < M: hi rows of the tokens,
+// LB <= n < LB + M: the lo rows, staged rows M..2M-1; the xsum entries of columns >= M are 0), and
+// the token sums are col m + col LB + m (same lane for M = 1, a shuffle for M = 2..4); for M > 4 the
+// lo rows take a second mma per word.
+template <int WPL, int M, int UNROLL>
 __device__ __forceinline__ void mma_tile_dot(uint32_t tile, int srb, int kseg, int gi0, int gi1, uint32_t xs,
-                                             int xstride, uint32_t xlo, uint32_t xsum, int mvalid, int lane,
-                                             float (&acc)[4]) {
+                                             int xstride, uint32_t xlo, uint32_t xsum, int lane, float (&acc)[4]) {
   constexpr int G = 32 * WPL;
+  constexpr bool PACKED = 2 * M <= 8;
   const int g = lane >> 2, t = lane & 3;
-  const int tok = min(g, mvalid - 1);
+  // staged row feeding B column g: hi rows 0..M-1 in columns 0..M-1; PACKED: lo rows M..2M-1 in
+  // columns LB..LB+M-1, LB = 1 / 2 / 4 for M = 1 / 2 / 3..4 (so a token's two columns are in one lane
+  // or in lanes tig and tig ^ (LB / 2)); other columns read row 0 and are dropped
+  constexpr int LB = M == 1 ? 1 : M == 2 ? 2 : 4;
+  const int row = !PACKED ? min(g, M - 1) : g < M ? g : (g >= LB && g < LB + M) ? M + g - LB : 0;
   const uint32_t row_a = tile + (uint32_t)(g * srb);
   const uint32_t row_b = row_a + (uint32_t)(8 * srb);
   const uint32_t code_a = row_a + (uint32_t)(t * WPL * 4), code_b = row_b + (uint32_t)(t * WPL * 4);
   const uint32_t sm_a = row_a + (uint32_t)(kseg >> 1), sm_b = row_b + (uint32_t)(kseg >> 1);
-  const uint32_t xa = xs + (uint32_t)(tok * xstride + t * 16);
+  const uint32_t xa = xs + (uint32_t)(row * xstride + t * 16);
   const uint32_t xs_off = xsum + (uint32_t)(t * 16), xs_eff = xsum + (uint32_t)(64 + t * 8);
   uint32_t magic;
   asm("mov.b32 %0, 0x64006400;" : "=r"(magic));
@@ -187,7 +195,7 @@ __device__ __forceinline__ void mma_tile_dot(uint32_t tile, int srb, int kseg, i
     uint32_t wa[WPL], wb[WPL];
     mma_lds_words<WPL>(code_a + (uint32_t)(gi * (G / 2)), wa);
     mma_lds_words<WPL>(code_b + (uint32_t)(gi * (G / 2)), wb);
-    // the first chain starts at -1024 sum x' (tokens 2t, 2t+1 for rows g and g+8)
+    // the first chain starts at -1024 sum x' (columns 2t, 2t+1 for rows g and g+8; 0 for lo columns)
     const uint4 off = mma_lds128(xs_off + (uint32_t)(gi * MMA_XSUM_FLOATS * 4));
     float d0[4] = {__uint_as_float(off.x), __uint_as_float(off.y), __uint_as_float(off.z), __uint_as_float(off.w)};
     float d1[4] = {0.f, 0.f, 0.f, 0.f}, e0[4] = {0.f, 0.f, 0.f, 0.f}, e1[4] = {0.f, 0.f, 0.f, 0.f};
@@ -206,7 +214,7 @@ __device__ __forceinline__ void mma_tile_dot(uint32_t tile, int srb, int kseg, i
       const uint32_t r2 = mma_nib<0x00F000F0u>(a_hi, magic), r3 = mma_nib<0x00F000F0u>(b_hi, magic);
       mma_16816(d0, p0, p1, p2, p3, xh.x, xh.y);
       mma_16816(d1, r0, r1, r2, r3, xh.z, xh.w);
-      if constexpr (LO) {  // the lo term (the sums in xsum include it; LO = false is a timing experiment only)
+      if constexpr (!PACKED) {  // the lo rows in their own mma
         const uint4 xl = mma_lds128(xo + xlo);
         mma_16816(e0, p0, p1, p2, p3, xl.x, xl.y);
         mma_16816(e1, r0, r1, r2, r3, xl.z, xl.w);
@@ -220,22 +228,25 @@ __device__ __forceinline__ void mma_tile_dot(uint32_t tile, int srb, int kseg, i
     acc[2] = fmaf(fb.x, (d0[2] + d1[2]) + (e0[2] + e1[2]), fmaf(fb.y, eff.x, acc[2]));
     acc[3] = fmaf(fb.x, (d0[3] + d1[3]) + (e0[3] + e1[3]), fmaf(fb.y, eff.y, acc[3]));
   }
+  if constexpr (PACKED) {  // token m = column m (hi) + column LB + m (lo)
+    if constexpr (M == 1) {
+      acc[0] += acc[1];
+      acc[2] += acc[3];
+    } else {
+      constexpr int X = LB / 2;  // the lane holding columns LB + 2t, LB + 2t + 1
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], X);
+    }
+  }
 }
 
 // Runtime G dispatch (G in 32/64/128; anything else is refused by the host at create time).
-template <int UNROLL = 1>
+template <int M, int UNROLL = 1>
 __device__ __forceinline__ void mma_tile_dot_g(int G, uint32_t tile, int srb, int kseg, int gi0, int gi1, uint32_t xs,
-                                               int xstride, uint32_t xlo, uint32_t xsum, int mvalid, int lane,
-                                               float (&acc)[4], bool lo = true) {
-  if (!lo) {
-    if (G == 128) mma_tile_dot<4, false, UNROLL>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, mvalid, lane, acc);
-    else if (G == 64) mma_tile_dot<2, false, UNROLL>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, mvalid, lane, acc);
-    else mma_tile_dot<1, false, UNROLL>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, mvalid, lane, acc);
-    return;
-  }
-  if (G == 128) mma_tile_dot<4, true, UNROLL>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, mvalid, lane, acc);
-  else if (G == 64) mma_tile_dot<2, true, UNROLL>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, mvalid, lane, acc);
-  else mma_tile_dot<1, true, UNROLL>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, mvalid, lane, acc);
+                                               int xstride, uint32_t xlo, uint32_t xsum, int lane, float (&acc)[4]) {
+  if (G == 128) mma_tile_dot<4, M, UNROLL>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, lane, acc);
+  else if (G == 64) mma_tile_dot<2, M, UNROLL>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, lane, acc);
+  else mma_tile_dot<1, M, UNROLL>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, lane, acc);
 }
 
 }  // namespace mkmma

@@ -32,9 +32,6 @@
 #ifndef MK_UNROLL
 #define MK_UNROLL 1  // -DMK_UNROLL=2: two groups per loop iteration (A/B of the group-loop unroll)
 #endif
-#ifndef MK_LO
-#define MK_LO true   // -DMK_LO=false: hi term only (timing A/B; the check then shows the fp16 error)
-#endif
 namespace bench {
 
 constexpr int CW = mk::NCW;  // consumer warps
@@ -184,8 +181,8 @@ __global__ void __launch_bounds__(NTHREADS, 1) dot_bench(Cfg c) {
       if (part < S) {
         const int gi0 = ng * part / S, gi1 = ng * (part + 1) / S;
         float acc[4];
-        mkmma::mma_tile_dot_g<MK_UNROLL>(c.G, base + (uint32_t)(c.ring_off + slot * tile_bytes), c.srb, c.K, gi0,
-                                         gi1, base + c.x_off, xstride, xlo, base + c.xsum_off, M, lane, acc, MK_LO);
+        mkmma::mma_tile_dot_g<M, MK_UNROLL>(c.G, base + (uint32_t)(c.ring_off + slot * tile_bytes), c.srb, c.K, gi0,
+                                            gi1, base + c.x_off, xstride, xlo, base + c.xsum_off, lane, acc);
         if (c.store) {
           float* yp = c.y + ((long long)part * c.rows + (t0 + j) * 16) * M;
           if (2 * t < M) { yp[g * M + 2 * t] = acc[0]; yp[(g + 8) * M + 2 * t] = acc[2]; }
