@@ -38,6 +38,10 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(smem_u32(bar))
                : "memory");
 }
+__device__ __forceinline__ void mbar_arrive_n(uint64_t* bar, uint32_t n) {
+  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0], %1;\n}" ::"r"(smem_u32(bar)), "r"(n)
+               : "memory");
+}
 __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
   asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}" ::"r"(
                    smem_u32(bar)),
@@ -144,6 +148,7 @@ struct Ring {
   uint8_t* slots;
   uint64_t* full;
   uint64_t* empty;
+  uint64_t* parts;   // K parts of the slot's tile done (NCT arrivals per phase)
   int nslots;
   int slot_bytes;
 };
@@ -491,19 +496,17 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
         float* pw = pp + part * TILE_ROWS * M;
         if (2 * tq < M) { pw[gq * M + 2 * tq] = acc[0]; pw[(gq + 8) * M + 2 * tq] = acc[2]; }
         if (2 * tq + 1 < M) { pw[gq * M + 2 * tq + 1] = acc[1]; pw[(gq + 8) * M + 2 * tq + 1] = acc[3]; }
-        __syncwarp();
-        int last = 0;
-        if (lane == 0) {
-          cta_fence(c.p->dbg);
-          last = atomicAdd(&c.misc->part_count[slot], 1) == S - 1;
-        }
-        last = __shfl_sync(0xffffffffu, last, 0);
-        if (last) {
-          cta_fence(c.p->dbg);
+        // hand-off through the slot's parts mbarrier (NCT arrivals per phase, release/acquire): every
+        // lane of the S part warps arrives; the warp of part S-1 adds the missing arrivals, waits,
+        // sums the parts in order (deterministic) and runs the tile's epilogue
+        if (part == S - 1) {
+          mbar_arrive_n(&c.ring.parts[slot], (uint32_t)(NCW - (S - 1)));
+          mbar_wait(&c.ring.parts[slot], (c.q / c.ring.nslots) & 1);
           tile_epilogue<M>(c, mi, layer, t0 + j, j, s, pp, S, lane, warp);
-          if (lane == 0) c.misc->part_count[slot] = 0;
+          __syncwarp();
+        } else {
+          mbar_arrive(&c.ring.parts[slot]);
         }
-        __syncwarp();
       }
       if (lane == 0) mbar_arrive(&c.ring.empty[slot]);
       ++c.q;
@@ -697,6 +700,7 @@ __global__ void __launch_bounds__(NT, 1)
   ring.slots = smem + sl.ring;
   ring.full = reinterpret_cast<uint64_t*>(smem + sl.bars);
   ring.empty = ring.full + MAX_SLOTS;
+  ring.parts = ring.empty + MAX_SLOTS;
   ring.nslots = sl.nslots;
   ring.slot_bytes = sl.slot;
   MiscSmem* misc = reinterpret_cast<MiscSmem*>(smem + sl.misc);
@@ -704,10 +708,10 @@ __global__ void __launch_bounds__(NT, 1)
     for (int i = 0; i < ring.nslots; ++i) {
       mbar_init(&ring.full[i], 1);
       mbar_init(&ring.empty[i], NCW);
+      mbar_init(&ring.parts[i], NCT);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  if (threadIdx.x < MAX_SLOTS) misc->part_count[threadIdx.x] = 0;
   if (threadIdx.x < MAX_ACC_TILES) misc->seg_count[threadIdx.x] = 0;
   for (int i = threadIdx.x; i < (sl.uni - sl.xsum) / 4; i += blockDim.x) reinterpret_cast<float*>(smem + sl.xsum)[i] = 0.f;
   for (int i = threadIdx.x; i < NCW * M; i += blockDim.x) {

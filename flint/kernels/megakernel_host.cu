@@ -141,7 +141,7 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
     s.xstride = mkmma::mma_x_stride_bytes(kx);
     const int own_tiles = cdiv(p.mat[mk::MAT_O].ntiles, p.nblocks);
     int off = 0;
-    s.bars = off; off += al(2 * mk::MAX_SLOTS * 8);
+    s.bars = off; off += al(3 * mk::MAX_SLOTS * 8);
     s.misc = off; off += al((int)sizeof(mk::MiscSmem));
     s.acc = off; off += al(acc_tiles * mk::TILE_ROWS * M * 4);
     s.own = off; off += al(own_tiles * mk::TILE_ROWS * M * 4);

@@ -69,7 +69,7 @@ struct Params {
 
 // Shared-memory layout (byte offsets) and per-matrix work split, computed on the host per M.
 struct Smem {
-  int bars;    // 2 * MAX_SLOTS mbarriers (full, empty)
+  int bars;    // 3 * MAX_SLOTS mbarriers (full, empty, parts)
   int misc;    // small scalars (rstd, reductions, argmax, flags, per-slot part counters)
   int acc;     // [tiles of a multi-segment matrix per block][nseg][16][M] fp32 (per-segment sums)
   int own;     // [o-proj tiles per block][16][M] fp32: this block's rows of the residual stream
@@ -93,7 +93,6 @@ struct MiscSmem {
   float best_val[NCW][MAX_M];  // per-warp running argmax of the lm_head stage
   int best_idx[NCW][MAX_M];
   float att_m[MAX_ROWS_ATT], att_l[MAX_ROWS_ATT], att_alpha[MAX_ROWS_ATT];
-  int part_count[MAX_SLOTS];   // warps done with the current tile of each slot
   int seg_count[MAX_ACC_TILES];  // K segments done per tile of a multi-segment matrix
   const float* rows[4][MAX_M]; // per token: embedding row, residual, attention output, act (kept here, not in registers)
   int flag;
