@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call that validates the GPU paths after the GGUF is staged (see docs/megakernel.md):
+# One device call (writes at most 8 files to $OUT: the device tool returns no more) that validates the GPU paths after the GGUF is staged (see docs/megakernel.md):
 # megakernel + compiled GPU tests (incl. SmolLM2 256-token greedy vs reference), the chat selftest on
 # the megakernel, flint bench (compiled vs megakernel, same run), and compute-sanitizer on a 1-layer model.
 # Usage on the device: bash bench/gpu_validate.sh   (carry: build, .stage2; part_aa already in /var/tmp/flint)
@@ -14,9 +14,9 @@ export FLINT_SMOLLM2_GGUF=$G
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 python3 -m pytest -q -m gpu tests/test_megakernel.py tests/test_compiled.py -rs 2>&1 | tee $OUT/pytest_gpu.log | tail -25
 python3 -m flint chat --selftest --model $G 2>&1 | tee $OUT/selftest.log
-python3 -m flint bench --model synthetic:smollm2-135m --backend compiled,megakernel --ctx 512,2048 --tokens 32 --repeats 3 --json $OUT/bench_smollm2.json 2>&1 | tee $OUT/bench_smollm2.log | tail -8
+python3 -m flint bench --model synthetic:smollm2-135m --backend compiled,megakernel --ctx 512,2048 --tokens 32 --repeats 3 --json $OUT/bench_smollm2.json 2>&1 | tail -8
 python3 -m flint bench --model synthetic:granite-4.1-3b --backend compiled,megakernel \
-  --ctx 512,2048,8192 --tokens 32 --repeats 3 --json $OUT/bench.json --plot $OUT/bench.png 2>&1 | tee $OUT/bench.log | tail -22
-timeout 150 python3 -m flint bench --model $G --backend megakernel --ctx 512 --draft smollm2-135m --tokens 64 --repeats 3 --json $OUT/bench_spec.json 2>&1 | tee $OUT/bench_spec.log | tail -8
+  --ctx 512,2048,8192 --tokens 32 --repeats 3 --json $OUT/bench.json --plot $OUT/bench.png 2>&1 | tail -12
+timeout 150 python3 -m flint bench --model $G --backend megakernel --ctx 512 --draft smollm2-135m --tokens 64 --repeats 3 --json $OUT/bench_spec.json 2>&1 | tail -8
 timeout 120 compute-sanitizer --tool memcheck --print-limit 5 python3 bench/mk_debug.py > $OUT/memcheck.log 2>&1; echo "memcheck rc=$?"; tail -3 $OUT/memcheck.log
 timeout 120 compute-sanitizer --tool racecheck --print-limit 5 python3 bench/mk_debug.py > $OUT/racecheck.log 2>&1; echo "racecheck rc=$?"; tail -3 $OUT/racecheck.log

@@ -620,6 +620,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
         s_s[r * ATT_T + lane] = p0;
         s_s[r * ATT_T + lane + 32] = p1;
         const float ps = warp_sum(p0 + p1);
+        __syncwarp();  // every lane has read att_m[r] before lane 0 overwrites it
         if (lane == 0) {
           ms->att_l[r] = ms->att_l[r] * alpha + ps;
           ms->att_m[r] = mn;
