@@ -93,6 +93,9 @@ def test_segment_plan_and_repack_roundtrip():
         sm = seg[:, kseg // 2: kseg // 2 + ng * 4].contiguous().view(torch.float16).view(n, ng, 2).float()
         back[:, s * kseg:(s + 1) * kseg] = (codes.view(n, ng, g) * sm[..., :1] + sm[..., 1:]).view(n, -1)
     assert torch.equal(back, w.dequantize())  # codes copied, never re-rounded
+    # rows are padded to whole 16-row tiles with zero codes and zero (scale, min): they compute 0
+    assert d["N"] == 16 and d["nreal"] == 5 and blob.shape == (1, d["nseg"], 16, d["srb"])
+    assert int(blob[0, :, n:].abs().sum()) == 0
 
 
 # ------------------------------------------------------------------ GPU: vs the reference
