@@ -90,6 +90,39 @@ def test_tile_dot_matches_float64_reference(g, k):
         assert rel16.max() < 1e-4, (g, k, m, rel16)
 
 
+@pytest.mark.parametrize("g,k", [(32, 576), (128, 2560), (64, 2048 + 64)])
+def test_two_term_tile_dot_is_fp32_accurate(g, k):
+    # the mainline: x as hi + lo fp16, lo in the idle B columns for M <= 4 (every LB case: M = 1, 2,
+    # 3, 4) and in a second mma for M > 4; the error is the fp32 accumulation's, not fp16 x's
+    rng = np.random.default_rng(g + 3 * k)
+    torch.manual_seed(k)
+    w = quantize_int4(torch.randn(32, k) * 0.05, g)
+    wd = w.dequantize().double().numpy()
+    for m in range(1, 9):
+        x = (rng.standard_normal((m, k)) * rng.choice([0.1, 1.0, 30.0])).astype(np.float32)
+        ref = wd @ x.T.astype(np.float64)
+        y2 = emu.matvec(w, x, terms=2).astype(np.float64)
+        rel = np.linalg.norm(y2 - ref, axis=0) / np.linalg.norm(ref, axis=0)
+        # ~1e-5 (emulated: one fp32 rounding per mma; the 1024 offset cancels in fp32), vs ~2.5e-4
+        assert rel.max() < 1e-4, (g, k, m, rel)
+        y1 = emu.matvec(w, x, terms=1).astype(np.float64)
+        rel1 = np.linalg.norm(y1 - ref, axis=0) / np.linalg.norm(ref, axis=0)
+        assert rel.max() < rel1.max() / 3, (g, k, m, rel, rel1)  # the lo term buys the precision
+
+
+def test_packed_lo_columns_are_needed():
+    # the combine has teeth: dropping the lo columns (hi only, packed layout) loses the precision
+    g, k = 128, 512
+    w = quantize_int4(torch.randn(16, k) * 0.05, g)
+    x = np.random.default_rng(5).standard_normal((3, k)).astype(np.float32)
+    ref = w.dequantize().double().numpy() @ x.T.astype(np.float64)
+    staged, xsum = emu.stage_x2(x, g)
+    staged[3:] = 0  # zero the lo rows: only the hi term reaches the mma, the sums still include lo
+    segs, nseg, kseg, _ = emu.repack_segments(w)
+    y = emu.tile_dot(segs[0, :16], kseg, g, staged, xsum, 3, terms=2).astype(np.float64)
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) > 1e-4
+
+
 def test_wrong_permutation_is_caught(monkeypatch):
     # the test above has teeth: staging x in natural order (ignoring the fragment permutation) fails
     g, k = 64, 256

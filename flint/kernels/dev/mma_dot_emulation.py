@@ -138,12 +138,54 @@ def stage_x(x: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray]:
     return staged.view(np.uint8), xsum
 
 
+def stage_x2(x: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray]:
+    """The mainline staging (megakernel.cu stage_x): hi = fp16(v), lo = fp16(v - hi) for
+    v = x * (1/16 if k odd else 1), hi rows 0..M-1 then lo rows M..2M-1; per-group sums of hi + lo
+    per code word (codes in k order), then the xor-tree over the group's words as the warp's shuffles
+    add them. x float [M, kseg] -> (staged uint8 [2M, xstride], xsum float32 [kseg/G, 24])."""
+    m, kseg = x.shape
+    xstride = x_stride_bytes(kseg)
+    staged = np.zeros((2 * m, xstride // 2), dtype=np.uint16)
+    k = np.arange(kseg)
+    pre = np.where(k & 1, 0.0625, 1.0).astype(np.float32)
+    v = x.astype(np.float32) * pre
+    hi = v.astype(np.float16)
+    lo = (v - hi.astype(np.float32)).astype(np.float16)
+    staged[:m, x_pos(k, g)] = hi.view(np.uint16)
+    staged[m:, x_pos(k, g)] = lo.view(np.uint16)
+    both = hi.astype(np.float32) + lo.astype(np.float32)              # per code, fp32
+    ng, words = kseg // g, g // 8
+    xsum = np.zeros((ng, XSUM_FLOATS), dtype=np.float32)
+    for n in range(m):
+        for gi in range(ng):
+            raw = np.zeros(words, dtype=np.float32)
+            eff = np.zeros(words, dtype=np.float32)
+            for w in range(words):
+                for j in range(8):
+                    b = both[n, gi * g + 8 * w + j]
+                    raw[w] = np.float32(raw[w] + b)
+                    eff[w] = np.float32(eff[w] + (np.float32(16) * b if j & 1 else b))
+            o = 1
+            while o < words:                                          # __shfl_xor_sync tree
+                idx = np.arange(words) ^ o
+                raw, eff = (raw + raw[idx]).astype(np.float32), (eff + eff[idx]).astype(np.float32)
+                o <<= 1
+            off = np.float32(-1024) * raw[0]
+            xsum[gi, 4 * (n >> 1) + (n & 1)] = off
+            xsum[gi, 4 * (n >> 1) + (n & 1) + 2] = off
+            xsum[gi, 16 + n] = eff[0]
+    return staged.view(np.uint8), xsum
+
+
 # ---------------------------------------------------------------- the tile dot, per lane
 
-def tile_dot(tile: np.ndarray, kseg: int, g: int, staged: np.ndarray, xsum: np.ndarray, mvalid: int) -> np.ndarray:
-    """mkmma::mma_tile_dot<G/32> for one warp and one x term (its d0/d1 chains), all groups of the
-    segment. tile: uint8 [16, srb] (row r at r * srb, as in the slot); staged: uint8 [M, xstride];
-    returns float32 [16, mvalid] (rows x tokens)."""
+def tile_dot(tile: np.ndarray, kseg: int, g: int, staged: np.ndarray, xsum: np.ndarray, mvalid: int,
+             terms: int = 1) -> np.ndarray:
+    """mkmma::mma_tile_dot<G/32, M> for one warp, all groups of the segment. tile: uint8 [16, srb]
+    (row r at r * srb, as in the slot); staged: uint8 [M or 2M, xstride]; returns float32
+    [16, mvalid] (rows x tokens). terms=1: one fp16 term (stage_x); terms=2: the mainline's hi + lo
+    (stage_x2): for M <= 4 the lo rows ride in B columns LB..LB+M-1 of the same mma (LB = 1/2/4) and
+    token m = column m + column LB + m; for M > 4 a second mma per word reads the lo rows."""
     wpl = g // 32
     srb = tile.shape[1]
     flat = tile.reshape(-1)
@@ -153,7 +195,13 @@ def tile_dot(tile: np.ndarray, kseg: int, g: int, staged: np.ndarray, xsum: np.n
     acc = np.zeros((32, 4), dtype=np.float32)
     lane = np.arange(32)
     gr, t = lane >> 2, lane & 3
-    tok = np.minimum(gr, mvalid - 1)
+    packed = terms == 2 and 2 * mvalid <= 8
+    lb = 1 if mvalid == 1 else 2 if mvalid == 2 else 4
+    if packed:
+        in_lo = (gr >= lb) & (gr < lb + mvalid)
+        tok = np.where(gr < mvalid, gr, np.where(in_lo, mvalid + gr - lb, 0))
+    else:
+        tok = np.minimum(gr, mvalid - 1)
     row_a, row_b = gr * srb, (gr + 8) * srb
 
     def words(buf, addr, n):  # n consecutive little-endian 32-bit words at byte address addr[lane]
@@ -165,11 +213,16 @@ def tile_dot(tile: np.ndarray, kseg: int, g: int, staged: np.ndarray, xsum: np.n
         a_words = words(flat, row_a + gi * (g // 2) + t * wpl * 4, wpl)                 # [32, wpl]
         b_words = words(flat, row_b + gi * (g // 2) + t * wpl * 4, wpl)
         xb = np.stack([words(xflat, tok * xstride + t * 16 + gi * g * 2 + c * 64, 4) for c in range(wpl)], 1)
+        if terms == 2 and not packed:  # the lo rows for the second mma of each word
+            xl = np.stack([words(xflat, (mvalid + tok) * xstride + t * 16 + gi * g * 2 + c * 64, 4)
+                           for c in range(wpl)], 1)
         d0 = xsum[gi, 4 * t[:, None] + np.arange(4)]                                     # initial C: off
         eff = xsum[gi, 16 + 2 * t[:, None] + np.arange(2)]
         sc = np.stack([flat[(row + kseg // 2 + gi * 4)[:, None] + np.arange(4)].copy().view(np.float16)
                        .astype(np.float32) for row in (row_a, row_b)], 1)              # [32, 2, (s, m)]
         d1 = np.zeros((32, 4), dtype=np.float32)
+        e0 = np.zeros((32, 4), dtype=np.float32)
+        e1 = np.zeros((32, 4), dtype=np.float32)
         for c in range(wpl):
             wa, wb = a_words[:, c], b_words[:, c]
             wa8, wb8 = wa >> np.uint32(8), wb >> np.uint32(8)
@@ -178,19 +231,24 @@ def tile_dot(tile: np.ndarray, kseg: int, g: int, staged: np.ndarray, xsum: np.n
             a_odd = np.stack((nib(wa8, lo), nib(wb8, lo), nib(wa8, hi), nib(wb8, hi)), 1)
             d0 = mma_m16n8k16(a_even, xb[:, c, 0:2], d0)
             d1 = mma_m16n8k16(a_odd, xb[:, c, 2:4], d1)
-        s = d0 + d1
+            if terms == 2 and not packed:
+                e0 = mma_m16n8k16(a_even, xl[:, c, 0:2], e0)
+                e1 = mma_m16n8k16(a_odd, xl[:, c, 2:4], e1)
+        s = (d0 + d1) + (e0 + e1)
         for j, (r, e) in enumerate(((0, 0), (0, 1), (1, 0), (1, 1))):
             inner = sc[:, r, 1] * eff[:, e] + acc[:, j]          # fmaf(min, eff, acc); unfused here
             acc[:, j] = sc[:, r, 0] * s[:, j] + inner
     out = np.zeros((TILE_ROWS, MAX_TOKENS), dtype=np.float32)
     for j, (row, col) in enumerate(((gr, 2 * t), (gr, 2 * t + 1), (gr + 8, 2 * t), (gr + 8, 2 * t + 1))):
         out[row, col] = acc[:, j]
+    if packed:  # the combine (in-lane for M = 1, a shuffle for M = 2..4)
+        out[:, :mvalid] = out[:, :mvalid] + out[:, lb:lb + mvalid]
     return out[:, :mvalid]
 
 
-def matvec(w: Int4Weight, x: np.ndarray) -> np.ndarray:
+def matvec(w: Int4Weight, x: np.ndarray, terms: int = 1) -> np.ndarray:
     """y [N, M] = W x for x [M, K] through the emulated tile dot, segment by segment (fp32 sums
-    across segments, as matvec_stage accumulates)."""
+    across segments). terms=2: the mainline's hi + lo staging and mma mapping."""
     n, k = w.shape
     m = x.shape[0]
     if not 1 <= m <= MAX_TOKENS:
@@ -200,7 +258,9 @@ def matvec(w: Int4Weight, x: np.ndarray) -> np.ndarray:
     segs, nseg, kseg, srb = repack_segments(w)
     y = np.zeros((segs.shape[1], m), dtype=np.float32)
     for s in range(nseg):
-        staged, xsum = stage_x(x[:, s * kseg:(s + 1) * kseg], w.group_size)
+        stage = stage_x2 if terms == 2 else stage_x
+        staged, xsum = stage(x[:, s * kseg:(s + 1) * kseg], w.group_size)
         for r0 in range(0, segs.shape[1], TILE_ROWS):
-            y[r0:r0 + TILE_ROWS] += tile_dot(segs[s, r0:r0 + TILE_ROWS], kseg, w.group_size, staged, xsum, m)
+            y[r0:r0 + TILE_ROWS] += tile_dot(segs[s, r0:r0 + TILE_ROWS], kseg, w.group_size, staged, xsum, m,
+                                             terms)
     return y[:n]
