@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("mk_common.cuh", "mk_mma.cuh", "megakernel.cu", "megakernel_host.cu")
+SOURCES = ("mk_common.cuh", "mk_ptx.cuh", "mk_mma.cuh", "megakernel.cu", "megakernel_host.cu")
 M_VALUES = tuple(range(1, 9))
 LIB_NAME = "libflint_mk.so"
 

@@ -24,7 +24,6 @@ constexpr int ATT_T = 64;           // keys per attention sub-tile
 constexpr int MAX_M = 8;
 constexpr int KSEG_MAX = 2560;      // codes per K segment
 constexpr int MAX_ROWS_ATT = 64;    // (num_heads / num_kv_heads) * M
-constexpr int MAX_HALF_D = 64;      // head_dim / 2
 
 enum { MAT_QKV = 0, MAT_O, MAT_GU, MAT_D, MAT_LM, NMAT };
 

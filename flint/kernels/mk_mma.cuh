@@ -33,7 +33,8 @@
 //   mma 2c:   a0/a1 = (q0, q4) of rows g / g+8, a2/a3 = (16q1, 16q5)
 //   mma 2c+1: a0/a1 = (q2, q6),                 a2/a3 = (16q3, 16q7)
 //
-// ---- Staged x (fp16; written by the megakernel's stage_x or mma_put_x): hi row of token m at
+// ---- Staged x (fp16; written by the megakernel's stage_x; dev/mma_dot_bench.cu has a plain
+// reference of the same layout): hi row of token m at
 // xs + m * xstride, lo row at xs + (M + m) * xstride; within a row the G codes
 // of group gi occupy fp16 elements [gi*G, gi*G + G) but permuted: lane tig's B fragments for word c
 // are ONE 16-byte chunk at element gi*G + (4c + tig) * 8, slots
@@ -60,6 +61,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "mk_ptx.cuh"
+
 namespace mkmma {
 
 constexpr int MMA_MAX_TOKENS = 8;
@@ -78,18 +81,6 @@ __host__ __device__ inline int mma_x_pos(int k, int G) {
   return gi * G + (c * 4 + tig) * 8 + slot;
 }
 
-__device__ __forceinline__ uint32_t mma_smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ uint4 mma_lds128(uint32_t a) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
-  return v;
-}
-__device__ __forceinline__ uint32_t mma_lds32(uint32_t a) {
-  uint32_t v;
-  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a));
-  return v;
-}
 // WPL consecutive 32-bit code words (one LDS of 4, 8 or 16 bytes)
 template <int WPL>
 __device__ __forceinline__ void mma_lds_words(uint32_t a, uint32_t (&w)[WPL]) {
@@ -116,51 +107,6 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a
       "{%0, %1, %2, %3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// ---------------------------------------------------------------- x staging (block-cooperative)
-// Token m's terms live in two rows: hi at xs + m * xstride, lo at xs + xlo + m * xstride (xlo = M *
-// xstride: M hi rows, then M lo rows; lo = fp16(v - hi), v = x * (k odd ? 1/16 : 1)), each permuted
-// by mma_x_pos within its group.
-__device__ __forceinline__ void mma_put_x(uint32_t xs, int xstride, uint32_t xlo, int m, int pos, float v) {
-  const __half hi = __float2half_rn(v);
-  const __half lo = __float2half_rn(v - __half2float(hi));
-  const uint32_t a = xs + (uint32_t)(m * xstride + 2 * pos);
-  asm volatile("st.shared.u16 [%0], %1;" ::"r"(a), "h"(__half_as_ushort(hi)) : "memory");
-  asm volatile("st.shared.u16 [%0], %1;" ::"r"(a + xlo), "h"(__half_as_ushort(lo))
-               : "memory");
-}
-
-// off / eff sums (header) over the G staged values (hi + lo) of group gi of token n (n < 8; zeros
-// for n >= M). Call after a barrier over the threads that staged x.
-template <int M>
-__device__ void mma_stage_x_sums(int ng, int G, uint32_t xs, int xstride, uint32_t xlo, uint32_t xsum, int tid,
-                                 int nthreads) {
-  for (int task = tid; task < ng * MMA_MAX_TOKENS; task += nthreads) {
-    const int gi = task / MMA_MAX_TOKENS, n = task - gi * MMA_MAX_TOKENS;
-    float s_raw = 0.f, s_eff = 0.f;
-    if (n < M) {
-      for (int half = 0; half < 2; ++half) {
-        const uint32_t row = xs + (half ? xlo : 0u) + (uint32_t)(n * xstride + 2 * gi * G);
-        for (int ch = 0; ch < G / 8; ++ch) {
-          const uint4 v = mma_lds128(row + (uint32_t)(16 * ch));
-          const float2 p0 = __half22float2(*reinterpret_cast<const __half2*>(&v.x));  // codes 0, 4
-          const float2 p1 = __half22float2(*reinterpret_cast<const __half2*>(&v.y));  // codes 1, 5 (/16)
-          const float2 p2 = __half22float2(*reinterpret_cast<const __half2*>(&v.z));  // codes 2, 6
-          const float2 p3 = __half22float2(*reinterpret_cast<const __half2*>(&v.w));  // codes 3, 7 (/16)
-          const float even = (p0.x + p0.y) + (p2.x + p2.y), odd = (p1.x + p1.y) + (p3.x + p3.y);
-          s_raw += even + odd;
-          s_eff += even + 16.f * odd;
-        }
-      }
-    }
-    const uint32_t a = xsum + (uint32_t)(gi * MMA_XSUM_FLOATS * 4);
-    const float off = -1024.f * s_raw;
-    const uint32_t a_off = a + (uint32_t)(4 * (4 * (n >> 1) + (n & 1)));
-    asm volatile("st.shared.f32 [%0], %1;" ::"r"(a_off), "f"(off) : "memory");
-    asm volatile("st.shared.f32 [%0], %1;" ::"r"(a_off + 8u), "f"(off) : "memory");
-    asm volatile("st.shared.f32 [%0], %1;" ::"r"(a + (uint32_t)(4 * (16 + n))), "f"(s_eff) : "memory");
-  }
 }
 
 // ---------------------------------------------------------------- the tile dot (one warp)
@@ -200,7 +146,7 @@ __device__ __forceinline__ void mma_tile_dot(uint32_t tile, int srb, int kseg, i
     mma_lds_words<WPL>(code_a + (uint32_t)(gi * (G / 2)), wa);
     mma_lds_words<WPL>(code_b + (uint32_t)(gi * (G / 2)), wb);
     // the first chain starts at -1024 sum x' (columns 2t, 2t+1 for rows g and g+8; 0 for lo columns)
-    const uint4 off = mma_lds128(xs_off + (uint32_t)(gi * MMA_XSUM_FLOATS * 4));
+    const uint4 off = mk::lds128(xs_off + (uint32_t)(gi * MMA_XSUM_FLOATS * 4));
     float d0[4] = {__uint_as_float(off.x), __uint_as_float(off.y), __uint_as_float(off.z), __uint_as_float(off.w)};
     float d1[4] = {0.f, 0.f, 0.f, 0.f}, e0[4] = {0.f, 0.f, 0.f, 0.f}, e1[4] = {0.f, 0.f, 0.f, 0.f};
     float2 eff;
@@ -209,7 +155,7 @@ __device__ __forceinline__ void mma_tile_dot(uint32_t tile, int srb, int kseg, i
 #pragma unroll
     for (int c = 0; c < WPL; ++c) {
       const uint32_t xo = xa + (uint32_t)(gi * G * 2 + c * 64);
-      const uint4 xh = mma_lds128(xo);
+      const uint4 xh = mk::lds128(xo);
       const uint32_t a_lo = wa[c], b_lo = wb[c];
       const uint32_t a_hi = a_lo >> 8, b_hi = b_lo >> 8;
       const uint32_t p0 = mma_nib<0x000F000Fu>(a_lo, magic), p1 = mma_nib<0x000F000Fu>(b_lo, magic);
@@ -219,12 +165,12 @@ __device__ __forceinline__ void mma_tile_dot(uint32_t tile, int srb, int kseg, i
       mma_16816(d0, p0, p1, p2, p3, xh.x, xh.y);
       mma_16816(d1, r0, r1, r2, r3, xh.z, xh.w);
       if constexpr (!PACKED) {  // the lo rows in their own mma
-        const uint4 xl = mma_lds128(xo + xlo);
+        const uint4 xl = mk::lds128(xo + xlo);
         mma_16816(e0, p0, p1, p2, p3, xl.x, xl.y);
         mma_16816(e1, r0, r1, r2, r3, xl.z, xl.w);
       }
     }
-    const uint32_t hsa = mma_lds32(sm_a + (uint32_t)(gi * 4)), hsb = mma_lds32(sm_b + (uint32_t)(gi * 4));
+    const uint32_t hsa = mk::lds32(sm_a + (uint32_t)(gi * 4)), hsb = mk::lds32(sm_b + (uint32_t)(gi * 4));
     const float2 fa = __half22float2(*reinterpret_cast<const __half2*>(&hsa));  // (scale, min) row g
     const float2 fb = __half22float2(*reinterpret_cast<const __half2*>(&hsb));  // row g + 8
     acc[0] = fmaf(fa.x, (d0[0] + d1[0]) + (e0[0] + e1[0]), fmaf(fa.y, eff.x, acc[0]));

@@ -19,6 +19,7 @@
 // Run:  ./build/dev/mma_dot_bench [--K 2560] [--G 128] [--parts 1] [--gib 2] [--reps 10]  (M = 1, 2, 4, 8)
 // Output: one line per (mode, M), then one JSON line.
 #include "../mk_common.cuh"
+#include "../mk_ptx.cuh"
 #include "../mk_mma.cuh"
 
 #include <algorithm>
@@ -41,34 +42,60 @@ constexpr int SMEM_MAX = 227 * 1024;
 
 extern __shared__ __align__(1024) uint8_t bench_smem[];
 
-// ---- PTX helpers (as megakernel.cu [1])
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}" ::"r"(smem_u32(bar)),
-               "r"(bytes)
+using mk::bulk_g2s;
+using mk::lds128;
+using mk::mbar_arrive;
+using mk::mbar_expect_tx;
+using mk::mbar_init;
+using mk::mbar_wait;
+using mk::smem_u32;
+
+// ---- reference x staging: the layout of mk_mma.cuh written the plain way (one element per thread,
+// then a pass for the per-group sums); the megakernel's stage_x fuses both
+// Token m's terms live in two rows: hi at xs + m * xstride, lo at xs + xlo + m * xstride (xlo = M *
+// xstride: M hi rows, then M lo rows; lo = fp16(v - hi), v = x * (k odd ? 1/16 : 1)), each permuted
+// by mma_x_pos within its group.
+__device__ __forceinline__ void mma_put_x(uint32_t xs, int xstride, uint32_t xlo, int m, int pos, float v) {
+  const __half hi = __float2half_rn(v);
+  const __half lo = __float2half_rn(v - __half2float(hi));
+  const uint32_t a = xs + (uint32_t)(m * xstride + 2 * pos);
+  asm volatile("st.shared.u16 [%0], %1;" ::"r"(a), "h"(__half_as_ushort(hi)) : "memory");
+  asm volatile("st.shared.u16 [%0], %1;" ::"r"(a + xlo), "h"(__half_as_ushort(lo))
                : "memory");
 }
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n .reg .pred p;\n WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra WAIT_%=;\n}" ::"r"(
-          smem_u32(bar)),
-      "r"(parity)
-      : "memory");
+
+// off / eff sums (header) over the G staged values (hi + lo) of group gi of token n (n < 8; zeros
+// for n >= M). Call after a barrier over the threads that staged x.
+template <int M>
+__device__ void mma_stage_x_sums(int ng, int G, uint32_t xs, int xstride, uint32_t xlo, uint32_t xsum, int tid,
+                                 int nthreads) {
+  for (int task = tid; task < ng * mkmma::MMA_MAX_TOKENS; task += nthreads) {
+    const int gi = task / mkmma::MMA_MAX_TOKENS, n = task - gi * mkmma::MMA_MAX_TOKENS;
+    float s_raw = 0.f, s_eff = 0.f;
+    if (n < M) {
+      for (int half = 0; half < 2; ++half) {
+        const uint32_t row = xs + (half ? xlo : 0u) + (uint32_t)(n * xstride + 2 * gi * G);
+        for (int ch = 0; ch < G / 8; ++ch) {
+          const uint4 v = mk::lds128(row + (uint32_t)(16 * ch));
+          const float2 p0 = __half22float2(*reinterpret_cast<const __half2*>(&v.x));  // codes 0, 4
+          const float2 p1 = __half22float2(*reinterpret_cast<const __half2*>(&v.y));  // codes 1, 5 (/16)
+          const float2 p2 = __half22float2(*reinterpret_cast<const __half2*>(&v.z));  // codes 2, 6
+          const float2 p3 = __half22float2(*reinterpret_cast<const __half2*>(&v.w));  // codes 3, 7 (/16)
+          const float even = (p0.x + p0.y) + (p2.x + p2.y), odd = (p1.x + p1.y) + (p3.x + p3.y);
+          s_raw += even + odd;
+          s_eff += even + 16.f * odd;
+        }
+      }
+    }
+    const uint32_t a = xsum + (uint32_t)(gi * mkmma::MMA_XSUM_FLOATS * 4);
+    const float off = -1024.f * s_raw;
+    const uint32_t a_off = a + (uint32_t)(4 * (4 * (n >> 1) + (n & 1)));
+    asm volatile("st.shared.f32 [%0], %1;" ::"r"(a_off), "f"(off) : "memory");
+    asm volatile("st.shared.f32 [%0], %1;" ::"r"(a_off + 8u), "f"(off) : "memory");
+    asm volatile("st.shared.f32 [%0], %1;" ::"r"(a + (uint32_t)(4 * (16 + n))), "f"(s_eff) : "memory");
+  }
 }
-__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar, uint64_t policy) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
-          smem_u32(dst)),
-      "l"(src), "r"(bytes), "r"(smem_u32(bar)), "l"(policy)
-      : "memory");
-}
-// barrier among the 480 consumer threads only (the producer warp never joins)
+
 __device__ __forceinline__ void cbar() { asm volatile("bar.sync 1, %0;" ::"n"(NCT) : "memory"); }
 
 struct Cfg {
@@ -125,10 +152,10 @@ __device__ void stage(const Cfg& c) {
   for (int i = t; i < M * c.K; i += NCT) {
     const int m = i / c.K, k = i - m * c.K;
     const float x = c.x[i];
-    mkmma::mma_put_x(xs, xstride, xlo, m, mkmma::mma_x_pos(k, c.G), (k & 1) ? x * 0.0625f : x);
+    mma_put_x(xs, xstride, xlo, m, mkmma::mma_x_pos(k, c.G), (k & 1) ? x * 0.0625f : x);
   }
   cbar();
-  mkmma::mma_stage_x_sums<M>(c.K / c.G, c.G, xs, xstride, xlo, xsum, t, NCT);
+  mma_stage_x_sums<M>(c.K / c.G, c.G, xs, xstride, xlo, xsum, t, NCT);
   cbar();
 }
 
