@@ -177,7 +177,7 @@ __device__ void compute_rstd(const Params& p, const float* const* src, float mul
 // words in flight); it writes the word's 16-byte hi chunk and lo chunk; the G/8 lanes of a
 // (token, group) sit in one warp and reduce the group sums with shuffles (fixed order:
 // deterministic). norm_w == nullptr: plain copy (attention output / act); else
-// rmsnorm(src * mult) * norm_w with the rstd of compute_rstd. xsum entries of tokens >= M stay 0
+// rmsnorm(src * mult) * norm_w (rstd fused into the loads, or compute_rstd). xsum entries of tokens >= M stay 0
 // (zeroed at kernel start).
 template <int M>
 __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, const float* norm_w, int k0, int kst,
@@ -190,6 +190,10 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
   const int L = G >> 3;             // lanes per (token, group)
   const int wshift = gshift - 5;
   constexpr int U = 2;  // words in flight per thread (more raises register pressure for the whole kernel)
+  // RMSNorm: when the whole row is one round of loads (decode on Granite and SmolLM2), the rstd comes
+  // from the same loads (no separate pass, one L2 round trip less); else from compute_rstd first
+  const bool fused = norm_w != nullptr && k0 == 0 && kst == c.p->H && total <= U * NCT;
+  if (norm_w != nullptr && !fused) compute_rstd<M>(*c.p, src, mult, c.misc);
   for (int c0 = 0; c0 < total; c0 += NCT * U) {
     float4 v[U][2], wv[U][2];
 #pragma unroll
@@ -203,6 +207,37 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
         wv[u][h] = (norm_w && ok) ? __ldg(reinterpret_cast<const float4*>(norm_w + k0) + 2 * kw + h)
                                   : make_float4(1.f, 1.f, 1.f, 1.f);
       }
+    }
+    if (fused) {  // sum of squares of src * mult per token: warp-private running sums, fixed order
+      const int lane = t & 31, warp = t >> 5;
+      if (lane == 0)
+        for (int m = 0; m < M; ++m) c.misc->red[warp][m] = 0.f;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int wi = c0 + u * NCT + t;
+        const bool ok = wi < total;
+        const int mw = (M == 1 || !ok) ? 0 : wi / wpr;
+        const float x[8] = {v[u][0].x, v[u][0].y, v[u][0].z, v[u][0].w, v[u][1].x, v[u][1].y, v[u][1].z, v[u][1].w};
+        float s2 = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) s2 = fmaf(x[j] * mult, x[j] * mult, s2);
+        // the warp's words belong to one or a few tokens: one warp sum per token present
+        unsigned pending = __ballot_sync(0xffffffffu, ok);
+        while (pending) {
+          const int m0 = __shfl_sync(0xffffffffu, mw, __ffs(pending) - 1);
+          const bool mine = ok && mw == m0;
+          const float sm = warp_sum(mine ? s2 : 0.f);
+          if (lane == 0) c.misc->red[warp][m0] += sm;
+          pending &= ~__ballot_sync(0xffffffffu, mine);
+        }
+      }
+      cbar();
+      if (t < M) {
+        float s2 = 0.f;
+        for (int i = 0; i < NCW; ++i) s2 += c.misc->red[i][t];
+        c.misc->rstd[t] = rsqrtf(s2 / (float)c.p->H + c.p->eps);
+      }
+      cbar();
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -529,6 +564,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
         if (j < nvalid && j0 + j <= start + m) {
           const float* qr = q_s + r * D;
           float a0 = 0.f, a1 = 0.f;
+#pragma unroll 8
           for (int ch = 0; ch < cpr; ++ch) {
             const uint4 kk = *reinterpret_cast<const uint4*>(Kt + (size_t)j * D + ((ch ^ (j & 7)) * 8));
             const float4 qa = *reinterpret_cast<const float4*>(qr + ch * 8);
@@ -575,6 +611,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
         const float* pr = s_s + r * ATT_T;
         for (int d2 = lane; d2 < D / 2; d2 += 32) {
           float ox = o_s[r * D + 2 * d2] * alpha, oy = o_s[r * D + 2 * d2 + 1] * alpha;
+#pragma unroll 4
           for (int j = 0; j < nvalid; ++j) {
             const float pj = pr[j];
             const float2 vv = __half22float2(*reinterpret_cast<const __half2*>(Vt + (size_t)j * D + 2 * d2));
@@ -725,7 +762,6 @@ __global__ void __launch_bounds__(NT, 1)
     const float* const* xsrc = l == 0 ? tok_src : resid_rows;
     const float mult = l == 0 ? p.emb_mult : 1.f;
     const float* an = p.norms + (size_t)l * 2 * p.H;
-    compute_rstd<M>(p, xsrc, mult, c.misc);
     stamp(l, 1);
     matvec_stage<M>(c, MAT_QKV, l, xsrc, mult, an);
     stamp(l, 2);
@@ -739,7 +775,6 @@ __global__ void __launch_bounds__(NT, 1)
     stamp(l, 6);
     gsync();
     stamp(l, 7);
-    compute_rstd<M>(p, resid_rows, 1.f, c.misc);
     stamp(l, 8);
     matvec_stage<M>(c, MAT_GU, l, resid_rows, 1.f, an + p.H);
     stamp(l, 9);
@@ -750,7 +785,6 @@ __global__ void __launch_bounds__(NT, 1)
     gsync();
   }
   stamp(p.L - 1, 12);
-  compute_rstd<M>(p, resid_rows, 1.f, c.misc);
   matvec_stage<M>(c, MAT_LM, 0, resid_rows, 1.f, p.final_norm);
   stamp(p.L - 1, 13);
   // argmax: warps' partials -> block partial (warp order) -> the last block reduces blocks in order
