@@ -201,7 +201,7 @@ class MegakernelBackend:
             self.bar_counter = torch.zeros((1,), dtype=torch.int64)
             self.epoch = torch.zeros((1,), dtype=torch.int64)
             # FLINT_MK_TRACE=1: blocks 0 and nblocks-1 stamp %globaltimer at stage boundaries (stage_times)
-            self.trace = (torch.zeros((2 * L * 32,), dtype=torch.int64)
+            self.trace = (torch.zeros((2 * L * 32 + self.nblocks * 16,), dtype=torch.int64)
                           if os.environ.get("FLINT_MK_TRACE") == "1" else None)
         torch.cuda.synchronize(dev)
         self._lib = lib
@@ -330,6 +330,27 @@ class MegakernelBackend:
             out[n + ".stage_x"] = float((t[:, 16 + 4 * mi] - t[:, starts[n]]).mean()) / 1e3
             out[n + ".tiles"] = float((t[:, 17 + 4 * mi] - t[:, 16 + 4 * mi]).mean()) / 1e3
         return out
+
+    BLOCK_STAMPS = ("start", "rstd1", "qkv", "bar1", "attn", "bar2", "o", "bar3", "rstd2", "gate_up", "bar4", "down")
+
+    def block_stamps(self) -> torch.Tensor:
+        """Every block's stage-end times in the middle layer of the last launch (needs FLINT_MK_TRACE=1):
+        [nblocks, 12] microseconds after the earliest block's layer start, columns BLOCK_STAMPS (the
+        end of the named stage; "barN" = leaving that grid barrier)."""
+        if self.trace is None:
+            raise RuntimeError("block_stamps needs FLINT_MK_TRACE=1 at construction")
+        L = self.cfg.num_layers
+        t = self.trace[2 * L * 32:].view(self.nblocks, 16)[:, :len(self.BLOCK_STAMPS)].cpu().double()
+        return (t - t[:, 0].min()) / 1e3
+
+    def sm_clock_ghz(self, block: int = 0) -> float:
+        """The SM clock during the last launch (needs FLINT_MK_TRACE=1): %clock64 cycles over %globaltimer
+        nanoseconds from the first layer's start to the last layer's end, block 0 or 1 (= the last)."""
+        if self.trace is None:
+            raise RuntimeError("sm_clock_ghz needs FLINT_MK_TRACE=1 at construction")
+        L = self.cfg.num_layers
+        t = self.trace[:2 * L * 32].view(2, L, 32)[block].cpu()
+        return float(t[-1, 15] - t[0, 14]) / float(t[-1, 11] - t[0, 0])
 
     def smem_info(self, m: int = 1) -> dict:
         arr = (ctypes.c_int * 4)()

@@ -75,13 +75,18 @@ __device__ __forceinline__ void block_tiles(int ntiles, int nb, int b, int& t0, 
 }
 
 // FLINT_MK_TRACE: blocks 0 and nblocks-1 stamp %globaltimer at stage boundaries, trace[2][L][32]
+// Also: every block's stamps 0..15 of the middle layer at trace[2 * L * 32 + block * 16 + k], and
+// block 0's / the last block's SM clock (%clock64) at the start (slot 14) and end (slot 15) of each
+// layer, so the clock rate during the launch is known (MegakernelBackend.block_stamps / sm_clock_ghz).
 __device__ __forceinline__ void trace_stamp(const Params& p, int l, int k) {
   if (p.trace == nullptr || threadIdx.x != 0) return;
-  const int which = blockIdx.x == 0 ? 0 : blockIdx.x == p.nblocks - 1 ? 1 : -1;
-  if (which < 0) return;
   unsigned long long t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  if (l == p.L / 2 && k < 16) p.trace[(size_t)2 * p.L * 32 + blockIdx.x * 16 + k] = t;
+  const int which = blockIdx.x == 0 ? 0 : blockIdx.x == p.nblocks - 1 ? 1 : -1;
+  if (which < 0) return;
   p.trace[((size_t)which * p.L + l) * 32 + k] = t;
+  if (k == 0 || k == 11) p.trace[((size_t)which * p.L + l) * 32 + (k == 0 ? 14 : 15)] = clock64();
 }
 
 // =====================================================================[3] producer

@@ -1,0 +1,47 @@
+"""Where a layer's time goes across ALL blocks: every block's stage-end times in the middle layer of one
+Granite-4.1-3B int4 G128 step (ctx 512, M = 1), plus the SM clock during the launch.
+
+    FLINT_KERNEL_DIR=build/kernels FLINT_MK_TRACE=1 python3 bench/mk_blocks.py [layers]
+
+Per stage: min / median / max over the blocks of the time the stage ended (us after the earliest
+block's layer start) and the blocks that ended last; then per-stage durations. The grid barriers
+("barN") show how long after the LAST block's arrival the blocks leave; the spread of a stage's end
+shows the imbalance the next barrier waits for.
+"""
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from flint.megakernel import MegakernelBackend  # noqa: E402
+from flint.synthetic import synthetic_params  # noqa: E402
+from mk_dev import granite_cfg  # noqa: E402
+
+cfg = granite_cfg()
+cfg.num_layers = int(sys.argv[1]) if len(sys.argv) > 1 else cfg.num_layers
+P = synthetic_params(cfg, seed=0, int4_group_size=128, dtype=torch.float32, device="cuda")
+mk = MegakernelBackend(cfg, P, 1024)
+if mk.trace is None:
+    sys.exit("set FLINT_MK_TRACE=1")
+tok = torch.tensor([7], device="cuda")
+for _ in range(4):
+    mk.forward(tok, 511)
+torch.cuda.synchronize()
+names = MegakernelBackend.BLOCK_STAMPS
+for rep in range(2):
+    mk.trace.zero_()
+    mk.forward(tok, 511)
+    torch.cuda.synchronize()
+    t = mk.block_stamps()
+    print(f"rep {rep}: SM clock {mk.sm_clock_ghz(0):.3f} GHz (block 0), {mk.sm_clock_ghz(1):.3f} GHz (last block)")
+    print("  stage end, us: min / median / max   (blocks that ended last)")
+    for k, n in enumerate(names):
+        col = t[:, k]
+        print(f"  {n:8s} {col.min():7.2f} {col.median():7.2f} {col.max():7.2f}   "
+              f"{torch.argsort(col, descending=True)[:6].tolist()}")
+    for n, a, b in (("qkv", 1, 2), ("attn", 3, 4), ("o", 5, 6), ("gate_up", 8, 9), ("down", 10, 11)):
+        d = t[:, b] - t[:, a]
+        q = torch.quantile(d, torch.tensor([0.0, 0.5, 0.9, 1.0], dtype=torch.float64))
+        print(f"  duration {n:8s} min {q[0]:.2f} median {q[1]:.2f} p90 {q[2]:.2f} max {q[3]:.2f}")
