@@ -201,7 +201,7 @@ class MegakernelBackend:
             self.bar_counter = torch.zeros((1,), dtype=torch.int64)
             self.epoch = torch.zeros((1,), dtype=torch.int64)
             # FLINT_MK_TRACE=1: blocks 0 and nblocks-1 stamp %globaltimer at stage boundaries (stage_times)
-            self.trace = (torch.zeros((2 * L * 32 + self.nblocks * 16,), dtype=torch.int64)
+            self.trace = (torch.zeros((2 * L * 32 + self.nblocks * 16 + 2 * 16 * 32,), dtype=torch.int64)
                           if os.environ.get("FLINT_MK_TRACE") == "1" else None)
         torch.cuda.synchronize(dev)
         self._lib = lib
@@ -342,6 +342,30 @@ class MegakernelBackend:
         L = self.cfg.num_layers
         t = self.trace[2 * L * 32:].view(self.nblocks, 16)[:, :len(self.BLOCK_STAMPS)].cpu().double()
         return (t - t[:, 0].min()) / 1e3
+
+    WARP_CLOCKS = {"o.enter": 0, "o.staged": 1, "o.tile0.slot": 2, "o.tile0.dot": 3, "o.tile0.parts": 4,
+                   "o.tile0.epilogue": 5, "o.tile1.slot": 6, "o.tile1.dot": 7, "o.tile1.parts": 8,
+                   "o.tile1.epilogue": 9, "o.loop_end": 10, "o.exit": 11, "attn.enter": 12, "attn.q": 13,
+                   "attn.tile": 14, "attn.scores": 15, "attn.softmax": 16, "attn.pv": 17, "attn.partial": 18,
+                   "attn.count": 19, "attn.merge": 20, "attn.exit": 21}
+
+    def warp_clocks(self, block: int = 0) -> dict:
+        """Inside the middle layer's o-proj and attention stages of the last launch (needs
+        FLINT_MK_TRACE=1): per warp (16: 15 consumers + the producer, which never stamps), SM cycles
+        since the block's o-stage or attention entry at each point of WARP_CLOCKS (NaN: not reached
+        by that warp, e.g. a part it did not hold). block 0 or 1 (= the last block)."""
+        if self.trace is None:
+            raise RuntimeError("warp_clocks needs FLINT_MK_TRACE=1 at construction")
+        L = self.cfg.num_layers
+        base = 2 * L * 32 + self.nblocks * 16
+        w = self.trace[base:base + 2 * 16 * 32].view(2, 16, 32)[block].cpu().double()
+        w = torch.where(w == 0, torch.full_like(w, float("nan")), w)
+        out = {}
+        o0 = float(torch.nan_to_num(w[:, 0], nan=float("inf")).min())
+        a0 = float(torch.nan_to_num(w[:, 12], nan=float("inf")).min())
+        for name, k in self.WARP_CLOCKS.items():
+            out[name] = (w[:15, k] - (o0 if name.startswith("o.") else a0)).tolist()
+        return out
 
     def sm_clock_ghz(self, block: int = 0) -> float:
         """The SM clock during the last launch (needs FLINT_MK_TRACE=1): %clock64 cycles over %globaltimer

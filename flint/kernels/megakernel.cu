@@ -89,6 +89,22 @@ __device__ __forceinline__ void trace_stamp(const Params& p, int l, int k) {
   if (k == 0 || k == 11) p.trace[((size_t)which * p.L + l) * 32 + (k == 0 ? 14 : 15)] = clock64();
 }
 
+// FLINT_MK_TRACE, inside a stage: lane 0 of every warp of blocks 0 and nblocks-1 records %clock64
+// (SM cycles) at fixed points of the middle layer's o-proj stage and attention stage, at
+// trace[2 * L * 32 + nblocks * 16 + ((which * 16 + warp) * 32 + slot)] (MegakernelBackend.warp_clocks).
+enum {
+  WS_O_ENTER = 0, WS_O_STAGED = 1, WS_O_UNIT = 2,  // + 4 j: slot ready, dot done, parts ready, epilogue done (j < 2)
+  WS_O_LOOP_END = 10, WS_O_EXIT = 11,
+  WS_A_ENTER = 12, WS_A_Q = 13, WS_A_TILE = 14, WS_A_SCORES = 15, WS_A_SOFTMAX = 16, WS_A_PV = 17,
+  WS_A_PART = 18, WS_A_COUNT = 19, WS_A_MERGE = 20, WS_A_EXIT = 21
+};
+__device__ __forceinline__ void warp_stamp(const Params& p, int l, int slot) {
+  if (p.trace == nullptr || l != p.L / 2 || (threadIdx.x & 31)) return;
+  const int which = blockIdx.x == 0 ? 0 : blockIdx.x == p.nblocks - 1 ? 1 : -1;
+  if (which < 0) return;
+  p.trace[(size_t)2 * p.L * 32 + (size_t)p.nblocks * 16 + ((which * 16 + (threadIdx.x >> 5)) * 32 + slot)] = clock64();
+}
+
 // =====================================================================[3] producer
 struct Ring {
   uint8_t* slots;
@@ -454,11 +470,14 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
   const uint32_t xlo = (uint32_t)(M * xstride);
   const uint32_t ring0 = smem_u32(c.ring.slots);
   const int gq = lane >> 2, tq = lane & 3;
+  const bool ws = mi == MAT_O;  // the stage whose inside is traced (warp_stamp)
+  if (ws) warp_stamp(p, layer, WS_O_ENTER);
   for (int s = 0; s < mt.nseg; ++s) {
     if (s == 0 || !xall) {
       if (s > 0) cbar();  // every warp is done with segment s-1's x before it is overwritten
       stage_x<M>(c, src, mult, norm_w, xall ? 0 : s * mt.kseg, xall ? mt.K : mt.kseg, mt.G, mt.gshift);
       if (s == 0 && mi != MAT_LM) trace_stamp(p, layer, 16 + 4 * mi);
+      if (ws) warp_stamp(p, layer, WS_O_STAGED);
     }
     const uint32_t xs = c.xs + (xall ? (uint32_t)(s * mt.kseg * 2) : 0u);
     const uint32_t xsum = c.xsum + (xall ? (uint32_t)(s * ng * mkmma::MMA_XSUM_FLOATS * 4) : 0u);
@@ -467,12 +486,14 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
       const int item0 = (s * nt + j) * S;
       const int part = ((warp - item0) % NCW + NCW) % NCW;
       mbar_wait(&c.ring.full[slot], (c.q / c.ring.nslots) & 1);
+      if (ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j);
       if (part < S) {
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         const int gi0 = ng * part / S, gi1 = ng * (part + 1) / S;
         if (!(p.dbg & 1))
           mkmma::mma_tile_dot_g<M>(mt.G, ring0 + (uint32_t)(slot * c.ring.slot_bytes), mt.srb, mt.kseg, gi0, gi1, xs,
                                    xstride, xlo, xsum, lane, acc);
+        if (ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j + 1);
         float* pp = c.parts + slot * c.sl->pstride;
         float* pw = pp + part * TILE_ROWS * M;
         if (2 * tq < M) { pw[gq * M + 2 * tq] = acc[0]; pw[(gq + 8) * M + 2 * tq] = acc[2]; }
@@ -483,8 +504,10 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
         if (part == S - 1) {
           mbar_arrive_n(&c.ring.parts[slot], (uint32_t)(NCW - (S - 1)));
           mbar_wait(&c.ring.parts[slot], (c.q / c.ring.nslots) & 1);
+          if (ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j + 2);
           tile_epilogue<M>(c, mi, layer, t0 + j, j, s, pp, S, lane, warp);
           __syncwarp();
+          if (ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j + 3);
         } else {
           mbar_arrive(&c.ring.parts[slot]);
         }
@@ -496,7 +519,9 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
   if (mi != MAT_LM) {
     trace_stamp(p, layer, 16 + 4 * mi + 1);  // thread 0's warp is done
   }
+  if (ws) warp_stamp(p, layer, WS_O_LOOP_END);
   cbar();  // all parts and epilogues done; the staged x may be overwritten
+  if (ws) warp_stamp(p, layer, WS_O_EXIT);
 }
 
 // =====================================================================[7] attention
@@ -524,6 +549,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
   MiscSmem* ms = c.misc;
 
   for (int item = blockIdx.x; item < nitems; item += gridDim.x) {
+    warp_stamp(p, layer, WS_A_ENTER);
     const int kvh = item / nsplit, sp = item % nsplit;
     const int t0 = sp * tps, t1 = min(ntiles, t0 + tps);
     const size_t cbase = (((size_t)layer * p.nkv + kvh) * p.max_seq) * D;
@@ -552,11 +578,13 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
       o_s[i] = 0.f;
     }
     if (t < R) { ms->att_m[t] = -INFINITY; ms->att_l[t] = 0.f; }
+    warp_stamp(p, layer, WS_A_Q);
     for (int tile = t0; tile < t1; ++tile) {
       const int buf = (tile - t0) & 1;
       if (tile + 1 < t1) { load_tile(tile + 1, buf ^ 1); cp_async_wait<1>(); }
       else cp_async_wait<0>();
       cbar();
+      warp_stamp(p, layer, WS_A_TILE);
       const int j0 = tile * ATT_T;
       const int nvalid = min(ATT_T, Ltot - j0);
       const __half* Kt = Kb + (size_t)buf * ATT_T * D;
@@ -588,6 +616,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
         s_s[r * ATT_T + j] = s;
       }
       cbar();
+      warp_stamp(p, layer, WS_A_SCORES);
       // online softmax statistics: warp per row
       for (int r = warp; r < R; r += NCW) {
         const float v0 = s_s[r * ATT_T + lane], v1 = s_s[r * ATT_T + lane + 32];
@@ -610,6 +639,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
         }
       }
       cbar();
+      warp_stamp(p, layer, WS_A_SOFTMAX);
       // o = o * alpha + P V: warp per row, lanes over dim pairs
       for (int r = warp; r < R; r += NCW) {
         const float alpha = ms->att_alpha[r];
@@ -628,6 +658,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
         }
       }
       cbar();
+      warp_stamp(p, layer, WS_A_PV);
     }
     // write the result (one split) or the partial (m, l, o) for the merge
     if (nsplit == 1) {
@@ -643,6 +674,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
         pp[i] = d == 0 ? ms->att_m[r] : d == 1 ? ms->att_l[r] : o_s[r * D + d - 2];
       }
       cbar();
+      warp_stamp(p, layer, WS_A_PART);
       if (t == 0) {
         __threadfence();
         const int old = atomicAdd(p.att_count + kvh, 1);
@@ -650,6 +682,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
         if (ms->flag) __threadfence();
       }
       cbar();
+      warp_stamp(p, layer, WS_A_COUNT);
       if (ms->flag) {  // last split done: merge all splits of this kv head in split order
         const float* pk = p.part + ((size_t)kvh * nsplit * R) * (D + 2);
         for (int i = t; i < R * D; i += NCT) {
@@ -670,7 +703,9 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
         if (t == 0) p.att_count[kvh] = 0;
       }
     }
+    warp_stamp(p, layer, WS_A_MERGE);
     cbar();
+    warp_stamp(p, layer, WS_A_EXIT);
   }
 }
 
