@@ -55,8 +55,11 @@ __device__ __forceinline__ float warp_max(float v) {
 // =====================================================================[2] grid barrier
 // Consumers of every block arrive once per barrier; thread 0 spins on an acquire load. The counter
 // only grows: barrier b of launch e completes at nblocks * (e * S + b + 1), S = barriers per launch.
-__device__ __forceinline__ void grid_barrier(const Params& p, unsigned long long target) {
+__device__ __forceinline__ void grid_barrier(const Params& p, unsigned long long target, MiscSmem* misc) {
   cbar();
+#if MK_HOP_CAP
+  if (threadIdx.x == 0) *(volatile int*)&misc->hop = 1;  // cleared after the next staging (matvec_stage)
+#endif
   if (threadIdx.x == 0) {
     // release (cumulative over the block's writes ordered before it by cbar); no return value to wait for
     asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p.bar_counter), "l"(1ull) : "memory");
@@ -106,6 +109,14 @@ __device__ __forceinline__ void warp_stamp(const Params& p, int l, int slot) {
 }
 
 // =====================================================================[3] producer
+// MK_HOP_CAP = n > 0 (EXPERIMENT, off by default; docs/megakernel.md "What is next" 1): while a
+// hop is pending in this block (from each grid barrier until the next stage's staging is done, so
+// attention included), at most n weight copies in flight; the rest of the time the whole ring.
+// flint/kernels/dev/hop_bench.cu measured a barrier at 0.9 us alone, 1.6 us with 1 copy in flight
+// per SM, 7.2 us with 8.
+#ifndef MK_HOP_CAP
+#define MK_HOP_CAP 0
+#endif
 struct Ring {
   uint8_t* slots;
   uint64_t* full;
@@ -113,6 +124,9 @@ struct Ring {
   uint64_t* parts;   // K parts of the slot's tile done (NCT arrivals per phase)
   int nslots;
   int slot_bytes;
+#if MK_HOP_CAP
+  volatile int* hop;  // MiscSmem::hop
+#endif
 };
 
 // One ring slot per tile-segment (16 row-segments), in the consumers' order: segment-major, tiles
@@ -127,6 +141,12 @@ __device__ void produce_matrix(const Mat& mt, int layer, const Ring& ring, uint3
       const int slot = q % ring.nslots;
       const uint32_t fill = q / ring.nslots;
       if (fill > 0) mbar_wait(&ring.empty[slot], (fill - 1) & 1);
+#if MK_HOP_CAP
+      if (q >= MK_HOP_CAP && *ring.hop) {
+        const uint32_t qb = q - MK_HOP_CAP;
+        mbar_wait(&ring.full[qb % ring.nslots], (qb / ring.nslots) & 1);
+      }
+#endif
       mbar_expect_tx(&ring.full[slot], bytes);
       bulk_g2s(ring.slots + (size_t)slot * ring.slot_bytes, lbase + (long long)s * mt.seg_stride + (long long)tl * bytes,
                bytes, &ring.full[slot], pol);
@@ -477,6 +497,9 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
       if (s > 0) cbar();  // every warp is done with segment s-1's x before it is overwritten
       stage_x<M>(c, src, mult, norm_w, xall ? 0 : s * mt.kseg, xall ? mt.K : mt.kseg, mt.G, mt.gshift);
       if (s == 0 && mi != MAT_LM) trace_stamp(p, layer, 16 + 4 * mi);
+#if MK_HOP_CAP
+      if (s == 0 && threadIdx.x == 0) *(volatile int*)&c.misc->hop = 0;
+#endif
       if (ws) warp_stamp(p, layer, WS_O_STAGED);
     }
     const uint32_t xs = c.xs + (xall ? (uint32_t)(s * mt.kseg * 2) : 0u);
@@ -722,6 +745,9 @@ __global__ void __launch_bounds__(NT, 1)
   ring.parts = ring.empty + MAX_SLOTS;
   ring.nslots = sl.nslots;
   ring.slot_bytes = sl.slot;
+#if MK_HOP_CAP
+  ring.hop = &reinterpret_cast<MiscSmem*>(smem + sl.misc)->hop;
+#endif
   MiscSmem* misc = reinterpret_cast<MiscSmem*>(smem + sl.misc);
   if (threadIdx.x == 0) {
     for (int i = 0; i < ring.nslots; ++i) {
@@ -732,6 +758,9 @@ __global__ void __launch_bounds__(NT, 1)
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   if (threadIdx.x < MAX_ACC_TILES) misc->seg_count[threadIdx.x] = 0;
+#if MK_HOP_CAP
+  if (threadIdx.x == 0) misc->hop = 0;
+#endif
   for (int i = threadIdx.x; i < (sl.uni - sl.xsum) / 4; i += blockDim.x) reinterpret_cast<float*>(smem + sl.xsum)[i] = 0.f;
   for (int i = threadIdx.x; i < NCW * M; i += blockDim.x) {
     misc->best_val[i / M][i % M] = -INFINITY;
@@ -758,7 +787,7 @@ __global__ void __launch_bounds__(NT, 1)
   const unsigned long long epoch = __ldcg(p.epoch);
   const unsigned long long S = 5ull * p.L;
   unsigned long long nbar = 0;
-  auto gsync = [&]() { ++nbar; grid_barrier(p, (unsigned long long)p.nblocks * (epoch * S + nbar)); };
+  auto gsync = [&]() { ++nbar; grid_barrier(p, (unsigned long long)p.nblocks * (epoch * S + nbar), c.misc); };
 
   enum { ROW_TOK = 0, ROW_RESID, ROW_ATTN, ROW_ACT };
   if (threadIdx.x < M) {
