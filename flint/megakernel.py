@@ -340,7 +340,8 @@ class MegakernelBackend:
         if self.trace is None:
             raise RuntimeError("block_stamps needs FLINT_MK_TRACE=1 at construction")
         L = self.cfg.num_layers
-        t = self.trace[2 * L * 32:].view(self.nblocks, 16)[:, :len(self.BLOCK_STAMPS)].cpu().double()
+        base = 2 * L * 32
+        t = self.trace[base:base + self.nblocks * 16].view(self.nblocks, 16)[:, :len(self.BLOCK_STAMPS)].cpu().double()
         return (t - t[:, 0].min()) / 1e3
 
     WARP_CLOCKS = {"o.enter": 0, "o.staged": 1, "o.tile0.slot": 2, "o.tile0.dot": 3, "o.tile0.parts": 4,

@@ -74,6 +74,38 @@ def test_build_compiles_without_spills(tmp_path, monkeypatch):
     assert all(f["spill_stores"] == 0 and f["spill_loads"] == 0 for f in funcs)
 
 
+def test_trace_readers_layout():
+    """The trace buffer's regions as the kernel writes them (megakernel.cu trace_stamp / warp_stamp):
+    [2][L][32] per-layer stamps (slots 14/15: %clock64), [nblocks][16] middle-layer stamps of every
+    block, [2][16][32] per-warp clocks. A fake trace checks the readers' offsets on CPU."""
+    from flint.megakernel import MegakernelBackend
+
+    L, nb = 4, 3
+    mk = object.__new__(MegakernelBackend)
+    mk.cfg = from_hf_dict(dict(SYNTHETIC["smollm2-135m"]), "llama")
+    mk.cfg.num_layers = L
+    mk.nblocks = nb
+    t = torch.zeros(2 * L * 32 + nb * 16 + 2 * 16 * 32, dtype=torch.int64)
+    per = t[:2 * L * 32].view(2, L, 32)
+    per[1, 0, 0], per[1, L - 1, 11] = 1_000, 3_000        # globaltimer ns, last block
+    per[1, 0, 14], per[1, L - 1, 15] = 10_000, 13_700     # clock64: 3700 cycles in 2000 ns
+    blk = t[2 * L * 32:2 * L * 32 + nb * 16].view(nb, 16)
+    blk[:, 0] = torch.tensor([5_000, 5_256, 5_512])
+    blk[2, 11] = 45_000
+    w = t[2 * L * 32 + nb * 16:].view(2, 16, 32)
+    w[0, :15, 0] = 100                                     # o-stage entry of every warp, block 0
+    w[0, 3, 3] = 1_960                                     # warp 3's K part of tile 0 done
+    w[0, 0, 12], w[0, 0, 13] = 500, 2_500                  # attention entry / q loaded, warp 0
+    mk.trace = t
+    assert mk.sm_clock_ghz(1) == pytest.approx(1.85)
+    bs = mk.block_stamps()
+    assert bs.shape == (nb, len(MegakernelBackend.BLOCK_STAMPS))
+    assert bs[:, 0].tolist() == pytest.approx([0.0, 0.256, 0.512]) and bs[2, 11] == pytest.approx(40.0)
+    wc = mk.warp_clocks(0)
+    assert wc["o.tile0.dot"][3] == 1_860 and wc["attn.q"][0] == 2_000
+    assert all(v != v for v in wc["o.tile0.parts"])        # never stamped: NaN
+
+
 def test_segment_plan_and_repack_roundtrip():
     from flint.megakernel import repack, segment_plan
     from flint.quant import quantize_int4
