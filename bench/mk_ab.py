@@ -6,6 +6,7 @@ Each variant is a copy of the `flint` package under build/var/<name>/ with its l
 times each; the table gives each variant's median step (CUDA events, synthetic Granite-4.1-3B
 int4 G128, M = 1, ctx 512 unless --ctx).
 
+    python3 bench/mk_variants.py base=HEAD new=.              # or by hand:
     git archive HEAD flint | tar -x -C build/var/base          # baseline = last commit
     mkdir -p build/var/new && cp -r flint build/var/new/        # candidate = working tree
     for v in base new; do (cd build/var/$v && FLINT_KERNEL_DIR=../../kernels python3 -m flint.kernels.build); done
