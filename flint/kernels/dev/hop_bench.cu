@@ -4,6 +4,11 @@
 // round of loads per thread, like stage_x). Optionally one warp per block streams a buffer larger than
 // L2 with 1-D bulk copies into a shared-memory ring (the megakernel's producer), with at most
 // `--inflight` copies in flight per SM, so the hop is measured under the weight stream too.
+// `--work NS`: the consumers busy-wait NS ns per iteration before writing (a stand-in for a stage's
+// tile phase, when the stream has something to overlap with); `--policy 1`: the producer issues no
+// new copy while its block's consumers are in a hop (from the barrier arrival until the loads are
+// done), the schedule docs/megakernel.md proposes. The achieved stream bandwidth is reported, so the
+// trade between cheaper hops and a slower stream is measured, not guessed.
 //
 // Per iteration and block (%globaltimer, ns): arrive = before the barrier's arrival, exit = after
 // the barrier (poll + block barrier), loaded = after the loads and a block barrier. Reported:
@@ -13,6 +18,7 @@
 // Build (here): nvcc -gencode arch=compute_90a,code=sm_90a -O3 -std=c++17 -lineinfo \
 //                 -o build/dev/hop_bench flint/kernels/dev/hop_bench.cu
 // Run (device): ./build/dev/hop_bench [--iters 200] [--n 2560] [--stream 0|1] [--inflight 8] [--gib 2]
+//                                    [--work 0] [--policy 0|1]
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
@@ -44,7 +50,8 @@ struct Args {
   long long big_bytes;
   int* stop;
   float* sink;                   // [nblocks] checksums (keeps the loads alive)
-  int n, iters, stream, inflight;
+  unsigned long long* copies;    // [nblocks] bulk copies completed by each producer
+  int n, iters, stream, inflight, work_ns, policy;
 };
 
 __device__ __forceinline__ unsigned long long now() {
@@ -59,8 +66,10 @@ __global__ void __launch_bounds__(NT, 1) hop_kernel(Args a) {
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
   uint8_t* ring = smem + 1024;
   __shared__ float red[NCW];
+  __shared__ volatile int in_hop;
   const int nb = gridDim.x, b = blockIdx.x, t = threadIdx.x;
   if (t == 0) {
+    in_hop = 0;
     for (int i = 0; i < SLOTS; ++i) mk::mbar_init(&full[i], 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -72,6 +81,11 @@ __global__ void __launch_bounds__(NT, 1) hop_kernel(Args a) {
     uint32_t q = 0;
     for (;; ++q) {
       if (*(volatile int*)a.stop) break;
+      if (a.policy == 1 && in_hop) {
+        __nanosleep(32);
+        --q;  // nothing issued in this pass
+        continue;
+      }
       const int slot = q % SLOTS;
       // at most `inflight` copies outstanding, and a slot is reused only after its copy landed
       const uint32_t back = (uint32_t)min(a.inflight, SLOTS);
@@ -86,6 +100,7 @@ __global__ void __launch_bounds__(NT, 1) hop_kernel(Args a) {
     }
     // drain: every copy still in flight lands before the block exits
     for (uint32_t k = q > SLOTS ? q - SLOTS : 0; k < q; ++k) mk::mbar_wait(&full[k % SLOTS], (k / SLOTS) & 1);
+    a.copies[b] = q;
     return;
   }
   const int per = (a.n + nb - 1) / nb;
@@ -93,11 +108,16 @@ __global__ void __launch_bounds__(NT, 1) hop_kernel(Args a) {
   for (int it = 0; it < a.iters; ++it) {
     float* v = a.vec + (size_t)(it & 1) * a.n;
     const unsigned long long t0 = now();
+    if (a.work_ns) {  // the stand-in for a stage's tile phase
+      while (now() - t0 < (unsigned long long)a.work_ns) {
+      }
+    }
     // write this block's slice
     for (int i = b * per + t; i < min(a.n, (b + 1) * per); i += NCT) v[i] = (float)(it * 7 + i);
     cbar();
     const unsigned long long t_arrive = now();
     if (t == 0) {
+      in_hop = 1;
       asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(a.counter), "l"(1ull) : "memory");
       const unsigned long long target = (unsigned long long)nb * (it + 1);
       unsigned long long c;
@@ -117,6 +137,7 @@ __global__ void __launch_bounds__(NT, 1) hop_kernel(Args a) {
     if ((t & 31) == 0) red[t >> 5] = s;
     cbar();
     const unsigned long long t_loaded = now();
+    if (t == 0) in_hop = 0;
     if (t == 0) {
       float bs = 0.f;
       for (int w = 0; w < NCW; ++w) bs += red[w];
@@ -149,7 +170,7 @@ static double pct(std::vector<double> v, double p) {
 }
 
 int main(int argc, char** argv) {
-  int iters = 200, n = 2560, stream = 0, inflight = 8;
+  int iters = 200, n = 2560, stream = 0, inflight = 8, work_ns = 0, policy = 0;
   double gib = 2.0;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!strcmp(argv[i], "--iters")) iters = atoi(argv[i + 1]);
@@ -157,16 +178,21 @@ int main(int argc, char** argv) {
     else if (!strcmp(argv[i], "--stream")) stream = atoi(argv[i + 1]);
     else if (!strcmp(argv[i], "--inflight")) inflight = atoi(argv[i + 1]);
     else if (!strcmp(argv[i], "--gib")) gib = atof(argv[i + 1]);
+    else if (!strcmp(argv[i], "--work")) work_ns = atoi(argv[i + 1]);
+    else if (!strcmp(argv[i], "--policy")) policy = atoi(argv[i + 1]);
     else { fprintf(stderr, "unknown argument %s\n", argv[i]); return 2; }
   }
-  if (n % 4 || n <= 0 || iters <= 0 || inflight <= 0) { fprintf(stderr, "bad --n/--iters/--inflight\n"); return 2; }
+  if (n % 4 || n <= 0 || iters <= 0 || inflight <= 0 || work_ns < 0 || (policy != 0 && policy != 1)) {
+    fprintf(stderr, "bad --n/--iters/--inflight/--work/--policy\n");
+    return 2;
+  }
   int dev = 0, nsm = 0;
   CK(cudaGetDevice(&dev));
   CK(cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, dev));
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, dev));
   Args a{};
-  a.n = n; a.iters = iters; a.stream = stream; a.inflight = inflight;
+  a.n = n; a.iters = iters; a.stream = stream; a.inflight = inflight; a.work_ns = work_ns; a.policy = policy;
   a.big_bytes = stream ? (long long)(gib * (1ll << 30)) / SLOT_BYTES * SLOT_BYTES : SLOT_BYTES;
   CK(cudaMalloc(&a.vec, 2 * (size_t)n * sizeof(float)));
   CK(cudaMalloc(&a.counter, sizeof(unsigned long long)));
@@ -177,6 +203,8 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&a.stop, sizeof(int)));
   CK(cudaMemset(a.stop, 0, sizeof(int)));
   CK(cudaMalloc(&a.sink, nsm * sizeof(float)));
+  CK(cudaMalloc(&a.copies, nsm * sizeof(unsigned long long)));
+  CK(cudaMemset(a.copies, 0, nsm * sizeof(unsigned long long)));
   const int smem = 1024 + SLOTS * SLOT_BYTES;
   CK(cudaFuncSetAttribute(hop_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   void* args[] = {&a};
@@ -208,8 +236,14 @@ int main(int argc, char** argv) {
     }
     step.push_back((double)(last_loaded - first_start));
   }
-  printf("%s, %d SMs, n = %d floats, %d iterations, stream %s (in flight <= %d x %d KB per SM), kernel %.2f ms\n",
-         prop.name, nsm, n, iters, stream ? "on" : "off", std::min(inflight, SLOTS), SLOT_BYTES / 1024, ms);
+  std::vector<unsigned long long> copies(nsm);
+  CK(cudaMemcpy(copies.data(), a.copies, nsm * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+  double bytes = 0;
+  for (int b = 0; b < nsm; ++b) bytes += (double)copies[b] * SLOT_BYTES;
+  printf("%s, %d SMs, n = %d floats, %d iterations, work %d ns, stream %s (in flight <= %d x %d KB per SM, policy %d), "
+         "kernel %.2f ms, stream %.0f GB/s\n",
+         prop.name, nsm, n, iters, work_ns, stream ? "on" : "off", std::min(inflight, SLOTS), SLOT_BYTES / 1024,
+         policy, ms, bytes / (ms * 1e-3) / 1e9);
   printf("  barrier: exit - last arrival   median %6.0f ns  p90 %6.0f  max %6.0f\n", pct(bar, 0.5), pct(bar, 0.9),
          pct(bar, 1.0));
   printf("  load whole vector + block bar  median %6.0f ns  p90 %6.0f  max %6.0f\n", pct(load, 0.5), pct(load, 0.9),
