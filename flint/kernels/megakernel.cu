@@ -470,6 +470,35 @@ __device__ void tile_epilogue(Ctx<M>& c, int mi, int layer, int tl, int tl_local
   if (lane == 0) c.misc->seg_count[tl_local] = 0;
 }
 
+// MK_L2_NEXT = 1 (EXPERIMENT, off by default; docs/megakernel.md "What is next" 1): when a stage's
+// tile phase starts (its input staged), warp 0 prefetches this block's tiles of the NEXT matrix
+// (qkv -> o -> gate|up -> down -> next layer's qkv) into L2, so they stream while the tiles are
+// computed and the ring's copies of them come from L2 after the next hop, instead of from HBM
+// during it (session 3's 3c prefetched continuously, hops included, and lost).
+#ifndef MK_L2_NEXT
+#define MK_L2_NEXT 0
+#endif
+#if MK_L2_NEXT
+__device__ __forceinline__ void prefetch_next_matrix(const Params& p, int mi, int layer, int lane) {
+  int nm = mi + 1, nl = layer;
+  if (mi == MAT_D) {
+    nm = layer + 1 < p.L ? MAT_QKV : MAT_LM;
+    nl = layer + 1 < p.L ? layer + 1 : 0;
+  }
+  if (mi == MAT_LM) return;
+  const Mat& mt = p.mat[nm];
+  int t0, t1;
+  block_tiles(mt.ntiles, p.nblocks, blockIdx.x, t0, t1);
+  const uint32_t bytes = (uint32_t)(TILE_ROWS * mt.srb);
+  const int n = (t1 - t0) * mt.nseg;
+  for (int i = lane; i < n; i += 32) {
+    const int s = i / (t1 - t0), tl = t0 + i % (t1 - t0);
+    bulk_prefetch_l2(mt.base + (long long)nl * mt.layer_stride + (long long)s * mt.seg_stride + (long long)tl * bytes,
+                     bytes);
+  }
+}
+#endif
+
 // One matrix stage. Tile-segment j of segment s is ring chunk q; its K range is split into S parts,
 // part pt of item (s, j) goes to warp ((s * ntiles + j) * S + pt) mod 15 (so tiles rotate over the
 // warps). A warp writes its part's 16 x M sums to the slot's partial area; the last of the S warps
@@ -497,6 +526,9 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
       if (s > 0) cbar();  // every warp is done with segment s-1's x before it is overwritten
       stage_x<M>(c, src, mult, norm_w, xall ? 0 : s * mt.kseg, xall ? mt.K : mt.kseg, mt.G, mt.gshift);
       if (s == 0 && mi != MAT_LM) trace_stamp(p, layer, 16 + 4 * mi);
+#if MK_L2_NEXT
+      if (s == 0 && warp == 0) prefetch_next_matrix(p, mi, layer, lane);
+#endif
 #if MK_HOP_CAP
       if (s == 0 && threadIdx.x == 0) *(volatile int*)&c.misc->hop = 0;
 #endif
