@@ -485,7 +485,10 @@ __device__ __forceinline__ void prefetch_next_matrix(const Params& p, int mi, in
     nm = layer + 1 < p.L ? MAT_QKV : MAT_LM;
     nl = layer + 1 < p.L ? layer + 1 : 0;
   }
-  if (mi == MAT_LM) return;
+  // qkv -> o: o's 1-2 tiles are normally in the ring already when qkv starts (a prefetch would
+  // re-read them); the useful ones are gate|up (at o), down (at gate|up: the ring holds gate|up's
+  // 8 tiles) and the next layer's qkv (at down)
+  if (mi == MAT_LM || mi == MAT_QKV) return;
   const Mat& mt = p.mat[nm];
   int t0, t1;
   block_tiles(mt.ntiles, p.nblocks, blockIdx.x, t0, t1);
