@@ -81,12 +81,16 @@ __device__ __forceinline__ void block_tiles(int ntiles, int nb, int b, int& t0, 
 // Also: every block's stamps 0..15 of the middle layer at trace[2 * L * 32 + block * 16 + k], and
 // block 0's / the last block's SM clock (%clock64) at the start (slot 14) and end (slot 15) of each
 // layer, so the clock rate during the launch is known (MegakernelBackend.block_stamps / sm_clock_ghz).
+// which traced block this is: 0 (block 0), 1 (the last block), -1 (not traced per layer)
+__device__ __forceinline__ int traced_block(const Params& p) {
+  return blockIdx.x == 0 ? 0 : blockIdx.x == p.nblocks - 1 ? 1 : -1;
+}
 __device__ __forceinline__ void trace_stamp(const Params& p, int l, int k) {
   if (p.trace == nullptr || threadIdx.x != 0) return;
   unsigned long long t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
   if (l == p.L / 2 && k < 16) p.trace[(size_t)2 * p.L * 32 + blockIdx.x * 16 + k] = t;
-  const int which = blockIdx.x == 0 ? 0 : blockIdx.x == p.nblocks - 1 ? 1 : -1;
+  const int which = traced_block(p);
   if (which < 0) return;
   p.trace[((size_t)which * p.L + l) * 32 + k] = t;
   if (k == 0 || k == 11) p.trace[((size_t)which * p.L + l) * 32 + (k == 0 ? 14 : 15)] = clock64();
@@ -103,7 +107,7 @@ enum {
 };
 __device__ __forceinline__ void warp_stamp(const Params& p, int l, int slot) {
   if (p.trace == nullptr || l != p.L / 2 || (threadIdx.x & 31)) return;
-  const int which = blockIdx.x == 0 ? 0 : blockIdx.x == p.nblocks - 1 ? 1 : -1;
+  const int which = traced_block(p);
   if (which < 0) return;
   p.trace[(size_t)2 * p.L * 32 + (size_t)p.nblocks * 16 + ((which * 16 + (threadIdx.x >> 5)) * 32 + slot)] = clock64();
 }
@@ -182,6 +186,18 @@ struct Ctx {
   int start;
 };
 
+// rstd per token from the per-warp sums of squares in misc->red[warp][m] (fixed order), then a cbar.
+template <int M>
+__device__ __forceinline__ void finish_rstd(const Params& p, MiscSmem* misc) {
+  const int t = threadIdx.x;
+  if (t < M) {
+    float s = 0.f;
+    for (int i = 0; i < NCW; ++i) s += misc->red[i][t];
+    misc->rstd[t] = rsqrtf(s / (float)p.H + p.eps);
+  }
+  cbar();
+}
+
 // rstd per token of the vector rows src[m] (length H), block-wide deterministic reduction.
 // Loads are unrolled UNR deep so a thread's L2 round trips overlap (one latency, not H / 480).
 constexpr int UNR = 8;
@@ -205,12 +221,7 @@ __device__ void compute_rstd(const Params& p, const float* const* src, float mul
     if (lane == 0) misc->red[w][m] = s;
   }
   cbar();
-  if (t < M) {
-    float s = 0.f;
-    for (int i = 0; i < NCW; ++i) s += misc->red[i][t];
-    misc->rstd[t] = rsqrtf(s / (float)p.H + p.eps);
-  }
-  cbar();
+  finish_rstd<M>(p, misc);
 }
 
 // The stage's input [k0, k0 + kst) for every token -> hi/lo fp16 terms in mma order (mk_mma.cuh) and
@@ -273,12 +284,7 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
         }
       }
       cbar();
-      if (t < M) {
-        float s2 = 0.f;
-        for (int i = 0; i < NCW; ++i) s2 += c.misc->red[i][t];
-        c.misc->rstd[t] = rsqrtf(s2 / (float)c.p->H + c.p->eps);
-      }
-      cbar();
+      finish_rstd<M>(*c.p, c.misc);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
