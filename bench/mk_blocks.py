@@ -16,23 +16,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from flint.megakernel import MegakernelBackend  # noqa: E402
-from flint.synthetic import synthetic_params  # noqa: E402
-from mk_dev import granite_cfg  # noqa: E402
+from mk_dev import warm_granite  # noqa: E402
 
-cfg = granite_cfg()
-cfg.num_layers = int(sys.argv[1]) if len(sys.argv) > 1 else cfg.num_layers
-P = synthetic_params(cfg, seed=0, int4_group_size=128, dtype=torch.float32, device="cuda")
-mk = MegakernelBackend(cfg, P, 1024)
+mk, step = warm_granite(int(sys.argv[1]) if len(sys.argv) > 1 else None)
 if mk.trace is None:
     sys.exit("set FLINT_MK_TRACE=1")
-tok = torch.tensor([7], device="cuda")
-for _ in range(4):
-    mk.forward(tok, 511)
-torch.cuda.synchronize()
 names = MegakernelBackend.BLOCK_STAMPS
 for rep in range(2):
     mk.trace.zero_()
-    mk.forward(tok, 511)
+    step()
     torch.cuda.synchronize()
     t = mk.block_stamps()
     print(f"rep {rep}: SM clock {mk.sm_clock_ghz(0):.3f} GHz (block 0), {mk.sm_clock_ghz(1):.3f} GHz (last block)")

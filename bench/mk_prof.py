@@ -10,22 +10,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from flint.megakernel import MegakernelBackend  # noqa: E402
-from flint.synthetic import synthetic_params  # noqa: E402
-from mk_dev import granite_cfg  # noqa: E402
+from mk_dev import warm_granite  # noqa: E402
 
-cfg = granite_cfg()
-cfg.num_layers = int(sys.argv[1]) if len(sys.argv) > 1 else 4
-P = synthetic_params(cfg, seed=0, int4_group_size=128, dtype=torch.float32, device="cuda")
-mk = MegakernelBackend(cfg, P, 1024)
-for _ in range(4):
-    mk.forward(torch.tensor([7], device="cuda"), 511)
-torch.cuda.synchronize()
+mk, step = warm_granite(int(sys.argv[1]) if len(sys.argv) > 1 else 4)
+cfg = mk.cfg
 print("done")
 if mk.trace is not None:
     mk.trace.zero_()  # some slots accumulate
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record(); mk.forward(torch.tensor([7], device="cuda"), 511); e.record(); e.synchronize()
+    s.record(); step(); e.record(); e.synchronize()
     print(f"step {s.elapsed_time(e) * 1e3:.1f} us for {cfg.num_layers} layers")
     for b in (0, 1):
         print(f"block {'0' if b == 0 else 'last'}:", {k: round(v, 2) for k, v in mk.stage_times(b).items()})

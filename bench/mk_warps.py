@@ -15,20 +15,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from flint.megakernel import MegakernelBackend  # noqa: E402
-from flint.synthetic import synthetic_params  # noqa: E402
-from mk_dev import granite_cfg  # noqa: E402
+from mk_dev import warm_granite  # noqa: E402
 
-cfg = granite_cfg()
-P = synthetic_params(cfg, seed=0, int4_group_size=128, dtype=torch.float32, device="cuda")
-mk = MegakernelBackend(cfg, P, 1024)
+mk, step = warm_granite()
 if mk.trace is None:
     sys.exit("set FLINT_MK_TRACE=1")
-tok = torch.tensor([7], device="cuda")
-for _ in range(4):
-    mk.forward(tok, 511)
-torch.cuda.synchronize()
-
 
 def f(v, ghz):
     return "    -" if v is None or math.isnan(v) else f"{v / ghz / 1e3:5.2f}"
@@ -36,7 +27,7 @@ def f(v, ghz):
 
 for rep in range(2):
     mk.trace.zero_()
-    mk.forward(tok, 511)
+    step()
     torch.cuda.synchronize()
     for b in (0, 1):
         ghz = mk.sm_clock_ghz(b)
