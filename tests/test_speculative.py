@@ -282,3 +282,42 @@ def test_same_seed_same_text():
     eng = SpeculativeEngine(be, None, random_draft(lm), k=3)
     sp = SamplingParams(max_new_tokens=20, temperature=0.9, seed=7)
     assert eng.generate([2, 3], sp).token_ids == eng.generate([2, 3], sp).token_ids
+
+
+HAVE_CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU (the draft's CUDA-graph rollout)")
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_graphed_rollout_matches_eager(k, monkeypatch):
+    """The captured greedy rollout proposes exactly the eager rollout's tokens, for fresh random
+    hidden states, on a draft whose logits are spread (no argmax ties)."""
+    lm = tiny_lm(vocab=300, hidden=64)
+    draft = random_draft(lm, seed=k).to("cuda")
+    draft.attach_target(lm.cfg, lm.params, device="cuda", dtype=torch.float32)
+    g = torch.Generator().manual_seed(100 + k)
+    for trial in range(4):
+        hidden = torch.randn(64, generator=g).cuda()
+        ctx = [int(torch.randint(0, 300, (1,), generator=g))]
+        monkeypatch.setenv("FLINT_DRAFT_GRAPH", "0")
+        want, _ = draft.propose(ctx, hidden, k)
+        monkeypatch.setenv("FLINT_DRAFT_GRAPH", "1")
+        got, _ = draft.propose(ctx, hidden, k)
+        assert got.tolist() == want.tolist(), (k, trial)
+    assert draft._graphed_rollout(k) is not None  # the graph really ran
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU (the draft's CUDA-graph rollout)")
+def test_greedy_identical_with_graphed_draft_on_cuda():
+    lm = tiny_lm(eos=(5,))
+    params = {n: t.cuda() for n, t in lm.params.items()}
+    be = Transformer(lm.cfg, params, 128, device="cuda", dtype=torch.float32)
+    draft = random_draft(lm, seed=3).to("cuda")
+    draft.attach_target(lm.cfg, params, device="cuda", dtype=torch.float32)
+    for prompt in PROMPTS:
+        sp = SamplingParams(max_new_tokens=30)
+        want = Engine(be).generate(prompt, sp)
+        got = SpeculativeEngine(be, None, draft, k=4).generate(prompt, sp)
+        assert got.token_ids == want.token_ids, prompt

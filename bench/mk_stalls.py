@@ -1,0 +1,128 @@
+"""Warp-stall samples of the megakernel per source line and per stage region, from an Nsight
+Compute source-page export (bench/mk_ncu.py says how to make it on the device).
+
+    python3 bench/mk_stalls.py mk_sass.csv [--m 1] [--top 40]
+
+The CSV lists SASS instructions with absolute addresses; this compiles the same M's object here
+(the build flags of flint/kernels/build.py, -cubin), reads its line table with `nvdisasm -g` and
+maps every sampled instruction to megakernel.cu / mk_mma.cuh / mk_ptx.cuh lines. The instruction
+counts must agree (else the CSV was made from another source: an error, not a guess).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from flint.kernels.build import NVCC_FLAGS, find_nvcc  # noqa: E402
+
+REASONS = ["barrier", "branch_resolving", "dispatch", "drain", "imc", "lg", "long_sb", "math", "membar", "mio",
+           "misc", "no_inst", "not_selected", "selected", "short_sb", "sleep", "tex", "wait"]
+
+
+def line_table(m: int) -> list[tuple[str, int]]:
+    """(file, line) of every instruction of decode_kernel<m>, in address order."""
+    src = ROOT / "flint" / "kernels" / "megakernel.cu"
+    with tempfile.TemporaryDirectory() as td:
+        cub = Path(td) / "mk.cubin"
+        flags = [f for f in NVCC_FLAGS if f not in ("-c",)]
+        subprocess.run([find_nvcc(), *flags, f"-DFLINT_MK_M={m}", "-cubin", str(src), "-o", str(cub)], check=True,
+                       capture_output=True)
+        text = subprocess.run(["nvdisasm", "-g", "-c", str(cub)], check=True, capture_output=True, text=True).stdout
+    out, cur, inside = [], ("?", 0), False
+    for ln in text.splitlines():
+        if ln.startswith(".text."):
+            if inside:
+                break  # the next function
+            inside = "decode_kernel" in ln
+            continue
+        if not inside:
+            continue
+        mm = re.search(r'//## File "([^"]+)", line (\d+)', ln)
+        if mm:
+            cur = (Path(mm.group(1)).name, int(mm.group(2)))
+            continue
+        if re.match(r"\s+/\*[0-9a-f]+\*/", ln):
+            out.append(cur)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("csv")
+    ap.add_argument("--m", type=int, default=1)
+    ap.add_argument("--top", type=int, default=40)
+    a = ap.parse_args()
+    rows = list(csv.reader(open(a.csv)))
+    hdr = rows[1]
+    col = {h: i for i, h in enumerate(hdr)}
+    ins = [r for r in rows[2:] if len(r) == len(hdr) and r[0].startswith("0x")]
+    table = line_table(a.m)
+    if len(table) != len(ins):
+        sys.exit(f"mk_stalls: {a.csv}: {len(ins)} SASS instructions, this source's decode_kernel<{a.m}> has "
+                 f"{len(table)}: profile and analyse the same source")
+    by_line: dict = collections.defaultdict(lambda: collections.Counter())
+    total = collections.Counter()
+    for (f, ln), r in zip(table, ins):
+        for k in REASONS:
+            c = col.get(f"stall_{k}")
+            v = int(float(r[c] or 0)) if c is not None else 0
+            if v:
+                by_line[(f, ln)][k] += v
+                total[k] += v
+    tot = sum(total.values())
+    print(f"{len(ins)} instructions, {tot} stall samples: " +
+          ", ".join(f"{k} {100 * v / tot:.1f}%" for k, v in total.most_common(8)))
+    src = {}
+    for f in ("megakernel.cu", "mk_mma.cuh", "mk_ptx.cuh"):
+        src[f] = (ROOT / "flint" / "kernels" / f).read_text().splitlines()
+    # regions: the megakernel.cu function a sample belongs to; inlined helpers (cbar, warp_sum, the
+    # PTX helpers, intrinsics) count for the last megakernel.cu line outside them before it (address
+    # order: the caller, approximately); the tile dot (mk_mma.cuh) is its own region
+    starts = []
+    for i, t in enumerate(src["megakernel.cu"], 1):
+        mm = re.match(r"(?:__device__|__global__)[^(]*?(\w+)\(", t)
+        if mm:
+            starts.append((i, mm.group(1)))
+        elif t.startswith("    decode_kernel("):
+            starts.append((i, "decode_kernel"))
+    helpers = {"cta_fence", "cbar", "warp_sum", "warp_max"}
+
+    def func(ln: int) -> str:
+        name = "?"
+        for st, nm in starts:
+            if st <= ln:
+                name = nm
+        return name
+
+    regions = collections.Counter()
+    ctx = "decode_kernel"
+    for (f, ln), r in zip(table, ins):
+        if f == "megakernel.cu" and func(ln) not in helpers:
+            ctx = func(ln)
+            where = ctx
+        elif f == "mk_mma.cuh":
+            where = "tile dot (mk_mma.cuh)"
+        else:
+            where = ctx
+        regions[where] += sum(int(float(r[col[f"stall_{k}"]] or 0)) for k in REASONS if f"stall_{k}" in col)
+    print("\nsamples per region (inlined helpers count for their caller)")
+    for k, v in regions.most_common():
+        print(f"{100 * v / tot:5.1f}%  {k}")
+    print(f"\ntop {a.top} source lines (share of all samples; main reasons)")
+    for (f, ln), c in sorted(by_line.items(), key=lambda kv: -sum(kv[1].values()))[:a.top]:
+        n = sum(c.values())
+        text = src[f][ln - 1].strip()[:70] if f in src and 0 < ln <= len(src[f]) else ""
+        why = ", ".join(f"{k} {v * 100 // n}%" for k, v in c.most_common(3))
+        print(f"{100 * n / tot:5.1f}%  {f}:{ln:<4d} {text:70s} [{why}]")
+
+
+if __name__ == "__main__":
+    main()
