@@ -28,13 +28,13 @@ import statistics, sys, json, torch
 from flint.config import SYNTHETIC, from_hf_dict
 from flint.megakernel import MegakernelBackend
 from flint.synthetic import synthetic_params
-ctx, model, group, iters = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+ctx, model, group, iters, m = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 cfg = from_hf_dict(dict(SYNTHETIC[model]), model)
 params = synthetic_params(cfg, seed=0, int4_group_size=group, dtype=torch.float32, device="cuda")
 mk = MegakernelBackend(cfg, params, ctx + 16)
 del params
 mk.k_cache.normal_(0, 1); mk.v_cache.normal_(0, 1)
-tok = torch.tensor([123], device="cuda")
+tok = torch.full((m,), 123, device="cuda")
 for _ in range(10):
     mk.forward(tok, ctx - 1)
 torch.cuda.synchronize()
@@ -55,8 +55,15 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--iters", type=int, default=60)
+    ap.add_argument("--m", default="1", help="tokens per step, comma-separated for several (verify steps: M > 1)")
     args = ap.parse_args()
     root = Path(__file__).resolve().parents[1]
+    ms = [int(x) for x in args.m.split(",")]
+    for m in ms:
+        run_m(args, root, m)
+
+
+def run_m(args, root: Path, m: int) -> None:
     res: dict[str, list[float]] = {v: [] for v in args.variants}
     for _ in range(args.rounds):
         for v in args.variants:
@@ -64,12 +71,12 @@ def main() -> None:
             env = dict(os.environ, PYTHONPATH=str(vdir),
                        FLINT_KERNEL_DIR=str(Path(os.environ.get("FLINT_KERNEL_DIR", "build/kernels")).resolve()))
             out = subprocess.run([sys.executable, "-c", CHILD, str(args.ctx), args.model, str(args.group),
-                                  str(args.iters)], env=env, cwd=vdir, capture_output=True, text=True)
+                                  str(args.iters), str(m)], env=env, cwd=vdir, capture_output=True, text=True)
             if out.returncode != 0:
                 print(f"{v}: FAILED\n{out.stderr[-2000:]}")
                 continue
             res[v].append(json.loads(out.stdout.strip().splitlines()[-1])["us"])
-    print(f"{args.model} ctx {args.ctx} M=1 (median step per round, us)")
+    print(f"{args.model} ctx {args.ctx} M={m} (median step per round, us)")
     for v, ts in res.items():
         if ts:
             print(f"{v:12s} {statistics.median(ts):8.1f} us  {1e6 / statistics.median(ts):7.1f} tok/s   rounds {[round(t, 1) for t in ts]}")

@@ -1,7 +1,9 @@
 """Where a layer's time goes across ALL blocks: every block's stage-end times in the middle layer of one
 Granite-4.1-3B int4 G128 step (ctx 512, M = 1), plus the SM clock during the launch.
 
-    FLINT_KERNEL_DIR=build/kernels FLINT_MK_TRACE=1 python3 bench/mk_blocks.py [layers]
+    FLINT_KERNEL_DIR=build/kernels FLINT_MK_TRACE=1 python3 bench/mk_blocks.py [layers] [M]
+
+(M > 1: a verify step of M tokens at the same position.)
 
 Per stage: min / median / max over the blocks of the time the stage ended (us after the earliest
 block's layer start) and the blocks that ended last; then per-stage durations. The grid barriers
@@ -18,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from flint.megakernel import MegakernelBackend  # noqa: E402
 from mk_dev import warm_granite  # noqa: E402
 
-mk, step = warm_granite(int(sys.argv[1]) if len(sys.argv) > 1 else None)
+mk, step = warm_granite(int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1] != "-" else None,
+                        m=int(sys.argv[2]) if len(sys.argv) > 2 else 1)
 if mk.trace is None:
     sys.exit("set FLINT_MK_TRACE=1")
 names = MegakernelBackend.BLOCK_STAMPS

@@ -40,16 +40,17 @@ def granite_cfg() -> ModelConfig:
     return from_hf_dict(dict(SYNTHETIC["granite-4.1-3b"]), "granite")
 
 
-def warm_granite(layers: int | None = None, pos: int = 511, warmup: int = 4):
+def warm_granite(layers: int | None = None, pos: int = 511, warmup: int = 4, m: int = 1):
     """The synthetic Granite-4.1-3B int4 G128 backend (max_seq_len 1024), warmed up with `warmup`
-    M = 1 steps at position `pos`; returns (backend, a function running one more such step). The
-    trace tools (mk_prof, mk_blocks, mk_warps) start from this."""
+    steps of `m` tokens (M = m, a verify step when m > 1) at position `pos`; returns (backend, a
+    function running one more such step). The trace tools (mk_prof, mk_blocks, mk_warps) start from
+    this."""
     cfg = granite_cfg()
     if layers is not None:
         cfg.num_layers = layers
     params = synthetic_params(cfg, seed=0, int4_group_size=128, dtype=torch.float32, device="cuda")
     mk = MegakernelBackend(cfg, params, 1024)
-    tok = torch.tensor([7], device="cuda")
+    tok = torch.full((m,), 7, device="cuda")
 
     def step():
         mk.forward(tok, pos)

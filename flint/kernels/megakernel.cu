@@ -105,6 +105,11 @@ enum {
   WS_A_ENTER = 12, WS_A_Q = 13, WS_A_TILE = 14, WS_A_SCORES = 15, WS_A_SOFTMAX = 16, WS_A_PV = 17,
   WS_A_PART = 18, WS_A_COUNT = 19, WS_A_MERGE = 20, WS_A_EXIT = 21
 };
+// The matrix stage whose inside warp_stamp traces (FLINT_MK_TRACE only): o-proj by default; a
+// multi-segment matrix (down) keeps its last segment's stamps, a stage of more tiles its first two.
+#ifndef MK_WS_MAT
+#define MK_WS_MAT MAT_O
+#endif
 __device__ __forceinline__ void warp_stamp(const Params& p, int l, int slot) {
   if (p.trace == nullptr || l != p.L / 2 || (threadIdx.x & 31)) return;
   const int which = traced_block(p);
@@ -528,7 +533,7 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
   const uint32_t xlo = (uint32_t)(M * xstride);
   const uint32_t ring0 = smem_u32(c.ring.slots);
   const int gq = lane >> 2, tq = lane & 3;
-  const bool ws = mi == MAT_O;  // the stage whose inside is traced (warp_stamp)
+  const bool ws = mi == MK_WS_MAT;  // the stage whose inside is traced (warp_stamp)
   if (ws) warp_stamp(p, layer, WS_O_ENTER);
   for (int s = 0; s < mt.nseg; ++s) {
     if (s == 0 || !xall) {

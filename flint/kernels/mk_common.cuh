@@ -19,7 +19,7 @@ constexpr int MAX_SLOTS = 16;       // ring slots, one tile-segment (16 row-segm
 constexpr int MAX_PARTS = 15;       // K parts per tile (one warp each; <= NCW so a warp holds at most one)
 constexpr int PART_FLOATS = 32;     // parts * M <= PART_FLOATS (per-slot partial sums, 64 B each per M)
 constexpr int MAX_ACC_TILES = 64;  // tiles per block of a multi-segment matrix
-constexpr int XALL_BYTES = 40960;   // stage the whole K of a multi-segment matrix when it fits this
+constexpr int XALL_BYTES = 66560;   // stage the whole K of a multi-segment matrix when it fits this (Granite down: M <= 2; at M = 2 it costs 2 of 8 ring slots and saves 3 stagings: -6% per verify step, session 4)
 constexpr int ATT_T = 64;           // keys per attention sub-tile
 constexpr int MAX_M = 8;
 constexpr int KSEG_MAX = 2560;      // codes per K segment
