@@ -57,9 +57,6 @@ __device__ __forceinline__ float warp_max(float v) {
 // only grows: barrier b of launch e completes at nblocks * (e * S + b + 1), S = barriers per launch.
 __device__ __forceinline__ void grid_barrier(const Params& p, unsigned long long target, MiscSmem* misc) {
   cbar();
-#if MK_HOP_CAP
-  if (threadIdx.x == 0) *(volatile int*)&misc->hop = 1;  // cleared after the next staging (matvec_stage)
-#endif
   if (threadIdx.x == 0) {
     // release (cumulative over the block's writes ordered before it by cbar); no return value to wait for
     asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p.bar_counter), "l"(1ull) : "memory");
@@ -72,9 +69,10 @@ __device__ __forceinline__ void grid_barrier(const Params& p, unsigned long long
 }
 
 // block b's share of a matrix: tiles [t0, t1)
+// (32-bit: the host refuses ntiles * nblocks >= 2^31; a 64-bit division is a ~70-instruction call)
 __device__ __forceinline__ void block_tiles(int ntiles, int nb, int b, int& t0, int& t1) {
-  t0 = (int)((long long)ntiles * b / nb);
-  t1 = (int)((long long)ntiles * (b + 1) / nb);
+  t0 = (int)((uint32_t)(ntiles * b) / (uint32_t)nb);
+  t1 = (int)((uint32_t)(ntiles * (b + 1)) / (uint32_t)nb);
 }
 
 // FLINT_MK_TRACE: blocks 0 and nblocks-1 stamp %globaltimer at stage boundaries, trace[2][L][32]
@@ -110,7 +108,20 @@ enum {
 #ifndef MK_WS_MAT
 #define MK_WS_MAT MAT_O
 #endif
+// MK_WS_ALL = 1 (trace variant): every unit (item = segment x tile, first 8) of the traced stage gets
+// three stamps (slot ready, the warp's part done, the reducer's epilogue done) at 2 + 3 u .. 4 + 3 u,
+// loop end at 30, exit at 31; the attention stamps are off (bench/mk_units.py reads them).
+#ifndef MK_WS_ALL
+#define MK_WS_ALL 0
+#endif
+__device__ __forceinline__ void warp_stamp_raw(const Params& p, int l, int slot) {
+  if (p.trace == nullptr || l != p.L / 2 || (threadIdx.x & 31)) return;
+  const int which = traced_block(p);
+  if (which < 0) return;
+  p.trace[(size_t)2 * p.L * 32 + (size_t)p.nblocks * 16 + ((which * 16 + (threadIdx.x >> 5)) * 32 + slot)] = clock64();
+}
 __device__ __forceinline__ void warp_stamp(const Params& p, int l, int slot) {
+  if (MK_WS_ALL && slot >= WS_A_ENTER && slot <= WS_A_EXIT) return;
   if (p.trace == nullptr || l != p.L / 2 || (threadIdx.x & 31)) return;
   const int which = traced_block(p);
   if (which < 0) return;
@@ -118,14 +129,6 @@ __device__ __forceinline__ void warp_stamp(const Params& p, int l, int slot) {
 }
 
 // =====================================================================[3] producer
-// MK_HOP_CAP = n > 0 (EXPERIMENT, off by default; docs/megakernel.md "What is next" 1): while a
-// hop is pending in this block (from each grid barrier until the next stage's staging is done, so
-// attention included), at most n weight copies in flight; the rest of the time the whole ring.
-// flint/kernels/dev/hop_bench.cu measured a barrier at 0.9 us alone, 1.6 us with 1 copy in flight
-// per SM, 7.2 us with 8.
-#ifndef MK_HOP_CAP
-#define MK_HOP_CAP 0
-#endif
 struct Ring {
   uint8_t* slots;
   uint64_t* full;
@@ -133,33 +136,24 @@ struct Ring {
   uint64_t* parts;   // K parts of the slot's tile done (NCT arrivals per phase)
   int nslots;
   int slot_bytes;
-#if MK_HOP_CAP
-  volatile int* hop;  // MiscSmem::hop
-#endif
 };
 
 // One ring slot per tile-segment (16 row-segments), in the consumers' order: segment-major, tiles
-// in order within a segment.
-__device__ void produce_matrix(const Mat& mt, int layer, const Ring& ring, uint32_t& q, uint64_t pol, int nb) {
+// in order within a segment. Chunk q goes to slot q mod nslots on lap q / nslots, kept as (slot, lap)
+// and stepped (no division per copy: the one producer lane issues every copy of the block).
+__device__ void produce_matrix(const Mat& mt, int layer, const Ring& ring, int& slot, uint32_t& lap, uint64_t pol,
+                               int nb) {
   int t0, t1;
   block_tiles(mt.ntiles, nb, blockIdx.x, t0, t1);
   const uint32_t bytes = (uint32_t)(TILE_ROWS * mt.srb);
   const uint8_t* lbase = mt.base + (long long)layer * mt.layer_stride;
   for (int s = 0; s < mt.nseg; ++s) {
-    for (int tl = t0; tl < t1; ++tl) {
-      const int slot = q % ring.nslots;
-      const uint32_t fill = q / ring.nslots;
-      if (fill > 0) mbar_wait(&ring.empty[slot], (fill - 1) & 1);
-#if MK_HOP_CAP
-      if (q >= MK_HOP_CAP && *ring.hop) {
-        const uint32_t qb = q - MK_HOP_CAP;
-        mbar_wait(&ring.full[qb % ring.nslots], (qb / ring.nslots) & 1);
-      }
-#endif
+    const uint8_t* src = lbase + (long long)s * mt.seg_stride + (long long)t0 * bytes;
+    for (int tl = t0; tl < t1; ++tl, src += bytes) {
+      if (lap > 0) mbar_wait(&ring.empty[slot], (lap - 1) & 1);
       mbar_expect_tx(&ring.full[slot], bytes);
-      bulk_g2s(ring.slots + (size_t)slot * ring.slot_bytes, lbase + (long long)s * mt.seg_stride + (long long)tl * bytes,
-               bytes, &ring.full[slot], pol);
-      ++q;
+      bulk_g2s(ring.slots + (size_t)slot * ring.slot_bytes, src, bytes, &ring.full[slot], pol);
+      if (++slot == ring.nslots) { slot = 0; ++lap; }
     }
   }
 }
@@ -167,10 +161,11 @@ __device__ void produce_matrix(const Mat& mt, int layer, const Ring& ring, uint3
 __device__ void producer(const Params& p, const Ring& ring) {
   uint64_t pol;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-  uint32_t q = 0;
+  int slot = 0;
+  uint32_t lap = 0;
   for (int l = 0; l < p.L; ++l)
-    for (int m = MAT_QKV; m <= MAT_D; ++m) produce_matrix(p.mat[m], l, ring, q, pol, p.nblocks);
-  produce_matrix(p.mat[MAT_LM], 0, ring, q, pol, p.nblocks);
+    for (int m = MAT_QKV; m <= MAT_D; ++m) produce_matrix(p.mat[m], l, ring, slot, lap, pol, p.nblocks);
+  produce_matrix(p.mat[MAT_LM], 0, ring, slot, lap, pol, p.nblocks);
 }
 
 // =====================================================================[4] x staging
@@ -181,7 +176,8 @@ struct Ctx {
   const Params* p;
   const Smem* sl;
   Ring ring;
-  uint32_t q;          // chunk sequence number (must match the producer's)
+  int slot;            // the ring slot of the next chunk (chunk q: q mod nslots, must match the producer's)
+  uint32_t phase;      // its mbarrier phase parity ((q / nslots) & 1)
   MiscSmem* misc;
   float* acc;          // [tiles][16][M] sums across K segments
   float* own;          // [o tiles][16][M] this block's residual rows
@@ -481,37 +477,6 @@ __device__ void tile_epilogue(Ctx<M>& c, int mi, int layer, int tl, int tl_local
   if (lane == 0) c.misc->seg_count[tl_local] = 0;
 }
 
-// MK_L2_NEXT = 1 (EXPERIMENT, off by default; docs/megakernel.md "What is next" 1): when a stage's
-// tile phase starts (its input staged), warp 0 prefetches this block's tiles of the NEXT matrix
-// (qkv -> o -> gate|up -> down -> next layer's qkv) into L2, so they stream while the tiles are
-// computed and the ring's copies of them come from L2 after the next hop, instead of from HBM
-// during it (session 3's 3c prefetched continuously, hops included, and lost).
-#ifndef MK_L2_NEXT
-#define MK_L2_NEXT 0
-#endif
-#if MK_L2_NEXT
-__device__ __forceinline__ void prefetch_next_matrix(const Params& p, int mi, int layer, int lane) {
-  int nm = mi + 1, nl = layer;
-  if (mi == MAT_D) {
-    nm = layer + 1 < p.L ? MAT_QKV : MAT_LM;
-    nl = layer + 1 < p.L ? layer + 1 : 0;
-  }
-  // qkv -> o: o's 1-2 tiles are normally in the ring already when qkv starts (a prefetch would
-  // re-read them); the useful ones are gate|up (at o), down (at gate|up: the ring holds gate|up's
-  // 8 tiles) and the next layer's qkv (at down)
-  if (mi == MAT_LM || mi == MAT_QKV) return;
-  const Mat& mt = p.mat[nm];
-  int t0, t1;
-  block_tiles(mt.ntiles, p.nblocks, blockIdx.x, t0, t1);
-  const uint32_t bytes = (uint32_t)(TILE_ROWS * mt.srb);
-  const int n = (t1 - t0) * mt.nseg;
-  for (int i = lane; i < n; i += 32) {
-    const int s = i / (t1 - t0), tl = t0 + i % (t1 - t0);
-    bulk_prefetch_l2(mt.base + (long long)nl * mt.layer_stride + (long long)s * mt.seg_stride + (long long)tl * bytes,
-                     bytes);
-  }
-}
-#endif
 
 // One matrix stage. Tile-segment j of segment s is ring chunk q; its K range is split into S parts,
 // part pt of item (s, j) goes to warp ((s * ntiles + j) * S + pt) mod 15 (so tiles rotate over the
@@ -534,35 +499,41 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
   const uint32_t ring0 = smem_u32(c.ring.slots);
   const int gq = lane >> 2, tq = lane & 3;
   const bool ws = mi == MK_WS_MAT;  // the stage whose inside is traced (warp_stamp)
+  // per-unit bookkeeping without integer division (it cost ~0.3 us per unit and warp, bench/mk_units.py):
+  // part p of item i runs on warp (i S + p) mod 15, i.e. this warp holds part (warp - i S) mod 15,
+  // stepped per item; the K groups of part p are [gtab(p), gtab(p + 1)), one division per lane and stage
+  int part = warp;
+  const int gtab = lane <= S ? ng * lane / S : ng;
   if (ws) warp_stamp(p, layer, WS_O_ENTER);
   for (int s = 0; s < mt.nseg; ++s) {
     if (s == 0 || !xall) {
       if (s > 0) cbar();  // every warp is done with segment s-1's x before it is overwritten
       stage_x<M>(c, src, mult, norm_w, xall ? 0 : s * mt.kseg, xall ? mt.K : mt.kseg, mt.G, mt.gshift);
       if (s == 0 && mi != MAT_LM) trace_stamp(p, layer, 16 + 4 * mi);
-#if MK_L2_NEXT
-      if (s == 0 && warp == 0) prefetch_next_matrix(p, mi, layer, lane);
-#endif
-#if MK_HOP_CAP
-      if (s == 0 && threadIdx.x == 0) *(volatile int*)&c.misc->hop = 0;
-#endif
       if (ws) warp_stamp(p, layer, WS_O_STAGED);
     }
     const uint32_t xs = c.xs + (xall ? (uint32_t)(s * mt.kseg * 2) : 0u);
     const uint32_t xsum = c.xsum + (xall ? (uint32_t)(s * ng * mkmma::MMA_XSUM_FLOATS * 4) : 0u);
     for (int j = 0; j < nt; ++j) {
-      const int slot = c.q % c.ring.nslots;
-      const int item0 = (s * nt + j) * S;
-      const int part = ((warp - item0) % NCW + NCW) % NCW;
-      mbar_wait(&c.ring.full[slot], (c.q / c.ring.nslots) & 1);
-      if (ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j);
+      const int slot = c.slot;
+      const uint32_t phase = c.phase;
+      mbar_wait(&c.ring.full[slot], phase);
+#if MK_WS_ALL
+      const int wu = s * nt + j;  // the unit's stamps: 2 + 3 wu (ready), + 1 (part done), + 2 (epilogue done)
+      const bool wsu = ws && wu < 8;
+      if (wsu) warp_stamp_raw(p, layer, 2 + 3 * wu);
+#endif
+      if (!MK_WS_ALL && ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j);
       if (part < S) {
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        const int gi0 = ng * part / S, gi1 = ng * (part + 1) / S;
+        const int gi0 = __shfl_sync(0xffffffffu, gtab, part), gi1 = __shfl_sync(0xffffffffu, gtab, part + 1);
         if (!(p.dbg & 1))
           mkmma::mma_tile_dot_g<M>(mt.G, ring0 + (uint32_t)(slot * c.ring.slot_bytes), mt.srb, mt.kseg, gi0, gi1, xs,
                                    xstride, xlo, xsum, lane, acc);
-        if (ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j + 1);
+        if (!MK_WS_ALL && ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j + 1);
+#if MK_WS_ALL
+        if (wsu) warp_stamp_raw(p, layer, 3 + 3 * wu);
+#endif
         float* pp = c.parts + slot * c.sl->pstride;
         float* pw = pp + part * TILE_ROWS * M;
         if (2 * tq < M) { pw[gq * M + 2 * tq] = acc[0]; pw[(gq + 8) * M + 2 * tq] = acc[2]; }
@@ -572,25 +543,29 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
         // sums the parts in order (deterministic) and runs the tile's epilogue
         if (part == S - 1) {
           mbar_arrive_n(&c.ring.parts[slot], (uint32_t)(NCW - (S - 1)));
-          mbar_wait(&c.ring.parts[slot], (c.q / c.ring.nslots) & 1);
-          if (ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j + 2);
+          mbar_wait(&c.ring.parts[slot], phase);
+          if (!MK_WS_ALL && ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j + 2);
           tile_epilogue<M>(c, mi, layer, t0 + j, j, s, pp, S, lane, warp);
           __syncwarp();
-          if (ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j + 3);
+          if (!MK_WS_ALL && ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j + 3);
+#if MK_WS_ALL
+          if (wsu) warp_stamp_raw(p, layer, 4 + 3 * wu);
+#endif
         } else {
           mbar_arrive(&c.ring.parts[slot]);
         }
       }
       if (lane == 0) mbar_arrive(&c.ring.empty[slot]);
-      ++c.q;
+      if (++c.slot == c.ring.nslots) { c.slot = 0; c.phase ^= 1u; }
+      part = part >= S ? part - S : part - S + NCW;  // the next item's part: (warp - (item + 1) S) mod 15
     }
   }
   if (mi != MAT_LM) {
     trace_stamp(p, layer, 16 + 4 * mi + 1);  // thread 0's warp is done
   }
-  if (ws) warp_stamp(p, layer, WS_O_LOOP_END);
+  if (ws) warp_stamp(p, layer, MK_WS_ALL ? 30 : WS_O_LOOP_END);
   cbar();  // all parts and epilogues done; the staged x may be overwritten
-  if (ws) warp_stamp(p, layer, WS_O_EXIT);
+  if (ws) warp_stamp(p, layer, MK_WS_ALL ? 31 : WS_O_EXIT);
 }
 
 // =====================================================================[7] attention
@@ -791,9 +766,6 @@ __global__ void __launch_bounds__(NT, 1)
   ring.parts = ring.empty + MAX_SLOTS;
   ring.nslots = sl.nslots;
   ring.slot_bytes = sl.slot;
-#if MK_HOP_CAP
-  ring.hop = &reinterpret_cast<MiscSmem*>(smem + sl.misc)->hop;
-#endif
   MiscSmem* misc = reinterpret_cast<MiscSmem*>(smem + sl.misc);
   if (threadIdx.x == 0) {
     for (int i = 0; i < ring.nslots; ++i) {
@@ -804,9 +776,6 @@ __global__ void __launch_bounds__(NT, 1)
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   if (threadIdx.x < MAX_ACC_TILES) misc->seg_count[threadIdx.x] = 0;
-#if MK_HOP_CAP
-  if (threadIdx.x == 0) misc->hop = 0;
-#endif
   for (int i = threadIdx.x; i < (sl.uni - sl.xsum) / 4; i += blockDim.x) reinterpret_cast<float*>(smem + sl.xsum)[i] = 0.f;
   for (int i = threadIdx.x; i < NCW * M; i += blockDim.x) {
     misc->best_val[i / M][i % M] = -INFINITY;
@@ -821,7 +790,8 @@ __global__ void __launch_bounds__(NT, 1)
   c.p = &p;
   c.sl = &sl;
   c.ring = ring;
-  c.q = 0;
+  c.slot = 0;
+  c.phase = 0;
   c.misc = misc;
   c.acc = reinterpret_cast<float*>(smem + sl.acc);
   c.own = reinterpret_cast<float*>(smem + sl.own);

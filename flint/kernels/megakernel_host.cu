@@ -103,6 +103,13 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
   if (!coop) { delete h; return fail("flint_mk_create: device does not support cooperative launch"); }
   if (p.nblocks <= 0 || p.nblocks > nsm) p.nblocks = nsm;
   h->smem_optin = optin;
+  for (int m = 0; m < mk::NMAT; ++m)  // block_tiles divides ntiles * (b + 1) in 32 bits
+    if ((long long)p.mat[m].ntiles * (p.nblocks + 1) >= (1ll << 31)) {
+      snprintf(g_err, sizeof(g_err), "flint_mk_create: matrix %d has too many rows (%d) for the 32-bit work split", m,
+               p.mat[m].N);
+      delete h;
+      return 1;
+    }
 
   const int g = p.nh / p.nkv;
   auto al = [](int x) { return (x + 127) & ~127; };

@@ -95,7 +95,6 @@ struct MiscSmem {
   int seg_count[MAX_ACC_TILES];  // K segments done per tile of a multi-segment matrix
   const float* rows[4][MAX_M]; // per token: embedding row, residual, attention output, act (kept here, not in registers)
   int flag;
-  int hop;  // MK_HOP_CAP experiment (megakernel.cu [3]): a grid hop is pending in this block
 };
 
 }  // namespace mk

@@ -1,0 +1,41 @@
+"""Every unit of one matrix stage, per warp (a trace variant: build it with MK_WS_ALL=1 and the
+stage picked by MK_WS_MAT, e.g. `python3 bench/mk_variants.py gu=.:MK_WS_ALL=1:MK_WS_MAT=MAT_GU`):
+for the middle layer of one Granite-4.1-3B int4 G128 step (ctx 512), blocks 0 and last, per warp and
+unit u (item = segment x tile, the first 8): when its ring slot was ready ("r"), when the warp's K
+part was done ("d", warps holding a part), when the reducer's epilogue was done ("e"); us since the
+block entered the stage (SM cycles / the clock measured in the same launch).
+
+    cd build/var/gu && FLINT_KERNEL_DIR=../../kernels FLINT_MK_TRACE=1 python3 bench/mk_units.py [M]
+"""
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mk_dev import warm_granite  # noqa: E402
+
+mk, step = warm_granite(m=int(sys.argv[1]) if len(sys.argv) > 1 else 1)
+if mk.trace is None:
+    sys.exit("set FLINT_MK_TRACE=1")
+L = mk.cfg.num_layers
+base = 2 * L * 32 + mk.nblocks * 16
+mk.trace.zero_()
+step()
+torch.cuda.synchronize()
+for b in (0, 1):
+    ghz = mk.sm_clock_ghz(b)
+    w = mk.trace[base:base + 2 * 16 * 32].view(2, 16, 32)[b].cpu().double()
+    w = torch.where(w == 0, torch.full_like(w, float("nan")), w)
+    t0 = float(torch.nan_to_num(w[:15, 0], nan=float("inf")).min())
+
+    def f(v):
+        return "    -" if math.isnan(v) else f"{(v - t0) / ghz / 1e3:5.2f}"
+
+    print(f"block {'0' if b == 0 else 'last'} (SM clock {ghz:.3f} GHz), us since stage entry; per unit r/d/e")
+    print("warp staged | " + " | ".join(f"u{u}: r     d     e   " for u in range(8)) + "| loop  exit")
+    for wi in range(15):
+        units = " | ".join(" ".join(f(float(w[wi, 2 + 3 * u + k])) for k in range(3)) for u in range(8))
+        print(f"{wi:4d} {f(float(w[wi, 1]))} | {units} | {f(float(w[wi, 30]))} {f(float(w[wi, 31]))}")
