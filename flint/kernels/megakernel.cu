@@ -141,10 +141,8 @@ struct Ring {
 // One ring slot per tile-segment (16 row-segments), in the consumers' order: segment-major, tiles
 // in order within a segment. Chunk q goes to slot q mod nslots on lap q / nslots, kept as (slot, lap)
 // and stepped (no division per copy: the one producer lane issues every copy of the block).
-__device__ void produce_matrix(const Mat& mt, int layer, const Ring& ring, int& slot, uint32_t& lap, uint64_t pol,
-                               int nb) {
-  int t0, t1;
-  block_tiles(mt.ntiles, nb, blockIdx.x, t0, t1);
+__device__ void produce_matrix(const Mat& mt, int t0, int t1, int layer, const Ring& ring, int& slot, uint32_t& lap,
+                               uint64_t pol) {
   const uint32_t bytes = (uint32_t)(TILE_ROWS * mt.srb);
   const uint8_t* lbase = mt.base + (long long)layer * mt.layer_stride;
   for (int s = 0; s < mt.nseg; ++s) {
@@ -158,14 +156,15 @@ __device__ void produce_matrix(const Mat& mt, int layer, const Ring& ring, int& 
   }
 }
 
-__device__ void producer(const Params& p, const Ring& ring) {
+__device__ void producer(const Params& p, const Ring& ring, const MiscSmem* misc) {
   uint64_t pol;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
   int slot = 0;
   uint32_t lap = 0;
   for (int l = 0; l < p.L; ++l)
-    for (int m = MAT_QKV; m <= MAT_D; ++m) produce_matrix(p.mat[m], l, ring, slot, lap, pol, p.nblocks);
-  produce_matrix(p.mat[MAT_LM], 0, ring, slot, lap, pol, p.nblocks);
+    for (int m = MAT_QKV; m <= MAT_D; ++m)
+      produce_matrix(p.mat[m], misc->tile0[m], misc->tile1[m], l, ring, slot, lap, pol);
+  produce_matrix(p.mat[MAT_LM], misc->tile0[MAT_LM], misc->tile1[MAT_LM], 0, ring, slot, lap, pol);
 }
 
 // =====================================================================[4] x staging
@@ -488,8 +487,7 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
   const Params& p = *c.p;
   const Mat& mt = p.mat[mi];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  int t0, t1;
-  block_tiles(mt.ntiles, p.nblocks, blockIdx.x, t0, t1);
+  const int t0 = c.misc->tile0[mi], t1 = c.misc->tile1[mi];
   const int nt = t1 - t0;
   const int S = c.sl->nparts[mi];
   const bool xall = c.sl->xall[mi] != 0;
@@ -776,6 +774,12 @@ __global__ void __launch_bounds__(NT, 1)
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   if (threadIdx.x < MAX_ACC_TILES) misc->seg_count[threadIdx.x] = 0;
+  if (threadIdx.x < NMAT) {  // this block's tiles of every matrix, once (a division per call otherwise)
+    int t0, t1;
+    block_tiles(p.mat[threadIdx.x].ntiles, p.nblocks, blockIdx.x, t0, t1);
+    misc->tile0[threadIdx.x] = t0;
+    misc->tile1[threadIdx.x] = t1;
+  }
   for (int i = threadIdx.x; i < (sl.uni - sl.xsum) / 4; i += blockDim.x) reinterpret_cast<float*>(smem + sl.xsum)[i] = 0.f;
   for (int i = threadIdx.x; i < NCW * M; i += blockDim.x) {
     misc->best_val[i / M][i % M] = -INFINITY;
@@ -783,7 +787,7 @@ __global__ void __launch_bounds__(NT, 1)
   }
   __syncthreads();
   if (threadIdx.x >= NCT) {  // producer warp
-    if (threadIdx.x == NCT) producer(p, ring);
+    if (threadIdx.x == NCT) producer(p, ring, misc);
     return;
   }
   Ctx<M> c;

@@ -94,6 +94,7 @@ struct MiscSmem {
   float att_m[MAX_ROWS_ATT], att_l[MAX_ROWS_ATT], att_alpha[MAX_ROWS_ATT];
   int seg_count[MAX_ACC_TILES];  // K segments done per tile of a multi-segment matrix
   const float* rows[4][MAX_M]; // per token: embedding row, residual, attention output, act (kept here, not in registers)
+  int tile0[NMAT], tile1[NMAT];  // this block's tiles [tile0, tile1) of each matrix (block_tiles, once per launch)
   int flag;
 };
 
