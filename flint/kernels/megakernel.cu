@@ -479,9 +479,10 @@ __device__ void tile_epilogue(Ctx<M>& c, int mi, int layer, int tl, int tl_local
 
 // One matrix stage. Tile-segment j of segment s is ring chunk q; its K range is split into S parts,
 // part pt of item (s, j) goes to warp ((s * ntiles + j) * S + pt) mod 15 (so tiles rotate over the
-// warps). A warp writes its part's 16 x M sums to the slot's partial area; the last of the S warps
-// (a shared counter per slot) reduces and runs the epilogue. Every warp waits for every chunk and
-// arrives once on its empty barrier, after its own use of the slot (and of its partial area).
+// warps). A warp writes its part's 16 x M sums to the slot's partial area; the warp of part S-1
+// reduces (the slot's parts mbarrier) and runs the epilogue. Every warp waits for every chunk in order
+// and all its lanes arrive on its empty barrier after their use of the slot (and of its partial area):
+// the mbarrier parity waits are only valid within one phase, so no warp may skip a chunk (4g).
 template <int M>
 __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* src, float mult, const float* norm_w) {
   const Params& p = *c.p;
@@ -501,7 +502,7 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
   // part p of item i runs on warp (i S + p) mod 15, i.e. this warp holds part (warp - i S) mod 15,
   // stepped per item; the K groups of part p are [gtab(p), gtab(p + 1)), one division per lane and stage
   int part = warp;
-  const int gtab = lane <= S ? ng * lane / S : ng;
+  const int gtab = lane < 16 ? c.misc->gbound[mi][lane] : ng;  // ng * lane / S, computed once per launch
   if (ws) warp_stamp(p, layer, WS_O_ENTER);
   for (int s = 0; s < mt.nseg; ++s) {
     if (s == 0 || !xall) {
@@ -553,7 +554,7 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
           mbar_arrive(&c.ring.parts[slot]);
         }
       }
-      if (lane == 0) mbar_arrive(&c.ring.empty[slot]);
+      mbar_arrive(&c.ring.empty[slot]);  // every lane (NCT arrivals per phase: no divergent lane-0 branch)
       if (++c.slot == c.ring.nslots) { c.slot = 0; c.phase ^= 1u; }
       part = part >= S ? part - S : part - S + NCW;  // the next item's part: (warp - (item + 1) S) mod 15
     }
@@ -768,12 +769,17 @@ __global__ void __launch_bounds__(NT, 1)
   if (threadIdx.x == 0) {
     for (int i = 0; i < ring.nslots; ++i) {
       mbar_init(&ring.full[i], 1);
-      mbar_init(&ring.empty[i], NCW);
+      mbar_init(&ring.empty[i], NCT);
       mbar_init(&ring.parts[i], NCT);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   if (threadIdx.x < MAX_ACC_TILES) misc->seg_count[threadIdx.x] = 0;
+  if (threadIdx.x < NMAT * 16) {  // the K-group bounds of the S parts of each matrix, once
+    const int m = threadIdx.x >> 4, pt = threadIdx.x & 15, S = sl.nparts[m];
+    const int ng = p.mat[m].kseg >> p.mat[m].gshift;
+    misc->gbound[m][pt] = (uint8_t)(pt <= S ? ng * pt / S : ng);
+  }
   if (threadIdx.x < NMAT) {  // this block's tiles of every matrix, once (a division per call otherwise)
     int t0, t1;
     block_tiles(p.mat[threadIdx.x].ntiles, p.nblocks, blockIdx.x, t0, t1);

@@ -96,6 +96,7 @@ struct MiscSmem {
   const float* rows[4][MAX_M]; // per token: embedding row, residual, attention output, act (kept here, not in registers)
   int tile0[NMAT], tile1[NMAT];  // this block's tiles [tile0, tile1) of each matrix (block_tiles, once per launch)
   int flag;
+  uint8_t gbound[NMAT][16];  // K-group bound of part p of each matrix (ng * p / S, p <= S; once per launch)
 };
 
 }  // namespace mk
