@@ -15,6 +15,15 @@
 //           [5] matvec stage + epilogues  [6] (tile dot: mk_mma.cuh)  [7] attention  [8] kernel
 //           [9] launch entry point
 // Build: python -m flint.kernels.build      Test: pytest tests/test_megakernel.py
+// MK_SKIP2 (EXPERIMENT, off by default; NOT RUN on a GPU yet: docs/megakernel.md "What is next" 2):
+// warps without a part in a unit skip it entirely. Safe version of 4g: the ring's "slot consumed"
+// signal is a monotonic shared counter per slot (parts add 1, the reducer adds the 15 - (S - 1)
+// arrivals of the warps that skipped; the producer refills lap L when it reaches 15 L), and a warp
+// waits for the slot's full mbarrier only after a second counter shows the producer has issued that
+// lap, so its parity wait is never a lap early (the failure of 4g).
+#ifndef MK_SKIP2
+#define MK_SKIP2 0
+#endif
 #include "mk_common.cuh"
 #include "mk_ptx.cuh"
 #include "mk_mma.cuh"
@@ -136,7 +145,24 @@ struct Ring {
   uint64_t* parts;   // K parts of the slot's tile done (NCT arrivals per phase)
   int nslots;
   int slot_bytes;
+#if MK_SKIP2
+  int* issued;    // [nslots] laps issued by the producer (MiscSmem)
+  int* consumed;  // [nslots] cumulative consumer arrivals, NCW per lap (MiscSmem)
+#endif
 };
+#if MK_SKIP2
+__device__ __forceinline__ int lds_acquire(const int* a) {
+  int v;
+  asm volatile("ld.acquire.cta.shared::cta.u32 %0, [%1];" : "=r"(v) : "r"(smem_u32(a)) : "memory");
+  return v;
+}
+__device__ __forceinline__ void sts_release(int* a, int v) {
+  asm volatile("st.release.cta.shared::cta.u32 [%0], %1;" ::"r"(smem_u32(a)), "r"(v) : "memory");
+}
+__device__ __forceinline__ void red_release_add(int* a, int v) {
+  asm volatile("red.release.cta.shared::cta.add.u32 [%0], %1;" ::"r"(smem_u32(a)), "r"(v) : "memory");
+}
+#endif
 
 // One ring slot per tile-segment (16 row-segments), in the consumers' order: segment-major, tiles
 // in order within a segment. Chunk q goes to slot q mod nslots on lap q / nslots, kept as (slot, lap)
@@ -148,9 +174,17 @@ __device__ void produce_matrix(const Mat& mt, int t0, int t1, int layer, const R
   for (int s = 0; s < mt.nseg; ++s) {
     const uint8_t* src = lbase + (long long)s * mt.seg_stride + (long long)t0 * bytes;
     for (int tl = t0; tl < t1; ++tl, src += bytes) {
+#if MK_SKIP2
+      while (lds_acquire(&ring.consumed[slot]) < (int)(NCW * lap)) {
+      }
+#else
       if (lap > 0) mbar_wait(&ring.empty[slot], (lap - 1) & 1);
+#endif
       mbar_expect_tx(&ring.full[slot], bytes);
       bulk_g2s(ring.slots + (size_t)slot * ring.slot_bytes, src, bytes, &ring.full[slot], pol);
+#if MK_SKIP2
+      sts_release(&ring.issued[slot], (int)lap + 1);
+#endif
       if (++slot == ring.nslots) { slot = 0; ++lap; }
     }
   }
@@ -177,6 +211,9 @@ struct Ctx {
   Ring ring;
   int slot;            // the ring slot of the next chunk (chunk q: q mod nslots, must match the producer's)
   uint32_t phase;      // its mbarrier phase parity ((q / nslots) & 1)
+#if MK_SKIP2
+  int lap;             // q / nslots
+#endif
   MiscSmem* misc;
   float* acc;          // [tiles][16][M] sums across K segments
   float* own;          // [o tiles][16][M] this block's residual rows
@@ -513,6 +550,54 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
     }
     const uint32_t xs = c.xs + (xall ? (uint32_t)(s * mt.kseg * 2) : 0u);
     const uint32_t xsum = c.xsum + (xall ? (uint32_t)(s * ng * mkmma::MMA_XSUM_FLOATS * 4) : 0u);
+#if MK_SKIP2
+    for (int j = 0; j < nt; ++j) {
+      const int slot = c.slot;
+      const uint32_t phase = c.phase;
+      if (part < S) {  // MK_SKIP2: only the S part warps touch the unit
+        while (lds_acquire(&c.ring.issued[slot]) <= c.lap) {
+        }
+        mbar_wait(&c.ring.full[slot], phase);
+#if MK_WS_ALL
+        const int wu = s * nt + j;
+        const bool wsu = ws && wu < 8;
+        if (wsu) warp_stamp_raw(p, layer, 2 + 3 * wu);
+#endif
+        if (!MK_WS_ALL && ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j);
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        const int gi0 = __shfl_sync(0xffffffffu, gtab, part), gi1 = __shfl_sync(0xffffffffu, gtab, part + 1);
+        if (!(p.dbg & 1))
+          mkmma::mma_tile_dot_g<M>(mt.G, ring0 + (uint32_t)(slot * c.ring.slot_bytes), mt.srb, mt.kseg, gi0, gi1, xs,
+                                   xstride, xlo, xsum, lane, acc);
+        if (!MK_WS_ALL && ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j + 1);
+#if MK_WS_ALL
+        if (wsu) warp_stamp_raw(p, layer, 3 + 3 * wu);
+#endif
+        float* pp = c.parts + slot * c.sl->pstride;
+        float* pw = pp + part * TILE_ROWS * M;
+        if (2 * tq < M) { pw[gq * M + 2 * tq] = acc[0]; pw[(gq + 8) * M + 2 * tq] = acc[2]; }
+        if (2 * tq + 1 < M) { pw[gq * M + 2 * tq + 1] = acc[1]; pw[(gq + 8) * M + 2 * tq + 1] = acc[3]; }
+        if (part == S - 1) {
+          mbar_arrive_n(&c.ring.parts[slot], (uint32_t)(NCW - (S - 1)));
+          mbar_wait(&c.ring.parts[slot], phase);
+          if (!MK_WS_ALL && ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j + 2);
+          tile_epilogue<M>(c, mi, layer, t0 + j, j, s, pp, S, lane, warp);
+          __syncwarp();
+          if (!MK_WS_ALL && ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j + 3);
+#if MK_WS_ALL
+          if (wsu) warp_stamp_raw(p, layer, 4 + 3 * wu);
+#endif
+          if (lane == 0) red_release_add(&c.ring.consumed[slot], NCW - (S - 1));  // + the warps that skipped
+        } else {
+          mbar_arrive(&c.ring.parts[slot]);
+          __syncwarp();
+          if (lane == 0) red_release_add(&c.ring.consumed[slot], 1);
+        }
+      }
+      if (++c.slot == c.ring.nslots) { c.slot = 0; c.phase ^= 1u; ++c.lap; }
+      part = part >= S ? part - S : part - S + NCW;  // the next item's part: (warp - (item + 1) S) mod 15
+    }
+#else
     for (int j = 0; j < nt; ++j) {
       const int slot = c.slot;
       const uint32_t phase = c.phase;
@@ -558,6 +643,7 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
       if (++c.slot == c.ring.nslots) { c.slot = 0; c.phase ^= 1u; }
       part = part >= S ? part - S : part - S + NCW;  // the next item's part: (warp - (item + 1) S) mod 15
     }
+#endif
   }
   if (mi != MAT_LM) {
     trace_stamp(p, layer, 16 + 4 * mi + 1);  // thread 0's warp is done
@@ -763,6 +849,10 @@ __global__ void __launch_bounds__(NT, 1)
   ring.full = reinterpret_cast<uint64_t*>(smem + sl.bars);
   ring.empty = ring.full + MAX_SLOTS;
   ring.parts = ring.empty + MAX_SLOTS;
+#if MK_SKIP2
+  ring.issued = reinterpret_cast<MiscSmem*>(smem + sl.misc)->issued;
+  ring.consumed = reinterpret_cast<MiscSmem*>(smem + sl.misc)->consumed;
+#endif
   ring.nslots = sl.nslots;
   ring.slot_bytes = sl.slot;
   MiscSmem* misc = reinterpret_cast<MiscSmem*>(smem + sl.misc);
@@ -775,6 +865,9 @@ __global__ void __launch_bounds__(NT, 1)
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   if (threadIdx.x < MAX_ACC_TILES) misc->seg_count[threadIdx.x] = 0;
+#if MK_SKIP2
+  if (threadIdx.x < MAX_SLOTS) misc->issued[threadIdx.x] = misc->consumed[threadIdx.x] = 0;
+#endif
   if (threadIdx.x < NMAT * 16) {  // the K-group bounds of the S parts of each matrix, once
     const int m = threadIdx.x >> 4, pt = threadIdx.x & 15, S = sl.nparts[m];
     const int ng = p.mat[m].kseg >> p.mat[m].gshift;
@@ -802,6 +895,9 @@ __global__ void __launch_bounds__(NT, 1)
   c.ring = ring;
   c.slot = 0;
   c.phase = 0;
+#if MK_SKIP2
+  c.lap = 0;
+#endif
   c.misc = misc;
   c.acc = reinterpret_cast<float*>(smem + sl.acc);
   c.own = reinterpret_cast<float*>(smem + sl.own);
