@@ -550,57 +550,14 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
     }
     const uint32_t xs = c.xs + (xall ? (uint32_t)(s * mt.kseg * 2) : 0u);
     const uint32_t xsum = c.xsum + (xall ? (uint32_t)(s * ng * mkmma::MMA_XSUM_FLOATS * 4) : 0u);
-#if MK_SKIP2
     for (int j = 0; j < nt; ++j) {
       const int slot = c.slot;
       const uint32_t phase = c.phase;
-      if (part < S) {  // MK_SKIP2: only the S part warps touch the unit
+#if MK_SKIP2
+      if (part < S) {  // only the S part warps touch the unit: the wait below is never a lap early
         while (lds_acquire(&c.ring.issued[slot]) <= c.lap) {
         }
-        mbar_wait(&c.ring.full[slot], phase);
-#if MK_WS_ALL
-        const int wu = s * nt + j;
-        const bool wsu = ws && wu < 8;
-        if (wsu) warp_stamp_raw(p, layer, 2 + 3 * wu);
 #endif
-        if (!MK_WS_ALL && ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j);
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        const int gi0 = __shfl_sync(0xffffffffu, gtab, part), gi1 = __shfl_sync(0xffffffffu, gtab, part + 1);
-        if (!(p.dbg & 1))
-          mkmma::mma_tile_dot_g<M>(mt.G, ring0 + (uint32_t)(slot * c.ring.slot_bytes), mt.srb, mt.kseg, gi0, gi1, xs,
-                                   xstride, xlo, xsum, lane, acc);
-        if (!MK_WS_ALL && ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j + 1);
-#if MK_WS_ALL
-        if (wsu) warp_stamp_raw(p, layer, 3 + 3 * wu);
-#endif
-        float* pp = c.parts + slot * c.sl->pstride;
-        float* pw = pp + part * TILE_ROWS * M;
-        if (2 * tq < M) { pw[gq * M + 2 * tq] = acc[0]; pw[(gq + 8) * M + 2 * tq] = acc[2]; }
-        if (2 * tq + 1 < M) { pw[gq * M + 2 * tq + 1] = acc[1]; pw[(gq + 8) * M + 2 * tq + 1] = acc[3]; }
-        if (part == S - 1) {
-          mbar_arrive_n(&c.ring.parts[slot], (uint32_t)(NCW - (S - 1)));
-          mbar_wait(&c.ring.parts[slot], phase);
-          if (!MK_WS_ALL && ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j + 2);
-          tile_epilogue<M>(c, mi, layer, t0 + j, j, s, pp, S, lane, warp);
-          __syncwarp();
-          if (!MK_WS_ALL && ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j + 3);
-#if MK_WS_ALL
-          if (wsu) warp_stamp_raw(p, layer, 4 + 3 * wu);
-#endif
-          if (lane == 0) red_release_add(&c.ring.consumed[slot], NCW - (S - 1));  // + the warps that skipped
-        } else {
-          mbar_arrive(&c.ring.parts[slot]);
-          __syncwarp();
-          if (lane == 0) red_release_add(&c.ring.consumed[slot], 1);
-        }
-      }
-      if (++c.slot == c.ring.nslots) { c.slot = 0; c.phase ^= 1u; ++c.lap; }
-      part = part >= S ? part - S : part - S + NCW;  // the next item's part: (warp - (item + 1) S) mod 15
-    }
-#else
-    for (int j = 0; j < nt; ++j) {
-      const int slot = c.slot;
-      const uint32_t phase = c.phase;
       mbar_wait(&c.ring.full[slot], phase);
 #if MK_WS_ALL
       const int wu = s * nt + j;  // the unit's stamps: 2 + 3 wu (ready), + 1 (part done), + 2 (epilogue done)
@@ -608,7 +565,9 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
       if (wsu) warp_stamp_raw(p, layer, 2 + 3 * wu);
 #endif
       if (!MK_WS_ALL && ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j);
+#if !MK_SKIP2
       if (part < S) {
+#endif
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         const int gi0 = __shfl_sync(0xffffffffu, gtab, part), gi1 = __shfl_sync(0xffffffffu, gtab, part + 1);
         if (!(p.dbg & 1))
@@ -635,15 +594,29 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
 #if MK_WS_ALL
           if (wsu) warp_stamp_raw(p, layer, 4 + 3 * wu);
 #endif
+#if MK_SKIP2
+          if (lane == 0) red_release_add(&c.ring.consumed[slot], NCW - (S - 1));  // + the warps that skipped
+#endif
         } else {
           mbar_arrive(&c.ring.parts[slot]);
+#if MK_SKIP2
+          __syncwarp();
+          if (lane == 0) red_release_add(&c.ring.consumed[slot], 1);
+#endif
         }
       }
+#if !MK_SKIP2
       mbar_arrive(&c.ring.empty[slot]);  // every lane (NCT arrivals per phase: no divergent lane-0 branch)
-      if (++c.slot == c.ring.nslots) { c.slot = 0; c.phase ^= 1u; }
+#endif
+      if (++c.slot == c.ring.nslots) {
+        c.slot = 0;
+        c.phase ^= 1u;
+#if MK_SKIP2
+        ++c.lap;
+#endif
+      }
       part = part >= S ? part - S : part - S + NCW;  // the next item's part: (warp - (item + 1) S) mod 15
     }
-#endif
   }
   if (mi != MAT_LM) {
     trace_stamp(p, layer, 16 + 4 * mi + 1);  // thread 0's warp is done
