@@ -62,6 +62,9 @@ def load_engine(args, quiet: bool = False):
 
         draft = load_draft(draft_path, lm.cfg, lm.params, device=backend.device)
         engine = SpeculativeEngine(backend, lm.tokenizer, draft, k=args.draft_k)
+        if name == "megakernel" and not quiet:
+            print("flint: speculative decoding on the megakernel is exact but still slower than plain decoding "
+                  "(its verify step is not yet flat in M; docs/speculative.md)", file=sys.stderr)
     return lm, backend, engine
 
 
