@@ -1,0 +1,186 @@
+"""A model checker for the megakernel's weight ring protocol (producer -> 15 consumer warps), in Python.
+
+The ring's correctness rests on mbarrier phase semantics that no CPU test exercises and that the GPU
+tests only sample. This model runs the protocol under random interleavings and checks it:
+
+* ``try_wait.parity(P)`` is modelled as the hardware answers it: true iff the barrier's current
+  (incomplete) phase has the other parity, so a wait issued a phase early or late gets a wrong answer
+  instead of an error (that is what made experiment 4g read stale slots);
+* a count barrier (the slot's ``empty`` and ``parts`` barriers) completes a phase after exactly its
+  expected arrivals; an arrival made for another lap lands in whatever phase is open, which the model
+  flags;
+* the producer's bulk copy lands at an arbitrary later time (copies complete out of order).
+
+Three protocols (megakernel.cu, [5] matvec_stage):
+``"all"``    every warp waits for every unit's slot and arrives on its empty barrier (the mainline);
+``"skip"``   warps without a part skip the unit, the reducer arrives for them (experiment 4g: wrong);
+``"skip2"``  as "skip", with monotonic per-slot ``consumed`` / ``issued`` counters instead of the
+             empty barrier and a wait for ``issued`` before the full-barrier parity wait (MK_SKIP2).
+
+Checked per run: every part reads the lap it expects, the reducer sees every part of its unit, no
+arrival lands in another lap's phase, and everything finishes (no deadlock).
+    python3 -m flint.kernels.dev.ring_model        # a few thousand random schedules per protocol
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+NCW = 15  # consumer warps
+
+
+class ProtocolError(AssertionError):
+    pass
+
+
+@dataclass
+class CountBarrier:
+    """An mbarrier used with arrival counts only (empty, parts)."""
+    expected: int
+    done: int = 0        # completed phases
+    pending: int = 0     # arrivals in the open phase
+
+    def arrive(self, n: int, lap: int, who: str) -> None:
+        if lap != self.done:
+            raise ProtocolError(f"{who}: arrival for lap {lap} lands in phase {self.done}")
+        self.pending += n
+        if self.pending > self.expected:
+            raise ProtocolError(f"{who}: over-arrival in phase {self.done}")
+        if self.pending == self.expected:
+            self.done += 1
+            self.pending = 0
+
+    def parity_done(self, parity: int) -> bool:
+        """try_wait.parity as the hardware answers it."""
+        return (self.done & 1) != parity
+
+
+@dataclass
+class Slot:
+    full_done: int = 0            # completed fill phases of the full barrier
+    content: int = -1             # the lap whose data the slot holds
+    empty: CountBarrier = field(default_factory=lambda: CountBarrier(NCW))
+    parts: CountBarrier = field(default_factory=lambda: CountBarrier(NCW))
+    partial: dict = field(default_factory=dict)   # part -> lap written
+    issued: int = 0               # skip2: laps issued
+    consumed: int = 0             # skip2: cumulative arrivals
+
+
+def units(stages: list[tuple[int, int]]) -> list[int]:
+    """Units of a sequence of stages (ntiles, S); returns each unit's S (items in order)."""
+    return [S for nt, S in stages for _ in range(nt)]
+
+
+def run(protocol: str, stages: list[tuple[int, int]], nslots: int, seed: int) -> None:
+    rng = random.Random(seed)
+    us = units(stages)
+    slots = [Slot() for _ in range(nslots)]
+    landing: list[tuple[int, int]] = []  # (slot, lap) copies in flight
+
+    def full_parity_done(sl: Slot, parity: int) -> bool:
+        return (sl.full_done & 1) != parity
+
+    def producer():
+        for u in range(len(us)):
+            s, lap = u % nslots, u // nslots
+            sl = slots[s]
+            if lap > 0:
+                if protocol == "skip2":
+                    while sl.consumed < NCW * lap:
+                        yield
+                else:
+                    while not sl.empty.parity_done((lap - 1) & 1):
+                        yield
+            landing.append((s, lap))
+            if protocol == "skip2":
+                sl.issued = lap + 1
+            yield
+
+    def warp(w: int):
+        part = w
+        for u, S in enumerate(us):
+            s, lap = u % nslots, u // nslots
+            sl = slots[s]
+            mine = part < S
+            if protocol == "all" or mine:
+                if protocol == "skip2":
+                    while sl.issued <= lap:
+                        yield
+                while not full_parity_done(sl, lap & 1):
+                    yield
+                if mine:
+                    if sl.content != lap:
+                        raise ProtocolError(f"warp {w} unit {u}: read lap {sl.content}'s data for lap {lap}")
+                    yield  # the dot
+                    sl.partial[part] = lap
+                    if part == S - 1:  # reducer
+                        sl.parts.arrive(NCW - (S - 1), lap, f"warp {w} (reducer) unit {u}")
+                        while not sl.parts.parity_done(lap & 1):
+                            yield
+                        got = [sl.partial.get(p) for p in range(S)]
+                        if any(g != lap for g in got):
+                            raise ProtocolError(f"warp {w} unit {u}: parts of laps {got} for lap {lap}")
+                        yield  # the epilogue
+                        if protocol == "skip":
+                            sl.empty.arrive(NCW - (S - 1), lap, f"warp {w} (reducer) unit {u}")
+                        elif protocol == "skip2":
+                            sl.consumed += NCW - (S - 1)
+                    else:
+                        sl.parts.arrive(1, lap, f"warp {w} unit {u}")
+                        if protocol == "skip":
+                            sl.empty.arrive(1, lap, f"warp {w} unit {u}")
+                        elif protocol == "skip2":
+                            sl.consumed += 1
+                if protocol == "all":
+                    sl.empty.arrive(1, lap, f"warp {w} unit {u}")
+            part = part - S if part >= S else part - S + NCW
+            yield
+
+    actors = [producer()] + [warp(w) for w in range(NCW)]
+    live = list(range(len(actors)))
+    idle = 0
+    while live or landing:
+        if landing and (not live or rng.random() < 0.15):
+            i = rng.randrange(len(landing))  # copies land out of order
+            s, lap = landing.pop(i)
+            slots[s].content = lap
+            slots[s].full_done += 1
+            idle = 0
+            continue
+        k = rng.choice(live)
+        try:
+            next(actors[k])
+            idle = 0
+        except StopIteration:
+            live.remove(k)
+        idle += 1
+        if idle > 200000:
+            raise ProtocolError("deadlock: no actor makes progress")
+
+
+def random_stages(rng: random.Random) -> list[tuple[int, int]]:
+    """A step-like sequence of stages: (tiles of this block, parts per tile)."""
+    out = []
+    for _ in range(rng.randint(2, 6)):
+        out.append((rng.randint(1, 9), rng.randint(1, NCW)))
+    return out
+
+
+def check(protocol: str, runs: int, seed: int = 0) -> list[str]:
+    """Run `runs` random schedules; return the failures (empty if the protocol held every time)."""
+    rng = random.Random(seed)
+    fails = []
+    for r in range(runs):
+        stages = random_stages(rng)
+        nslots = rng.randint(3, 8)
+        try:
+            run(protocol, stages, nslots, seed=rng.randrange(1 << 30))
+        except ProtocolError as e:
+            fails.append(f"run {r} (stages {stages}, {nslots} slots): {e}")
+    return fails
+
+
+if __name__ == "__main__":
+    for proto in ("all", "skip", "skip2"):
+        f = check(proto, 2000)
+        print(f"{proto:6s}: {len(f)} of 2000 random schedules failed" + (f"; first: {f[0]}" if f else ""))
