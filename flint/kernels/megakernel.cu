@@ -24,6 +24,18 @@
 #ifndef MK_SKIP2
 #define MK_SKIP2 0
 #endif
+// MK_RSTD_TREE (EXPERIMENT, off, not yet run on a GPU): every staging thread computes its token's
+// RMSNorm rstd from the 15 per-warp sums itself (a fixed pairwise tree: 4 dependent adds instead of
+// one thread's 15, and no second block barrier); results differ from the default in the last bits
+// (another fixed summation order), still deterministic.
+#ifndef MK_RSTD_TREE
+#define MK_RSTD_TREE 0
+#endif
+// MK_NOTRACE (EXPERIMENT, off, not yet run on a GPU): the trace stamps compiled out (FLINT_MK_TRACE
+// then records nothing); measures what the runtime trace checks cost on every stage's chain.
+#ifndef MK_NOTRACE
+#define MK_NOTRACE 0
+#endif
 #include "mk_common.cuh"
 #include "mk_ptx.cuh"
 #include "mk_mma.cuh"
@@ -93,6 +105,7 @@ __device__ __forceinline__ int traced_block(const Params& p) {
   return blockIdx.x == 0 ? 0 : blockIdx.x == p.nblocks - 1 ? 1 : -1;
 }
 __device__ __forceinline__ void trace_stamp(const Params& p, int l, int k) {
+  if (MK_NOTRACE) return;
   if (p.trace == nullptr || threadIdx.x != 0) return;
   unsigned long long t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
@@ -124,12 +137,14 @@ enum {
 #define MK_WS_ALL 0
 #endif
 __device__ __forceinline__ void warp_stamp_raw(const Params& p, int l, int slot) {
+  if (MK_NOTRACE) return;
   if (p.trace == nullptr || l != p.L / 2 || (threadIdx.x & 31)) return;
   const int which = traced_block(p);
   if (which < 0) return;
   p.trace[(size_t)2 * p.L * 32 + (size_t)p.nblocks * 16 + ((which * 16 + (threadIdx.x >> 5)) * 32 + slot)] = clock64();
 }
 __device__ __forceinline__ void warp_stamp(const Params& p, int l, int slot) {
+  if (MK_NOTRACE) return;
   if (MK_WS_ALL && slot >= WS_A_ENTER && slot <= WS_A_EXIT) return;
   if (p.trace == nullptr || l != p.L / 2 || (threadIdx.x & 31)) return;
   const int which = traced_block(p);
@@ -235,6 +250,17 @@ __device__ __forceinline__ void finish_rstd(const Params& p, MiscSmem* misc) {
   cbar();
 }
 
+#if MK_RSTD_TREE
+__device__ __forceinline__ float rstd_tree(const Params& p, const MiscSmem* misc, int m) {
+  float v[NCW];
+#pragma unroll
+  for (int i = 0; i < NCW; ++i) v[i] = misc->red[i][m];
+  const float s = (((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]))) +
+                  (((v[8] + v[9]) + (v[10] + v[11])) + ((v[12] + v[13]) + v[14]));
+  return rsqrtf(s / (float)p.H + p.eps);
+}
+#endif
+
 // rstd per token of the vector rows src[m] (length H), block-wide deterministic reduction.
 // Loads are unrolled UNR deep so a thread's L2 round trips overlap (one latency, not H / 480).
 constexpr int UNR = 8;
@@ -258,7 +284,9 @@ __device__ void compute_rstd(const Params& p, const float* const* src, float mul
     if (lane == 0) misc->red[w][m] = s;
   }
   cbar();
+#if !MK_RSTD_TREE
   finish_rstd<M>(p, misc);
+#endif
 }
 
 // The stage's input [k0, k0 + kst) for every token -> hi/lo fp16 terms in mma order (mk_mma.cuh) and
@@ -321,7 +349,9 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
         }
       }
       cbar();
+#if !MK_RSTD_TREE
       finish_rstd<M>(*c.p, c.misc);
+#endif
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -332,7 +362,11 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
       const float x[8] = {v[u][0].x, v[u][0].y, v[u][0].z, v[u][0].w, v[u][1].x, v[u][1].y, v[u][1].z, v[u][1].w};
       const float wx[8] = {wv[u][0].x, wv[u][0].y, wv[u][0].z, wv[u][0].w,
                            wv[u][1].x, wv[u][1].y, wv[u][1].z, wv[u][1].w};
+#if MK_RSTD_TREE
+      const float r = norm_w ? mult * rstd_tree(*c.p, c.misc, m) : 1.f;
+#else
       const float r = norm_w ? mult * c.misc->rstd[m] : 1.f;
+#endif
       uint32_t hw[8], lw[8];
       float s_raw = 0.f, s_eff = 0.f;
 #pragma unroll
