@@ -30,6 +30,9 @@ for b in (0, 1):
     w = mk.trace[base:base + 2 * 16 * 32].view(2, 16, 32)[b].cpu().double()
     w = torch.where(w == 0, torch.full_like(w, float("nan")), w)
     t0 = float(torch.nan_to_num(w[:15, 0], nan=float("inf")).min())
+    if bool(torch.isnan(w[:15, 31]).all()):
+        sys.exit("mk_units: no unit stamps (slot 31 never written): run it on a build with MK_WS_ALL=1 "
+                 "(python3 bench/mk_variants.py NAME=.:MK_WS_ALL=1:MK_WS_MAT=MAT_GU)")
 
     def f(v):
         return "    -" if math.isnan(v) else f"{(v - t0) / ghz / 1e3:5.2f}"
