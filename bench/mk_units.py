@@ -20,15 +20,12 @@ from mk_dev import warm_granite  # noqa: E402
 mk, step = warm_granite(m=int(sys.argv[1]) if len(sys.argv) > 1 else 1)
 if mk.trace is None:
     sys.exit("set FLINT_MK_TRACE=1")
-L = mk.cfg.num_layers
-base = 2 * L * 32 + mk.nblocks * 16
 mk.trace.zero_()
 step()
 torch.cuda.synchronize()
 for b in (0, 1):
     ghz = mk.sm_clock_ghz(b)
-    w = mk.trace[base:base + 2 * 16 * 32].view(2, 16, 32)[b].cpu().double()
-    w = torch.where(w == 0, torch.full_like(w, float("nan")), w)
+    w = mk.warp_trace(b)
     t0 = float(torch.nan_to_num(w[:15, 0], nan=float("inf")).min())
     if bool(torch.isnan(w[:15, 31]).all()):
         sys.exit("mk_units: no unit stamps (slot 31 never written): run it on a build with MK_WS_ALL=1 "

@@ -355,18 +355,23 @@ class MegakernelBackend:
         FLINT_MK_TRACE=1): per warp (16: 15 consumers + the producer, which never stamps), SM cycles
         since the block's o-stage or attention entry at each point of WARP_CLOCKS (NaN: not reached
         by that warp, e.g. a part it did not hold). block 0 or 1 (= the last block)."""
-        if self.trace is None:
-            raise RuntimeError("warp_clocks needs FLINT_MK_TRACE=1 at construction")
-        L = self.cfg.num_layers
-        base = 2 * L * 32 + self.nblocks * 16
-        w = self.trace[base:base + 2 * 16 * 32].view(2, 16, 32)[block].cpu().double()
-        w = torch.where(w == 0, torch.full_like(w, float("nan")), w)
+        w = self.warp_trace(block, "warp_clocks")
         out = {}
         o0 = float(torch.nan_to_num(w[:, 0], nan=float("inf")).min())
         a0 = float(torch.nan_to_num(w[:, 12], nan=float("inf")).min())
         for name, k in self.WARP_CLOCKS.items():
             out[name] = (w[:15, k] - (o0 if name.startswith("o.") else a0)).tolist()
         return out
+
+    def warp_trace(self, block: int = 0, who: str = "warp_trace") -> torch.Tensor:
+        """The raw per-warp %clock64 stamps of the last launch (needs FLINT_MK_TRACE=1): [16 warps, 32
+        slots] float64 for block 0 or 1 (= the last block), NaN where nothing was stamped. Slots: the
+        WARP_CLOCKS points, or in a MK_WS_ALL build the units of one stage (bench/mk_units.py)."""
+        if self.trace is None:
+            raise RuntimeError(f"{who} needs FLINT_MK_TRACE=1 at construction")
+        base = 2 * self.cfg.num_layers * 32 + self.nblocks * 16
+        w = self.trace[base:base + 2 * 16 * 32].view(2, 16, 32)[block].cpu().double()
+        return torch.where(w == 0, torch.full_like(w, float("nan")), w)
 
     def sm_clock_ghz(self, block: int = 0) -> float:
         """The SM clock during the last launch (needs FLINT_MK_TRACE=1): %clock64 cycles over %globaltimer

@@ -69,7 +69,7 @@ struct Params {
 // Shared-memory layout (byte offsets) and per-matrix work split, computed on the host per M.
 struct Smem {
   int bars;    // 3 * MAX_SLOTS mbarriers (full, empty, parts)
-  int misc;    // small scalars (rstd, reductions, argmax, flags, per-slot part counters)
+  int misc;    // MiscSmem: rstd, reductions, argmax, flags, tile ranges and part bounds per matrix
   int acc;     // [tiles of a multi-segment matrix per block][nseg][16][M] fp32 (per-segment sums)
   int own;     // [o-proj tiles per block][16][M] fp32: this block's rows of the residual stream
   int rope;    // [M][D/2] cos, then [M][D/2] sin of this step's positions
