@@ -3,6 +3,10 @@ Granite-4.1-3B int4 G128 step (ctx 512, M = 1), plus the SM clock during the lau
 
     FLINT_KERNEL_DIR=build/kernels FLINT_MK_TRACE=1 python3 bench/mk_blocks.py [layers] [M]
 
+(FLINT_MK_TRACE=1 loads the traced library: build it here first with
+`FLINT_KERNEL_DIR=build/kernels python3 -m flint.kernels.build --traced`, or name TRACE=1 in
+bench/mk_variants.py.)
+
 (M > 1: a verify step of M tokens at the same position.)
 
 Per stage: min / median / max over the blocks of the time the stage ended (us after the earliest

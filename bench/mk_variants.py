@@ -5,7 +5,8 @@ Each argument is NAME=SOURCE[+PATCH...][:MACRO=VALUE...]:
   PATCH   a patch file applied with `git apply` on top of SOURCE (e.g. the losing variants in
           flint/kernels/dev/experiments/)
   MACRO   a `#define MACRO value` line of flint/kernels/megakernel.cu rewritten to VALUE (the line must
-          exist: a misspelt macro is an error, not a silent no-op)
+          exist: a misspelt macro is an error, not a silent no-op); TRACE=1 (or any MK_WS_* macro) also
+          builds the variant's traced library (FLINT_MK_TRACE=1 runs need it: build.py --traced)
 
     python3 bench/mk_variants.py base=HEAD hop1=.:MK_HOP_CAP=1 hop2=.:MK_HOP_CAP=2
     # device (carry: ["build"]):  FLINT_KERNEL_DIR=build/kernels python3 bench/mk_ab.py base hop1 hop2
@@ -70,6 +71,8 @@ def materialize(name: str, source: str, patches: list[str], macros: list[tuple[s
     kernel = dst / KERNEL
     text = kernel.read_text()
     for macro, value in macros:
+        if macro == "TRACE":
+            continue
         pat = re.compile(rf"^(#define {re.escape(macro)}) \S+", re.M)
         if not pat.search(text):
             raise SystemExit(f"mk_variants: {name}: no '#define {macro} ...' line in {KERNEL} of {source}")
@@ -110,6 +113,11 @@ def main() -> int:
                            env={**__import__("os").environ, "FLINT_KERNEL_DIR": str(kdir)})
         if r.returncode:
             raise SystemExit(f"mk_variants: {name}: build failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+        if any(m == "TRACE" or m.startswith("MK_WS") for m, _ in macros):
+            rt = subprocess.run([sys.executable, "-m", "flint.kernels.build", "--traced"], cwd=dst, capture_output=True,
+                                text=True, env={**__import__("os").environ, "FLINT_KERNEL_DIR": str(kdir)})
+            if rt.returncode:
+                raise SystemExit(f"mk_variants: {name}: traced build failed:\n{rt.stdout[-3000:]}\n{rt.stderr[-3000:]}")
         lib = [ln for ln in r.stdout.splitlines() if ln.startswith("library:")]
         used.append(lib[-1].split("/")[-2] if lib else "?")
         print(f"{name:12s} {source}{' + ' + ' + '.join(patches) if patches else ''}"

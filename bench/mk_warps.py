@@ -3,6 +3,10 @@ item (block 0) of one Granite-4.1-3B int4 G128 step (ctx 512, M = 1), from %cloc
 
     FLINT_KERNEL_DIR=build/kernels FLINT_MK_TRACE=1 python3 bench/mk_warps.py
 
+(FLINT_MK_TRACE=1 loads the traced library: build it here first with
+`FLINT_KERNEL_DIR=build/kernels python3 -m flint.kernels.build --traced`, or name TRACE=1 in
+bench/mk_variants.py.)
+
 Times in us since the block entered the stage (cycles / the SM clock measured in the same launch).
 o-proj: "slot" = the tile's ring slot was ready, "dot" = the warp's K part done, "parts" = the
 reducer saw all parts, "epi" = the reducer's epilogue done (reducer rows only).

@@ -25,17 +25,17 @@ KSEG_MAX = 2560    # codes per K segment; must match mk::KSEG_MAX
 TILE_ROWS = 16     # rows per weight tile (one mma A operand); must match mk::TILE_ROWS
 LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
-_lib = None
+_libs: dict[bool, ctypes.CDLL] = {}
 
 
-def load_library():
-    """Build (cached) and load libflint_mk.so; set the ctypes signatures once."""
-    global _lib
-    if _lib is not None:
-        return _lib
+def load_library(traced: bool = False):
+    """Build (cached) and load libflint_mk.so (traced: the FLINT_MK_TRACE=1 build, stage stamps
+    compiled in); set the ctypes signatures once."""
+    if traced in _libs:
+        return _libs[traced]
     from .kernels.build import build
 
-    lib = ctypes.CDLL(str(build()))
+    lib = ctypes.CDLL(str(build(traced=traced)))
     c_ll_p, c_d_p, vp = ctypes.POINTER(ctypes.c_longlong), ctypes.POINTER(ctypes.c_double), ctypes.c_void_p
     lib.flint_mk_create.argtypes = [c_ll_p, ctypes.c_int, c_d_p, ctypes.c_int, ctypes.POINTER(vp)]
     lib.flint_mk_create.restype = ctypes.c_int
@@ -51,7 +51,7 @@ def load_library():
     lib.flint_mk_smem_info.restype = ctypes.c_int
     lib.flint_mk_last_error.argtypes = []
     lib.flint_mk_last_error.restype = ctypes.c_char_p
-    _lib = lib
+    _libs[traced] = lib
     return lib
 
 
@@ -63,9 +63,10 @@ class MegakernelError(RuntimeError):
     pass
 
 
-def _check(rc: int) -> None:
+def _check(rc: int, lib) -> None:
+    """Raise with the library's own error string (each library has its own)."""
     if rc != 0:
-        raise MegakernelError(_lib.flint_mk_last_error().decode(errors="replace"))
+        raise MegakernelError(lib.flint_mk_last_error().decode(errors="replace"))
 
 
 # ------------------------------------------------------------------ repacking (once, at load)
@@ -148,7 +149,8 @@ class MegakernelBackend:
         if torch.cuda.get_device_capability(self.device) < (9, 0):
             raise ValueError("megakernel: needs an sm_90 (Hopper) GPU")
         self._validate(cfg, params)
-        lib = load_library()
+        traced = os.environ.get("FLINT_MK_TRACE") == "1"
+        lib = load_library(traced)
         dev = self.device
         nh, nkv, d, L, H, I, V = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers,
                                   cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size)
@@ -202,13 +204,13 @@ class MegakernelBackend:
             self.epoch = torch.zeros((1,), dtype=torch.int64)
             # FLINT_MK_TRACE=1: blocks 0 and nblocks-1 stamp %globaltimer at stage boundaries (stage_times)
             self.trace = (torch.zeros((2 * L * 32 + self.nblocks * 16 + 2 * 16 * 32,), dtype=torch.int64)
-                          if os.environ.get("FLINT_MK_TRACE") == "1" else None)
+                          if traced else None)
         torch.cuda.synchronize(dev)
         self._lib = lib
         self._h = ctypes.c_void_p()
         ia, fa = self._pack_args()
         _check(lib.flint_mk_create((ctypes.c_longlong * len(ia))(*ia), len(ia),
-                                   (ctypes.c_double * len(fa))(*fa), len(fa), ctypes.byref(self._h)))
+                                   (ctypes.c_double * len(fa))(*fa), len(fa), ctypes.byref(self._h)), lib)
         self.max_chunk = lib.flint_mk_max_m(self._h)
         self.kv_bytes_per_token = 2 * L * nkv * d * 2
         # what one step reads besides K/V: int4 codes + scales/mins of every linear and the head,
@@ -263,8 +265,9 @@ class MegakernelBackend:
 
     def __del__(self):
         h = getattr(self, "_h", None)
-        if h is not None and h.value and _lib is not None:
-            _lib.flint_mk_destroy(h)
+        lib = getattr(self, "_lib", None)
+        if h is not None and h.value and lib is not None:
+            lib.flint_mk_destroy(h)
             self._h = None
 
     def reset(self) -> None:
@@ -291,7 +294,7 @@ class MegakernelBackend:
         toks = toks.to(self.device, torch.int64).contiguous()
         stream = torch.cuda.current_stream(self.device)
         _check(self._lib.flint_mk_forward(self._h, m, ctypes.c_void_p(toks.data_ptr()), int(start_pos),
-                                          ctypes.c_void_p(stream.cuda_stream)))
+                                          ctypes.c_void_p(stream.cuda_stream)), self._lib)
         logits = self.logits[:m].clone()
         if return_hidden:
             return logits, self.resid[:m].clone()
@@ -306,7 +309,7 @@ class MegakernelBackend:
         out = ctypes.c_int()
         stream = torch.cuda.current_stream(self.device)
         _check(self._lib.flint_mk_greedy(self._h, int(token), int(pos), ctypes.c_void_p(stream.cuda_stream),
-                                         ctypes.byref(out)))
+                                         ctypes.byref(out)), self._lib)
         return out.value
 
     STAGES = ("rstd1", "qkv", "bar1", "attn", "bar2", "o", "bar3", "rstd2", "gate_up", "bar4", "down", "bar5")
@@ -384,5 +387,5 @@ class MegakernelBackend:
 
     def smem_info(self, m: int = 1) -> dict:
         arr = (ctypes.c_int * 4)()
-        _check(self._lib.flint_mk_smem_info(self._h, m, arr))
+        _check(self._lib.flint_mk_smem_info(self._h, m, arr), self._lib)
         return dict(smem_bytes=arr[0], ring_slots=arr[1], slot_bytes=arr[2], blocks=arr[3])

@@ -7,6 +7,7 @@ part; ptxas's report is parsed and the build FAILS if any function spills regist
 
     python -m flint.kernels.build            # build (or find) and print the ptxas report
     python -m flint.kernels.build --force    # rebuild even if cached
+    python -m flint.kernels.build --traced   # the traced library (FLINT_MK_TRACE=1: stage stamps compiled in)
 """
 from __future__ import annotations
 
@@ -39,13 +40,20 @@ class BuildError(RuntimeError):
     pass
 
 
-def source_hash() -> str:
+# The traced library (FLINT_MK_TRACE=1) is a separate build: the stamps' runtime checks cost 2.5% per
+# step when compiled into the default one (session 5).
+TRACE_FLAGS = ["-DMK_TRACE=1"]
+
+
+def source_hash(traced: bool = False) -> str:
     h = hashlib.sha256()
     for name in SOURCES:
         h.update(name.encode())
         h.update((HERE / name).read_bytes())
     h.update(" ".join(NVCC_FLAGS + LINK_FLAGS).encode())
     h.update(repr(M_VALUES).encode())
+    if traced:
+        h.update(" ".join(TRACE_FLAGS).encode())
     return h.hexdigest()[:16]
 
 
@@ -54,8 +62,8 @@ def cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "flint" / "kernels"
 
 
-def library_path() -> Path:
-    return cache_root() / source_hash() / LIB_NAME
+def library_path(traced: bool = False) -> Path:
+    return cache_root() / source_hash(traced) / LIB_NAME
 
 
 def find_nvcc() -> str | None:
@@ -102,9 +110,11 @@ def _run(cmd: list[str]) -> str:
     return r.stdout + r.stderr
 
 
-def build(force: bool = False, verbose: bool = False) -> Path:
-    """Build (or find) libflint_mk.so; returns its path. Raises BuildError on failure or spills."""
-    lib = library_path()
+def build(force: bool = False, verbose: bool = False, traced: bool = False) -> Path:
+    """Build (or find) libflint_mk.so (traced: the FLINT_MK_TRACE build); returns its path. Raises
+    BuildError on failure or spills."""
+    lib = library_path(traced)
+    flags = NVCC_FLAGS + (TRACE_FLAGS if traced else [])
     if lib.exists() and not force:
         return lib
     nvcc = find_nvcc()
@@ -114,9 +124,9 @@ def build(force: bool = False, verbose: bool = False) -> Path:
     lib.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="build-", dir=lib.parent))
     try:
-        jobs = [(f"m{m}", [nvcc, *NVCC_FLAGS, f"-DFLINT_MK_M={m}", "-c", str(HERE / "megakernel.cu"),
+        jobs = [(f"m{m}", [nvcc, *flags, f"-DFLINT_MK_M={m}", "-c", str(HERE / "megakernel.cu"),
                            "-o", str(tmp / f"mk_m{m}.o")]) for m in M_VALUES]
-        jobs.append(("host", [nvcc, *NVCC_FLAGS, "-c", str(HERE / "megakernel_host.cu"), "-o",
+        jobs.append(("host", [nvcc, *flags, "-c", str(HERE / "megakernel_host.cu"), "-o",
                               str(tmp / "mk_host.o")]))
         with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 4)) as ex:
             reports = list(ex.map(lambda j: (j[0], _run(j[1])), jobs))
@@ -132,12 +142,12 @@ def build(force: bool = False, verbose: bool = False) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if verbose:
-        print(report())
+        print(report(traced))
     return lib
 
 
-def report() -> str:
-    p = library_path().parent / "ptxas.txt"
+def report(traced: bool = False) -> str:
+    p = library_path(traced).parent / "ptxas.txt"
     if not p.exists():
         return "(no ptxas report: library not built)"
     rows = parse_ptxas(p.read_text())
@@ -153,13 +163,14 @@ def report() -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--force", action="store_true", help="rebuild even if a cached library exists")
+    ap.add_argument("--traced", action="store_true", help="the traced library (FLINT_MK_TRACE=1)")
     args = ap.parse_args(argv)
     try:
-        lib = build(force=args.force)
+        lib = build(force=args.force, traced=args.traced)
     except BuildError as e:
         print(f"build failed: {e}", file=sys.stderr)
         return 1
-    print(report())
+    print(report(args.traced))
     print(f"library: {lib}")
     return 0
 

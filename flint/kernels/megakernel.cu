@@ -15,26 +15,14 @@
 //           [5] matvec stage + epilogues  [6] (tile dot: mk_mma.cuh)  [7] attention  [8] kernel
 //           [9] launch entry point
 // Build: python -m flint.kernels.build      Test: pytest tests/test_megakernel.py
-// MK_SKIP2 (EXPERIMENT, off by default; NOT RUN on a GPU yet: docs/megakernel.md "What is next" 2):
-// warps without a part in a unit skip it entirely. Safe version of 4g: the ring's "slot consumed"
-// signal is a monotonic shared counter per slot (parts add 1, the reducer adds the 15 - (S - 1)
-// arrivals of the warps that skipped; the producer refills lap L when it reaches 15 L), and a warp
-// waits for the slot's full mbarrier only after a second counter shows the producer has issued that
-// lap, so its parity wait is never a lap early (the failure of 4g).
-#ifndef MK_SKIP2
-#define MK_SKIP2 0
-#endif
-// MK_RSTD_TREE (EXPERIMENT, off, not yet run on a GPU): every staging thread computes its token's
-// RMSNorm rstd from the 15 per-warp sums itself (a fixed pairwise tree: 4 dependent adds instead of
-// one thread's 15, and no second block barrier); results differ from the default in the last bits
-// (another fixed summation order), still deterministic.
-#ifndef MK_RSTD_TREE
-#define MK_RSTD_TREE 0
-#endif
-// MK_NOTRACE (EXPERIMENT, off, not yet run on a GPU): the trace stamps compiled out (FLINT_MK_TRACE
-// then records nothing); measures what the runtime trace checks cost on every stage's chain.
-#ifndef MK_NOTRACE
-#define MK_NOTRACE 0
+// Measured and removed in session 5 (reproducible from 0117668 with bench/mk_variants.py): MK_SKIP2
+// (warps skip units without a part, made safe by per-slot counters: +1.2%) and MK_RSTD_TREE (rstd
+// by a fixed tree in every staging thread: noise).
+// MK_TRACE: the trace stamps (FLINT_MK_TRACE=1) are compiled only into a separate traced library
+// (flint/kernels/build.py build(traced=True) adds -DMK_TRACE=1): their runtime checks on every stage's
+// chain cost 2.5% per step (session 5, bench/results/mk_ab_session4_2026-11-29.log).
+#ifndef MK_TRACE
+#define MK_TRACE 0
 #endif
 #include "mk_common.cuh"
 #include "mk_ptx.cuh"
@@ -107,7 +95,7 @@ __device__ __forceinline__ int traced_block(const Params& p) {
   return blockIdx.x == 0 ? 0 : blockIdx.x == p.nblocks - 1 ? 1 : -1;
 }
 __device__ __forceinline__ void trace_stamp(const Params& p, int l, int k) {
-  if (MK_NOTRACE) return;
+  if (!MK_TRACE) return;
   if (p.trace == nullptr || threadIdx.x != 0) return;
   unsigned long long t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
@@ -139,7 +127,7 @@ enum {
 #define MK_WS_ALL 0
 #endif
 __device__ __forceinline__ void warp_stamp_raw(const Params& p, int l, int slot) {
-  if (MK_NOTRACE) return;
+  if (!MK_TRACE) return;
   if (p.trace == nullptr || l != p.L / 2 || (threadIdx.x & 31)) return;
   const int which = traced_block(p);
   if (which < 0) return;
@@ -159,24 +147,7 @@ struct Ring {
   uint64_t* parts;   // K parts of the slot's tile done (NCT arrivals per phase)
   int nslots;
   int slot_bytes;
-#if MK_SKIP2
-  int* issued;    // [nslots] laps issued by the producer (MiscSmem)
-  int* consumed;  // [nslots] cumulative consumer arrivals, NCW per lap (MiscSmem)
-#endif
 };
-#if MK_SKIP2
-__device__ __forceinline__ int lds_acquire(const int* a) {
-  int v;
-  asm volatile("ld.acquire.cta.shared::cta.u32 %0, [%1];" : "=r"(v) : "r"(smem_u32(a)) : "memory");
-  return v;
-}
-__device__ __forceinline__ void sts_release(int* a, int v) {
-  asm volatile("st.release.cta.shared::cta.u32 [%0], %1;" ::"r"(smem_u32(a)), "r"(v) : "memory");
-}
-__device__ __forceinline__ void red_release_add(int* a, int v) {
-  asm volatile("red.release.cta.shared::cta.add.u32 [%0], %1;" ::"r"(smem_u32(a)), "r"(v) : "memory");
-}
-#endif
 
 // One ring slot per tile-segment (16 row-segments), in the consumers' order: segment-major, tiles
 // in order within a segment. Chunk q goes to slot q mod nslots on lap q / nslots, kept as (slot, lap)
@@ -188,17 +159,9 @@ __device__ void produce_matrix(const Mat& mt, int t0, int t1, int layer, const R
   for (int s = 0; s < mt.nseg; ++s) {
     const uint8_t* src = lbase + (long long)s * mt.seg_stride + (long long)t0 * bytes;
     for (int tl = t0; tl < t1; ++tl, src += bytes) {
-#if MK_SKIP2
-      while (lds_acquire(&ring.consumed[slot]) < (int)(NCW * lap)) {
-      }
-#else
       if (lap > 0) mbar_wait(&ring.empty[slot], (lap - 1) & 1);
-#endif
       mbar_expect_tx(&ring.full[slot], bytes);
       bulk_g2s(ring.slots + (size_t)slot * ring.slot_bytes, src, bytes, &ring.full[slot], pol);
-#if MK_SKIP2
-      sts_release(&ring.issued[slot], (int)lap + 1);
-#endif
       if (++slot == ring.nslots) { slot = 0; ++lap; }
     }
   }
@@ -225,9 +188,6 @@ struct Ctx {
   Ring ring;
   int slot;            // the ring slot of the next chunk (chunk q: q mod nslots, must match the producer's)
   uint32_t phase;      // its mbarrier phase parity ((q / nslots) & 1)
-#if MK_SKIP2
-  int lap;             // q / nslots
-#endif
   MiscSmem* misc;
   float* acc;          // [tiles][16][M] sums across K segments
   float* own;          // [o tiles][16][M] this block's residual rows
@@ -249,16 +209,6 @@ __device__ __forceinline__ void finish_rstd(const Params& p, MiscSmem* misc) {
   cbar();
 }
 
-#if MK_RSTD_TREE
-__device__ __forceinline__ float rstd_tree(const Params& p, const MiscSmem* misc, int m) {
-  float v[NCW];
-#pragma unroll
-  for (int i = 0; i < NCW; ++i) v[i] = misc->red[i][m];
-  const float s = (((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]))) +
-                  (((v[8] + v[9]) + (v[10] + v[11])) + ((v[12] + v[13]) + v[14]));
-  return rsqrtf(s / (float)p.H + p.eps);
-}
-#endif
 
 // rstd per token of the vector rows src[m] (length H), block-wide deterministic reduction.
 // Loads are unrolled UNR deep so a thread's L2 round trips overlap (one latency, not H / 480).
@@ -283,9 +233,7 @@ __device__ void compute_rstd(const Params& p, const float* const* src, float mul
     if (lane == 0) misc->red[w][m] = s;
   }
   cbar();
-#if !MK_RSTD_TREE
   finish_rstd<M>(p, misc);
-#endif
 }
 
 // The stage's input [k0, k0 + kst) for every token -> hi/lo fp16 terms in mma order (mk_mma.cuh) and
@@ -348,9 +296,7 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
         }
       }
       cbar();
-#if !MK_RSTD_TREE
       finish_rstd<M>(*c.p, c.misc);
-#endif
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -361,11 +307,7 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
       const float x[8] = {v[u][0].x, v[u][0].y, v[u][0].z, v[u][0].w, v[u][1].x, v[u][1].y, v[u][1].z, v[u][1].w};
       const float wx[8] = {wv[u][0].x, wv[u][0].y, wv[u][0].z, wv[u][0].w,
                            wv[u][1].x, wv[u][1].y, wv[u][1].z, wv[u][1].w};
-#if MK_RSTD_TREE
-      const float r = norm_w ? mult * rstd_tree(*c.p, c.misc, m) : 1.f;
-#else
       const float r = norm_w ? mult * c.misc->rstd[m] : 1.f;
-#endif
       uint32_t hw[8], lw[8];
       float s_raw = 0.f, s_eff = 0.f;
 #pragma unroll
@@ -586,11 +528,6 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
     for (int j = 0; j < nt; ++j) {
       const int slot = c.slot;
       const uint32_t phase = c.phase;
-#if MK_SKIP2
-      if (part < S) {  // only the S part warps touch the unit: the wait below is never a lap early
-        while (lds_acquire(&c.ring.issued[slot]) <= c.lap) {
-        }
-#endif
       mbar_wait(&c.ring.full[slot], phase);
 #if MK_WS_ALL
       const int wu = s * nt + j;  // the unit's stamps: 2 + 3 wu (ready), + 1 (part done), + 2 (epilogue done)
@@ -598,9 +535,7 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
       if (wsu) warp_stamp_raw(p, layer, 2 + 3 * wu);
 #endif
       if (!MK_WS_ALL && ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j);
-#if !MK_SKIP2
       if (part < S) {
-#endif
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         const int gi0 = __shfl_sync(0xffffffffu, gtab, part), gi1 = __shfl_sync(0xffffffffu, gtab, part + 1);
         if (!(p.dbg & 1))
@@ -627,26 +562,14 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
 #if MK_WS_ALL
           if (wsu) warp_stamp_raw(p, layer, 4 + 3 * wu);
 #endif
-#if MK_SKIP2
-          if (lane == 0) red_release_add(&c.ring.consumed[slot], NCW - (S - 1));  // + the warps that skipped
-#endif
         } else {
           mbar_arrive(&c.ring.parts[slot]);
-#if MK_SKIP2
-          __syncwarp();
-          if (lane == 0) red_release_add(&c.ring.consumed[slot], 1);
-#endif
         }
       }
-#if !MK_SKIP2
       mbar_arrive(&c.ring.empty[slot]);  // every lane (NCT arrivals per phase: no divergent lane-0 branch)
-#endif
       if (++c.slot == c.ring.nslots) {
         c.slot = 0;
         c.phase ^= 1u;
-#if MK_SKIP2
-        ++c.lap;
-#endif
       }
       part = part >= S ? part - S : part - S + NCW;  // the next item's part: (warp - (item + 1) S) mod 15
     }
@@ -855,10 +778,6 @@ __global__ void __launch_bounds__(NT, 1)
   ring.full = reinterpret_cast<uint64_t*>(smem + sl.bars);
   ring.empty = ring.full + MAX_SLOTS;
   ring.parts = ring.empty + MAX_SLOTS;
-#if MK_SKIP2
-  ring.issued = reinterpret_cast<MiscSmem*>(smem + sl.misc)->issued;
-  ring.consumed = reinterpret_cast<MiscSmem*>(smem + sl.misc)->consumed;
-#endif
   ring.nslots = sl.nslots;
   ring.slot_bytes = sl.slot;
   MiscSmem* misc = reinterpret_cast<MiscSmem*>(smem + sl.misc);
@@ -871,9 +790,6 @@ __global__ void __launch_bounds__(NT, 1)
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   if (threadIdx.x < MAX_ACC_TILES) misc->seg_count[threadIdx.x] = 0;
-#if MK_SKIP2
-  if (threadIdx.x < MAX_SLOTS) misc->issued[threadIdx.x] = misc->consumed[threadIdx.x] = 0;
-#endif
   if (threadIdx.x < NMAT * 16) {  // the K-group bounds of the S parts of each matrix, once
     const int m = threadIdx.x >> 4, pt = threadIdx.x & 15, S = sl.nparts[m];
     const int ng = p.mat[m].kseg >> p.mat[m].gshift;
@@ -901,9 +817,6 @@ __global__ void __launch_bounds__(NT, 1)
   c.ring = ring;
   c.slot = 0;
   c.phase = 0;
-#if MK_SKIP2
-  c.lap = 0;
-#endif
   c.misc = misc;
   c.acc = reinterpret_cast<float*>(smem + sl.acc);
   c.own = reinterpret_cast<float*>(smem + sl.own);

@@ -97,7 +97,6 @@ struct MiscSmem {
   int tile0[NMAT], tile1[NMAT];  // this block's tiles [tile0, tile1) of each matrix (block_tiles, once per launch)
   int flag;
   uint8_t gbound[NMAT][16];  // K-group bound of part p of each matrix (ng * p / S, p <= S; once per launch)
-  int issued[MAX_SLOTS], consumed[MAX_SLOTS];  // MK_SKIP2 experiment (megakernel.cu): per-slot ring counters
 };
 
 }  // namespace mk

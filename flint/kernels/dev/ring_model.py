@@ -15,7 +15,7 @@ Three protocols (megakernel.cu, [5] matvec_stage):
 ``"all"``    every warp waits for every unit's slot and arrives on its empty barrier (the mainline);
 ``"skip"``   warps without a part skip the unit, the reducer arrives for them (experiment 4g: wrong);
 ``"skip2"``  as "skip", with monotonic per-slot ``consumed`` / ``issued`` counters instead of the
-             empty barrier and a wait for ``issued`` before the full-barrier parity wait (MK_SKIP2).
+             empty barrier and a wait for ``issued`` before the full-barrier parity wait (MK_SKIP2: correct, but +1.2% per step on the H200 in session 5; removed from the kernel, in 0117668).
 
 Checked per run: every part reads the lap it expects, the reducer sees every part of its unit, no
 arrival lands in another lap's phase, and everything finishes (no deadlock).
