@@ -40,7 +40,7 @@ for rep in range(2):
         col = t[:, k]
         print(f"  {n:8s} {col.min():7.2f} {col.median():7.2f} {col.max():7.2f}   "
               f"{torch.argsort(col, descending=True)[:6].tolist()}")
-    for n, a, b in (("qkv", 1, 2), ("attn", 3, 4), ("o", 5, 6), ("gate_up", 8, 9), ("down", 10, 11)):
+    for n, a, b in (("qkv", 1, 2), ("attn", 3, 4), ("o", 5, 6), ("gate_up", 7, 8), ("dpart", 8, 9), ("down", 10, 11)):
         d = t[:, b] - t[:, a]
         q = torch.quantile(d, torch.tensor([0.0, 0.5, 0.9, 1.0], dtype=torch.float64))
         print(f"  duration {n:8s} min {q[0]:.2f} median {q[1]:.2f} p90 {q[2]:.2f} max {q[3]:.2f}")

@@ -111,6 +111,57 @@ def repack(ws: list[Int4Weight], name: str, device) -> tuple[torch.Tensor, dict]
     return out, desc
 
 
+def ffn_split_plan(intermediate: int, group: int, nblocks: int) -> dict | None:
+    """FFN split-K (docs/megakernel.md, session 5): FFN block f owns gate|up tiles [f T, (f + 1) T) (the
+    rows are interleaved gate_j, up_j, so a tile is 8 act indices) and computes down's partial sums over
+    its own kf = 8 T act values. The plan with the most FFN blocks that fit the grid: T a multiple of 4
+    (kf a multiple of 32), T dividing the gate|up tiles exactly, kf within one K segment, and the slice
+    aligned to the quantization groups (kf a multiple of G, or G a multiple of kf: the slice's group
+    is then kf with the covering group's (scale, min)). None: no plan."""
+    ntg = 2 * intermediate // TILE_ROWS
+    if 2 * intermediate % TILE_ROWS:
+        return None
+    for tiles in range(4, ntg + 1, 4):
+        nffn, kf = ntg // tiles, 8 * tiles
+        if ntg % tiles or nffn > nblocks:
+            continue
+        if kf > KSEG_MAX:
+            return None
+        gs = min(group, kf)
+        if kf % gs or (group % kf and kf % group):
+            continue
+        return dict(nffn=nffn, nffn_pad=-(-nffn // 8) * 8, tiles=tiles, kf=kf, G=gs)
+    return None
+
+
+def repack_down_slices(ws: list[Int4Weight], plan: dict, device) -> tuple[torch.Tensor, dict]:
+    """Layers of down [H, I] -> uint8 [layers, nffn, H16, srb]: slice f = every row over the K range
+    [f kf, (f + 1) kf), codes as stored, one (scale, min) per row and slice group of plan["G"] codes
+    (copied from the group that covers it); rows padded to whole tiles with zeros; srb padded to the
+    dot's code-load width (G / 8 bytes)."""
+    n, k = ws[0].shape
+    g = ws[0].group_size
+    nffn, kf, gs = plan["nffn"], plan["kf"], plan["G"]
+    if nffn * kf != k:
+        raise ValueError(f"down slices: {nffn} x {kf} != K={k}")
+    ngs = kf // gs
+    w8 = gs // 8
+    srb = -(-(kf // 2 + 4 * ngs) // w8) * w8
+    n_pad = -(-n // TILE_ROWS) * TILE_ROWS
+    gidx = ((torch.arange(nffn)[:, None] * kf + torch.arange(ngs)[None, :] * gs) // g).flatten().to(device)
+    out = torch.zeros((len(ws), nffn, n_pad, srb), dtype=torch.uint8, device=device)
+    for li, w in enumerate(ws):
+        if w.shape != (n, k) or w.group_size != g:
+            raise ValueError(f"down: layer {li} has shape {w.shape}/G{w.group_size}, expected {(n, k)}/G{g}")
+        out[li, :, :n, :kf // 2] = w.qweight.to(device).view(n, nffn, kf // 2).permute(1, 0, 2)
+        sm = torch.stack((w.scales.to(device, torch.float16), w.mins.to(device, torch.float16)), -1)
+        sel = sm[:, gidx].reshape(n, nffn, ngs * 2).permute(1, 0, 2).contiguous()
+        out[li, :, :n, kf // 2:kf // 2 + 4 * ngs] = sel.view(torch.uint8)
+    desc = dict(N=n_pad, K=kf, G=gs, nseg=1, kseg=kf, srb=srb, nreal=n,
+                layer_stride=nffn * n_pad * srb, seg_stride=n_pad * srb)
+    return out, desc
+
+
 def _rope_pair_rows(w: Int4Weight, heads: int, d: int) -> Int4Weight:
     """Row order (i, i + D/2) for i < D/2 per head, so one warp holds both halves of a RoPE pair."""
     half = d // 2
@@ -140,7 +191,8 @@ def _interleave_rows(a: Int4Weight, b: Int4Weight, name: str) -> Int4Weight:
 class MegakernelBackend:
     name = "megakernel"
 
-    def __init__(self, cfg: ModelConfig, params: dict, max_seq_len: int, device="cuda"):
+    def __init__(self, cfg: ModelConfig, params: dict, max_seq_len: int, device="cuda",
+                 ffn_split: str | None = None):
         self.cfg = cfg
         self.device = torch.device(device)
         self.max_seq_len = int(max_seq_len)
@@ -154,6 +206,8 @@ class MegakernelBackend:
         dev = self.device
         nh, nkv, d, L, H, I, V = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers,
                                   cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size)
+        self.nblocks = torch.cuda.get_device_properties(dev).multi_processor_count
+        self.ffn_plan = self._ffn_plan(ffn_split, params["layers.0.w_down"].group_size)
         with torch.device(dev):
             mats, descs = {}, {}
             qkv, o, gu, dn = [], [], [], []
@@ -168,7 +222,10 @@ class MegakernelBackend:
                 dn.append(params[p + "w_down"].to(dev))
             for key, ws in (("qkv", qkv), ("o", o), ("gu", gu), ("down", dn),
                             ("lm_head", [params["lm_head"].to(dev)])):
-                mats[key], descs[key] = repack(ws, key, dev)
+                if key == "down" and self.ffn_plan:  # FFN split-K: down as per-FFN-block K slices
+                    mats["dslice"], descs["dslice"] = repack_down_slices(ws, self.ffn_plan, dev)
+                else:
+                    mats[key], descs[key] = repack(ws, key, dev)
             del qkv, o, gu, dn
             self.weights = mats
             self.mat_desc = descs
@@ -185,7 +242,6 @@ class MegakernelBackend:
             self.rope_cos, self.rope_sin = cos.contiguous(), sin.contiguous()
             self.k_cache = torch.zeros((L, nkv, self.max_seq_len, d), dtype=torch.float16)
             self.v_cache = torch.zeros_like(self.k_cache)
-            self.nblocks = torch.cuda.get_device_properties(dev).multi_processor_count
             g = nh // nkv
             nsplit = max(1, self.nblocks // nkv)
             f32 = dict(dtype=torch.float32)
@@ -202,6 +258,9 @@ class MegakernelBackend:
             self.done_count = torch.zeros((1,), dtype=torch.int32)
             self.bar_counter = torch.zeros((1,), dtype=torch.int64)
             self.epoch = torch.zeros((1,), dtype=torch.int64)
+            # FFN split-K partial sums [M][H tiles][nffn_pad][16] (f >= nffn stay 0)
+            self.dpart = (torch.zeros((MAX_M * (-(-H // TILE_ROWS)) * self.ffn_plan["nffn_pad"] * TILE_ROWS,), **f32)
+                          if self.ffn_plan else None)
             # FLINT_MK_TRACE=1: blocks 0 and nblocks-1 stamp %globaltimer at stage boundaries (stage_times)
             self.trace = (torch.zeros((2 * L * 32 + self.nblocks * 16 + 2 * 16 * 32,), dtype=torch.int64)
                           if traced else None)
@@ -217,6 +276,22 @@ class MegakernelBackend:
         # the fp32 norm weights, one fp32 embedding row (flint bench's bytes-per-token)
         self.weight_bytes_per_token = (sum(params[n].nbytes for n in names_int4(cfg))
                                        + 4 * H * (2 * L + 1) + 4 * H)
+
+    def _ffn_plan(self, mode: str | None, group: int) -> dict | None:
+        """FFN split-K or not: ffn_split (or FLINT_MK_FFN_SPLIT) "auto" (default: when the plan's FFN
+        blocks fill >= 90% of the grid, e.g. Granite-4.1-3B: 128 of 132), "1" (whenever a plan exists;
+        an error otherwise) or "0"."""
+        src = "ffn_split" if mode is not None else "FLINT_MK_FFN_SPLIT"
+        mode = str(mode if mode is not None else os.environ.get("FLINT_MK_FFN_SPLIT", "auto"))
+        if mode not in ("auto", "0", "1"):
+            raise ValueError(f"megakernel: {src}={mode!r}: expected auto, 0 or 1")
+        plan = ffn_split_plan(self.cfg.intermediate_size, group, self.nblocks)
+        if mode == "1" and plan is None:
+            raise ValueError(f"megakernel: {src}=1 but intermediate_size={self.cfg.intermediate_size} at group "
+                             f"size {group} has no FFN split-K plan over {self.nblocks} blocks")
+        if mode == "0" or plan is None or (mode == "auto" and plan["nffn"] < 0.9 * self.nblocks):
+            return None
+        return plan
 
     @staticmethod
     def _validate(cfg: ModelConfig, params: dict) -> None:
@@ -245,14 +320,18 @@ class MegakernelBackend:
         c = self.cfg
         ia = [c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers,
               c.vocab_size, self.max_seq_len, int(bool(c.use_rope)), self.nblocks,
-              int(os.environ.get("FLINT_MK_DBG", "0"))]  # debug bits for timing experiments only
+              int(os.environ.get("FLINT_MK_DBG", "0")),  # debug bits for timing experiments only
+              self.ffn_plan["nffn"] if self.ffn_plan else 0, self.ffn_plan["nffn_pad"] if self.ffn_plan else 0]
         for t in (self.embed, self.norms, self.final_norm, self.rope_cos, self.rope_sin, self.k_cache,
                   self.v_cache, self.resid, self.q, self.attn, self.act, self.part, self.att_count,
                   self.logits, self.arg_val, self.arg_idx, self.argmax, self.done_count, self.bar_counter,
-                  self.epoch, self.trace):
+                  self.epoch, self.dpart, self.trace):
             ia.append(t.data_ptr() if t is not None else 0)
-        for key in ("qkv", "o", "gu", "down", "lm_head"):
-            dsc = self.mat_desc[key]
+        for key in ("qkv", "o", "gu", "down", "lm_head", "dslice"):  # mk::MAT_* order
+            dsc = self.mat_desc.get(key)
+            if dsc is None:  # absent: down with FFN split-K, dslice without
+                ia += [0] * 10
+                continue
             ia += [self.weights[key].data_ptr(), dsc["layer_stride"], dsc["seg_stride"], dsc["N"], dsc["K"],
                    dsc["G"], dsc["nseg"], dsc["kseg"], dsc["srb"], dsc["nreal"]]
         fa = [c.rms_norm_eps, c.embedding_multiplier, c.residual_multiplier, c.attn_scale,
@@ -312,7 +391,7 @@ class MegakernelBackend:
                                          ctypes.byref(out)), self._lib)
         return out.value
 
-    STAGES = ("rstd1", "qkv", "bar1", "attn", "bar2", "o", "bar3", "rstd2", "gate_up", "bar4", "down", "bar5")
+    STAGES = ("rstd1", "qkv", "bar1", "attn", "bar2", "o", "bar3", "gate_up", "dpart", "bar4", "down", "bar5")
     SUBSTAGES = ("qkv", "o", "gate_up", "down")
 
     def stage_times(self, block: int = 0) -> dict:
@@ -328,13 +407,14 @@ class MegakernelBackend:
             out[n] = float((t[:, i + 1] - t[:, i]).mean()) / 1e3
         out["bar5"] = float((t[1:, 0] - t[:-1, 11]).mean()) / 1e3 if L > 1 else 0.0
         out["lm_head"] = float(t[-1, 13] - t[-1, 12]) / 1e3
-        starts = {"qkv": 1, "o": 5, "gate_up": 8, "down": 10}
+        starts = {"qkv": 1, "o": 5, "gate_up": 7, "down": 10}
         for mi, n in enumerate(self.SUBSTAGES):
             out[n + ".stage_x"] = float((t[:, 16 + 4 * mi] - t[:, starts[n]]).mean()) / 1e3
             out[n + ".tiles"] = float((t[:, 17 + 4 * mi] - t[:, 16 + 4 * mi]).mean()) / 1e3
         return out
 
-    BLOCK_STAMPS = ("start", "rstd1", "qkv", "bar1", "attn", "bar2", "o", "bar3", "rstd2", "gate_up", "bar4", "down")
+    # "gu_tiles": gate|up's tiles and epilogues done; "gate_up": with FFN split-K also down's partials
+    BLOCK_STAMPS = ("start", "rstd1", "qkv", "bar1", "attn", "bar2", "o", "bar3", "gu_tiles", "gate_up", "bar4", "down")
 
     def block_stamps(self) -> torch.Tensor:
         """Every block's stage-end times in the middle layer of the last launch (needs FLINT_MK_TRACE=1):

@@ -34,13 +34,19 @@ def _granite(layers=3):
     return cfg
 
 
-# (name, cfg factory, group size): Granite-4.1-3B shapes (fewer layers), head_dim 128 with one kv
-# head, 4 kv heads with head_dim 64 and a vocab that is not a multiple of 128, group size 64 / 32
+# (name, cfg factory, group size, FFN split-K mode): Granite-4.1-3B shapes (fewer layers; "auto" splits
+# the FFN on a 132-SM H200, "0" runs down's multi-segment stage), head_dim 128 with one kv head, 4 kv
+# heads with head_dim 64 and a vocab that is not a multiple of 128, group size 64 / 32, each also with
+# the FFN split forced (slices of 32 codes inside groups of 64; 20 FFN blocks padded to 24)
+_HD64 = dict(num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=1003, hidden_size=320,
+             intermediate_size=640)
 CONFIGS = [
-    ("granite-3b-shapes", lambda: _granite(3), 128),
-    ("hd128-1kv", lambda: _cfg(), 64),
-    ("hd64-4kv-v1003", lambda: _cfg(num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=1003,
-                                    hidden_size=320, intermediate_size=640), 32),
+    ("granite-3b-shapes", lambda: _granite(3), 128, "auto"),
+    ("granite-3b-shapes-nosplit", lambda: _granite(3), 128, "0"),
+    ("hd128-1kv", lambda: _cfg(), 64, "0"),
+    ("hd128-1kv-ffnsplit", lambda: _cfg(), 64, "1"),
+    ("hd64-4kv-v1003", lambda: _cfg(**_HD64), 32, "0"),
+    ("hd64-4kv-v1003-ffnsplit", lambda: _cfg(**_HD64), 32, "1"),
 ]
 CTXS = (1, 17, 511, 4096)
 
@@ -49,13 +55,13 @@ def rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def _pair(cfg, group, maxlen, seed=0):
+def _pair(cfg, group, maxlen, seed=0, ffn_split=None):
     from flint.megakernel import MegakernelBackend
     from flint.model import Transformer
     from flint.synthetic import synthetic_params
 
     params = synthetic_params(cfg, seed=seed, int4_group_size=group, dtype=torch.float32, device="cuda")
-    return MegakernelBackend(cfg, params, maxlen), Transformer(cfg, params, maxlen, device="cuda", dtype=torch.float32)
+    return MegakernelBackend(cfg, params, maxlen, ffn_split=ffn_split), Transformer(cfg, params, maxlen, device="cuda", dtype=torch.float32)
 
 
 # ------------------------------------------------------------------ CPU: the build
@@ -132,15 +138,51 @@ def test_segment_plan_and_repack_roundtrip():
     assert int(blob[0, :, n:].abs().sum()) == 0
 
 
+def test_ffn_split_plan_and_slices():
+    """FFN split-K (CPU): the plan for Granite-4.1-3B on 132 SMs, plans that must not exist, and the
+    down slices dequantize to exactly the original columns (codes copied, the covering group's
+    (scale, min)), with zero padding rows."""
+    from flint.megakernel import ffn_split_plan, repack_down_slices
+    from flint.quant import quantize_int4
+
+    assert ffn_split_plan(8192, 128, 132) == dict(nffn=128, nffn_pad=128, tiles=8, kf=64, G=64)
+    assert ffn_split_plan(1536, 32, 132) == dict(nffn=48, nffn_pad=48, tiles=4, kf=32, G=32)
+    assert ffn_split_plan(640, 32, 132)["nffn_pad"] == 24
+    assert ffn_split_plan(8192, 128, 1) is None      # one block would need kf = 8192 > one K segment
+    assert ffn_split_plan(8192, 128, 20) == dict(nffn=16, nffn_pad=16, tiles=64, kf=512, G=128)  # 4 groups per slice
+    for k, g, nb in ((8192, 128, 132), (8192, 128, 20), (640, 32, 132), (512, 64, 132), (1024, 32, 9)):
+        plan = ffn_split_plan(k, g, nb)
+        assert plan and plan["nffn"] <= nb and plan["nffn"] * plan["kf"] == k
+        torch.manual_seed(k + g)
+        w = quantize_int4(torch.randn(21, k), g)
+        blob, d = repack_down_slices([w, w], plan, "cpu")
+        kf, gs = plan["kf"], plan["G"]
+        ngs = kf // gs
+        assert blob.shape == (2, plan["nffn"], 32, d["srb"]) and d["srb"] % (gs // 8) == 0
+        assert d["seg_stride"] == 32 * d["srb"] and d["layer_stride"] == plan["nffn"] * d["seg_stride"]
+        full = w.dequantize()
+        for f in range(plan["nffn"]):
+            s = blob[1, f, :21]
+            codes = torch.stack((s[:, :kf // 2] & 15, s[:, :kf // 2] >> 4), -1).flatten(-2).float()
+            sm = s[:, kf // 2:kf // 2 + 4 * ngs].contiguous().view(torch.float16).view(21, ngs, 2).float()
+            back = (codes.view(21, ngs, gs) * sm[..., :1] + sm[..., 1:]).view(21, kf)
+            assert torch.equal(back, full[:, f * kf:(f + 1) * kf]), (k, g, f)
+        assert int(blob[:, :, 21:].abs().sum()) == 0
+
+
 # ------------------------------------------------------------------ GPU: vs the reference
 
 
 @gpu
 @needs_sm90
-@pytest.mark.parametrize("name,make,group", CONFIGS, ids=[c[0] for c in CONFIGS])
-def test_logits_match_reference(name, make, group):
+@pytest.mark.parametrize("name,make,group,split", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_logits_match_reference(name, make, group, split):
     cfg = make()
-    mk, ref = _pair(cfg, group, max(CTXS) + 16)
+    mk, ref = _pair(cfg, group, max(CTXS) + 16, ffn_split=split)
+    if split == "1" or (name == "granite-3b-shapes" and mk.nblocks == 132):
+        assert mk.ffn_plan is not None, f"{name}: expected the FFN split-K path"
+    if split == "0":
+        assert mk.ffn_plan is None
     gen = torch.Generator().manual_seed(1)
     toks = torch.randint(0, cfg.vocab_size, (max(CTXS) + 16,), generator=gen)
     pos = 0
@@ -161,10 +203,12 @@ def test_logits_match_reference(name, make, group):
 
 @gpu
 @needs_sm90
+@pytest.mark.parametrize("split", ["0", "1"])
 @pytest.mark.parametrize("m", range(1, 9))
-def test_verify_shapes_match_reference(m):
+def test_verify_shapes_match_reference(m, split):
     cfg = _cfg(num_attention_heads=8, num_key_value_heads=2, head_dim=64)
-    mk, ref = _pair(cfg, 64, 256)
+    mk, ref = _pair(cfg, 64, 256, ffn_split=split)
+    assert (mk.ffn_plan is not None) == (split == "1")
     toks = torch.randint(0, cfg.vocab_size, (200,), generator=torch.Generator().manual_seed(m))
     for i in range(0, 100, 8):
         mk.forward(toks[i:i + 8], i)
@@ -194,6 +238,8 @@ def test_unsupported_shapes_raise():
     bad["layers.0.wq"] = bad["layers.0.wq"].dequantize()
     with pytest.raises(ValueError, match="layers.0.wq"):
         MegakernelBackend(cfg, bad, 64)
+    with pytest.raises(ValueError, match="ffn_split"):
+        MegakernelBackend(cfg, params, 64, ffn_split="yes")
     mk = MegakernelBackend(cfg, params, 64)
     with pytest.raises(ValueError, match="tokens per step"):
         mk.forward(torch.zeros(9, dtype=torch.long), 0)

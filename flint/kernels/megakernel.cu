@@ -39,15 +39,6 @@ namespace {  // internal linkage: this file is compiled once per M into one libr
 
 // =====================================================================[1] PTX helpers
 // (shared-memory, mbarrier and copy helpers: mk_ptx.cuh)
-// CTA-scope ordering for the multi-segment hand-off between warps (tile_epilogue). dbg bits 4 / 8
-// are the timing experiment of docs/megakernel.md row 2g (bit 4: no fence, NOT correct; bit 8:
-// fence.acq_rel.cta); default __threadfence_block. Removing the branch changes the validated SASS:
-// fold it (and this hand-off into the parts mbarrier scheme) with the next GPU-validated change.
-__device__ __forceinline__ void cta_fence(int dbg) {
-  if (dbg & 4) return;
-  if (dbg & 8) { asm volatile("fence.acq_rel.cta;" ::: "memory"); return; }
-  __threadfence_block();
-}
 // barrier among the 512 consumer threads only (the producer warp never joins)
 __device__ __forceinline__ void cbar() { asm volatile("bar.sync 1, %0;" ::"n"(NCT) : "memory"); }
 
@@ -64,9 +55,7 @@ __device__ __forceinline__ float warp_max(float v) {
 // =====================================================================[2] grid barrier
 // Consumers of every block arrive once per barrier; thread 0 spins on an acquire load. The counter
 // only grows: barrier b of launch e completes at nblocks * (e * S + b + 1), S = barriers per launch.
-// (The MiscSmem* parameter is unused since MK_HOP_CAP went; dropping it reorders 8 instructions of the
-// SASS that was measured and validated: drop it with the next GPU-validated change.)
-__device__ __forceinline__ void grid_barrier(const Params& p, unsigned long long target, MiscSmem* /*unused*/) {
+__device__ __forceinline__ void grid_barrier(const Params& p, unsigned long long target) {
   cbar();
   if (threadIdx.x == 0) {
     // release (cumulative over the block's writes ordered before it by cbar); no return value to wait for
@@ -167,20 +156,39 @@ __device__ void produce_matrix(const Mat& mt, int t0, int t1, int layer, const R
   }
 }
 
-__device__ void producer(const Params& p, const Ring& ring, const MiscSmem* misc) {
+// FFN split-K: this block's down slice (all its row tiles, one K slice) in chunks of cpt tiles per
+// slot, in the consumers' order (ffn_down_partial)
+__device__ void produce_slice(const Mat& mt, int ntl, int cpt, int layer, const Ring& ring, int& slot, uint32_t& lap,
+                              uint64_t pol) {
+  const uint32_t tb = (uint32_t)(TILE_ROWS * mt.srb);
+  const uint8_t* src = mt.base + (long long)layer * mt.layer_stride + (long long)blockIdx.x * mt.seg_stride;
+  for (int t = 0; t < ntl; t += cpt, src += (size_t)cpt * tb) {
+    const uint32_t bytes = (uint32_t)min(cpt, ntl - t) * tb;
+    if (lap > 0) mbar_wait(&ring.empty[slot], (lap - 1) & 1);
+    mbar_expect_tx(&ring.full[slot], bytes);
+    bulk_g2s(ring.slots + (size_t)slot * ring.slot_bytes, src, bytes, &ring.full[slot], pol);
+    if (++slot == ring.nslots) { slot = 0; ++lap; }
+  }
+}
+
+__device__ void producer(const Params& p, const Smem& sl, const Ring& ring, const MiscSmem* misc) {
   uint64_t pol;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
   int slot = 0;
   uint32_t lap = 0;
-  for (int l = 0; l < p.L; ++l)
-    for (int m = MAT_QKV; m <= MAT_D; ++m)
+  for (int l = 0; l < p.L; ++l) {
+    for (int m = MAT_QKV; m <= MAT_GU; ++m)
       produce_matrix(p.mat[m], misc->tile0[m], misc->tile1[m], l, ring, slot, lap, pol);
+    if (p.nffn) produce_slice(p.mat[MAT_DS], misc->tile1[MAT_DS], sl.ds_cpt, l, ring, slot, lap, pol);
+    else produce_matrix(p.mat[MAT_D], misc->tile0[MAT_D], misc->tile1[MAT_D], l, ring, slot, lap, pol);
+  }
   produce_matrix(p.mat[MAT_LM], misc->tile0[MAT_LM], misc->tile1[MAT_LM], 0, ring, slot, lap, pol);
 }
 
 // =====================================================================[4] x staging
 extern __shared__ __align__(1024) uint8_t mk_smem[];
 
+constexpr int ROW_ACTB = 4;  // MiscSmem::rows[ROW_ACTB]: the FFN split-K act slice in shared memory
 template <int M>
 struct Ctx {
   const Params* p;
@@ -192,6 +200,7 @@ struct Ctx {
   float* acc;          // [tiles][16][M] sums across K segments
   float* own;          // [o tiles][16][M] this block's residual rows
   float* rope;         // [M][D/2] cos, [M][D/2] sin
+  float* actb;         // FFN split-K: [M][kf] this block's act slice
   float* parts;        // [nslots][pstride]
   uint32_t xs, xsum;   // shared addresses of the staged x and its per-group sums
   int start;
@@ -243,7 +252,7 @@ __device__ void compute_rstd(const Params& p, const float* const* src, float mul
 // deterministic). norm_w == nullptr: plain copy (attention output / act); else
 // rmsnorm(src * mult) * norm_w (rstd fused into the loads, or compute_rstd). xsum entries of tokens >= M stay 0
 // (zeroed at kernel start).
-template <int M>
+template <int M, bool SMEM_SRC = false>  // SMEM_SRC: src rows are in shared memory (generic loads)
 __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, const float* norm_w, int k0, int kst,
                         int G, int gshift) {
   const int t = threadIdx.x;
@@ -267,7 +276,8 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
       const int m = (M == 1 || !ok) ? 0 : wi / wpr, kw = wi - m * wpr;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        v[u][h] = ok ? __ldcg(reinterpret_cast<const float4*>(src[m] + k0) + 2 * kw + h) : make_float4(0.f, 0.f, 0.f, 0.f);
+        const float4* sp = reinterpret_cast<const float4*>(src[m] + k0) + 2 * kw + h;
+        v[u][h] = !ok ? make_float4(0.f, 0.f, 0.f, 0.f) : SMEM_SRC ? *sp : __ldcg(sp);
         wv[u][h] = (norm_w && ok) ? __ldg(reinterpret_cast<const float4*>(norm_w + k0) + 2 * kw + h)
                                   : make_float4(1.f, 1.f, 1.f, 1.f);
       }
@@ -403,7 +413,13 @@ __device__ __forceinline__ void pair_epilogue(Ctx<M>& c, int mi, int layer, int 
       *reinterpret_cast<float2*>(p.resid + (size_t)mm * p.H + n0) = make_float2(r0, r1);
     }
   } else if (mi == MAT_GU) {  // rows interleaved gate_j, up_j
-    if (act && (n0 >> 1) < p.I) p.act[(size_t)mm * p.I + (n0 >> 1)] = silu(a) * b;
+    if (act && (n0 >> 1) < p.I) {
+      const float v = silu(a) * b;
+      if (p.nffn)  // FFN split-K: only this block's down partials read it (from shared memory)
+        c.actb[mm * p.mat[MAT_DS].K + (n0 >> 1) - (int)blockIdx.x * p.mat[MAT_DS].K] = v;
+      else
+        p.act[(size_t)mm * p.I + (n0 >> 1)] = v;
+    }
   } else {  // MAT_LM: logits + this warp's running argmax (first index wins ties)
     const float l0 = a * p.inv_logit_scale, l1 = b * p.inv_logit_scale;
     float bv = -INFINITY;
@@ -466,12 +482,12 @@ __device__ void tile_epilogue(Ctx<M>& c, int mi, int layer, int tl, int tl_local
   __syncwarp();
   int last = 0;
   if (lane == 0) {
-    cta_fence(c.p->dbg);
+    __threadfence_block();  // CTA-scope ordering of the segment sums
     last = atomicAdd(&c.misc->seg_count[tl_local], 1) == mt.nseg - 1;
   }
   last = __shfl_sync(0xffffffffu, last, 0);
   if (!last) return;
-  cta_fence(c.p->dbg);
+  __threadfence_block();  // CTA-scope ordering of the segment sums
 #pragma unroll
   for (int m0 = 0; m0 < M; m0 += 4) {
     const int m = m0 + (lane >> 3);
@@ -580,6 +596,202 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
   if (ws) warp_stamp(p, layer, MK_WS_ALL ? 30 : WS_O_LOOP_END);
   cbar();  // all parts and epilogues done; the staged x may be overwritten
   if (ws) warp_stamp(p, layer, MK_WS_ALL ? 31 : WS_O_EXIT);
+}
+
+// FFN split-K: the tiles of a down slice that is ONE quantization group (kf == G): the
+// staged x, its group sums and the offsets are the same for every tile, so a warp loads them once and
+// per tile reads only its code words and (scale, min); two tiles per iteration (their loads first).
+// Same arithmetic as mkmma::mma_tile_dot for one group (see mk_mma.cuh for the layouts).
+template <int WPL, int M>
+__device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int srb, int kseg, int n, int warp,
+                                                   uint32_t xs, int xstride, uint32_t xlo, uint32_t xsum, int lane,
+                                                   float* dp0, size_t tstride, size_t mstride) {
+  using namespace mkmma;
+  constexpr bool PACKED = 2 * M <= 8;
+  constexpr int LB = M == 1 ? 1 : M == 2 ? 2 : 4;
+  const int g = lane >> 2, t = lane & 3;
+  const int row = !PACKED ? min(g, M - 1) : g < M ? g : (g >= LB && g < LB + M) ? M + g - LB : 0;
+  const uint32_t xa = xs + (uint32_t)(row * xstride + t * 16);
+  uint4 xh[WPL], xl[WPL];
+#pragma unroll
+  for (int c = 0; c < WPL; ++c) {
+    xh[c] = lds128(xa + (uint32_t)(c * 64));
+    xl[c] = PACKED ? xh[c] : lds128(xa + (uint32_t)(c * 64) + xlo);
+  }
+  const uint4 off = lds128(xsum + (uint32_t)(t * 16));
+  float2 eff;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(eff.x), "=f"(eff.y) : "r"(xsum + (uint32_t)(64 + t * 8)));
+  uint32_t magic;
+  asm("mov.b32 %0, 0x64006400;" : "=r"(magic));
+  const uint32_t ra = (uint32_t)(g * srb), rb = ra + (uint32_t)(8 * srb);
+  for (int i = warp; i < n; i += 2 * NCW) {
+    const bool two = i + NCW < n;
+    uint32_t wa[2][WPL], wb[2][WPL], hs[2][2];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const uint32_t tile = sb + (uint32_t)(u && two ? i + NCW : i) * tb;
+      mma_lds_words<WPL>(tile + ra + (uint32_t)(t * WPL * 4), wa[u]);
+      mma_lds_words<WPL>(tile + rb + (uint32_t)(t * WPL * 4), wb[u]);
+      hs[u][0] = lds32(tile + ra + (uint32_t)(kseg >> 1));
+      hs[u][1] = lds32(tile + rb + (uint32_t)(kseg >> 1));
+    }
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      if (u && !two) break;
+      float d0[4] = {__uint_as_float(off.x), __uint_as_float(off.y), __uint_as_float(off.z), __uint_as_float(off.w)};
+      float d1[4] = {0.f, 0.f, 0.f, 0.f}, e0[4] = {0.f, 0.f, 0.f, 0.f}, e1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int c = 0; c < WPL; ++c) {
+        const uint32_t a_lo = wa[u][c], b_lo = wb[u][c];
+        const uint32_t a_hi = a_lo >> 8, b_hi = b_lo >> 8;
+        const uint32_t p0 = mma_nib<0x000F000Fu>(a_lo, magic), p1 = mma_nib<0x000F000Fu>(b_lo, magic);
+        const uint32_t p2 = mma_nib<0x00F000F0u>(a_lo, magic), p3 = mma_nib<0x00F000F0u>(b_lo, magic);
+        const uint32_t r0 = mma_nib<0x000F000Fu>(a_hi, magic), r1 = mma_nib<0x000F000Fu>(b_hi, magic);
+        const uint32_t r2 = mma_nib<0x00F000F0u>(a_hi, magic), r3 = mma_nib<0x00F000F0u>(b_hi, magic);
+        mma_16816(d0, p0, p1, p2, p3, xh[c].x, xh[c].y);
+        mma_16816(d1, r0, r1, r2, r3, xh[c].z, xh[c].w);
+        if constexpr (!PACKED) {
+          mma_16816(e0, p0, p1, p2, p3, xl[c].x, xl[c].y);
+          mma_16816(e1, r0, r1, r2, r3, xl[c].z, xl[c].w);
+        }
+      }
+      const float2 fa = __half22float2(*reinterpret_cast<const __half2*>(&hs[u][0]));
+      const float2 fb = __half22float2(*reinterpret_cast<const __half2*>(&hs[u][1]));
+      float acc[4];
+      acc[0] = fmaf(fa.x, (d0[0] + d1[0]) + (e0[0] + e1[0]), fmaf(fa.y, eff.x, 0.f));
+      acc[1] = fmaf(fa.x, (d0[1] + d1[1]) + (e0[1] + e1[1]), fmaf(fa.y, eff.y, 0.f));
+      acc[2] = fmaf(fb.x, (d0[2] + d1[2]) + (e0[2] + e1[2]), fmaf(fb.y, eff.x, 0.f));
+      acc[3] = fmaf(fb.x, (d0[3] + d1[3]) + (e0[3] + e1[3]), fmaf(fb.y, eff.y, 0.f));
+      if constexpr (PACKED) {
+        if constexpr (M == 1) {
+          acc[0] += acc[1];
+          acc[2] += acc[3];
+        } else {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], LB / 2);
+        }
+      }
+      float* dp = dp0 + (size_t)(u ? i + NCW : i) * tstride;
+      if (2 * t < M) { dp[2 * t * mstride] = acc[0]; dp[2 * t * mstride + 8] = acc[2]; }
+      if (2 * t + 1 < M) { dp[(2 * t + 1) * mstride] = acc[1]; dp[(2 * t + 1) * mstride + 8] = acc[3]; }
+    }
+  }
+}
+
+// FFN split-K, part 1 (in the gate|up stage, after its epilogues): FFN block f stages its own act
+// slice [f kf, (f + 1) kf) from shared memory (its gate|up epilogues wrote it there, not to global
+// memory: 5e, −0.3% against staging it from L2), then every warp takes whole row tiles of down's slice f (one K range, no K parts, no reducer) and
+// writes their 16 x M partial sums to dpart[m][tile][f][16]. Every warp waits for every chunk and
+// arrives on its empty barrier, as in matvec_stage (the ring's parity protocol), and on its parts
+// barrier (without that arrival the slot's parts phases fall a lap behind and the next matvec stage's
+// parity wait on it passes early or never: the first GPU run of this stage hung).
+template <int M>
+__device__ void ffn_down_partial(Ctx<M>& c) {
+  const Params& p = *c.p;
+  const Mat& mt = p.mat[MAT_DS];
+  const int nt = c.misc->tile1[MAT_DS];  // all H row tiles, or 0 (blocks >= nffn)
+  if (nt == 0) return;                   // block-uniform
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int f = blockIdx.x;
+  stage_x<M, true>(c, c.misc->rows[ROW_ACTB], 1.f, nullptr, 0, mt.K, mt.G, mt.gshift);  // ends with a block barrier
+  const int cpt = c.sl->ds_cpt, ng = mt.kseg >> mt.gshift;
+  const int xstride = c.sl->xstride;
+  const uint32_t xlo = (uint32_t)(M * xstride);
+  const uint32_t ring0 = smem_u32(c.ring.slots);
+  const uint32_t tb = (uint32_t)(TILE_ROWS * mt.srb);
+  const int gq = lane >> 2, tq = lane & 3;
+  const size_t mstride = (size_t)mt.ntiles * p.nffn_pad * TILE_ROWS;
+  float* dpf = p.dpart + (size_t)f * TILE_ROWS + gq;
+  for (int t = 0; t < nt; t += cpt) {
+    mbar_wait(&c.ring.full[c.slot], c.phase);
+    const int n = min(cpt, nt - t);
+    const uint32_t sb = ring0 + (uint32_t)(c.slot * c.ring.slot_bytes);
+    // (hoisted only where the registers allow: M <= 2 and G <= 64; else the generic tile dot)
+    if (M <= 2 && ng == 1 && mt.G <= 64) {
+      float* dp0 = dpf + (size_t)t * p.nffn_pad * TILE_ROWS;
+      const size_t ts = (size_t)p.nffn_pad * TILE_ROWS;
+      if (mt.G == 64)
+        ds_tiles_one_group<2, M>(sb, tb, mt.srb, mt.kseg, n, warp, c.xs, xstride, xlo, c.xsum, lane, dp0, ts, mstride);
+      else
+        ds_tiles_one_group<1, M>(sb, tb, mt.srb, mt.kseg, n, warp, c.xs, xstride, xlo, c.xsum, lane, dp0, ts, mstride);
+    } else
+    for (int i = warp; i < n; i += NCW) {
+      float acc[4];
+      mkmma::mma_tile_dot_g<M>(mt.G, sb + (uint32_t)i * tb, mt.srb, mt.kseg, 0, ng, c.xs, xstride, xlo, c.xsum, lane,
+                               acc);
+      float* dp = dpf + (size_t)(t + i) * p.nffn_pad * TILE_ROWS;
+      if (2 * tq < M) { dp[2 * tq * mstride] = acc[0]; dp[2 * tq * mstride + 8] = acc[2]; }
+      if (2 * tq + 1 < M) { dp[(2 * tq + 1) * mstride] = acc[1]; dp[(2 * tq + 1) * mstride + 8] = acc[3]; }
+    }
+    // every lane, on the slot's parts barrier too: its phases must follow the ring's laps (matvec_stage
+    // waits on it with the lap parity), so a lap of the slot without K parts still completes one
+    mbar_arrive(&c.ring.parts[c.slot]);
+    mbar_arrive(&c.ring.empty[c.slot]);  // (NCT arrivals per phase)
+    if (++c.slot == c.ring.nslots) {
+      c.slot = 0;
+      c.phase ^= 1u;
+    }
+  }
+}
+
+// FFN split-K, part 2 (after the grid barrier; replaces the down stage): the block's own residual rows
+// (the o tiling) summed over the nffn_pad partials in a fixed order (deterministic): a warp loads a
+// chunk of 8 slices x 16 rows (one float4 per lane, all of a thread's chunks in flight together), sums
+// the 8 slices by a fixed butterfly, the chunks' sums go to shared memory and one thread per
+// (token, row) adds them in order, then the residual (as down's epilogue did).
+template <int M>
+__device__ void ffn_down_reduce(Ctx<M>& c, uint8_t* uni) {
+  const Params& p = *c.p;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int t0 = c.misc->tile0[MAT_O], nt = c.misc->tile1[MAT_O] - t0;
+  const int ntH = p.mat[MAT_DS].ntiles, cpm = p.nffn_pad >> 3;  // chunks per (token, tile)
+  const int nch = M * nt * cpm;
+  float* buf = reinterpret_cast<float*>(uni);  // [nch][16]
+  constexpr int B = 4;                         // chunks in flight per warp
+  for (int c0 = warp; c0 < nch; c0 += B * NCW) {
+    float4 v[B];
+#pragma unroll
+    for (int u = 0; u < B; ++u) {
+      const int ch = c0 + u * NCW;
+      v[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (ch < nch) {
+        const int mt_ = ch / cpm, k = ch - mt_ * cpm;
+        const int m = mt_ / nt, tl = t0 + (mt_ - m * nt);
+        const float* src = p.dpart + (((size_t)m * ntH + tl) * p.nffn_pad + k * 8 + (lane >> 2)) * TILE_ROWS;
+        v[u] = __ldcg(reinterpret_cast<const float4*>(src) + (lane & 3));
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < B; ++u) {
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) {
+        v[u].x += __shfl_xor_sync(0xffffffffu, v[u].x, o);
+        v[u].y += __shfl_xor_sync(0xffffffffu, v[u].y, o);
+        v[u].z += __shfl_xor_sync(0xffffffffu, v[u].z, o);
+        v[u].w += __shfl_xor_sync(0xffffffffu, v[u].w, o);
+      }
+      const int ch = c0 + u * NCW;
+      if (ch < nch && lane < 4) reinterpret_cast<float4*>(buf + ch * TILE_ROWS)[lane] = v[u];
+    }
+  }
+  cbar();
+  for (int i = threadIdx.x; i < M * nt * TILE_ROWS; i += NCT) {
+    const int mt_ = i >> 4, r = i & 15;
+    const int m = mt_ / nt, tlo = mt_ - m * nt;
+    const float* b = buf + (size_t)mt_ * cpm * TILE_ROWS + r;
+    float s0 = 0.f, s1 = 0.f;
+    for (int k = 0; k < cpm; k += 2) {  // two chains, fixed order
+      s0 += b[k * TILE_ROWS];
+      if (k + 1 < cpm) s1 += b[(k + 1) * TILE_ROWS];
+    }
+    const int n = (t0 + tlo) * TILE_ROWS + r;
+    if (n < p.H) {
+      float* ow = c.own + (tlo * TILE_ROWS + r) * M + m;
+      const float v = *ow + p.res_mult * (s0 + s1);
+      *ow = v;
+      p.resid[(size_t)m * p.H + n] = v;
+    }
+  }
 }
 
 // =====================================================================[7] attention
@@ -796,8 +1008,16 @@ __global__ void __launch_bounds__(NT, 1)
     misc->gbound[m][pt] = (uint8_t)(pt <= S ? ng * pt / S : ng);
   }
   if (threadIdx.x < NMAT) {  // this block's tiles of every matrix, once (a division per call otherwise)
+    const int mi = threadIdx.x;
     int t0, t1;
-    block_tiles(p.mat[threadIdx.x].ntiles, p.nblocks, blockIdx.x, t0, t1);
+    if (p.nffn && (mi == MAT_GU || mi == MAT_DS)) {  // FFN split-K: FFN block f owns gate|up tiles [f T, (f + 1) T)
+      const int T = p.mat[MAT_GU].ntiles / p.nffn;   // (exact: the host checks) and every row tile of slice f
+      const bool on = (int)blockIdx.x < p.nffn;
+      t0 = on && mi == MAT_GU ? (int)blockIdx.x * T : 0;
+      t1 = !on ? 0 : mi == MAT_GU ? t0 + T : p.mat[MAT_DS].ntiles;
+    } else {
+      block_tiles(p.mat[mi].ntiles, p.nblocks, blockIdx.x, t0, t1);
+    }
     misc->tile0[threadIdx.x] = t0;
     misc->tile1[threadIdx.x] = t1;
   }
@@ -808,7 +1028,7 @@ __global__ void __launch_bounds__(NT, 1)
   }
   __syncthreads();
   if (threadIdx.x >= NCT) {  // producer warp
-    if (threadIdx.x == NCT) producer(p, ring, misc);
+    if (threadIdx.x == NCT) producer(p, sl, ring, misc);
     return;
   }
   Ctx<M> c;
@@ -821,6 +1041,7 @@ __global__ void __launch_bounds__(NT, 1)
   c.acc = reinterpret_cast<float*>(smem + sl.acc);
   c.own = reinterpret_cast<float*>(smem + sl.own);
   c.rope = reinterpret_cast<float*>(smem + sl.rope);
+  c.actb = reinterpret_cast<float*>(smem + sl.actb);
   c.parts = reinterpret_cast<float*>(smem + sl.parts);
   c.xs = smem_u32(smem + sl.uni);
   c.xsum = smem_u32(smem + sl.xsum);
@@ -828,7 +1049,7 @@ __global__ void __launch_bounds__(NT, 1)
   const unsigned long long epoch = __ldcg(p.epoch);
   const unsigned long long S = 5ull * p.L;
   unsigned long long nbar = 0;
-  auto gsync = [&]() { ++nbar; grid_barrier(p, (unsigned long long)p.nblocks * (epoch * S + nbar), c.misc); };
+  auto gsync = [&]() { ++nbar; grid_barrier(p, (unsigned long long)p.nblocks * (epoch * S + nbar)); };
 
   enum { ROW_TOK = 0, ROW_RESID, ROW_ATTN, ROW_ACT };
   if (threadIdx.x < M) {
@@ -838,6 +1059,7 @@ __global__ void __launch_bounds__(NT, 1)
     misc->rows[ROW_RESID][m] = p.resid + (size_t)m * p.H;
     misc->rows[ROW_ATTN][m] = p.attn + (size_t)m * p.nh * p.D;
     misc->rows[ROW_ACT][m] = p.act + (size_t)m * p.I;
+    misc->rows[ROW_ACTB][m] = reinterpret_cast<const float*>(smem + sl.actb) + (size_t)m * p.mat[MAT_DS].K;
   }
   cbar();
   const float* const* tok_src = misc->rows[ROW_TOK];
@@ -885,12 +1107,20 @@ __global__ void __launch_bounds__(NT, 1)
     stamp(l, 6);
     gsync();
     stamp(l, 7);
-    stamp(l, 8);
     matvec_stage<M>(c, MAT_GU, l, resid_rows, 1.f, an + p.H);
-    stamp(l, 9);
-    gsync();
-    stamp(l, 10);
-    matvec_stage<M>(c, MAT_D, l, act_rows, 1.f, nullptr);
+    stamp(l, 8);
+    if (p.nffn) {  // FFN split-K: down's partials from this block's own act slice, then a reduction
+      ffn_down_partial<M>(c);
+      stamp(l, 9);
+      gsync();
+      stamp(l, 10);
+      ffn_down_reduce<M>(c, uni);
+    } else {
+      stamp(l, 9);
+      gsync();
+      stamp(l, 10);
+      matvec_stage<M>(c, MAT_D, l, act_rows, 1.f, nullptr);
+    }
     stamp(l, 11);
     gsync();
   }

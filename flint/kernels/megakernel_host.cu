@@ -48,12 +48,12 @@ struct Handle {
 
 extern "C" const char* flint_mk_last_error() { return g_err; }
 
-extern "C" int flint_mk_abi_version() { return 2; }
+extern "C" int flint_mk_abi_version() { return 3; }
 
 // iargs: see flint/megakernel.py (_pack_args) for the order; it is the one definition of it.
 extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, int n_f, void** out) {
   *out = nullptr;
-  const int NI = 11 + 21 + mk::NMAT * 10, NF = 5;
+  const int NI = 13 + 22 + mk::NMAT * 10, NF = 5;
   if (n_i != NI || n_f != NF) {
     snprintf(g_err, sizeof(g_err), "flint_mk_create: expected %d int and %d float args, got %d and %d", NI, NF, n_i,
              n_f);
@@ -67,25 +67,48 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
   p.L = (int)ia[k++]; p.V = (int)ia[k++]; p.max_seq = (int)ia[k++]; p.use_rope = (int)ia[k++];
   p.nblocks = (int)ia[k++];
   p.dbg = (int)ia[k++];
+  p.nffn = (int)ia[k++];
+  p.nffn_pad = (int)ia[k++];
   void** ptrs[] = {(void**)&p.embed, (void**)&p.norms, (void**)&p.final_norm, (void**)&p.rope_cos,
                    (void**)&p.rope_sin, (void**)&p.kcache, (void**)&p.vcache, (void**)&p.resid, (void**)&p.q,
                    (void**)&p.attn, (void**)&p.act, (void**)&p.part, (void**)&p.att_count, (void**)&p.logits,
                    (void**)&p.arg_val, (void**)&p.arg_idx, (void**)&p.argmax, (void**)&p.done_count,
-                   (void**)&p.bar_counter, (void**)&p.epoch, (void**)&p.trace};
-  for (int i = 0; i < 21; ++i) *ptrs[i] = (void*)(uintptr_t)ia[k++];
+                   (void**)&p.bar_counter, (void**)&p.epoch, (void**)&p.dpart, (void**)&p.trace};
+  for (int i = 0; i < 22; ++i) *ptrs[i] = (void*)(uintptr_t)ia[k++];
   for (int m = 0; m < mk::NMAT; ++m) {
     mk::Mat& mt = p.mat[m];
     mt.base = (const uint8_t*)(uintptr_t)ia[k++];
     mt.layer_stride = ia[k++]; mt.seg_stride = ia[k++];
     mt.N = (int)ia[k++]; mt.K = (int)ia[k++]; mt.G = (int)ia[k++]; mt.nseg = (int)ia[k++];
     mt.kseg = (int)ia[k++]; mt.srb = (int)ia[k++]; mt.nreal = (int)ia[k++];
+    // absent: MAT_D with FFN split-K, MAT_DS without (never touched by the kernel then)
+    const bool absent = (m == mk::MAT_D && p.nffn > 0) || (m == mk::MAT_DS && p.nffn == 0);
+    if (absent) {
+      mt = mk::Mat{};
+      mt.G = 32; mt.gshift = 5; mt.nseg = 1;
+      continue;
+    }
     mt.gshift = mt.G == 32 ? 5 : mt.G == 64 ? 6 : mt.G == 128 ? 7 : -1;
     mt.ntiles = mt.N / mk::TILE_ROWS;
+    // rows at 16 bytes (a slice: at its code loads' width, G / 8 bytes)
+    const int row_align = m == mk::MAT_DS ? (mt.G >> 3) : 16;
     if (mt.gshift < 0 || mt.N % mk::TILE_ROWS || mt.nreal > mt.N || mt.nreal <= mt.N - mk::TILE_ROWS ||
-        mt.kseg % mt.G || mt.kseg > mk::KSEG_MAX || mt.kseg * mt.nseg != mt.K || mt.srb % 16 ||
-        mt.srb < mt.kseg / 2 + 4 * (mt.kseg / mt.G) || ((uintptr_t)mt.base % 16)) {
+        mt.kseg % mt.G || mt.kseg > mk::KSEG_MAX || mt.kseg * mt.nseg != mt.K || mt.srb % row_align ||
+        mt.srb < mt.kseg / 2 + 4 * (mt.kseg / mt.G) || ((uintptr_t)mt.base % 16) || !mt.base) {
       snprintf(g_err, sizeof(g_err), "flint_mk_create: matrix %d has an unsupported layout (N=%d K=%d G=%d kseg=%d)", m,
                mt.N, mt.K, mt.G, mt.kseg);
+      delete h;
+      return 1;
+    }
+  }
+  if (p.nffn) {  // FFN split-K: slice f = gate|up tiles [f T, (f + 1) T) = act [f kf, (f + 1) kf)
+    const mk::Mat& gu = p.mat[mk::MAT_GU];
+    const mk::Mat& ds = p.mat[mk::MAT_DS];
+    if (p.nffn < 0 || gu.ntiles % p.nffn || ds.K * p.nffn != p.I || 2 * ds.K != gu.ntiles / p.nffn * mk::TILE_ROWS ||
+        ds.N != p.mat[mk::MAT_O].N || p.nffn_pad % 8 || p.nffn_pad < p.nffn || p.nffn_pad >= p.nffn + 8 ||
+        !p.dpart) {
+      snprintf(g_err, sizeof(g_err), "flint_mk_create: FFN split-K plan does not fit (nffn=%d, slice K=%d, "
+               "gate|up tiles=%d, intermediate=%d)", p.nffn, ds.K, gu.ntiles, p.I);
       delete h;
       return 1;
     }
@@ -102,6 +125,11 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
   if ((e = cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev))) { delete h; return cuda_fail("attr", e); }
   if (!coop) { delete h; return fail("flint_mk_create: device does not support cooperative launch"); }
   if (p.nblocks <= 0 || p.nblocks > nsm) p.nblocks = nsm;
+  if (p.nffn > p.nblocks) {
+    snprintf(g_err, sizeof(g_err), "flint_mk_create: FFN split-K needs %d blocks, the grid has %d", p.nffn, p.nblocks);
+    delete h;
+    return 1;
+  }
   h->smem_optin = optin;
   for (int m = 0; m < mk::NMAT; ++m)  // block_tiles divides ntiles * (b + 1) in 32 bits
     if ((long long)p.mat[m].ntiles * (p.nblocks + 1) >= (1ll << 31)) {
@@ -125,6 +153,7 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
     int kx = 0, ngx = 0, acc_tiles = 0, max_acc_tiles = 0, max_parts = 1;
     for (int m = 0; m < mk::NMAT; ++m) {
       const mk::Mat& mt = p.mat[m];
+      if (!mt.base) { s.xall[m] = 0; s.nparts[m] = 1; continue; }
       s.xall[m] = mt.nseg > 1 && 2 * M * mkmma::mma_x_stride_bytes(mt.K) <= mk::XALL_BYTES;
       const int kst = s.xall[m] ? mt.K : mt.kseg;
       kx = kx > kst ? kx : kst;
@@ -146,6 +175,7 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
       max_parts = max_parts > best ? max_parts : best;
     }
     s.xstride = mkmma::mma_x_stride_bytes(kx);
+    s.ds_cpt = p.nffn ? slot / (mk::TILE_ROWS * p.mat[mk::MAT_DS].srb) : 0;
     const int own_tiles = cdiv(p.mat[mk::MAT_O].ntiles, p.nblocks);
     int off = 0;
     s.bars = off; off += al(3 * mk::MAX_SLOTS * 8);
@@ -153,11 +183,15 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
     s.acc = off; off += al(acc_tiles * mk::TILE_ROWS * M * 4);
     s.own = off; off += al(own_tiles * mk::TILE_ROWS * M * 4);
     s.rope = off; off += al(2 * M * (p.D / 2) * 4);
+    s.actb = off; off += p.nffn ? al(M * p.mat[mk::MAT_DS].K * 4) : 0;
     s.xsum = off; off += al(ngx * mkmma::MMA_XSUM_FLOATS * 4);
     const int R = g * M;
     const int att = 2 * mk::ATT_T * p.D * 2 * 2 + R * p.D * 4 * 2 + R * mk::ATT_T * 4;
     const int xs = 2 * M * s.xstride;
-    s.uni = off; off += al(att > xs ? att : xs);
+    const int red = p.nffn ? M * own_tiles * (p.nffn_pad / 8) * mk::TILE_ROWS * 4 : 0;  // ffn_down_reduce's chunk sums
+    int un = att > xs ? att : xs;
+    un = un > red ? un : red;
+    s.uni = off; off += al(un);
     const int pstride = max_parts * mk::TILE_ROWS * M * 4;  // bytes per slot of partial sums
     s.parts = off;
     s.pstride = pstride / 4;

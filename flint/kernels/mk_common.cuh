@@ -25,7 +25,10 @@ constexpr int MAX_M = 8;
 constexpr int KSEG_MAX = 2560;      // codes per K segment
 constexpr int MAX_ROWS_ATT = 64;    // (num_heads / num_kv_heads) * M
 
-enum { MAT_QKV = 0, MAT_O, MAT_GU, MAT_D, MAT_LM, NMAT };
+// MAT_DS: down's per-FFN-block K slices (FFN split-K, Params::nffn > 0): slice f = all H rows over the
+// K range [f kf, (f + 1) kf) that FFN block f's gate|up tiles produce (K = kf, one segment; seg_stride
+// = bytes per slice). With nffn > 0 MAT_D is absent (base == nullptr), else MAT_DS is.
+enum { MAT_QKV = 0, MAT_O, MAT_GU, MAT_D, MAT_LM, MAT_DS, NMAT };
 
 // One repacked int4 matrix (all layers). Layout: [layer][seg][row][srb bytes], each row-segment =
 // kseg/2 bytes of flint-int4-v1 codes, then (kseg/G) half2 (scale, min), padded to 16 bytes; rows
@@ -42,6 +45,8 @@ struct Mat {
 struct Params {
   Mat mat[NMAT];
   int H, I, nh, nkv, D, L, V, max_seq, use_rope, nblocks, dbg;  // dbg bit 0: skip dot (timing)
+  int nffn;      // FFN split-K: blocks 0..nffn-1 own gate|up tiles [f T, (f + 1) T) and down's slice f; 0: off
+  int nffn_pad;  // nffn rounded up to 8 (dpart's f stride; entries f >= nffn stay 0)
   float eps, emb_mult, res_mult, attn_scale, inv_logit_scale;
   const float* embed;       // [vocab, H] fp32
   const float* norms;       // [L][2][H]: attn_norm, ffn_norm
@@ -63,6 +68,7 @@ struct Params {
   int* done_count;          // [1]
   unsigned long long* bar_counter;  // [1] monotonic grid-barrier counter
   unsigned long long* epoch;        // [1] launches so far
+  float* dpart;             // FFN split-K partial sums [M][H tiles][nffn_pad][16] (nullptr when nffn == 0)
   unsigned long long* trace;        // optional [L * 16] globaltimer stamps of block 0 (nullptr: off)
 };
 
@@ -84,6 +90,8 @@ struct Smem {
   int xall[NMAT];    // 1: the whole K is staged once (multi-segment matrices that fit)
   int xstride;       // bytes between staged token rows (for the largest staged K)
   int pstride;       // floats per ring slot of partial sums (max parts * 16 * M)
+  int ds_cpt;        // FFN split-K: down-slice tiles per ring slot (one chunk)
+  int actb;          // FFN split-K: [M][kf] fp32, this FFN block's act slice (written by its gate|up epilogues)
 };
 
 struct MiscSmem {
@@ -93,7 +101,7 @@ struct MiscSmem {
   int best_idx[NCW][MAX_M];
   float att_m[MAX_ROWS_ATT], att_l[MAX_ROWS_ATT], att_alpha[MAX_ROWS_ATT];
   int seg_count[MAX_ACC_TILES];  // K segments done per tile of a multi-segment matrix
-  const float* rows[4][MAX_M]; // per token: embedding row, residual, attention output, act (kept here, not in registers)
+  const float* rows[5][MAX_M]; // per token: embedding row, residual, attention output, act, act slice in smem (kept here, not in registers)
   int tile0[NMAT], tile1[NMAT];  // this block's tiles [tile0, tile1) of each matrix (block_tiles, once per launch)
   int flag;
   uint8_t gbound[NMAT][16];  // K-group bound of part p of each matrix (ng * p / S, p <= S; once per launch)
