@@ -18,5 +18,8 @@ python3 -m flint bench --model synthetic:smollm2-135m --backend compiled,megaker
 python3 -m flint bench --model synthetic:granite-4.1-3b --backend compiled,megakernel \
   --ctx 512,2048,8192 --tokens 32 --repeats 3 --json $OUT/bench.json --plot $OUT/bench.png 2>&1 | tail -12
 timeout 150 python3 -m flint bench --model $G --backend megakernel --ctx 512 --draft smollm2-135m --tokens 64 --repeats 3 --json $OUT/bench_spec.json 2>&1 | tail -8
-timeout 120 compute-sanitizer --tool memcheck --print-limit 5 python3 bench/mk_debug.py > $OUT/memcheck.log 2>&1; echo "memcheck rc=$?"; tail -3 $OUT/memcheck.log
-timeout 120 compute-sanitizer --tool racecheck --print-limit 5 python3 bench/mk_debug.py > $OUT/racecheck.log 2>&1; echo "racecheck rc=$?"; tail -3 $OUT/racecheck.log
+for S in 0 1; do  # the down stage, then the FFN split-K path (forced on the 1-layer shape)
+  echo "== FLINT_MK_FFN_SPLIT=$S" >> $OUT/memcheck.log; echo "== FLINT_MK_FFN_SPLIT=$S" >> $OUT/racecheck.log
+  FLINT_MK_FFN_SPLIT=$S timeout 120 compute-sanitizer --tool memcheck --print-limit 5 python3 bench/mk_debug.py >> $OUT/memcheck.log 2>&1; echo "memcheck split=$S rc=$?"; tail -3 $OUT/memcheck.log
+  FLINT_MK_FFN_SPLIT=$S timeout 120 compute-sanitizer --tool racecheck --print-limit 5 python3 bench/mk_debug.py >> $OUT/racecheck.log 2>&1; echo "racecheck split=$S rc=$?"; tail -3 $OUT/racecheck.log
+done

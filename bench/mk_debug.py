@@ -2,6 +2,7 @@
 step (the Python twin of the kernel's stages). Device-side:
 
     FLINT_KERNEL_DIR=build/kernels python3 bench/mk_debug.py
+    FLINT_MK_FFN_SPLIT=1 ...     # the FFN split-K path (16 FFN blocks on this shape)
 """
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def main():
         x2 = x1 + (act @ W["layers.0.w_down"].T) * cfg.residual_multiplier
         lg = ms(x2, W["norm"]) @ W["lm_head"].T / cfg.logits_scaling
         print(f"pos {pos}: q {rel(mk.q[0], q.flatten())} k {rel(mk.k_cache[0, :, pos], k)} "
-              f"v {rel(mk.v_cache[0, :, pos], v)} attn {rel(mk.attn[0], att)} act {rel(mk.act[0], act)} "
+              f"v {rel(mk.v_cache[0, :, pos], v)} attn {rel(mk.attn[0], att)} "
+              f"act {'(FFN split-K: in shared memory)' if mk.ffn_plan else rel(mk.act[0], act)} "
               f"resid {rel(mk.resid[0], x2)} logits {rel(logits[0], lg)}")
         if pos == 0:
             print(" q mk ", mk.q[0, :6].tolist(), "\n q ref", q.flatten()[:6].tolist())
