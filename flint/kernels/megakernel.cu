@@ -18,6 +18,12 @@
 // Measured and removed in session 5 (reproducible from 0117668 with bench/mk_variants.py): MK_SKIP2
 // (warps skip units without a part, made safe by per-slot counters: +1.2%) and MK_RSTD_TREE (rstd
 // by a fixed tree in every staging thread: noise).
+// MK_DS_PREFETCH (EXPERIMENT, off, not yet run on a GPU: docs/megakernel.md "What is next" 1): at the
+// start of each layer's attention stage one lane of every FFN block prefetches its down slice of the
+// layer into L2 (HBM is idle during attention; the ring can only fetch the slice once gate|up frees slots).
+#ifndef MK_DS_PREFETCH
+#define MK_DS_PREFETCH 0
+#endif
 // MK_TRACE: the trace stamps (FLINT_MK_TRACE=1) are compiled only into a separate traced library
 // (flint/kernels/build.py build(traced=True) adds -DMK_TRACE=1): their runtime checks on every stage's
 // chain cost 2.5% per step (session 5, bench/results/mk_ab_session4_2026-11-29.log).
@@ -1099,6 +1105,13 @@ __global__ void __launch_bounds__(NT, 1)
     stamp(l, 2);
     gsync();
     stamp(l, 3);
+    if (MK_DS_PREFETCH && p.nffn && threadIdx.x == 32 && c.misc->tile1[MAT_DS] > 0) {  // warp 1 (thread 0 polls)
+      const Mat& ds = p.mat[MAT_DS];
+      const uint32_t chunk = (uint32_t)(sl.ds_cpt * TILE_ROWS * ds.srb);
+      const uint32_t total = (uint32_t)(c.misc->tile1[MAT_DS] * TILE_ROWS * ds.srb);
+      const uint8_t* src = ds.base + (long long)l * ds.layer_stride + (long long)blockIdx.x * ds.seg_stride;
+      for (uint32_t o = 0; o < total; o += chunk) bulk_prefetch_l2(src + o, min(chunk, total - o));
+    }
     attention_stage<M>(c, l, uni);
     stamp(l, 4);
     gsync();
