@@ -1,6 +1,8 @@
 """The megakernel's weight-ring protocol under random interleavings (flint/kernels/dev/ring_model.py):
 the mainline protocol and MK_SKIP2 hold; skipping units without the counters (experiment 4g, which
-crashed on the H200) reads stale slots, and the model finds it."""
+crashed on the H200) reads stale slots, and the model finds it. The FFN split-K's slice units hold when
+they arrive on the slot's parts barrier; without that arrival (the first GPU run of the split, which
+hung) the model flags it."""
 from __future__ import annotations
 
 from flint.kernels.dev.ring_model import check, run
@@ -25,3 +27,14 @@ def test_gate_up_like_stage_sequence():
     for seed in range(50):
         run("all", [(2, 7), (2, 7), (8, 5), (8, 6)] * 2, 8, seed)
         run("skip2", [(2, 7), (2, 7), (8, 5), (8, 6)] * 2, 8, seed)
+
+
+def test_ffn_split_slice_units():
+    # Granite at M = 1 on an FFN block: qkv 2 x 7, o 2 x 7, gate|up 8 x 5, then 5 slice chunks; 8 slots
+    step = [(2, 7), (2, 7), (8, 5), (5, 0)]
+    for seed in range(50):
+        run("all", step * 3, 8, seed)
+    assert check("all", 400, seed=4) == []
+    fails = check("slice_noparts", 400, seed=5)
+    assert len(fails) > 300, "the model should find the missing parts arrival (the hang of the first GPU run)"
+    assert any("deadlock" in f for f in fails)

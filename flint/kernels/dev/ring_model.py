@@ -11,8 +11,13 @@ tests only sample. This model runs the protocol under random interleavings and c
   flags;
 * the producer's bulk copy lands at an arbitrary later time (copies complete out of order).
 
-Three protocols (megakernel.cu, [5] matvec_stage):
+Protocols (megakernel.cu, [5] matvec_stage and the FFN split-K's ffn_down_partial):
 ``"all"``    every warp waits for every unit's slot and arrives on its empty barrier (the mainline);
+             slice units (the FFN split-K's down slices: no K parts, every warp takes whole tiles)
+             arrive on the slot's parts barrier too, so its phases keep following the ring's laps;
+``"slice_noparts"`` as "all", but slice units do not arrive on the parts barrier: the first GPU run of
+             the FFN split-K (session 5) hung this way; the model flags it as an arrival landing in
+             another lap's phase;
 ``"skip"``   warps without a part skip the unit, the reducer arrives for them (experiment 4g: wrong);
 ``"skip2"``  as "skip", with monotonic per-slot ``consumed`` / ``issued`` counters instead of the
              empty barrier and a wait for ``issued`` before the full-barrier parity wait (MK_SKIP2: correct, but +1.2% per step on the H200 in session 5; removed from the kernel, in 0117668).
@@ -27,6 +32,7 @@ import random
 from dataclasses import dataclass, field
 
 NCW = 15  # consumer warps
+WAIT = "wait"  # what an actor yields while it spins on a barrier (no progress)
 
 
 class ProtocolError(AssertionError):
@@ -66,9 +72,10 @@ class Slot:
     consumed: int = 0             # skip2: cumulative arrivals
 
 
-def units(stages: list[tuple[int, int]]) -> list[int]:
-    """Units of a sequence of stages (ntiles, S); returns each unit's S (items in order)."""
-    return [S for nt, S in stages for _ in range(nt)]
+def units(stages: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Units of a sequence of stages (ntiles, S); returns (stage, S) per unit in order. S = 0: a slice
+    unit (ffn_down_partial: no K parts, no reducer)."""
+    return [(i, S) for i, (nt, S) in enumerate(stages) for _ in range(nt)]
 
 
 def run(protocol: str, stages: list[tuple[int, int]], nslots: int, seed: int) -> None:
@@ -87,27 +94,40 @@ def run(protocol: str, stages: list[tuple[int, int]], nslots: int, seed: int) ->
             if lap > 0:
                 if protocol == "skip2":
                     while sl.consumed < NCW * lap:
-                        yield
+                        yield WAIT
                 else:
                     while not sl.empty.parity_done((lap - 1) & 1):
-                        yield
+                        yield WAIT
             landing.append((s, lap))
             if protocol == "skip2":
                 sl.issued = lap + 1
             yield
 
     def warp(w: int):
-        part = w
-        for u, S in enumerate(us):
+        part, stage = w, -1
+        for u, (st, S) in enumerate(us):
             s, lap = u % nslots, u // nslots
             sl = slots[s]
+            if st != stage:  # every matvec stage starts its part rotation at the warp's index
+                part, stage = w, st
+            if S == 0:  # a slice unit: every warp reads the slot, no parts hand-off
+                while not full_parity_done(sl, lap & 1):
+                    yield WAIT
+                if sl.content != lap:
+                    raise ProtocolError(f"warp {w} slice unit {u}: read lap {sl.content}'s data for lap {lap}")
+                yield  # whole tiles
+                if protocol != "slice_noparts":
+                    sl.parts.arrive(1, lap, f"warp {w} slice unit {u} (parts)")
+                sl.empty.arrive(1, lap, f"warp {w} slice unit {u}")
+                yield
+                continue
             mine = part < S
             if protocol == "all" or mine:
                 if protocol == "skip2":
                     while sl.issued <= lap:
-                        yield
+                        yield WAIT
                 while not full_parity_done(sl, lap & 1):
-                    yield
+                    yield WAIT
                 if mine:
                     if sl.content != lap:
                         raise ProtocolError(f"warp {w} unit {u}: read lap {sl.content}'s data for lap {lap}")
@@ -116,7 +136,7 @@ def run(protocol: str, stages: list[tuple[int, int]], nslots: int, seed: int) ->
                     if part == S - 1:  # reducer
                         sl.parts.arrive(NCW - (S - 1), lap, f"warp {w} (reducer) unit {u}")
                         while not sl.parts.parity_done(lap & 1):
-                            yield
+                            yield WAIT
                         got = [sl.partial.get(p) for p in range(S)]
                         if any(g != lap for g in got):
                             raise ProtocolError(f"warp {w} unit {u}: parts of laps {got} for lap {lap}")
@@ -148,21 +168,25 @@ def run(protocol: str, stages: list[tuple[int, int]], nslots: int, seed: int) ->
             idle = 0
             continue
         k = rng.choice(live)
+        idle += 1
         try:
-            next(actors[k])
-            idle = 0
+            if next(actors[k]) is not WAIT:
+                idle = 0
         except StopIteration:
             live.remove(k)
-        idle += 1
-        if idle > 200000:
-            raise ProtocolError("deadlock: no actor makes progress")
+            idle = 0
+        if idle > 20000:
+            raise ProtocolError("deadlock: every actor spins on a barrier")
 
 
-def random_stages(rng: random.Random) -> list[tuple[int, int]]:
-    """A step-like sequence of stages: (tiles of this block, parts per tile)."""
+def random_stages(rng: random.Random, slices: bool = False) -> list[tuple[int, int]]:
+    """A step-like sequence of stages: (tiles of this block, parts per tile); slices: some stages are
+    FFN split-K slice stages (chunks, S = 0), each after a matvec stage as in the kernel."""
     out = []
     for _ in range(rng.randint(2, 6)):
         out.append((rng.randint(1, 9), rng.randint(1, NCW)))
+        if slices and rng.random() < 0.5:
+            out.append((rng.randint(1, 6), 0))
     return out
 
 
@@ -171,7 +195,7 @@ def check(protocol: str, runs: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     fails = []
     for r in range(runs):
-        stages = random_stages(rng)
+        stages = random_stages(rng, slices=protocol in ("all", "slice_noparts"))
         nslots = rng.randint(3, 8)
         try:
             run(protocol, stages, nslots, seed=rng.randrange(1 << 30))
@@ -181,6 +205,6 @@ def check(protocol: str, runs: int, seed: int = 0) -> list[str]:
 
 
 if __name__ == "__main__":
-    for proto in ("all", "skip", "skip2"):
+    for proto in ("all", "skip", "skip2", "slice_noparts"):
         f = check(proto, 2000)
         print(f"{proto:6s}: {len(f)} of 2000 random schedules failed" + (f"; first: {f[0]}" if f else ""))
