@@ -24,6 +24,12 @@
 #ifndef MK_DS_PREFETCH
 #define MK_DS_PREFETCH 0
 #endif
+// MK_PACKED_NOZERO (EXPERIMENT, off, not yet run on a GPU; defined here so bench/mk_variants.py can set
+// it, used in mk_mma.cuh): the tile dot's packed path (M <= 4) stops adding its zero lo chains, -4 FADD
+// of the 91 instructions per group of 128 codes (the compiler does not fold "x + 0.f").
+#ifndef MK_PACKED_NOZERO
+#define MK_PACKED_NOZERO 0
+#endif
 // MK_TRACE: the trace stamps (FLINT_MK_TRACE=1) are compiled only into a separate traced library
 // (flint/kernels/build.py build(traced=True) adds -DMK_TRACE=1): their runtime checks on every stage's
 // chain cost 2.5% per step (session 5, bench/results/mk_ab_session4_2026-11-29.log).

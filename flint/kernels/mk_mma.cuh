@@ -63,6 +63,10 @@
 
 #include "mk_ptx.cuh"
 
+#ifndef MK_PACKED_NOZERO
+#define MK_PACKED_NOZERO 0  // experiment (session 5, not yet run on a GPU): docs/megakernel.md "What is next"
+#endif
+
 namespace mkmma {
 
 constexpr int MMA_MAX_TOKENS = 8;
@@ -173,10 +177,22 @@ __device__ __forceinline__ void mma_tile_dot(uint32_t tile, int srb, int kseg, i
     const uint32_t hsa = mk::lds32(sm_a + (uint32_t)(gi * 4)), hsb = mk::lds32(sm_b + (uint32_t)(gi * 4));
     const float2 fa = __half22float2(*reinterpret_cast<const __half2*>(&hsa));  // (scale, min) row g
     const float2 fb = __half22float2(*reinterpret_cast<const __half2*>(&hsb));  // row g + 8
+#if MK_PACKED_NOZERO
+    // (experiment: the packed path's lo chains are zero; "x + 0.f" is not folded by the compiler, it costs
+    // 4 FADD per group)
+    float sd[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) sd[j] = PACKED ? d0[j] + d1[j] : (d0[j] + d1[j]) + (e0[j] + e1[j]);
+    acc[0] = fmaf(fa.x, sd[0], fmaf(fa.y, eff.x, acc[0]));
+    acc[1] = fmaf(fa.x, sd[1], fmaf(fa.y, eff.y, acc[1]));
+    acc[2] = fmaf(fb.x, sd[2], fmaf(fb.y, eff.x, acc[2]));
+    acc[3] = fmaf(fb.x, sd[3], fmaf(fb.y, eff.y, acc[3]));
+#else
     acc[0] = fmaf(fa.x, (d0[0] + d1[0]) + (e0[0] + e1[0]), fmaf(fa.y, eff.x, acc[0]));
     acc[1] = fmaf(fa.x, (d0[1] + d1[1]) + (e0[1] + e1[1]), fmaf(fa.y, eff.y, acc[1]));
     acc[2] = fmaf(fb.x, (d0[2] + d1[2]) + (e0[2] + e1[2]), fmaf(fb.y, eff.x, acc[2]));
     acc[3] = fmaf(fb.x, (d0[3] + d1[3]) + (e0[3] + e1[3]), fmaf(fb.y, eff.y, acc[3]));
+#endif
   }
   if constexpr (PACKED) {  // token m = column m (hi) + column LB + m (lo)
     if constexpr (M == 1) {
