@@ -80,6 +80,9 @@ class Transformer:
         shape = (cfg.num_layers, batch_size, cfg.num_kv_heads, self.max_seq_len, cfg.head_dim)
         self.k_cache = torch.zeros(shape, device=dev, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=dev, dtype=dtype)
+        # optional f(x) applied to the input of every linear and of the head: numerics studies only
+        # (flint/kernels/dev/int8_x_study.py); None in every product path
+        self.linear_input = None
 
     def reset(self) -> None:
         """Nothing to clear: positions at or after start_pos are never read before being written."""
@@ -107,9 +110,10 @@ class Transformer:
             kpos = torch.arange(end, device=self.device)[None, :]
             mask = kpos <= qpos  # [M, end]
         rm = cfg.residual_multiplier
+        li_in = self.linear_input or (lambda t: t)
         for li, L in enumerate(self.layers):
             h = rms_norm(x, L["attn_norm"], cfg.rms_norm_eps)
-            qkv = h @ L["wqkv"].T
+            qkv = li_in(h) @ L["wqkv"].T
             q = qkv[..., : nh * d].view(b, m, nh, d)
             k = qkv[..., nh * d: (nh + nkv) * d].view(b, m, nkv, d)
             v = qkv[..., (nh + nkv) * d:].view(b, m, nkv, d)
@@ -122,13 +126,13 @@ class Transformer:
             # GQA without materializing repeated K/V (a copy of the whole cache per layer per step)
             att = F.scaled_dot_product_attention(q.transpose(1, 2), kk, vv, attn_mask=mask,
                                                  scale=cfg.attn_scale, enable_gqa=nh != nkv)
-            x = x + (att.transpose(1, 2).reshape(b, m, nh * d) @ L["wo"].T) * rm
+            x = x + (li_in(att.transpose(1, 2).reshape(b, m, nh * d)) @ L["wo"].T) * rm
             h = rms_norm(x, L["ffn_norm"], cfg.rms_norm_eps)
-            gu = h @ L["w_gu"].T
+            gu = li_in(h) @ L["w_gu"].T
             inter = cfg.intermediate_size
-            x = x + ((F.silu(gu[..., :inter]) * gu[..., inter:]) @ L["w_down"].T) * rm
+            x = x + (li_in(F.silu(gu[..., :inter]) * gu[..., inter:]) @ L["w_down"].T) * rm
         hidden = x
-        logits = (rms_norm(x, self.norm, cfg.rms_norm_eps) @ self.lm_head.T).float()
+        logits = (li_in(rms_norm(x, self.norm, cfg.rms_norm_eps)) @ self.lm_head.T).float()
         logits = logits / cfg.logits_scaling
         if single:
             logits, hidden = logits[0], hidden[0]

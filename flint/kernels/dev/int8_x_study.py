@@ -92,52 +92,6 @@ def row_errors(rows: int = 256, K: int = 2560, G: int = 128, seed: int = 0) -> d
             for k, v in out.items()}
 
 
-class _Int8XTransformer:
-    """The reference decoder with every int4 linear's input (and the head's) rounded by the int8
-    two-term scheme: the numerics an integer dot would have (its integer sums are exact)."""
-
-    def __init__(self, ref, group: int):
-        self.ref, self.group = ref, group
-
-    def forward(self, tokens, start_pos):
-        import torch.nn.functional as F
-
-        from flint.model import apply_rope, rms_norm
-
-        r, cfg, G = self.ref, self.ref.cfg, self.group
-        q8 = lambda t: int8_two_term(t, G).to(t.dtype)  # noqa: E731
-        toks = tokens.view(1, -1)
-        b, m = toks.shape
-        end = start_pos + m
-        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        x = F.embedding(toks, r.embed) * cfg.embedding_multiplier
-        cos, sin = r.cos[start_pos:end], r.sin[start_pos:end]
-        mask = None
-        if m > 1:
-            mask = torch.arange(end)[None, :] <= torch.arange(start_pos, end)[:, None]
-        rm = cfg.residual_multiplier
-        for li, L in enumerate(r.layers):
-            h = rms_norm(x, L["attn_norm"], cfg.rms_norm_eps)
-            qkv = q8(h) @ L["wqkv"].T
-            q = qkv[..., : nh * d].view(b, m, nh, d)
-            k = qkv[..., nh * d: (nh + nkv) * d].view(b, m, nkv, d)
-            v = qkv[..., (nh + nkv) * d:].view(b, m, nkv, d)
-            if cfg.use_rope:
-                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            r.k_cache[li, :b, :, start_pos:end] = k.transpose(1, 2)
-            r.v_cache[li, :b, :, start_pos:end] = v.transpose(1, 2)
-            att = F.scaled_dot_product_attention(q.transpose(1, 2), r.k_cache[li, :b, :, :end],
-                                                 r.v_cache[li, :b, :, :end], attn_mask=mask,
-                                                 scale=cfg.attn_scale, enable_gqa=nh != nkv)
-            x = x + (q8(att.transpose(1, 2).reshape(b, m, nh * d)) @ L["wo"].T) * rm
-            h = rms_norm(x, L["ffn_norm"], cfg.rms_norm_eps)
-            gu = q8(h) @ L["w_gu"].T
-            inter = cfg.intermediate_size
-            x = x + (q8(F.silu(gu[..., :inter]) * gu[..., inter:]) @ L["w_down"].T) * rm
-        logits = (q8(rms_norm(x, r.norm, cfg.rms_norm_eps)) @ r.lm_head.T).float() / cfg.logits_scaling
-        return logits[0]
-
-
 def greedy_check(path: str, tokens: int = 256, prompts=("The capital of France is", "def fibonacci(n):",
                                                          "Once upon a time")) -> list[dict]:
     from flint.loading import load_model
@@ -149,7 +103,8 @@ def greedy_check(path: str, tokens: int = 256, prompts=("The capital of France i
     out = []
     for text in prompts:
         ref = Transformer(lm.cfg, params, tokens + 64)
-        alt = _Int8XTransformer(Transformer(lm.cfg, params, tokens + 64), 32)
+        alt = Transformer(lm.cfg, params, tokens + 64)
+        alt.linear_input = lambda x: int8_two_term(x, 32).to(x.dtype)  # what an integer dot would see
         ids = torch.tensor(lm.tokenizer.encode(text))
         a, b = ref.forward(ids, 0)[-1], alt.forward(ids, 0)[-1]
         pos = len(ids)
