@@ -30,6 +30,13 @@
 #ifndef MK_PACKED_NOZERO
 #define MK_PACKED_NOZERO 0
 #endif
+// MK_IDOT (EXPERIMENT, off, NOT YET RUN on a GPU; docs/megakernel.md "What is next" 3): kernels with
+// M <= 4 stage x as two int8 terms per token and group and run the integer tile dot
+// (mkmma::imma_tile_dot, mma.m16n8k32.s8): about 40% fewer dot instructions; numerics checked on CPU
+// (flint/kernels/dev/int8_x_study.py), lane mapping emulated (flint/kernels/dev/imma_dot_emulation.py).
+#ifndef MK_IDOT
+#define MK_IDOT 0
+#endif
 // MK_TRACE: the trace stamps (FLINT_MK_TRACE=1) are compiled only into a separate traced library
 // (flint/kernels/build.py build(traced=True) adds -DMK_TRACE=1): their runtime checks on every stage's
 // chain cost 2.5% per step (session 5, bench/results/mk_ab_session4_2026-11-29.log).
@@ -330,6 +337,53 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
       const float wx[8] = {wv[u][0].x, wv[u][0].y, wv[u][0].z, wv[u][0].w,
                            wv[u][1].x, wv[u][1].y, wv[u][1].z, wv[u][1].w};
       const float r = norm_w ? mult * c.misc->rstd[m] : 1.f;
+      if constexpr (MK_IDOT && M <= 4) {  // the integer dot's x: two int8 terms per token and group
+        float xv[8], amax = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          xv[j] = norm_w ? ((x[j] * r) * wx[j]) : x[j];
+          amax = fmaxf(amax, fabsf(xv[j]));
+        }
+#pragma unroll
+        for (int o = 1; o < 16; o <<= 1)  // the group's max over its L lanes
+          if (o < L) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        const float s = amax > 0.f ? amax * (1.f / 127.f) : 1.f;
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        int hq[8], lq[8];
+        float sx = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          hq[j] = __float2int_rn(xv[j] * inv);
+          lq[j] = max(-127, min(127, __float2int_rn((xv[j] - (float)hq[j] * s) * inv * 254.f)));
+          sx += (float)hq[j] + (float)lq[j] * (1.f / 254.f);
+        }
+#pragma unroll
+        for (int o = 1; o < 16; o <<= 1)
+          if (o < L) sx += __shfl_xor_sync(0xffffffffu, sx, o);
+        // bytes of a word: x(8w + {0,2,4,6}), x(8w + {1,3,5,7}) (mk_mma.cuh, the integer tile dot)
+        auto pack4 = [](int a, int b, int c2, int d) -> uint32_t {
+          return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c2, d, 0x0040), 0x5410);
+        };
+        const uint32_t h0 = pack4(hq[0], hq[2], hq[4], hq[6]), h1 = pack4(hq[1], hq[3], hq[5], hq[7]);
+        const uint32_t l0 = pack4(lq[0], lq[2], lq[4], lq[6]), l1 = pack4(lq[1], lq[3], lq[5], lq[7]);
+        if (ok) {
+          const int k = kw << 3;  // first code of this word: its byte offset in the staged row
+          const int gi = k >> gshift;
+          const uint32_t a = c.xs + (uint32_t)(m * xstride + k);
+          asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(a), "r"(h0), "r"(h1) : "memory");
+          asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(a + xlo), "r"(l0), "r"(l1) : "memory");
+          if ((t & (L - 1)) == 0) {  // column m (hi): (s, X); column LB + m (lo): (s / 254, 0)
+            constexpr int LB = M == 1 ? 1 : M == 2 ? 2 : 4;
+            const int n = LB + m;
+            const uint32_t xa = c.xsum + (uint32_t)(gi * mkmma::MMA_XSUM_FLOATS * 4);
+            asm volatile("st.shared.f32 [%0], %1;" ::"r"(xa + 4u * (4 * (m >> 1) + (m & 1))), "f"(s) : "memory");
+            asm volatile("st.shared.f32 [%0], %1;" ::"r"(xa + 4u * (4 * (m >> 1) + 2 + (m & 1))), "f"(s * sx)
+                         : "memory");
+            asm volatile("st.shared.f32 [%0], %1;" ::"r"(xa + 4u * (4 * (n >> 1) + (n & 1))), "f"(s * (1.f / 254.f))
+                         : "memory");
+          }
+        }
+      } else {
       uint32_t hw[8], lw[8];
       float s_raw = 0.f, s_eff = 0.f;
 #pragma unroll
@@ -373,6 +427,7 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
           asm volatile("st.shared.f32 [%0], %1;" ::"r"(xa + (uint32_t)(4 * (16 + m))), "f"(s_eff) : "memory");
         }
       }
+      }  // fp16 terms
     }
   }
   cbar();
@@ -551,7 +606,7 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
       if (s == 0 && mi != MAT_LM) trace_stamp(p, layer, 16 + 4 * mi);
       if (ws) warp_stamp(p, layer, WS_O_STAGED);
     }
-    const uint32_t xs = c.xs + (xall ? (uint32_t)(s * mt.kseg * 2) : 0u);
+    const uint32_t xs = c.xs + (xall ? (uint32_t)(s * mt.kseg * (MK_IDOT && M <= 4 ? 1 : 2)) : 0u);  // int8 / fp16 x
     const uint32_t xsum = c.xsum + (xall ? (uint32_t)(s * ng * mkmma::MMA_XSUM_FLOATS * 4) : 0u);
     for (int j = 0; j < nt; ++j) {
       const int slot = c.slot;
@@ -566,9 +621,14 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
       if (part < S) {
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         const int gi0 = __shfl_sync(0xffffffffu, gtab, part), gi1 = __shfl_sync(0xffffffffu, gtab, part + 1);
-        if (!(p.dbg & 1))
-          mkmma::mma_tile_dot_g<M>(mt.G, ring0 + (uint32_t)(slot * c.ring.slot_bytes), mt.srb, mt.kseg, gi0, gi1, xs,
-                                   xstride, xlo, xsum, lane, acc);
+        if (!(p.dbg & 1)) {
+          if constexpr (MK_IDOT && M <= 4)
+            mkmma::imma_tile_dot_g<M>(mt.G, ring0 + (uint32_t)(slot * c.ring.slot_bytes), mt.srb, mt.kseg, gi0, gi1,
+                                      xs, xstride, xsum, lane, acc);
+          else
+            mkmma::mma_tile_dot_g<M>(mt.G, ring0 + (uint32_t)(slot * c.ring.slot_bytes), mt.srb, mt.kseg, gi0, gi1, xs,
+                                     xstride, xlo, xsum, lane, acc);
+        }
         if (!MK_WS_ALL && ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j + 1);
 #if MK_WS_ALL
         if (wsu) warp_stamp_raw(p, layer, 3 + 3 * wu);
@@ -719,7 +779,7 @@ __device__ void ffn_down_partial(Ctx<M>& c) {
     const int n = min(cpt, nt - t);
     const uint32_t sb = ring0 + (uint32_t)(c.slot * c.ring.slot_bytes);
     // (hoisted only where the registers allow: M <= 2 and G <= 64; else the generic tile dot)
-    if (M <= 2 && ng == 1 && mt.G <= 64) {
+    if (!(MK_IDOT && M <= 4) && M <= 2 && ng == 1 && mt.G <= 64) {
       float* dp0 = dpf + (size_t)t * p.nffn_pad * TILE_ROWS;
       const size_t ts = (size_t)p.nffn_pad * TILE_ROWS;
       if (mt.G == 64)
@@ -729,8 +789,12 @@ __device__ void ffn_down_partial(Ctx<M>& c) {
     } else
     for (int i = warp; i < n; i += NCW) {
       float acc[4];
-      mkmma::mma_tile_dot_g<M>(mt.G, sb + (uint32_t)i * tb, mt.srb, mt.kseg, 0, ng, c.xs, xstride, xlo, c.xsum, lane,
-                               acc);
+      if constexpr (MK_IDOT && M <= 4)
+        mkmma::imma_tile_dot_g<M>(mt.G, sb + (uint32_t)i * tb, mt.srb, mt.kseg, 0, ng, c.xs, xstride, c.xsum, lane,
+                                  acc);
+      else
+        mkmma::mma_tile_dot_g<M>(mt.G, sb + (uint32_t)i * tb, mt.srb, mt.kseg, 0, ng, c.xs, xstride, xlo, c.xsum, lane,
+                                 acc);
       float* dp = dpf + (size_t)(t + i) * p.nffn_pad * TILE_ROWS;
       if (2 * tq < M) { dp[2 * tq * mstride] = acc[0]; dp[2 * tq * mstride + 8] = acc[2]; }
       if (2 * tq + 1 < M) { dp[(2 * tq + 1) * mstride] = acc[1]; dp[(2 * tq + 1) * mstride + 8] = acc[3]; }

@@ -215,4 +215,93 @@ __device__ __forceinline__ void mma_tile_dot_g(int G, uint32_t tile, int srb, in
   else mma_tile_dot<1, M, UNROLL>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, lane, acc);
 }
 
+// ---------------------------------------------------------------- the integer tile dot (EXPERIMENT)
+// MK_IDOT (megakernel.cu; off, NOT YET RUN on a GPU; the numerics: flint/kernels/dev/int8_x_study.py, the
+// lane mapping: flint/kernels/dev/imma_dot_emulation.py): mma.m16n8k32.s32.s8.s8.s32 on the codes as
+// bytes, M <= 4 (hi and lo terms as B columns, as in the packed fp16 dot).
+// Fragments (PTX ISA, m16n8k32 .s8; groupID g = lane >> 2, tig t = lane & 3), as assumed here and in
+// the emulation (to be confirmed on the GPU):
+//   A: a0 = A[g][4t .. 4t+3]  a1 = A[g+8][4t .. 4t+3]  a2 = A[g][16+4t .. +3]  a3 = A[g+8][16+4t .. +3]
+//   B: b0 = B[4t .. 4t+3][g]  b1 = B[16+4t .. +3][g]   (byte i of a register = element i)
+//   D: d0, d1 = D[g][2t, 2t+1]  d2, d3 = D[g+8][2t, 2t+1]   (s32)
+// The weight layout is unchanged: mma c of a group uses word w = t * WPL + c of rows g and g+8;
+// w & 0x0F0F0F0F holds codes 8w + {0,2,4,6} (the k = 4t.. of a0 / a1), (w >> 4) & 0x0F0F0F0F codes
+// 8w + {1,3,5,7} (k = 16 + 4t..). The staged x row (int8, hi rows 0..M-1, lo rows M..2M-1 as for fp16)
+// keeps word order with the bytes of each word as x(8w + {0,2,4,6,1,3,5,7}), so lane t's B registers for
+// its WPL words are 8 WPL contiguous bytes. xsum per group: [4t + j] = (cs(2t), cs(2t+1), cm(2t),
+// cm(2t+1)) with column n = token m (hi: cs = s_m, cm = X_m = s_m (sum hi + sum lo / 254)) or LB + m
+// (lo: cs = s_m / 254, cm = 0); absent columns 0. Per group: acc_n += s_w cs_n D_n + m_w cm_n.
+__device__ __forceinline__ void imma_16832(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                           uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <int WPL, int M>
+__device__ __forceinline__ void imma_tile_dot(uint32_t tile, int srb, int kseg, int gi0, int gi1, uint32_t xs,
+                                              int xstride, uint32_t xsum, int lane, float (&acc)[4]) {
+  static_assert(M >= 1 && M <= 4, "the integer dot packs hi and lo terms as B columns: M <= 4");
+  constexpr int G = 32 * WPL;
+  constexpr int LB = M == 1 ? 1 : M == 2 ? 2 : 4;
+  const int g = lane >> 2, t = lane & 3;
+  const int row = g < M ? g : (g >= LB && g < LB + M) ? M + g - LB : 0;
+  const uint32_t row_a = tile + (uint32_t)(g * srb), row_b = row_a + (uint32_t)(8 * srb);
+  const uint32_t code_a = row_a + (uint32_t)(t * WPL * 4), code_b = row_b + (uint32_t)(t * WPL * 4);
+  const uint32_t sm_a = row_a + (uint32_t)(kseg >> 1), sm_b = row_b + (uint32_t)(kseg >> 1);
+  const uint32_t xa = xs + (uint32_t)(row * xstride + t * WPL * 8);
+  const uint32_t xs_c = xsum + (uint32_t)(t * 16);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) acc[j] = 0.f;
+  for (int gi = gi0; gi < gi1; ++gi) {
+    uint32_t wa[WPL], wb[WPL], xb[2 * WPL];
+    mma_lds_words<WPL>(code_a + (uint32_t)(gi * (G / 2)), wa);
+    mma_lds_words<WPL>(code_b + (uint32_t)(gi * (G / 2)), wb);
+    const uint32_t xg = xa + (uint32_t)(gi * G);
+    if constexpr (WPL == 1) {
+      asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(xb[0]), "=r"(xb[1]) : "r"(xg));
+    } else {
+#pragma unroll
+      for (int h = 0; h < WPL / 2; ++h) {
+        const uint4 v = mk::lds128(xg + (uint32_t)(16 * h));
+        xb[4 * h] = v.x; xb[4 * h + 1] = v.y; xb[4 * h + 2] = v.z; xb[4 * h + 3] = v.w;
+      }
+    }
+    const uint4 cs = mk::lds128(xs_c + (uint32_t)(gi * MMA_XSUM_FLOATS * 4));
+    int d[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int c = 0; c < WPL; ++c) {
+      const uint32_t a0 = wa[c] & 0x0F0F0F0Fu, a1 = wb[c] & 0x0F0F0F0Fu;
+      const uint32_t a2 = (wa[c] >> 4) & 0x0F0F0F0Fu, a3 = (wb[c] >> 4) & 0x0F0F0F0Fu;
+      imma_16832(d, a0, a1, a2, a3, xb[2 * c], xb[2 * c + 1]);
+    }
+    const uint32_t hsa = mk::lds32(sm_a + (uint32_t)(gi * 4)), hsb = mk::lds32(sm_b + (uint32_t)(gi * 4));
+    const float2 fa = __half22float2(*reinterpret_cast<const __half2*>(&hsa));  // (scale, min) row g
+    const float2 fb = __half22float2(*reinterpret_cast<const __half2*>(&hsb));  // row g + 8
+    const float c0 = __uint_as_float(cs.x), c1 = __uint_as_float(cs.y);
+    const float m0 = __uint_as_float(cs.z), m1 = __uint_as_float(cs.w);
+    acc[0] = fmaf(__int2float_rn(d[0]), fa.x * c0, fmaf(fa.y, m0, acc[0]));
+    acc[1] = fmaf(__int2float_rn(d[1]), fa.x * c1, fmaf(fa.y, m1, acc[1]));
+    acc[2] = fmaf(__int2float_rn(d[2]), fb.x * c0, fmaf(fb.y, m0, acc[2]));
+    acc[3] = fmaf(__int2float_rn(d[3]), fb.x * c1, fmaf(fb.y, m1, acc[3]));
+  }
+  if constexpr (M == 1) {  // token m = column m (hi) + column LB + m (lo), as in the packed fp16 dot
+    acc[0] += acc[1];
+    acc[2] += acc[3];
+  } else {
+    constexpr int X = LB / 2;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], X);
+  }
+}
+
+template <int M>
+__device__ __forceinline__ void imma_tile_dot_g(int G, uint32_t tile, int srb, int kseg, int gi0, int gi1, uint32_t xs,
+                                                int xstride, uint32_t xsum, int lane, float (&acc)[4]) {
+  if (G == 128) imma_tile_dot<4, M>(tile, srb, kseg, gi0, gi1, xs, xstride, xsum, lane, acc);
+  else if (G == 64) imma_tile_dot<2, M>(tile, srb, kseg, gi0, gi1, xs, xstride, xsum, lane, acc);
+  else imma_tile_dot<1, M>(tile, srb, kseg, gi0, gi1, xs, xstride, xsum, lane, acc);
+}
+
 }  // namespace mkmma
