@@ -37,6 +37,11 @@
 #ifndef MK_IDOT
 #define MK_IDOT 0
 #endif
+// MK_POLL_RELAXED (EXPERIMENT, off; 5h: -1.2% inside the noise, to be measured again): the grid barrier
+// polls with relaxed loads and fences once after the last (acquire by fence).
+#ifndef MK_POLL_RELAXED
+#define MK_POLL_RELAXED 0
+#endif
 // MK_TRACE: the trace stamps (FLINT_MK_TRACE=1) are compiled only into a separate traced library
 // (flint/kernels/build.py build(traced=True) adds -DMK_TRACE=1): their runtime checks on every stage's
 // chain cost 2.5% per step (session 5, bench/results/mk_ab_session4_2026-11-29.log).
@@ -80,9 +85,16 @@ __device__ __forceinline__ void grid_barrier(const Params& p, unsigned long long
     // release (cumulative over the block's writes ordered before it by cbar); no return value to wait for
     asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p.bar_counter), "l"(1ull) : "memory");
     unsigned long long v;
-    do {
-      asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p.bar_counter) : "memory");
-    } while (v < target);
+    if (MK_POLL_RELAXED) {
+      do {
+        asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p.bar_counter) : "memory");
+      } while (v < target);
+      asm volatile("fence.acq_rel.gpu;" ::: "memory");  // acquire: the relaxed load saw the last release
+    } else {
+      do {
+        asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p.bar_counter) : "memory");
+      } while (v < target);
+    }
   }
   cbar();
 }
