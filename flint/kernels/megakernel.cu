@@ -762,6 +762,69 @@ __device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int
   }
 }
 
+// MK_IDOT: the same for the integer dot (mk_mma.cuh imma_tile_dot, one group per tile): the x bytes and the
+// group's column scales loaded once per warp, per tile its code words and (scale, min), two tiles per iteration.
+template <int WPL, int M>
+__device__ __forceinline__ void ds_tiles_one_group_i8(uint32_t sb, uint32_t tb, int srb, int kseg, int n, int warp,
+                                                      uint32_t xs, int xstride, uint32_t xsum, int lane, float* dp0,
+                                                      size_t tstride, size_t mstride) {
+  using namespace mkmma;
+  static_assert(M <= 2, "hoisted integer slice dot: M <= 2");
+  constexpr int LB = M == 1 ? 1 : 2;
+  const int g = lane >> 2, t = lane & 3;
+  const int row = g < M ? g : (g >= LB && g < LB + M) ? M + g - LB : 0;
+  const uint32_t xa = xs + (uint32_t)(row * xstride + t * WPL * 8);
+  uint32_t xb[2 * WPL];
+  if constexpr (WPL == 1) {
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(xb[0]), "=r"(xb[1]) : "r"(xa));
+  } else {
+    const uint4 v = lds128(xa);
+    xb[0] = v.x; xb[1] = v.y; xb[2] = v.z; xb[3] = v.w;
+  }
+  const uint4 cs = lds128(xsum + (uint32_t)(t * 16));
+  const float c0 = __uint_as_float(cs.x), c1 = __uint_as_float(cs.y);
+  const float m0 = __uint_as_float(cs.z), m1 = __uint_as_float(cs.w);
+  const uint32_t ra = (uint32_t)(g * srb), rb = ra + (uint32_t)(8 * srb);
+  for (int i = warp; i < n; i += 2 * NCW) {
+    const bool two = i + NCW < n;
+    uint32_t wa[2][WPL], wb[2][WPL], hs[2][2];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const uint32_t tile = sb + (uint32_t)(u && two ? i + NCW : i) * tb;
+      mma_lds_words<WPL>(tile + ra + (uint32_t)(t * WPL * 4), wa[u]);
+      mma_lds_words<WPL>(tile + rb + (uint32_t)(t * WPL * 4), wb[u]);
+      hs[u][0] = lds32(tile + ra + (uint32_t)(kseg >> 1));
+      hs[u][1] = lds32(tile + rb + (uint32_t)(kseg >> 1));
+    }
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      if (u && !two) break;
+      int d[4] = {0, 0, 0, 0};
+#pragma unroll
+      for (int c = 0; c < WPL; ++c)
+        imma_16832(d, wa[u][c] & 0x0F0F0F0Fu, wb[u][c] & 0x0F0F0F0Fu, (wa[u][c] >> 4) & 0x0F0F0F0Fu,
+                   (wb[u][c] >> 4) & 0x0F0F0F0Fu, xb[2 * c], xb[2 * c + 1]);
+      const float2 fa = __half22float2(*reinterpret_cast<const __half2*>(&hs[u][0]));
+      const float2 fb = __half22float2(*reinterpret_cast<const __half2*>(&hs[u][1]));
+      float acc[4];
+      acc[0] = fmaf(__int2float_rn(d[0]), fa.x * c0, fa.y * m0);
+      acc[1] = fmaf(__int2float_rn(d[1]), fa.x * c1, fa.y * m1);
+      acc[2] = fmaf(__int2float_rn(d[2]), fb.x * c0, fb.y * m0);
+      acc[3] = fmaf(__int2float_rn(d[3]), fb.x * c1, fb.y * m1);
+      if constexpr (M == 1) {
+        acc[0] += acc[1];
+        acc[2] += acc[3];
+      } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], LB / 2);
+      }
+      float* dp = dp0 + (size_t)(u ? i + NCW : i) * tstride;
+      if (2 * t < M) { dp[2 * t * mstride] = acc[0]; dp[2 * t * mstride + 8] = acc[2]; }
+      if (2 * t + 1 < M) { dp[(2 * t + 1) * mstride] = acc[1]; dp[(2 * t + 1) * mstride + 8] = acc[3]; }
+    }
+  }
+}
+
 // FFN split-K, part 1 (in the gate|up stage, after its epilogues): FFN block f stages its own act
 // slice [f kf, (f + 1) kf) from shared memory (its gate|up epilogues wrote it there, not to global
 // memory: 5e, −0.3% against staging it from L2), then every warp takes whole row tiles of down's slice f (one K range, no K parts, no reducer) and
@@ -791,7 +854,16 @@ __device__ void ffn_down_partial(Ctx<M>& c) {
     const int n = min(cpt, nt - t);
     const uint32_t sb = ring0 + (uint32_t)(c.slot * c.ring.slot_bytes);
     // (hoisted only where the registers allow: M <= 2 and G <= 64; else the generic tile dot)
-    if (!(MK_IDOT && M <= 4) && M <= 2 && ng == 1 && mt.G <= 64) {
+    if (MK_IDOT && M <= 2 && ng == 1 && mt.G <= 64) {
+      float* dp0 = dpf + (size_t)t * p.nffn_pad * TILE_ROWS;
+      const size_t ts = (size_t)p.nffn_pad * TILE_ROWS;
+      if constexpr (M <= 2) {
+        if (mt.G == 64)
+          ds_tiles_one_group_i8<2, M>(sb, tb, mt.srb, mt.kseg, n, warp, c.xs, xstride, c.xsum, lane, dp0, ts, mstride);
+        else
+          ds_tiles_one_group_i8<1, M>(sb, tb, mt.srb, mt.kseg, n, warp, c.xs, xstride, c.xsum, lane, dp0, ts, mstride);
+      }
+    } else if (!(MK_IDOT && M <= 4) && M <= 2 && ng == 1 && mt.G <= 64) {
       float* dp0 = dpf + (size_t)t * p.nffn_pad * TILE_ROWS;
       const size_t ts = (size_t)p.nffn_pad * TILE_ROWS;
       if (mt.G == 64)
