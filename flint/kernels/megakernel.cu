@@ -42,6 +42,13 @@
 #ifndef MK_POLL_RELAXED
 #define MK_POLL_RELAXED 0
 #endif
+// MK_ATT_PRE (EXPERIMENT, off, NOT YET RUN on a GPU; docs/megakernel.md "What is next" 4): the K/V rows of
+// positions before this step (written by earlier launches) of the block's first attention tile are put
+// in flight (cp.async) right after the qkv stage, before the grid barrier; only this step's own rows
+// are loaded after it.
+#ifndef MK_ATT_PRE
+#define MK_ATT_PRE 0
+#endif
 // MK_TRACE: the trace stamps (FLINT_MK_TRACE=1) are compiled only into a separate traced library
 // (flint/kernels/build.py build(traced=True) adds -DMK_TRACE=1): their runtime checks on every stage's
 // chain cost 2.5% per step (session 5, bench/results/mk_ab_session4_2026-11-29.log).
@@ -958,6 +965,40 @@ __device__ void ffn_down_reduce(Ctx<M>& c, uint8_t* uni) {
 // Work item = (kv head, contiguous split of the context). All query heads of the group and all M
 // tokens are processed together so K/V are read once. Sub-tiles of ATT_T keys are double-buffered
 // with cp.async; online softmax in fp32. Splits are merged by the last block to finish (counter).
+#if MK_ATT_PRE
+// MK_ATT_PRE: before the qkv -> attention grid barrier, the K/V rows [j0, min(start, Ltot)) of the first
+// tile of this block's first attention item, into buffer 0 (one cp.async group per thread); the same
+// work split as attention_stage. The staged x in `uni` is free: matvec_stage ended with a block barrier.
+template <int M>
+__device__ void attention_prefetch(const Ctx<M>& c, int layer, uint8_t* uni) {
+  const Params& p = *c.p;
+  const int D = p.D, start = c.start, Ltot = start + M;
+  const int ntiles = (Ltot + ATT_T - 1) / ATT_T;
+  int nsplit = min(ntiles, max(1, p.nblocks / p.nkv));
+  const int tps = (ntiles + nsplit - 1) / nsplit;
+  nsplit = (ntiles + tps - 1) / tps;
+  const int item = blockIdx.x;
+  if (item >= p.nkv * nsplit) return;  // block-uniform
+  const int kvh = item / nsplit, sp = item % nsplit, cpr = D / 8;
+  const int j0 = sp * tps * ATT_T;
+  const size_t cbase = (((size_t)layer * p.nkv + kvh) * p.max_seq) * D;
+  __half* Kb = reinterpret_cast<__half*>(uni);
+  __half* Vb = Kb + 2 * ATT_T * D;
+  for (int i = threadIdx.x; i < ATT_T * cpr * 2; i += NCT) {
+    const int isv = i >= ATT_T * cpr;
+    const int ii = isv ? i - ATT_T * cpr : i;
+    const int j = ii / cpr, ch = ii % cpr;
+    if (j0 + j < start) {
+      if (isv)
+        cp_async16(Vb + (size_t)j * D + ch * 8, p.vcache + cbase + (size_t)(j0 + j) * D + ch * 8);
+      else
+        cp_async16(Kb + (size_t)j * D + ((ch ^ (j & 7)) * 8), p.kcache + cbase + (size_t)(j0 + j) * D + ch * 8);
+    }
+  }
+  cp_async_commit();
+}
+#endif
+
 template <int M>
 __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
   const Params& p = *c.p;
@@ -985,13 +1026,22 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
     const size_t cbase = (((size_t)layer * p.nkv + kvh) * p.max_seq) * D;
     const __half* Kc = p.kcache + cbase;
     const __half* Vc = p.vcache + cbase;
+#if MK_ATT_PRE
+    // the first tile of the block's first item: its rows before `start` are already in flight
+    // (attention_prefetch, before the grid barrier); only this step's rows are loaded here
+    int jlo = item == (int)blockIdx.x ? start : 0;
+#endif
     auto load_tile = [&](int tile, int buf) {
       const int j0 = tile * ATT_T;
       for (int i = t; i < ATT_T * cpr * 2; i += NCT) {
         const int isv = i >= ATT_T * cpr;
         const int ii = isv ? i - ATT_T * cpr : i;
         const int j = ii / cpr, ch = ii % cpr;
+#if MK_ATT_PRE
+        if (j0 + j < Ltot && j0 + j >= jlo) {
+#else
         if (j0 + j < Ltot) {
+#endif
           if (isv)
             cp_async16(Vb + ((size_t)buf * ATT_T + j) * D + ch * 8, Vc + (size_t)(j0 + j) * D + ch * 8);
           else
@@ -1001,6 +1051,9 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
       cp_async_commit();
     };
     load_tile(t0, 0);
+#if MK_ATT_PRE
+    jlo = 0;
+#endif
     for (int i = t; i < R * D; i += NCT) {
       const int r = i / D, d = i - r * D;
       const int hq = kvh * g + r / M, m = r % M;
@@ -1256,6 +1309,9 @@ __global__ void __launch_bounds__(NT, 1)
     const float* an = p.norms + (size_t)l * 2 * p.H;
     stamp(l, 1);
     matvec_stage<M>(c, MAT_QKV, l, xsrc, mult, an);
+#if MK_ATT_PRE
+    attention_prefetch<M>(c, l, uni);
+#endif
     stamp(l, 2);
     gsync();
     stamp(l, 3);
