@@ -25,9 +25,7 @@ from flint.megakernel import MegakernelBackend  # noqa: E402
 from mk_dev import warm_granite  # noqa: E402
 
 mk, step = warm_granite(int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1] != "-" else None,
-                        m=int(sys.argv[2]) if len(sys.argv) > 2 else 1)
-if mk.trace is None:
-    sys.exit("set FLINT_MK_TRACE=1")
+                        m=int(sys.argv[2]) if len(sys.argv) > 2 else 1, traced=True)
 names = MegakernelBackend.BLOCK_STAMPS
 for rep in range(2):
     mk.trace.zero_()

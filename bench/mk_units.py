@@ -17,9 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mk_dev import warm_granite  # noqa: E402
 
-mk, step = warm_granite(m=int(sys.argv[1]) if len(sys.argv) > 1 else 1)
-if mk.trace is None:
-    sys.exit("set FLINT_MK_TRACE=1")
+mk, step = warm_granite(m=int(sys.argv[1]) if len(sys.argv) > 1 else 1, traced=True)
 mk.trace.zero_()
 step()
 torch.cuda.synchronize()

@@ -21,9 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mk_dev import warm_granite  # noqa: E402
 
-mk, step = warm_granite()
-if mk.trace is None:
-    sys.exit("set FLINT_MK_TRACE=1")
+mk, step = warm_granite(traced=True)
 
 def f(v, ghz):
     return "    -" if v is None or math.isnan(v) else f"{v / ghz / 1e3:5.2f}"

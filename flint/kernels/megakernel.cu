@@ -692,28 +692,41 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
 // FFN split-K: the tiles of a down slice that is ONE quantization group (kf == G): the
 // staged x, its group sums and the offsets are the same for every tile, so a warp loads them once and
 // per tile reads only its code words and (scale, min); two tiles per iteration (their loads first).
-// Same arithmetic as mkmma::mma_tile_dot for one group (see mk_mma.cuh for the layouts).
-template <int WPL, int M>
+// Same arithmetic as mkmma::mma_tile_dot for one group (see mk_mma.cuh for the layouts); I8 (MK_IDOT,
+// M <= 2): the same with mkmma::imma_tile_dot's x bytes, column scales and integer mma.
+template <int WPL, int M, bool I8 = false>
 __device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int srb, int kseg, int n, int warp,
                                                    uint32_t xs, int xstride, uint32_t xlo, uint32_t xsum, int lane,
                                                    float* dp0, size_t tstride, size_t mstride) {
   using namespace mkmma;
+  static_assert(!I8 || M <= 2, "hoisted integer slice dot: M <= 2");
   constexpr bool PACKED = 2 * M <= 8;
   constexpr int LB = M == 1 ? 1 : M == 2 ? 2 : 4;
   const int g = lane >> 2, t = lane & 3;
   const int row = !PACKED ? min(g, M - 1) : g < M ? g : (g >= LB && g < LB + M) ? M + g - LB : 0;
-  const uint32_t xa = xs + (uint32_t)(row * xstride + t * 16);
-  uint4 xh[WPL], xl[WPL];
-#pragma unroll
-  for (int c = 0; c < WPL; ++c) {
-    xh[c] = lds128(xa + (uint32_t)(c * 64));
-    xl[c] = PACKED ? xh[c] : lds128(xa + (uint32_t)(c * 64) + xlo);
-  }
-  const uint4 off = lds128(xsum + (uint32_t)(t * 16));
+  // fp16: hi / lo chunks and the group's offsets; I8: the x bytes and the columns' (scale, min term)
+  uint4 xh[WPL], xl[WPL], off;
   float2 eff;
-  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(eff.x), "=f"(eff.y) : "r"(xsum + (uint32_t)(64 + t * 8)));
   uint32_t magic;
-  asm("mov.b32 %0, 0x64006400;" : "=r"(magic));
+  if constexpr (I8) {
+    const uint32_t xa = xs + (uint32_t)(row * xstride + t * WPL * 8);
+    if constexpr (WPL == 1) {
+      asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(xh[0].x), "=r"(xh[0].y) : "r"(xa));
+    } else {
+      xh[0] = lds128(xa);
+    }
+    off = lds128(xsum + (uint32_t)(t * 16));
+  } else {
+    const uint32_t xa = xs + (uint32_t)(row * xstride + t * 16);
+#pragma unroll
+    for (int c = 0; c < WPL; ++c) {
+      xh[c] = lds128(xa + (uint32_t)(c * 64));
+      xl[c] = PACKED ? xh[c] : lds128(xa + (uint32_t)(c * 64) + xlo);
+    }
+    off = lds128(xsum + (uint32_t)(t * 16));
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(eff.x), "=f"(eff.y) : "r"(xsum + (uint32_t)(64 + t * 8)));
+    asm("mov.b32 %0, 0x64006400;" : "=r"(magic));
+  }
   const uint32_t ra = (uint32_t)(g * srb), rb = ra + (uint32_t)(8 * srb);
   for (int i = warp; i < n; i += 2 * NCW) {
     const bool two = i + NCW < n;
@@ -729,30 +742,47 @@ __device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       if (u && !two) break;
-      float d0[4] = {__uint_as_float(off.x), __uint_as_float(off.y), __uint_as_float(off.z), __uint_as_float(off.w)};
-      float d1[4] = {0.f, 0.f, 0.f, 0.f}, e0[4] = {0.f, 0.f, 0.f, 0.f}, e1[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int c = 0; c < WPL; ++c) {
-        const uint32_t a_lo = wa[u][c], b_lo = wb[u][c];
-        const uint32_t a_hi = a_lo >> 8, b_hi = b_lo >> 8;
-        const uint32_t p0 = mma_nib<0x000F000Fu>(a_lo, magic), p1 = mma_nib<0x000F000Fu>(b_lo, magic);
-        const uint32_t p2 = mma_nib<0x00F000F0u>(a_lo, magic), p3 = mma_nib<0x00F000F0u>(b_lo, magic);
-        const uint32_t r0 = mma_nib<0x000F000Fu>(a_hi, magic), r1 = mma_nib<0x000F000Fu>(b_hi, magic);
-        const uint32_t r2 = mma_nib<0x00F000F0u>(a_hi, magic), r3 = mma_nib<0x00F000F0u>(b_hi, magic);
-        mma_16816(d0, p0, p1, p2, p3, xh[c].x, xh[c].y);
-        mma_16816(d1, r0, r1, r2, r3, xh[c].z, xh[c].w);
-        if constexpr (!PACKED) {
-          mma_16816(e0, p0, p1, p2, p3, xl[c].x, xl[c].y);
-          mma_16816(e1, r0, r1, r2, r3, xl[c].z, xl[c].w);
-        }
-      }
-      const float2 fa = __half22float2(*reinterpret_cast<const __half2*>(&hs[u][0]));
-      const float2 fb = __half22float2(*reinterpret_cast<const __half2*>(&hs[u][1]));
       float acc[4];
-      acc[0] = fmaf(fa.x, (d0[0] + d1[0]) + (e0[0] + e1[0]), fmaf(fa.y, eff.x, 0.f));
-      acc[1] = fmaf(fa.x, (d0[1] + d1[1]) + (e0[1] + e1[1]), fmaf(fa.y, eff.y, 0.f));
-      acc[2] = fmaf(fb.x, (d0[2] + d1[2]) + (e0[2] + e1[2]), fmaf(fb.y, eff.x, 0.f));
-      acc[3] = fmaf(fb.x, (d0[3] + d1[3]) + (e0[3] + e1[3]), fmaf(fb.y, eff.y, 0.f));
+      if constexpr (I8) {
+        const uint32_t xb[4] = {xh[0].x, xh[0].y, xh[0].z, xh[0].w};  // bytes of word c: xb[2c], xb[2c + 1]
+        int d[4] = {0, 0, 0, 0};
+#pragma unroll
+        for (int c = 0; c < WPL; ++c)
+          imma_16832(d, wa[u][c] & 0x0F0F0F0Fu, wb[u][c] & 0x0F0F0F0Fu, (wa[u][c] >> 4) & 0x0F0F0F0Fu,
+                     (wb[u][c] >> 4) & 0x0F0F0F0Fu, xb[2 * c], xb[2 * c + 1]);
+        const float2 fa = __half22float2(*reinterpret_cast<const __half2*>(&hs[u][0]));
+        const float2 fb = __half22float2(*reinterpret_cast<const __half2*>(&hs[u][1]));
+        const float c0 = __uint_as_float(off.x), c1 = __uint_as_float(off.y);
+        const float m0 = __uint_as_float(off.z), m1 = __uint_as_float(off.w);
+        acc[0] = fmaf(__int2float_rn(d[0]), fa.x * c0, fa.y * m0);
+        acc[1] = fmaf(__int2float_rn(d[1]), fa.x * c1, fa.y * m1);
+        acc[2] = fmaf(__int2float_rn(d[2]), fb.x * c0, fb.y * m0);
+        acc[3] = fmaf(__int2float_rn(d[3]), fb.x * c1, fb.y * m1);
+      } else {
+        float d0[4] = {__uint_as_float(off.x), __uint_as_float(off.y), __uint_as_float(off.z), __uint_as_float(off.w)};
+        float d1[4] = {0.f, 0.f, 0.f, 0.f}, e0[4] = {0.f, 0.f, 0.f, 0.f}, e1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int c = 0; c < WPL; ++c) {
+          const uint32_t a_lo = wa[u][c], b_lo = wb[u][c];
+          const uint32_t a_hi = a_lo >> 8, b_hi = b_lo >> 8;
+          const uint32_t p0 = mma_nib<0x000F000Fu>(a_lo, magic), p1 = mma_nib<0x000F000Fu>(b_lo, magic);
+          const uint32_t p2 = mma_nib<0x00F000F0u>(a_lo, magic), p3 = mma_nib<0x00F000F0u>(b_lo, magic);
+          const uint32_t r0 = mma_nib<0x000F000Fu>(a_hi, magic), r1 = mma_nib<0x000F000Fu>(b_hi, magic);
+          const uint32_t r2 = mma_nib<0x00F000F0u>(a_hi, magic), r3 = mma_nib<0x00F000F0u>(b_hi, magic);
+          mma_16816(d0, p0, p1, p2, p3, xh[c].x, xh[c].y);
+          mma_16816(d1, r0, r1, r2, r3, xh[c].z, xh[c].w);
+          if constexpr (!PACKED) {
+            mma_16816(e0, p0, p1, p2, p3, xl[c].x, xl[c].y);
+            mma_16816(e1, r0, r1, r2, r3, xl[c].z, xl[c].w);
+          }
+        }
+        const float2 fa = __half22float2(*reinterpret_cast<const __half2*>(&hs[u][0]));
+        const float2 fb = __half22float2(*reinterpret_cast<const __half2*>(&hs[u][1]));
+        acc[0] = fmaf(fa.x, (d0[0] + d1[0]) + (e0[0] + e1[0]), fmaf(fa.y, eff.x, 0.f));
+        acc[1] = fmaf(fa.x, (d0[1] + d1[1]) + (e0[1] + e1[1]), fmaf(fa.y, eff.y, 0.f));
+        acc[2] = fmaf(fb.x, (d0[2] + d1[2]) + (e0[2] + e1[2]), fmaf(fb.y, eff.x, 0.f));
+        acc[3] = fmaf(fb.x, (d0[3] + d1[3]) + (e0[3] + e1[3]), fmaf(fb.y, eff.y, 0.f));
+      }
       if constexpr (PACKED) {
         if constexpr (M == 1) {
           acc[0] += acc[1];
@@ -761,69 +791,6 @@ __device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int
 #pragma unroll
           for (int j = 0; j < 4; ++j) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], LB / 2);
         }
-      }
-      float* dp = dp0 + (size_t)(u ? i + NCW : i) * tstride;
-      if (2 * t < M) { dp[2 * t * mstride] = acc[0]; dp[2 * t * mstride + 8] = acc[2]; }
-      if (2 * t + 1 < M) { dp[(2 * t + 1) * mstride] = acc[1]; dp[(2 * t + 1) * mstride + 8] = acc[3]; }
-    }
-  }
-}
-
-// MK_IDOT: the same for the integer dot (mk_mma.cuh imma_tile_dot, one group per tile): the x bytes and the
-// group's column scales loaded once per warp, per tile its code words and (scale, min), two tiles per iteration.
-template <int WPL, int M>
-__device__ __forceinline__ void ds_tiles_one_group_i8(uint32_t sb, uint32_t tb, int srb, int kseg, int n, int warp,
-                                                      uint32_t xs, int xstride, uint32_t xsum, int lane, float* dp0,
-                                                      size_t tstride, size_t mstride) {
-  using namespace mkmma;
-  static_assert(M <= 2, "hoisted integer slice dot: M <= 2");
-  constexpr int LB = M == 1 ? 1 : 2;
-  const int g = lane >> 2, t = lane & 3;
-  const int row = g < M ? g : (g >= LB && g < LB + M) ? M + g - LB : 0;
-  const uint32_t xa = xs + (uint32_t)(row * xstride + t * WPL * 8);
-  uint32_t xb[2 * WPL];
-  if constexpr (WPL == 1) {
-    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(xb[0]), "=r"(xb[1]) : "r"(xa));
-  } else {
-    const uint4 v = lds128(xa);
-    xb[0] = v.x; xb[1] = v.y; xb[2] = v.z; xb[3] = v.w;
-  }
-  const uint4 cs = lds128(xsum + (uint32_t)(t * 16));
-  const float c0 = __uint_as_float(cs.x), c1 = __uint_as_float(cs.y);
-  const float m0 = __uint_as_float(cs.z), m1 = __uint_as_float(cs.w);
-  const uint32_t ra = (uint32_t)(g * srb), rb = ra + (uint32_t)(8 * srb);
-  for (int i = warp; i < n; i += 2 * NCW) {
-    const bool two = i + NCW < n;
-    uint32_t wa[2][WPL], wb[2][WPL], hs[2][2];
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const uint32_t tile = sb + (uint32_t)(u && two ? i + NCW : i) * tb;
-      mma_lds_words<WPL>(tile + ra + (uint32_t)(t * WPL * 4), wa[u]);
-      mma_lds_words<WPL>(tile + rb + (uint32_t)(t * WPL * 4), wb[u]);
-      hs[u][0] = lds32(tile + ra + (uint32_t)(kseg >> 1));
-      hs[u][1] = lds32(tile + rb + (uint32_t)(kseg >> 1));
-    }
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      if (u && !two) break;
-      int d[4] = {0, 0, 0, 0};
-#pragma unroll
-      for (int c = 0; c < WPL; ++c)
-        imma_16832(d, wa[u][c] & 0x0F0F0F0Fu, wb[u][c] & 0x0F0F0F0Fu, (wa[u][c] >> 4) & 0x0F0F0F0Fu,
-                   (wb[u][c] >> 4) & 0x0F0F0F0Fu, xb[2 * c], xb[2 * c + 1]);
-      const float2 fa = __half22float2(*reinterpret_cast<const __half2*>(&hs[u][0]));
-      const float2 fb = __half22float2(*reinterpret_cast<const __half2*>(&hs[u][1]));
-      float acc[4];
-      acc[0] = fmaf(__int2float_rn(d[0]), fa.x * c0, fa.y * m0);
-      acc[1] = fmaf(__int2float_rn(d[1]), fa.x * c1, fa.y * m1);
-      acc[2] = fmaf(__int2float_rn(d[2]), fb.x * c0, fb.y * m0);
-      acc[3] = fmaf(__int2float_rn(d[3]), fb.x * c1, fb.y * m1);
-      if constexpr (M == 1) {
-        acc[0] += acc[1];
-        acc[2] += acc[3];
-      } else {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], LB / 2);
       }
       float* dp = dp0 + (size_t)(u ? i + NCW : i) * tstride;
       if (2 * t < M) { dp[2 * t * mstride] = acc[0]; dp[2 * t * mstride + 8] = acc[2]; }
@@ -866,9 +833,11 @@ __device__ void ffn_down_partial(Ctx<M>& c) {
       const size_t ts = (size_t)p.nffn_pad * TILE_ROWS;
       if constexpr (M <= 2) {
         if (mt.G == 64)
-          ds_tiles_one_group_i8<2, M>(sb, tb, mt.srb, mt.kseg, n, warp, c.xs, xstride, c.xsum, lane, dp0, ts, mstride);
+          ds_tiles_one_group<2, M, true>(sb, tb, mt.srb, mt.kseg, n, warp, c.xs, xstride, xlo, c.xsum, lane, dp0, ts,
+                                         mstride);
         else
-          ds_tiles_one_group_i8<1, M>(sb, tb, mt.srb, mt.kseg, n, warp, c.xs, xstride, c.xsum, lane, dp0, ts, mstride);
+          ds_tiles_one_group<1, M, true>(sb, tb, mt.srb, mt.kseg, n, warp, c.xs, xstride, xlo, c.xsum, lane, dp0, ts,
+                                         mstride);
       }
     } else if (!(MK_IDOT && M <= 4) && M <= 2 && ng == 1 && mt.G <= 64) {
       float* dp0 = dpf + (size_t)t * p.nffn_pad * TILE_ROWS;
