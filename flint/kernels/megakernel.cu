@@ -453,6 +453,15 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
 }
 
 // =====================================================================[5] matvec stage + epilogues
+// The tile dot of this kernel's x staging: fp16 hi + lo terms, or with MK_IDOT (M <= 4) the integer dot
+template <int M>
+__device__ __forceinline__ void tile_dot(int G, uint32_t tile, int srb, int kseg, int gi0, int gi1, uint32_t xs,
+                                         int xstride, uint32_t xlo, uint32_t xsum, int lane, float (&acc)[4]) {
+  if constexpr (MK_IDOT && M <= 4)
+    mkmma::imma_tile_dot_g<M>(G, tile, srb, kseg, gi0, gi1, xs, xstride, xsum, lane, acc);
+  else
+    mkmma::mma_tile_dot_g<M>(G, tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, lane, acc);
+}
 __device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }
 
 // Epilogue of one row pair (n0, n0 + 1) of token m (act: m < M; all lanes must call it, the lm_head
@@ -641,12 +650,8 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         const int gi0 = __shfl_sync(0xffffffffu, gtab, part), gi1 = __shfl_sync(0xffffffffu, gtab, part + 1);
         if (!(p.dbg & 1)) {
-          if constexpr (MK_IDOT && M <= 4)
-            mkmma::imma_tile_dot_g<M>(mt.G, ring0 + (uint32_t)(slot * c.ring.slot_bytes), mt.srb, mt.kseg, gi0, gi1,
-                                      xs, xstride, xsum, lane, acc);
-          else
-            mkmma::mma_tile_dot_g<M>(mt.G, ring0 + (uint32_t)(slot * c.ring.slot_bytes), mt.srb, mt.kseg, gi0, gi1, xs,
-                                     xstride, xlo, xsum, lane, acc);
+          tile_dot<M>(mt.G, ring0 + (uint32_t)(slot * c.ring.slot_bytes), mt.srb, mt.kseg, gi0, gi1, xs, xstride, xlo,
+                      xsum, lane, acc);
         }
         if (!MK_WS_ALL && ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j + 1);
 #if MK_WS_ALL
@@ -828,33 +833,22 @@ __device__ void ffn_down_partial(Ctx<M>& c) {
     const int n = min(cpt, nt - t);
     const uint32_t sb = ring0 + (uint32_t)(c.slot * c.ring.slot_bytes);
     // (hoisted only where the registers allow: M <= 2 and G <= 64; else the generic tile dot)
-    if (MK_IDOT && M <= 2 && ng == 1 && mt.G <= 64) {
+    if (M <= 2 && ng == 1 && mt.G <= 64) {
       float* dp0 = dpf + (size_t)t * p.nffn_pad * TILE_ROWS;
       const size_t ts = (size_t)p.nffn_pad * TILE_ROWS;
       if constexpr (M <= 2) {
+        constexpr bool I8 = MK_IDOT != 0;
         if (mt.G == 64)
-          ds_tiles_one_group<2, M, true>(sb, tb, mt.srb, mt.kseg, n, warp, c.xs, xstride, xlo, c.xsum, lane, dp0, ts,
-                                         mstride);
+          ds_tiles_one_group<2, M, I8>(sb, tb, mt.srb, mt.kseg, n, warp, c.xs, xstride, xlo, c.xsum, lane, dp0, ts,
+                                       mstride);
         else
-          ds_tiles_one_group<1, M, true>(sb, tb, mt.srb, mt.kseg, n, warp, c.xs, xstride, xlo, c.xsum, lane, dp0, ts,
-                                         mstride);
+          ds_tiles_one_group<1, M, I8>(sb, tb, mt.srb, mt.kseg, n, warp, c.xs, xstride, xlo, c.xsum, lane, dp0, ts,
+                                       mstride);
       }
-    } else if (!(MK_IDOT && M <= 4) && M <= 2 && ng == 1 && mt.G <= 64) {
-      float* dp0 = dpf + (size_t)t * p.nffn_pad * TILE_ROWS;
-      const size_t ts = (size_t)p.nffn_pad * TILE_ROWS;
-      if (mt.G == 64)
-        ds_tiles_one_group<2, M>(sb, tb, mt.srb, mt.kseg, n, warp, c.xs, xstride, xlo, c.xsum, lane, dp0, ts, mstride);
-      else
-        ds_tiles_one_group<1, M>(sb, tb, mt.srb, mt.kseg, n, warp, c.xs, xstride, xlo, c.xsum, lane, dp0, ts, mstride);
     } else
     for (int i = warp; i < n; i += NCW) {
       float acc[4];
-      if constexpr (MK_IDOT && M <= 4)
-        mkmma::imma_tile_dot_g<M>(mt.G, sb + (uint32_t)i * tb, mt.srb, mt.kseg, 0, ng, c.xs, xstride, c.xsum, lane,
-                                  acc);
-      else
-        mkmma::mma_tile_dot_g<M>(mt.G, sb + (uint32_t)i * tb, mt.srb, mt.kseg, 0, ng, c.xs, xstride, xlo, c.xsum, lane,
-                                 acc);
+      tile_dot<M>(mt.G, sb + (uint32_t)i * tb, mt.srb, mt.kseg, 0, ng, c.xs, xstride, xlo, c.xsum, lane, acc);
       float* dp = dpf + (size_t)(t + i) * p.nffn_pad * TILE_ROWS;
       if (2 * tq < M) { dp[2 * tq * mstride] = acc[0]; dp[2 * tq * mstride + 8] = acc[2]; }
       if (2 * tq + 1 < M) { dp[(2 * tq + 1) * mstride] = acc[1]; dp[(2 * tq + 1) * mstride + 8] = acc[3]; }
