@@ -37,6 +37,8 @@
 #ifndef MK_IDOT
 #define MK_IDOT 0
 #endif
+template <int M>
+constexpr bool kIdot = MK_IDOT && M <= 4;  // this kernel stages int8 x and runs the integer dot
 // MK_POLL_RELAXED (EXPERIMENT, off; 5h: -1.2% inside the noise, to be measured again): the grid barrier
 // polls with relaxed loads and fences once after the last (acquire by fence).
 #ifndef MK_POLL_RELAXED
@@ -356,7 +358,7 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
       const float wx[8] = {wv[u][0].x, wv[u][0].y, wv[u][0].z, wv[u][0].w,
                            wv[u][1].x, wv[u][1].y, wv[u][1].z, wv[u][1].w};
       const float r = norm_w ? mult * c.misc->rstd[m] : 1.f;
-      if constexpr (MK_IDOT && M <= 4) {  // the integer dot's x: two int8 terms per token and group
+      if constexpr (kIdot<M>) {  // the integer dot's x: two int8 terms per token and group
         float xv[8], amax = 0.f;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -457,7 +459,7 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
 template <int M>
 __device__ __forceinline__ void tile_dot(int G, uint32_t tile, int srb, int kseg, int gi0, int gi1, uint32_t xs,
                                          int xstride, uint32_t xlo, uint32_t xsum, int lane, float (&acc)[4]) {
-  if constexpr (MK_IDOT && M <= 4)
+  if constexpr (kIdot<M>)
     mkmma::imma_tile_dot_g<M>(G, tile, srb, kseg, gi0, gi1, xs, xstride, xsum, lane, acc);
   else
     mkmma::mma_tile_dot_g<M>(G, tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, lane, acc);
@@ -634,7 +636,7 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
       if (s == 0 && mi != MAT_LM) trace_stamp(p, layer, 16 + 4 * mi);
       if (ws) warp_stamp(p, layer, WS_O_STAGED);
     }
-    const uint32_t xs = c.xs + (xall ? (uint32_t)(s * mt.kseg * (MK_IDOT && M <= 4 ? 1 : 2)) : 0u);  // int8 / fp16 x
+    const uint32_t xs = c.xs + (xall ? (uint32_t)(s * mt.kseg * (kIdot<M> ? 1 : 2)) : 0u);  // int8 / fp16 x
     const uint32_t xsum = c.xsum + (xall ? (uint32_t)(s * ng * mkmma::MMA_XSUM_FLOATS * 4) : 0u);
     for (int j = 0; j < nt; ++j) {
       const int slot = c.slot;
