@@ -51,6 +51,20 @@ constexpr bool kIdot = MK_IDOT && M <= 4;  // this kernel stages int8 x and runs
 #ifndef MK_ATT_PRE
 #define MK_ATT_PRE 0
 #endif
+// MK_DIAG (DIAGNOSTIC ONLY, wrong answers, off): what a part of the attention stage costs, by removing it
+// (session 6, bench/results/mk_ab_session6_2026-11-29.log). 1: no merge of the context splits (each split
+// writes its partial and leaves: no counter, no merge); 2: the attention stage skipped; 3: attention's
+// loads and merge kept, its arithmetic skipped; 4: no grid barrier between qkv and attention.
+#ifndef MK_DIAG
+#define MK_DIAG 0
+#endif
+// MK_FAST_MERGE (EXPERIMENT, session 6): the last split's merge issues every split's loads before it
+// needs them (one L2 round trip instead of one per split; the per-row weights through shared memory) and
+// the split counter is one acq_rel atomic instead of two fences around a relaxed one.
+#ifndef MK_FAST_MERGE
+#define MK_FAST_MERGE 0
+#endif
+constexpr int FM_MAX_SPLITS = 16;
 // MK_TRACE: the trace stamps (FLINT_MK_TRACE=1) are compiled only into a separate traced library
 // (flint/kernels/build.py build(traced=True) adds -DMK_TRACE=1): their runtime checks on every stage's
 // chain cost 2.5% per step (session 5, bench/results/mk_ab_session4_2026-11-29.log).
@@ -1038,7 +1052,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
       const __half* Kt = Kb + (size_t)buf * ATT_T * D;
       const __half* Vt = Vb + (size_t)buf * ATT_T * D;
       // scores: lanes over keys, warps over (row, key half)
-      for (int task = warp; task < R * 2; task += NCW) {
+      for (int task = warp; task < (MK_DIAG == 3 ? 0 : R * 2); task += NCW) {
         const int r = task >> 1, j = (task & 1) * 32 + lane;
         const int m = r % M;
         float s = -INFINITY;
@@ -1066,7 +1080,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
       cbar();
       warp_stamp(p, layer, WS_A_SCORES);
       // online softmax statistics: warp per row
-      for (int r = warp; r < R; r += NCW) {
+      for (int r = warp; r < (MK_DIAG == 3 ? 0 : R); r += NCW) {
         const float v0 = s_s[r * ATT_T + lane], v1 = s_s[r * ATT_T + lane + 32];
         const float mo = ms->att_m[r];
         const float mn = fmaxf(mo, warp_max(fmaxf(v0, v1)));
@@ -1089,7 +1103,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
       cbar();
       warp_stamp(p, layer, WS_A_SOFTMAX);
       // o = o * alpha + P V: warp per row, lanes over dim pairs
-      for (int r = warp; r < R; r += NCW) {
+      for (int r = warp; r < (MK_DIAG == 3 ? 0 : R); r += NCW) {
         const float alpha = ms->att_alpha[r];
         const float* pr = s_s + r * ATT_T;
         for (int d2 = lane; d2 < D / 2; d2 += 32) {
@@ -1123,16 +1137,62 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
       }
       cbar();
       warp_stamp(p, layer, WS_A_PART);
+      if (MK_DIAG == 1) continue;  // (at most one item per block: nitems <= nblocks)
       if (t == 0) {
+#if MK_FAST_MERGE
+        // one acq_rel atomic: releases this block's partial (cumulative over the cbar), acquires the others'
+        int old;
+        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(p.att_count + kvh) : "memory");
+        ms->flag = (old == nsplit - 1);
+#else
         __threadfence();
         const int old = atomicAdd(p.att_count + kvh, 1);
         ms->flag = (old == nsplit - 1);
         if (ms->flag) __threadfence();
+#endif
       }
       cbar();
       warp_stamp(p, layer, WS_A_COUNT);
       if (ms->flag) {  // last split done: merge all splits of this kv head in split order
         const float* pk = p.part + ((size_t)kvh * nsplit * R) * (D + 2);
+#if MK_FAST_MERGE
+        if (M <= 2 && nsplit <= FM_MAX_SPLITS && R * D <= NCT && R * nsplit <= NCT) {
+          // each thread's o values of every split first, then the per-(row, split) weights w_s / sum w l
+          // through shared memory (s_s), all loads in one round trip; same sums in split order
+          const int r = t / D, d = t - r * D;
+          float ov[FM_MAX_SPLITS];
+#pragma unroll
+          for (int s2 = 0; s2 < FM_MAX_SPLITS; ++s2)
+            if (s2 < nsplit && t < R * D) ov[s2] = __ldcg(pk + ((size_t)s2 * R + r) * (D + 2) + 2 + d);
+          if (t < R * nsplit) {  // (row, split) -> s_s[row * FM_MAX_SPLITS + split] = (m, l)
+            const int rr = t / nsplit, s2 = t - rr * nsplit;
+            const float2 e = __ldcg(reinterpret_cast<const float2*>(pk + ((size_t)s2 * R + rr) * (D + 2)));
+            s_s[2 * (rr * FM_MAX_SPLITS + s2)] = e.x;
+            s_s[2 * (rr * FM_MAX_SPLITS + s2) + 1] = e.y;
+          }
+          cbar();
+          if (t < R) {  // per row: max, then w_s / den in place of (m, l)
+            float mx = -INFINITY, den = 0.f;
+            for (int s2 = 0; s2 < nsplit; ++s2) mx = fmaxf(mx, s_s[2 * (t * FM_MAX_SPLITS + s2)]);
+            for (int s2 = 0; s2 < nsplit; ++s2) {
+              const float m2 = s_s[2 * (t * FM_MAX_SPLITS + s2)];
+              const float wgt = m2 == -INFINITY ? 0.f : expf(m2 - mx);
+              s_s[2 * (t * FM_MAX_SPLITS + s2)] = wgt;
+              den = fmaf(wgt, s_s[2 * (t * FM_MAX_SPLITS + s2) + 1], den);
+            }
+            ms->att_l[t] = den;
+          }
+          cbar();
+          if (t < R * D) {
+            float num = 0.f;
+#pragma unroll
+            for (int s2 = 0; s2 < FM_MAX_SPLITS; ++s2)
+              if (s2 < nsplit) num = fmaf(s_s[2 * (r * FM_MAX_SPLITS + s2)], ov[s2], num);
+            const int hq = kvh * g + r / M, m = r % M;
+            p.attn[(size_t)m * p.nh * D + hq * D + d] = num / ms->att_l[r];
+          }
+        } else
+#endif
         for (int i = t; i < R * D; i += NCT) {
           const int r = i / D, d = i - r * D;
           float mx = -INFINITY;
@@ -1225,7 +1285,7 @@ __global__ void __launch_bounds__(NT, 1)
   c.xsum = smem_u32(smem + sl.xsum);
   c.start = start;
   const unsigned long long epoch = __ldcg(p.epoch);
-  const unsigned long long S = 5ull * p.L;
+  const unsigned long long S = (MK_DIAG == 4 ? 4ull : 5ull) * p.L;
   unsigned long long nbar = 0;
   auto gsync = [&]() { ++nbar; grid_barrier(p, (unsigned long long)p.nblocks * (epoch * S + nbar)); };
 
@@ -1278,7 +1338,7 @@ __global__ void __launch_bounds__(NT, 1)
     attention_prefetch<M>(c, l, uni);
 #endif
     stamp(l, 2);
-    gsync();
+    if (MK_DIAG != 4) gsync();
     stamp(l, 3);
     if (MK_DS_PREFETCH && p.nffn && threadIdx.x == 32 && c.misc->tile1[MAT_DS] > 0) {  // warp 1 (thread 0 polls)
       const Mat& ds = p.mat[MAT_DS];
@@ -1287,7 +1347,7 @@ __global__ void __launch_bounds__(NT, 1)
       const uint8_t* src = ds.base + (long long)l * ds.layer_stride + (long long)blockIdx.x * ds.seg_stride;
       for (uint32_t o = 0; o < total; o += chunk) bulk_prefetch_l2(src + o, min(chunk, total - o));
     }
-    attention_stage<M>(c, l, uni);
+    if (MK_DIAG != 2) attention_stage<M>(c, l, uni);
     stamp(l, 4);
     gsync();
     stamp(l, 5);
