@@ -18,39 +18,21 @@
 // Measured and removed in session 5 (reproducible from 0117668 with bench/mk_variants.py): MK_SKIP2
 // (warps skip units without a part, made safe by per-slot counters: +1.2%) and MK_RSTD_TREE (rstd
 // by a fixed tree in every staging thread: noise).
-// MK_DS_PREFETCH (EXPERIMENT, off, not yet run on a GPU: docs/megakernel.md "What is next" 1): at the
-// start of each layer's attention stage one lane of every FFN block prefetches its down slice of the
-// layer into L2 (HBM is idle during attention; the ring can only fetch the slice once gate|up frees slots).
-#ifndef MK_DS_PREFETCH
-#define MK_DS_PREFETCH 0
-#endif
-// MK_PACKED_NOZERO (EXPERIMENT, off, not yet run on a GPU; defined here so bench/mk_variants.py can set
-// it, used in mk_mma.cuh): the tile dot's packed path (M <= 4) stops adding its zero lo chains, -4 FADD
-// of the 91 instructions per group of 128 codes (the compiler does not fold "x + 0.f").
-#ifndef MK_PACKED_NOZERO
-#define MK_PACKED_NOZERO 0
-#endif
-// MK_IDOT (EXPERIMENT, off, NOT YET RUN on a GPU; docs/megakernel.md "What is next" 3): kernels with
-// M <= 4 stage x as two int8 terms per token and group and run the integer tile dot
-// (mkmma::imma_tile_dot, mma.m16n8k32.s8): about 40% fewer dot instructions; numerics checked on CPU
-// (flint/kernels/dev/int8_x_study.py), lane mapping emulated (flint/kernels/dev/imma_dot_emulation.py).
+// Measured and removed in session 6 (reproducible from 80bb088 with bench/mk_variants.py; numbers in
+// bench/results/mk_ab_session6_2026-11-29.log): MK_DS_PREFETCH (down slices into L2 during attention:
+// +5.5%), MK_PACKED_NOZERO (4 FADD less per group: +1.7%, noise), MK_ATT_PRE (attention's old K/V rows in
+// flight before the qkv barrier: +2.1%, noise), MK_FAST_MERGE (the split merge's loads in one round trip,
+// one acq_rel atomic: noise); MK_POLL_RELAXED (5h: -1.2%, noise) from 181cb55.
+// MK_IDOT (EXPERIMENT, off; session 6: correct on the GPU, real SmolLM2 greedy identical, but +1.9% at M = 1,
+// +3.3% at M = 2: the dots are not bound by instruction issue): kernels with M <= 4 stage x as two int8
+// terms per token and group and run the integer tile dot (mkmma::imma_tile_dot, mma.m16n8k32.s8): about
+// 40% fewer dot instructions; numerics (flint/kernels/dev/int8_x_study.py), lane mapping
+// (flint/kernels/dev/imma_dot_emulation.py).
 #ifndef MK_IDOT
 #define MK_IDOT 0
 #endif
 template <int M>
 constexpr bool kIdot = MK_IDOT && M <= 4;  // this kernel stages int8 x and runs the integer dot
-// MK_POLL_RELAXED (EXPERIMENT, off; 5h: -1.2% inside the noise, to be measured again): the grid barrier
-// polls with relaxed loads and fences once after the last (acquire by fence).
-#ifndef MK_POLL_RELAXED
-#define MK_POLL_RELAXED 0
-#endif
-// MK_ATT_PRE (EXPERIMENT, off, NOT YET RUN on a GPU; docs/megakernel.md "What is next" 4): the K/V rows of
-// positions before this step (written by earlier launches) of the block's first attention tile are put
-// in flight (cp.async) right after the qkv stage, before the grid barrier; only this step's own rows
-// are loaded after it.
-#ifndef MK_ATT_PRE
-#define MK_ATT_PRE 0
-#endif
 // MK_DIAG (DIAGNOSTIC ONLY, wrong answers, off): what a part of the attention stage costs, by removing it
 // (session 6, bench/results/mk_ab_session6_2026-11-29.log). 1: no merge of the context splits (each split
 // writes its partial and leaves: no counter, no merge); 2: the attention stage skipped; 3: attention's
@@ -58,13 +40,6 @@ constexpr bool kIdot = MK_IDOT && M <= 4;  // this kernel stages int8 x and runs
 #ifndef MK_DIAG
 #define MK_DIAG 0
 #endif
-// MK_FAST_MERGE (EXPERIMENT, session 6): the last split's merge issues every split's loads before it
-// needs them (one L2 round trip instead of one per split; the per-row weights through shared memory) and
-// the split counter is one acq_rel atomic instead of two fences around a relaxed one.
-#ifndef MK_FAST_MERGE
-#define MK_FAST_MERGE 0
-#endif
-constexpr int FM_MAX_SPLITS = 16;
 // MK_TRACE: the trace stamps (FLINT_MK_TRACE=1) are compiled only into a separate traced library
 // (flint/kernels/build.py build(traced=True) adds -DMK_TRACE=1): their runtime checks on every stage's
 // chain cost 2.5% per step (session 5, bench/results/mk_ab_session4_2026-11-29.log).
@@ -108,16 +83,9 @@ __device__ __forceinline__ void grid_barrier(const Params& p, unsigned long long
     // release (cumulative over the block's writes ordered before it by cbar); no return value to wait for
     asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p.bar_counter), "l"(1ull) : "memory");
     unsigned long long v;
-    if (MK_POLL_RELAXED) {
-      do {
-        asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p.bar_counter) : "memory");
-      } while (v < target);
-      asm volatile("fence.acq_rel.gpu;" ::: "memory");  // acquire: the relaxed load saw the last release
-    } else {
-      do {
-        asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p.bar_counter) : "memory");
-      } while (v < target);
-    }
+    do {
+      asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p.bar_counter) : "memory");
+    } while (v < target);
   }
   cbar();
 }
@@ -944,40 +912,6 @@ __device__ void ffn_down_reduce(Ctx<M>& c, uint8_t* uni) {
 // Work item = (kv head, contiguous split of the context). All query heads of the group and all M
 // tokens are processed together so K/V are read once. Sub-tiles of ATT_T keys are double-buffered
 // with cp.async; online softmax in fp32. Splits are merged by the last block to finish (counter).
-#if MK_ATT_PRE
-// MK_ATT_PRE: before the qkv -> attention grid barrier, the K/V rows [j0, min(start, Ltot)) of the first
-// tile of this block's first attention item, into buffer 0 (one cp.async group per thread); the same
-// work split as attention_stage. The staged x in `uni` is free: matvec_stage ended with a block barrier.
-template <int M>
-__device__ void attention_prefetch(const Ctx<M>& c, int layer, uint8_t* uni) {
-  const Params& p = *c.p;
-  const int D = p.D, start = c.start, Ltot = start + M;
-  const int ntiles = (Ltot + ATT_T - 1) / ATT_T;
-  int nsplit = min(ntiles, max(1, p.nblocks / p.nkv));
-  const int tps = (ntiles + nsplit - 1) / nsplit;
-  nsplit = (ntiles + tps - 1) / tps;
-  const int item = blockIdx.x;
-  if (item >= p.nkv * nsplit) return;  // block-uniform
-  const int kvh = item / nsplit, sp = item % nsplit, cpr = D / 8;
-  const int j0 = sp * tps * ATT_T;
-  const size_t cbase = (((size_t)layer * p.nkv + kvh) * p.max_seq) * D;
-  __half* Kb = reinterpret_cast<__half*>(uni);
-  __half* Vb = Kb + 2 * ATT_T * D;
-  for (int i = threadIdx.x; i < ATT_T * cpr * 2; i += NCT) {
-    const int isv = i >= ATT_T * cpr;
-    const int ii = isv ? i - ATT_T * cpr : i;
-    const int j = ii / cpr, ch = ii % cpr;
-    if (j0 + j < start) {
-      if (isv)
-        cp_async16(Vb + (size_t)j * D + ch * 8, p.vcache + cbase + (size_t)(j0 + j) * D + ch * 8);
-      else
-        cp_async16(Kb + (size_t)j * D + ((ch ^ (j & 7)) * 8), p.kcache + cbase + (size_t)(j0 + j) * D + ch * 8);
-    }
-  }
-  cp_async_commit();
-}
-#endif
-
 template <int M>
 __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
   const Params& p = *c.p;
@@ -1005,22 +939,13 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
     const size_t cbase = (((size_t)layer * p.nkv + kvh) * p.max_seq) * D;
     const __half* Kc = p.kcache + cbase;
     const __half* Vc = p.vcache + cbase;
-#if MK_ATT_PRE
-    // the first tile of the block's first item: its rows before `start` are already in flight
-    // (attention_prefetch, before the grid barrier); only this step's rows are loaded here
-    int jlo = item == (int)blockIdx.x ? start : 0;
-#endif
     auto load_tile = [&](int tile, int buf) {
       const int j0 = tile * ATT_T;
       for (int i = t; i < ATT_T * cpr * 2; i += NCT) {
         const int isv = i >= ATT_T * cpr;
         const int ii = isv ? i - ATT_T * cpr : i;
         const int j = ii / cpr, ch = ii % cpr;
-#if MK_ATT_PRE
-        if (j0 + j < Ltot && j0 + j >= jlo) {
-#else
         if (j0 + j < Ltot) {
-#endif
           if (isv)
             cp_async16(Vb + ((size_t)buf * ATT_T + j) * D + ch * 8, Vc + (size_t)(j0 + j) * D + ch * 8);
           else
@@ -1030,9 +955,6 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
       cp_async_commit();
     };
     load_tile(t0, 0);
-#if MK_ATT_PRE
-    jlo = 0;
-#endif
     for (int i = t; i < R * D; i += NCT) {
       const int r = i / D, d = i - r * D;
       const int hq = kvh * g + r / M, m = r % M;
@@ -1139,60 +1061,15 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
       warp_stamp(p, layer, WS_A_PART);
       if (MK_DIAG == 1) continue;  // (at most one item per block: nitems <= nblocks)
       if (t == 0) {
-#if MK_FAST_MERGE
-        // one acq_rel atomic: releases this block's partial (cumulative over the cbar), acquires the others'
-        int old;
-        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(p.att_count + kvh) : "memory");
-        ms->flag = (old == nsplit - 1);
-#else
         __threadfence();
         const int old = atomicAdd(p.att_count + kvh, 1);
         ms->flag = (old == nsplit - 1);
         if (ms->flag) __threadfence();
-#endif
       }
       cbar();
       warp_stamp(p, layer, WS_A_COUNT);
       if (ms->flag) {  // last split done: merge all splits of this kv head in split order
         const float* pk = p.part + ((size_t)kvh * nsplit * R) * (D + 2);
-#if MK_FAST_MERGE
-        if (M <= 2 && nsplit <= FM_MAX_SPLITS && R * D <= NCT && R * nsplit <= NCT) {
-          // each thread's o values of every split first, then the per-(row, split) weights w_s / sum w l
-          // through shared memory (s_s), all loads in one round trip; same sums in split order
-          const int r = t / D, d = t - r * D;
-          float ov[FM_MAX_SPLITS];
-#pragma unroll
-          for (int s2 = 0; s2 < FM_MAX_SPLITS; ++s2)
-            if (s2 < nsplit && t < R * D) ov[s2] = __ldcg(pk + ((size_t)s2 * R + r) * (D + 2) + 2 + d);
-          if (t < R * nsplit) {  // (row, split) -> s_s[row * FM_MAX_SPLITS + split] = (m, l)
-            const int rr = t / nsplit, s2 = t - rr * nsplit;
-            const float2 e = __ldcg(reinterpret_cast<const float2*>(pk + ((size_t)s2 * R + rr) * (D + 2)));
-            s_s[2 * (rr * FM_MAX_SPLITS + s2)] = e.x;
-            s_s[2 * (rr * FM_MAX_SPLITS + s2) + 1] = e.y;
-          }
-          cbar();
-          if (t < R) {  // per row: max, then w_s / den in place of (m, l)
-            float mx = -INFINITY, den = 0.f;
-            for (int s2 = 0; s2 < nsplit; ++s2) mx = fmaxf(mx, s_s[2 * (t * FM_MAX_SPLITS + s2)]);
-            for (int s2 = 0; s2 < nsplit; ++s2) {
-              const float m2 = s_s[2 * (t * FM_MAX_SPLITS + s2)];
-              const float wgt = m2 == -INFINITY ? 0.f : expf(m2 - mx);
-              s_s[2 * (t * FM_MAX_SPLITS + s2)] = wgt;
-              den = fmaf(wgt, s_s[2 * (t * FM_MAX_SPLITS + s2) + 1], den);
-            }
-            ms->att_l[t] = den;
-          }
-          cbar();
-          if (t < R * D) {
-            float num = 0.f;
-#pragma unroll
-            for (int s2 = 0; s2 < FM_MAX_SPLITS; ++s2)
-              if (s2 < nsplit) num = fmaf(s_s[2 * (r * FM_MAX_SPLITS + s2)], ov[s2], num);
-            const int hq = kvh * g + r / M, m = r % M;
-            p.attn[(size_t)m * p.nh * D + hq * D + d] = num / ms->att_l[r];
-          }
-        } else
-#endif
         for (int i = t; i < R * D; i += NCT) {
           const int r = i / D, d = i - r * D;
           float mx = -INFINITY;
@@ -1334,19 +1211,9 @@ __global__ void __launch_bounds__(NT, 1)
     const float* an = p.norms + (size_t)l * 2 * p.H;
     stamp(l, 1);
     matvec_stage<M>(c, MAT_QKV, l, xsrc, mult, an);
-#if MK_ATT_PRE
-    attention_prefetch<M>(c, l, uni);
-#endif
     stamp(l, 2);
     if (MK_DIAG != 4) gsync();
     stamp(l, 3);
-    if (MK_DS_PREFETCH && p.nffn && threadIdx.x == 32 && c.misc->tile1[MAT_DS] > 0) {  // warp 1 (thread 0 polls)
-      const Mat& ds = p.mat[MAT_DS];
-      const uint32_t chunk = (uint32_t)(sl.ds_cpt * TILE_ROWS * ds.srb);
-      const uint32_t total = (uint32_t)(c.misc->tile1[MAT_DS] * TILE_ROWS * ds.srb);
-      const uint8_t* src = ds.base + (long long)l * ds.layer_stride + (long long)blockIdx.x * ds.seg_stride;
-      for (uint32_t o = 0; o < total; o += chunk) bulk_prefetch_l2(src + o, min(chunk, total - o));
-    }
     if (MK_DIAG != 2) attention_stage<M>(c, l, uni);
     stamp(l, 4);
     gsync();

@@ -63,10 +63,6 @@
 
 #include "mk_ptx.cuh"
 
-#ifndef MK_PACKED_NOZERO
-#define MK_PACKED_NOZERO 0  // experiment (session 5, not yet run on a GPU): docs/megakernel.md "What is next"
-#endif
-
 namespace mkmma {
 
 constexpr int MMA_MAX_TOKENS = 8;
@@ -177,22 +173,10 @@ __device__ __forceinline__ void mma_tile_dot(uint32_t tile, int srb, int kseg, i
     const uint32_t hsa = mk::lds32(sm_a + (uint32_t)(gi * 4)), hsb = mk::lds32(sm_b + (uint32_t)(gi * 4));
     const float2 fa = __half22float2(*reinterpret_cast<const __half2*>(&hsa));  // (scale, min) row g
     const float2 fb = __half22float2(*reinterpret_cast<const __half2*>(&hsb));  // row g + 8
-#if MK_PACKED_NOZERO
-    // (experiment: the packed path's lo chains are zero; "x + 0.f" is not folded by the compiler, it costs
-    // 4 FADD per group)
-    float sd[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) sd[j] = PACKED ? d0[j] + d1[j] : (d0[j] + d1[j]) + (e0[j] + e1[j]);
-    acc[0] = fmaf(fa.x, sd[0], fmaf(fa.y, eff.x, acc[0]));
-    acc[1] = fmaf(fa.x, sd[1], fmaf(fa.y, eff.y, acc[1]));
-    acc[2] = fmaf(fb.x, sd[2], fmaf(fb.y, eff.x, acc[2]));
-    acc[3] = fmaf(fb.x, sd[3], fmaf(fb.y, eff.y, acc[3]));
-#else
     acc[0] = fmaf(fa.x, (d0[0] + d1[0]) + (e0[0] + e1[0]), fmaf(fa.y, eff.x, acc[0]));
     acc[1] = fmaf(fa.x, (d0[1] + d1[1]) + (e0[1] + e1[1]), fmaf(fa.y, eff.y, acc[1]));
     acc[2] = fmaf(fb.x, (d0[2] + d1[2]) + (e0[2] + e1[2]), fmaf(fb.y, eff.x, acc[2]));
     acc[3] = fmaf(fb.x, (d0[3] + d1[3]) + (e0[3] + e1[3]), fmaf(fb.y, eff.y, acc[3]));
-#endif
   }
   if constexpr (PACKED) {  // token m = column m (hi) + column LB + m (lo)
     if constexpr (M == 1) {
@@ -216,11 +200,11 @@ __device__ __forceinline__ void mma_tile_dot_g(int G, uint32_t tile, int srb, in
 }
 
 // ---------------------------------------------------------------- the integer tile dot (EXPERIMENT)
-// MK_IDOT (megakernel.cu; off, NOT YET RUN on a GPU; the numerics: flint/kernels/dev/int8_x_study.py, the
+// MK_IDOT (megakernel.cu; off: correct on the GPU but not faster, session 6; the numerics: flint/kernels/dev/int8_x_study.py, the
 // lane mapping: flint/kernels/dev/imma_dot_emulation.py): mma.m16n8k32.s32.s8.s8.s32 on the codes as
 // bytes, M <= 4 (hi and lo terms as B columns, as in the packed fp16 dot).
-// Fragments (PTX ISA, m16n8k32 .s8; groupID g = lane >> 2, tig t = lane & 3), as assumed here and in
-// the emulation (to be confirmed on the GPU):
+// Fragments (PTX ISA, m16n8k32 .s8; groupID g = lane >> 2, tig t = lane & 3), as used here and in the
+// emulation (confirmed on the H200 in session 6: the real-SmolLM2 greedy test passes with MK_IDOT=1):
 //   A: a0 = A[g][4t .. 4t+3]  a1 = A[g+8][4t .. 4t+3]  a2 = A[g][16+4t .. +3]  a3 = A[g+8][16+4t .. +3]
 //   B: b0 = B[4t .. 4t+3][g]  b1 = B[16+4t .. +3][g]   (byte i of a register = element i)
 //   D: d0, d1 = D[g][2t, 2t+1]  d2, d3 = D[g+8][2t, 2t+1]   (s32)

@@ -3,7 +3,8 @@ experiment), lane by lane: the int8 two-term staging of megakernel.cu's stage_x 
 code words and x bytes each lane loads, the registers it builds, mma.m16n8k32.s8 through the fragment
 layout written in mk_mma.cuh, and the per-group scaling. It checks the mapping the CUDA code assumes
 before GPU time is spent; whether the hardware's m16n8k32 .s8 fragments are the ones assumed here is
-for the GPU tests to confirm (docs/megakernel.md, "What is next" 3).
+for the GPU tests to confirm: they did in session 6 (MK_IDOT=1 passes them, real SmolLM2 included; not
+faster: docs/megakernel.md, session 6, 6c).
 
 Test: ``pytest tests/test_imma_dot_emulation.py`` (CPU, a second).
 """
