@@ -21,6 +21,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mk_dev import small_cfg  # noqa: E402
 
 
+def mk_q(mk, nq):
+    """Token 0's roped q: p.q, or the tagged words (fp32 bits, tag) when the kernel runs with MK_QTAG."""
+    if torch.count_nonzero(mk.q[0]):
+        return mk.q[0]
+    return mk.qkv_tag.view(-1, 2)[:nq, 0].contiguous().view(torch.float32)
+
+
 def rel(a, b):
     return f"{float((a.float() - b.float()).norm() / (b.float().norm() + 1e-30)):.3e}"
 
@@ -61,12 +68,12 @@ def main():
         act = F.silu(h2 @ W["layers.0.w_gate"].T) * (h2 @ W["layers.0.w_up"].T)
         x2 = x1 + (act @ W["layers.0.w_down"].T) * cfg.residual_multiplier
         lg = ms(x2, W["norm"]) @ W["lm_head"].T / cfg.logits_scaling
-        print(f"pos {pos}: q {rel(mk.q[0], q.flatten())} k {rel(mk.k_cache[0, :, pos], k)} "
+        print(f"pos {pos}: q {rel(mk_q(mk, q.numel()), q.flatten())} k {rel(mk.k_cache[0, :, pos], k)} "
               f"v {rel(mk.v_cache[0, :, pos], v)} attn {rel(mk.attn[0], att)} "
               f"act {'(FFN split-K: in shared memory)' if mk.ffn_plan else rel(mk.act[0], act)} "
               f"resid {rel(mk.resid[0], x2)} logits {rel(logits[0], lg)}")
         if pos == 0:
-            print(" q mk ", mk.q[0, :6].tolist(), "\n q ref", q.flatten()[:6].tolist())
+            print(" q mk ", mk_q(mk, q.numel())[:6].tolist(), "\n q ref", q.flatten()[:6].tolist())
             print(" v mk ", mk.v_cache[0, 0, 0, :6].tolist(), "\n v ref", v[0, :6].tolist())
             print(" act mk ", mk.act[0, :6].tolist(), "\n act ref", act[:6].tolist())
 

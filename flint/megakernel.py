@@ -247,6 +247,8 @@ class MegakernelBackend:
             f32 = dict(dtype=torch.float32)
             self.resid = torch.zeros((MAX_M, H), **f32)
             self.q = torch.zeros((MAX_M, nh * d), **f32)
+            # MK_QTAG: this step's q, k, v rows as (fp32 bits, tag) pairs; tags restart with the epoch
+            self.qkv_tag = torch.zeros((MAX_M * (nh + 2 * nkv) * d * 2,), dtype=torch.int32)
             self.attn = torch.zeros((MAX_M, nh * d), **f32)
             self.act = torch.zeros((MAX_M, I), **f32)
             self.part = torch.zeros((nkv * nsplit * g * MAX_M * (d + 2),), **f32)
@@ -325,7 +327,7 @@ class MegakernelBackend:
         for t in (self.embed, self.norms, self.final_norm, self.rope_cos, self.rope_sin, self.k_cache,
                   self.v_cache, self.resid, self.q, self.attn, self.act, self.part, self.att_count,
                   self.logits, self.arg_val, self.arg_idx, self.argmax, self.done_count, self.bar_counter,
-                  self.epoch, self.dpart, self.trace):
+                  self.epoch, self.dpart, self.trace, self.qkv_tag):
             ia.append(t.data_ptr() if t is not None else 0)
         for key in ("qkv", "o", "gu", "down", "lm_head", "dslice"):  # mk::MAT_* order
             dsc = self.mat_desc.get(key)
@@ -352,7 +354,7 @@ class MegakernelBackend:
     def reset(self) -> None:
         """Clear the barrier/merge counters (needed only after a failed launch); the cache needs no
         clearing (positions >= start_pos are written before they are read)."""
-        for t in (self.bar_counter, self.epoch, self.att_count, self.done_count):
+        for t in (self.bar_counter, self.epoch, self.att_count, self.done_count, self.qkv_tag):
             t.zero_()
         torch.cuda.synchronize(self.device)
 

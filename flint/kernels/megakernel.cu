@@ -40,6 +40,14 @@ constexpr bool kIdot = MK_IDOT && M <= 4;  // this kernel stages int8 x and runs
 #ifndef MK_DIAG
 #define MK_DIAG 0
 #endif
+// MK_QTAG (session 6: -3.1% per step at M = 1, GPU tests pass; OFF until the sanitizers and flint bench have
+// run on it, docs/megakernel.md "What is next (session 6)" 0): no grid barrier between qkv and attention. The qkv
+// epilogues also write this step's q, k and v rows as (fp32 bits, tag) pairs (p.qkvt, one 8-byte store
+// each, tag = epoch * L + layer + 1), and attention polls exactly the words it needs: its q rows and the
+// K/V rows of this step's positions (older positions come from the cache, written by earlier launches).
+#ifndef MK_QTAG
+#define MK_QTAG 0
+#endif
 // MK_TRACE: the trace stamps (FLINT_MK_TRACE=1) are compiled only into a separate traced library
 // (flint/kernels/build.py build(traced=True) adds -DMK_TRACE=1): their runtime checks on every stage's
 // chain cost 2.5% per step (session 5, bench/results/mk_ab_session4_2026-11-29.log).
@@ -226,6 +234,7 @@ struct Ctx {
   float* parts;        // [nslots][pstride]
   uint32_t xs, xsum;   // shared addresses of the staged x and its per-group sums
   int start;
+  uint32_t tag0;       // MK_QTAG: the tag of layer 0 in this launch (epoch * L + 1)
 };
 
 // rstd per token from the per-warp sums of squares in misc->red[warp][m] (fixed order), then a cbar.
@@ -447,6 +456,17 @@ __device__ __forceinline__ void tile_dot(int G, uint32_t tile, int srb, int kseg
     mkmma::mma_tile_dot_g<M>(G, tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, lane, acc);
 }
 __device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }
+// MK_QTAG: one 8-byte store (single-copy atomic) carries a value and the tag that says it is this step's
+__device__ __forceinline__ void st_tagged(uint32_t* w, float v, uint32_t tag) {
+  asm volatile("st.relaxed.gpu.global.v2.u32 [%0], {%1, %2};" ::"l"(w), "r"(__float_as_uint(v)), "r"(tag) : "memory");
+}
+__device__ __forceinline__ float ld_tagged(const uint32_t* w, uint32_t tag) {  // spins until the tag is this one
+  uint32_t v, tg;
+  do {
+    asm volatile("ld.relaxed.gpu.global.v2.u32 {%0, %1}, [%2];" : "=r"(v), "=r"(tg) : "l"(w) : "memory");
+  } while (tg != tag);
+  return __uint_as_float(v);
+}
 
 // Epilogue of one row pair (n0, n0 + 1) of token m (act: m < M; all lanes must call it, the lm_head
 // argmax shuffles within the 8 lanes of a token). Pairs are (2i, 2i+1): RoPE pairs for q/k (rows
@@ -469,19 +489,35 @@ __device__ __forceinline__ void pair_epilogue(Ctx<M>& c, int mi, int layer, int 
         o2 = b * cs + a * sn;
       }
       if (n0 < qd) {
-        float* qp = p.q + (size_t)mm * qd + head * p.D;
-        qp[ip] = o1;
-        qp[ip + half] = o2;
+        if (MK_QTAG) {
+          uint32_t* w = p.qkvt + 2 * ((size_t)mm * (qd + 2 * kd) + head * p.D);
+          st_tagged(w + 2 * ip, o1, c.tag0 + layer);
+          st_tagged(w + 2 * (ip + half), o2, c.tag0 + layer);
+        } else {
+          float* qp = p.q + (size_t)mm * qd + head * p.D;
+          qp[ip] = o1;
+          qp[ip + half] = o2;
+        }
       } else {
         __half* kp = p.kcache + ((((size_t)layer * p.nkv + head) * p.max_seq + pos) * p.D);
         kp[ip] = __float2half_rn(o1);
         kp[ip + half] = __float2half_rn(o2);
+        if (MK_QTAG) {
+          uint32_t* w = p.qkvt + 2 * ((size_t)mm * (qd + 2 * kd) + qd + head * p.D);
+          st_tagged(w + 2 * ip, __half2float(__float2half_rn(o1)), c.tag0 + layer);
+          st_tagged(w + 2 * (ip + half), __half2float(__float2half_rn(o2)), c.tag0 + layer);
+        }
       }
     } else {  // v: natural row order
       const int nn = n0 - qd - kd;
       const int head = nn / p.D, d0 = nn % p.D;
       __half2* vp = reinterpret_cast<__half2*>(p.vcache + ((((size_t)layer * p.nkv + head) * p.max_seq + pos) * p.D) + d0);
       *vp = __floats2half2_rn(a, b);
+      if (MK_QTAG) {
+        uint32_t* w = p.qkvt + 2 * ((size_t)mm * (qd + 2 * kd) + qd + kd + head * p.D + d0);
+        st_tagged(w, __half2float(__float2half_rn(a)), c.tag0 + layer);
+        st_tagged(w + 2, __half2float(__float2half_rn(b)), c.tag0 + layer);
+      }
     }
   } else if (mi == MAT_O || mi == MAT_D) {  // residual rows owned by this block (o and down share the tiling)
     if (act && n0 < p.H) {
@@ -923,6 +959,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
   const int tps = (ntiles + nsplit - 1) / nsplit;
   nsplit = (ntiles + tps - 1) / tps;
   const int nitems = p.nkv * nsplit;
+  const uint32_t qtag = c.tag0 + (uint32_t)layer;  // MK_QTAG: this layer's tag
   const int cpr = D / 8;  // 16-byte chunks per K/V row
 
   __half* Kb = reinterpret_cast<__half*>(uni);              // [2][ATT_T][D] (swizzled 16B chunks)
@@ -945,7 +982,30 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
         const int isv = i >= ATT_T * cpr;
         const int ii = isv ? i - ATT_T * cpr : i;
         const int j = ii / cpr, ch = ii % cpr;
-        if (j0 + j < Ltot) {
+        if (MK_QTAG && j0 + j >= start && j0 + j < Ltot) {  // this step's row: from the tagged words
+          const int m = j0 + j - start;
+          const uint32_t* w = p.qkvt + 2 * ((size_t)m * (p.nh + 2 * p.nkv) * D + (p.nh + isv * p.nkv + kvh) * D + ch * 8);
+          uint32_t h[4];
+          uint4 u[4];
+          bool ok;
+          do {  // all 8 (value, tag) pairs in flight at once, until every tag is this layer's
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                           : "=r"(u[e].x), "=r"(u[e].y), "=r"(u[e].z), "=r"(u[e].w) : "l"(w + 4 * e) : "memory");
+            ok = true;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) ok = ok && u[e].y == qtag && u[e].w == qtag;
+          } while (!ok);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const __half2 hv = __floats2half2_rn(__uint_as_float(u[e].x), __uint_as_float(u[e].z));
+            h[e] = *reinterpret_cast<const uint32_t*>(&hv);
+          }
+          __half* dst = isv ? Vb + ((size_t)buf * ATT_T + j) * D + ch * 8
+                            : Kb + ((size_t)buf * ATT_T + j) * D + ((ch ^ (j & 7)) * 8);
+          *reinterpret_cast<uint4*>(dst) = make_uint4(h[0], h[1], h[2], h[3]);
+        } else if (j0 + j < Ltot) {
           if (isv)
             cp_async16(Vb + ((size_t)buf * ATT_T + j) * D + ch * 8, Vc + (size_t)(j0 + j) * D + ch * 8);
           else
@@ -958,7 +1018,8 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
     for (int i = t; i < R * D; i += NCT) {
       const int r = i / D, d = i - r * D;
       const int hq = kvh * g + r / M, m = r % M;
-      q_s[i] = __ldcg(p.q + (size_t)m * p.nh * D + hq * D + d) * p.attn_scale;
+      q_s[i] = (MK_QTAG ? ld_tagged(p.qkvt + 2 * ((size_t)m * (p.nh + 2 * p.nkv) * D + hq * D + d), qtag)
+                        : __ldcg(p.q + (size_t)m * p.nh * D + hq * D + d)) * p.attn_scale;
       o_s[i] = 0.f;
     }
     if (t < R) { ms->att_m[t] = -INFINITY; ms->att_l[t] = 0.f; }
@@ -1162,7 +1223,8 @@ __global__ void __launch_bounds__(NT, 1)
   c.xsum = smem_u32(smem + sl.xsum);
   c.start = start;
   const unsigned long long epoch = __ldcg(p.epoch);
-  const unsigned long long S = (MK_DIAG == 4 ? 4ull : 5ull) * p.L;
+  c.tag0 = (uint32_t)(epoch * (unsigned long long)p.L) + 1u;
+  const unsigned long long S = (MK_DIAG == 4 || MK_QTAG ? 4ull : 5ull) * p.L;
   unsigned long long nbar = 0;
   auto gsync = [&]() { ++nbar; grid_barrier(p, (unsigned long long)p.nblocks * (epoch * S + nbar)); };
 
@@ -1212,7 +1274,7 @@ __global__ void __launch_bounds__(NT, 1)
     stamp(l, 1);
     matvec_stage<M>(c, MAT_QKV, l, xsrc, mult, an);
     stamp(l, 2);
-    if (MK_DIAG != 4) gsync();
+    if (MK_DIAG != 4 && !MK_QTAG) gsync();
     stamp(l, 3);
     if (MK_DIAG != 2) attention_stage<M>(c, l, uni);
     stamp(l, 4);

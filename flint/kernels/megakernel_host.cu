@@ -48,12 +48,12 @@ struct Handle {
 
 extern "C" const char* flint_mk_last_error() { return g_err; }
 
-extern "C" int flint_mk_abi_version() { return 3; }
+extern "C" int flint_mk_abi_version() { return 4; }
 
 // iargs: see flint/megakernel.py (_pack_args) for the order; it is the one definition of it.
 extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, int n_f, void** out) {
   *out = nullptr;
-  const int NI = 13 + 22 + mk::NMAT * 10, NF = 5;
+  const int NI = 13 + 23 + mk::NMAT * 10, NF = 5;
   if (n_i != NI || n_f != NF) {
     snprintf(g_err, sizeof(g_err), "flint_mk_create: expected %d int and %d float args, got %d and %d", NI, NF, n_i,
              n_f);
@@ -73,8 +73,9 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
                    (void**)&p.rope_sin, (void**)&p.kcache, (void**)&p.vcache, (void**)&p.resid, (void**)&p.q,
                    (void**)&p.attn, (void**)&p.act, (void**)&p.part, (void**)&p.att_count, (void**)&p.logits,
                    (void**)&p.arg_val, (void**)&p.arg_idx, (void**)&p.argmax, (void**)&p.done_count,
-                   (void**)&p.bar_counter, (void**)&p.epoch, (void**)&p.dpart, (void**)&p.trace};
-  for (int i = 0; i < 22; ++i) *ptrs[i] = (void*)(uintptr_t)ia[k++];
+                   (void**)&p.bar_counter, (void**)&p.epoch, (void**)&p.dpart, (void**)&p.trace,
+                   (void**)&p.qkvt};
+  for (int i = 0; i < 23; ++i) *ptrs[i] = (void*)(uintptr_t)ia[k++];
   for (int m = 0; m < mk::NMAT; ++m) {
     mk::Mat& mt = p.mat[m];
     mt.base = (const uint8_t*)(uintptr_t)ia[k++];

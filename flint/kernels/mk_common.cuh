@@ -70,6 +70,7 @@ struct Params {
   unsigned long long* epoch;        // [1] launches so far
   float* dpart;             // FFN split-K partial sums [M][H tiles][nffn_pad][16] (nullptr when nffn == 0)
   unsigned long long* trace;        // optional [L * 16] globaltimer stamps of block 0 (nullptr: off)
+  uint32_t* qkvt;           // MK_QTAG: [M][(nh + 2 nkv) D] (fp32 bits, tag) pairs: this step's q, k, v rows
 };
 
 // Shared-memory layout (byte offsets) and per-matrix work split, computed on the host per M.
