@@ -251,7 +251,8 @@ class MegakernelBackend:
             self.qkv_tag = torch.zeros((MAX_M * (nh + 2 * nkv) * d * 2,), dtype=torch.int32)
             self.attn = torch.zeros((MAX_M, nh * d), **f32)
             self.act = torch.zeros((MAX_M, I), **f32)
-            self.part = torch.zeros((nkv * nsplit * g * MAX_M * (d + 2),), **f32)
+            # attention partials; twice the floats: MK_TMERGE writes them as (fp32 bits, tag) pairs
+            self.part = torch.zeros((2 * nkv * nsplit * g * MAX_M * (d + 2),), **f32)
             self.att_count = torch.zeros((nkv,), dtype=torch.int32)
             self.logits = torch.zeros((MAX_M, V), **f32)
             self.arg_val = torch.zeros((self.nblocks * MAX_M,), **f32)
@@ -354,7 +355,7 @@ class MegakernelBackend:
     def reset(self) -> None:
         """Clear the barrier/merge counters (needed only after a failed launch); the cache needs no
         clearing (positions >= start_pos are written before they are read)."""
-        for t in (self.bar_counter, self.epoch, self.att_count, self.done_count, self.qkv_tag):
+        for t in (self.bar_counter, self.epoch, self.att_count, self.done_count, self.qkv_tag, self.part):
             t.zero_()
         torch.cuda.synchronize(self.device)
 

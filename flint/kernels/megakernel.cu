@@ -48,6 +48,14 @@ constexpr bool kIdot = MK_IDOT && M <= 4;  // this kernel stages int8 x and runs
 #ifndef MK_QTAG
 #define MK_QTAG 0
 #endif
+// MK_TMERGE (EXPERIMENT, session 6, off, NOT YET RUN on a GPU): attention's context splits hand their
+// partials to the merge as tagged words (p.part as (fp32 bits, tag) pairs, the layer's MK_QTAG tag) and
+// the block of split 0 merges them as they arrive: no counter atomic, no fences, no "last block" round
+// trip (M <= 2 and at most TM_MAX_SPLITS splits; else the counter path).
+#ifndef MK_TMERGE
+#define MK_TMERGE 0
+#endif
+constexpr int TM_MAX_SPLITS = 12;
 // MK_TRACE: the trace stamps (FLINT_MK_TRACE=1) are compiled only into a separate traced library
 // (flint/kernels/build.py build(traced=True) adds -DMK_TRACE=1): their runtime checks on every stage's
 // chain cost 2.5% per step (session 5, bench/results/mk_ab_session4_2026-11-29.log).
@@ -1111,6 +1119,73 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
         const int r = i / D, d = i - r * D;
         const int hq = kvh * g + r / M, m = r % M;
         p.attn[(size_t)m * p.nh * D + hq * D + d] = o_s[i] / ms->att_l[r];
+      }
+    } else if (M <= 2 && MK_TMERGE && nsplit <= TM_MAX_SPLITS && R * D <= NCT && R * nsplit <= NCT) {
+      uint32_t* tk = reinterpret_cast<uint32_t*>(p.part) + 2 * ((size_t)kvh * nsplit * R) * (D + 2);
+      if (sp != 0) {  // hand the partial over: one tagged word per value
+        uint32_t* tp = tk + 2 * ((size_t)sp * R) * (D + 2);
+        for (int i = t; i < R * (D + 2); i += NCT) {
+          const int r = i / (D + 2), d = i - r * (D + 2);
+          st_tagged(tp + 2 * i, d == 0 ? ms->att_m[r] : d == 1 ? ms->att_l[r] : o_s[r * D + d - 2], qtag);
+        }
+      } else {  // split 0's block merges: its own partial from shared memory, the others' as they arrive
+        const int r = t / D, d = t - r * D;
+        float ov[TM_MAX_SPLITS];
+        if (t < R * D) {
+          bool ok;
+          do {  // every split's word in flight at once, re-polled until all carry this layer's tag
+            uint32_t tg[TM_MAX_SPLITS];
+#pragma unroll
+            for (int s2 = 1; s2 < TM_MAX_SPLITS; ++s2) {
+              if (s2 < nsplit) {
+                uint32_t v;
+                asm volatile("ld.relaxed.gpu.global.v2.u32 {%0, %1}, [%2];"
+                             : "=r"(v), "=r"(tg[s2]) : "l"(tk + 2 * (((size_t)s2 * R + r) * (D + 2) + 2 + d)) : "memory");
+                ov[s2] = __uint_as_float(v);
+              }
+            }
+            ok = true;
+#pragma unroll
+            for (int s2 = 1; s2 < TM_MAX_SPLITS; ++s2) ok = ok && (s2 >= nsplit || tg[s2] == qtag);
+          } while (!ok);
+          ov[0] = o_s[t];
+        }
+        float* wt = s_s;  // [R][TM_MAX_SPLITS] (m, l) then (weight, l); s_s (R x ATT_T floats) is free now
+        if (t < R * nsplit) {
+          const int rr = t / nsplit, s2 = t - rr * nsplit;
+          float mv, lv;
+          if (s2 == 0) {
+            mv = ms->att_m[rr];
+            lv = ms->att_l[rr];
+          } else {
+            const uint32_t* e = tk + 2 * (((size_t)s2 * R + rr) * (D + 2));
+            mv = ld_tagged(e, qtag);
+            lv = ld_tagged(e + 2, qtag);
+          }
+          wt[2 * (rr * TM_MAX_SPLITS + s2)] = mv;
+          wt[2 * (rr * TM_MAX_SPLITS + s2) + 1] = lv;
+        }
+        cbar();
+        if (t < R) {  // per row: the max, then each split's weight exp(m_s - max) in place of m_s, and the sum
+          float mx = -INFINITY, den = 0.f;
+          for (int s2 = 0; s2 < nsplit; ++s2) mx = fmaxf(mx, wt[2 * (t * TM_MAX_SPLITS + s2)]);
+          for (int s2 = 0; s2 < nsplit; ++s2) {
+            const float m2 = wt[2 * (t * TM_MAX_SPLITS + s2)];
+            const float w2 = m2 == -INFINITY ? 0.f : expf(m2 - mx);
+            wt[2 * (t * TM_MAX_SPLITS + s2)] = w2;
+            den = fmaf(w2, wt[2 * (t * TM_MAX_SPLITS + s2) + 1], den);
+          }
+          ms->att_alpha[t] = den;
+        }
+        cbar();
+        if (t < R * D) {
+          float num = 0.f;
+#pragma unroll
+          for (int s2 = 0; s2 < TM_MAX_SPLITS; ++s2)
+            if (s2 < nsplit) num = fmaf(wt[2 * (r * TM_MAX_SPLITS + s2)], ov[s2], num);
+          const int hq = kvh * g + r / M, m = r % M;
+          p.attn[(size_t)m * p.nh * D + hq * D + d] = num / ms->att_alpha[r];
+        }
       }
     } else {
       float* pp = p.part + ((size_t)(kvh * nsplit + sp) * R) * (D + 2);
