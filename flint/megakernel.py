@@ -259,7 +259,7 @@ class MegakernelBackend:
             self.arg_idx = torch.zeros((self.nblocks * MAX_M,), dtype=torch.int32)
             self.argmax = torch.zeros((MAX_M,), dtype=torch.int32)
             self.done_count = torch.zeros((1,), dtype=torch.int32)
-            self.bar_counter = torch.zeros((1,), dtype=torch.int64)
+            self.bar_counter = torch.zeros((16 * 16,), dtype=torch.int64)  # MK_BAR_GROUPS: one per 128 B line
             self.epoch = torch.zeros((1,), dtype=torch.int64)
             # FFN split-K partial sums [M][H tiles][nffn_pad][16] (f >= nffn stay 0)
             self.dpart = (torch.zeros((MAX_M * (-(-H // TILE_ROWS)) * self.ffn_plan["nffn_pad"] * TILE_ROWS,), **f32)

@@ -92,10 +92,32 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 // =====================================================================[2] grid barrier
 // Consumers of every block arrive once per barrier; thread 0 spins on an acquire load. The counter
-// only grows: barrier b of launch e completes at nblocks * (e * S + b + 1), S = barriers per launch.
-__device__ __forceinline__ void grid_barrier(const Params& p, unsigned long long target) {
+// only grows: barrier b of launch e (seq = e * S + b + 1, S = barriers per launch) completes at nblocks * seq.
+// MK_BAR_GROUPS = G > 1 (EXPERIMENT, session 6, off, NOT YET RUN on a GPU): G counters, each on its own
+// 128-byte line (p.bar_counter[16 g]); block b arrives on counter b mod G, lanes 0..G-1 of warp 0 each
+// wait for one counter (its blocks x barriers so far): G-way fewer same-address atomics per barrier.
+#ifndef MK_BAR_GROUPS
+#define MK_BAR_GROUPS 0
+#endif
+__device__ __forceinline__ void grid_barrier(const Params& p, unsigned long long target_or_seq) {
   cbar();
-  if (threadIdx.x == 0) {
+  if (MK_BAR_GROUPS > 1) {
+    if (threadIdx.x < 32) {
+      const int lane = threadIdx.x, G = MK_BAR_GROUPS;
+      if (lane == 0)
+        asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p.bar_counter + 16 * (blockIdx.x % G)), "l"(1ull)
+                     : "memory");
+      if (lane < G) {
+        const unsigned long long target = (unsigned long long)((p.nblocks - lane + G - 1) / G) * target_or_seq;
+        unsigned long long v;
+        do {
+          asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p.bar_counter + 16 * lane) : "memory");
+        } while (v < target);
+      }
+      __syncwarp();
+    }
+  } else if (threadIdx.x == 0) {
+    const unsigned long long target = target_or_seq;
     // release (cumulative over the block's writes ordered before it by cbar); no return value to wait for
     asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p.bar_counter), "l"(1ull) : "memory");
     unsigned long long v;
@@ -1301,7 +1323,10 @@ __global__ void __launch_bounds__(NT, 1)
   c.tag0 = (uint32_t)(epoch * (unsigned long long)p.L) + 1u;
   const unsigned long long S = (MK_DIAG == 4 || MK_QTAG ? 4ull : 5ull) * p.L;
   unsigned long long nbar = 0;
-  auto gsync = [&]() { ++nbar; grid_barrier(p, (unsigned long long)p.nblocks * (epoch * S + nbar)); };
+  auto gsync = [&]() {  // (MK_BAR_GROUPS passes the barrier's sequence number, else the counter's target)
+    ++nbar;
+    grid_barrier(p, MK_BAR_GROUPS > 1 ? epoch * S + nbar : (unsigned long long)p.nblocks * (epoch * S + nbar));
+  };
 
   enum { ROW_TOK = 0, ROW_RESID, ROW_ATTN, ROW_ACT };
   if (threadIdx.x < M) {
