@@ -490,6 +490,10 @@ __device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }
 __device__ __forceinline__ void st_tagged(uint32_t* w, float v, uint32_t tag) {
   asm volatile("st.relaxed.gpu.global.v2.u32 [%0], {%1, %2};" ::"l"(w), "r"(__float_as_uint(v)), "r"(tag) : "memory");
 }
+// the word of row `row` of token m's q | k | v vector (rows as the qkv matrix orders them: q, k, v; head-major)
+__device__ __forceinline__ uint32_t* qkv_word(const Params& p, int m, int row) {
+  return p.qkvt + 2 * ((size_t)m * (p.nh + 2 * p.nkv) * p.D + row);
+}
 __device__ __forceinline__ float ld_tagged(const uint32_t* w, uint32_t tag) {  // spins until the tag is this one
   uint32_t v, tg;
   do {
@@ -520,9 +524,8 @@ __device__ __forceinline__ void pair_epilogue(Ctx<M>& c, int mi, int layer, int 
       }
       if (n0 < qd) {
         if (MK_QTAG) {
-          uint32_t* w = p.qkvt + 2 * ((size_t)mm * (qd + 2 * kd) + head * p.D);
-          st_tagged(w + 2 * ip, o1, c.tag0 + layer);
-          st_tagged(w + 2 * (ip + half), o2, c.tag0 + layer);
+          st_tagged(qkv_word(p, mm, head * p.D + ip), o1, c.tag0 + layer);
+          st_tagged(qkv_word(p, mm, head * p.D + ip + half), o2, c.tag0 + layer);
         } else {
           float* qp = p.q + (size_t)mm * qd + head * p.D;
           qp[ip] = o1;
@@ -530,23 +533,24 @@ __device__ __forceinline__ void pair_epilogue(Ctx<M>& c, int mi, int layer, int 
         }
       } else {
         __half* kp = p.kcache + ((((size_t)layer * p.nkv + head) * p.max_seq + pos) * p.D);
-        kp[ip] = __float2half_rn(o1);
-        kp[ip + half] = __float2half_rn(o2);
-        if (MK_QTAG) {
-          uint32_t* w = p.qkvt + 2 * ((size_t)mm * (qd + 2 * kd) + qd + head * p.D);
-          st_tagged(w + 2 * ip, __half2float(__float2half_rn(o1)), c.tag0 + layer);
-          st_tagged(w + 2 * (ip + half), __half2float(__float2half_rn(o2)), c.tag0 + layer);
+        const __half k1 = __float2half_rn(o1), k2 = __float2half_rn(o2);
+        kp[ip] = k1;
+        kp[ip + half] = k2;
+        if (MK_QTAG) {  // the values as the cache holds them (fp16)
+          st_tagged(qkv_word(p, mm, qd + head * p.D + ip), __half2float(k1), c.tag0 + layer);
+          st_tagged(qkv_word(p, mm, qd + head * p.D + ip + half), __half2float(k2), c.tag0 + layer);
         }
       }
     } else {  // v: natural row order
       const int nn = n0 - qd - kd;
       const int head = nn / p.D, d0 = nn % p.D;
       __half2* vp = reinterpret_cast<__half2*>(p.vcache + ((((size_t)layer * p.nkv + head) * p.max_seq + pos) * p.D) + d0);
-      *vp = __floats2half2_rn(a, b);
-      if (MK_QTAG) {
-        uint32_t* w = p.qkvt + 2 * ((size_t)mm * (qd + 2 * kd) + qd + kd + head * p.D + d0);
-        st_tagged(w, __half2float(__float2half_rn(a)), c.tag0 + layer);
-        st_tagged(w + 2, __half2float(__float2half_rn(b)), c.tag0 + layer);
+      const __half2 vh = __floats2half2_rn(a, b);
+      *vp = vh;
+      if (MK_QTAG) {  // the values as the cache holds them (fp16); v rows are in natural order: row n0
+        const float2 vf = __half22float2(vh);
+        st_tagged(qkv_word(p, mm, n0), vf.x, c.tag0 + layer);
+        st_tagged(qkv_word(p, mm, n0 + 1), vf.y, c.tag0 + layer);
       }
     }
   } else if (mi == MAT_O || mi == MAT_D) {  // residual rows owned by this block (o and down share the tiling)
@@ -1014,7 +1018,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
         const int j = ii / cpr, ch = ii % cpr;
         if (MK_QTAG && j0 + j >= start && j0 + j < Ltot) {  // this step's row: from the tagged words
           const int m = j0 + j - start;
-          const uint32_t* w = p.qkvt + 2 * ((size_t)m * (p.nh + 2 * p.nkv) * D + (p.nh + isv * p.nkv + kvh) * D + ch * 8);
+          const uint32_t* w = qkv_word(p, m, (p.nh + isv * p.nkv + kvh) * D + ch * 8);
           uint32_t h[4];
           uint4 u[4];
           bool ok;
@@ -1048,7 +1052,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
     for (int i = t; i < R * D; i += NCT) {
       const int r = i / D, d = i - r * D;
       const int hq = kvh * g + r / M, m = r % M;
-      q_s[i] = (MK_QTAG ? ld_tagged(p.qkvt + 2 * ((size_t)m * (p.nh + 2 * p.nkv) * D + hq * D + d), qtag)
+      q_s[i] = (MK_QTAG ? ld_tagged(qkv_word(p, m, hq * D + d), qtag)
                         : __ldcg(p.q + (size_t)m * p.nh * D + hq * D + d)) * p.attn_scale;
       o_s[i] = 0.f;
     }
