@@ -46,7 +46,7 @@ constexpr bool kIdot = MK_IDOT && M <= 4;  // this kernel stages int8 x and runs
 // each, tag = epoch * L + layer + 1), and attention polls exactly the words it needs: its q rows and the
 // K/V rows of this step's positions (older positions come from the cache, written by earlier launches).
 #ifndef MK_QTAG
-#define MK_QTAG 0
+#define MK_QTAG 1
 #endif
 // MK_TMERGE (EXPERIMENT, session 6, off, NOT YET RUN on a GPU): attention's context splits hand their
 // partials to the merge as tagged words (p.part as (fp32 bits, tag) pairs, the layer's MK_QTAG tag) and
