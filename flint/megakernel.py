@@ -248,7 +248,8 @@ class MegakernelBackend:
             self.resid = torch.zeros((MAX_M, H), **f32)
             self.q = torch.zeros((MAX_M, nh * d), **f32)
             # MK_QTAG: this step's q, k, v rows as (fp32 bits, tag) pairs; tags restart with the epoch
-            self.qkv_tag = torch.zeros((MAX_M * (nh + 2 * nkv) * d * 2,), dtype=torch.int32)
+            # (fp32 bits, tag) words: this step's q|k|v rows (MK_QTAG), then the attention output (MK_ATAG)
+            self.qkv_tag = torch.zeros((MAX_M * (2 * nh + 2 * nkv) * d * 2,), dtype=torch.int32)
             self.attn = torch.zeros((MAX_M, nh * d), **f32)
             self.act = torch.zeros((MAX_M, I), **f32)
             # attention partials; twice the floats: MK_TMERGE writes them as (fp32 bits, tag) pairs
@@ -259,7 +260,7 @@ class MegakernelBackend:
             self.arg_idx = torch.zeros((self.nblocks * MAX_M,), dtype=torch.int32)
             self.argmax = torch.zeros((MAX_M,), dtype=torch.int32)
             self.done_count = torch.zeros((1,), dtype=torch.int32)
-            self.bar_counter = torch.zeros((16 * 16,), dtype=torch.int64)  # MK_BAR_GROUPS: one per 128 B line
+            self.bar_counter = torch.zeros((16,), dtype=torch.int64)  # [0]: the grid barrier (one 128 B line)
             self.epoch = torch.zeros((1,), dtype=torch.int64)
             # FFN split-K partial sums [M][H tiles][nffn_pad][16] (f >= nffn stay 0)
             self.dpart = (torch.zeros((MAX_M * (-(-H // TILE_ROWS)) * self.ffn_plan["nffn_pad"] * TILE_ROWS,), **f32)

@@ -48,14 +48,26 @@ constexpr bool kIdot = MK_IDOT && M <= 4;  // this kernel stages int8 x and runs
 #ifndef MK_QTAG
 #define MK_QTAG 1
 #endif
-// MK_TMERGE (EXPERIMENT, session 6, off, NOT YET RUN on a GPU): attention's context splits hand their
-// partials to the merge as tagged words (p.part as (fp32 bits, tag) pairs, the layer's MK_QTAG tag) and
-// the block of split 0 merges them as they arrive: no counter atomic, no fences, no "last block" round
-// trip (M <= 2 and at most TM_MAX_SPLITS splits; else the counter path).
+// MK_TMERGE = the largest M it runs for (0: off): attention's context splits hand their partials to the
+// merge as tagged words (p.part as (fp32 bits, tag) pairs, the layer's MK_QTAG tag) and the block of split 0
+// merges them as they arrive: no counter atomic, no fences, no "last block" round trip (at most
+// TM_MAX_SPLITS splits; else the counter path). Session 7 (same-call A/B, ctx 512): M = 1 -3.7%, M = 2
+// +3.6%, so on for M = 1 only (bench/results/mk_ab_session7_2026-11-29.log).
 #ifndef MK_TMERGE
-#define MK_TMERGE 0
+#define MK_TMERGE 1
 #endif
+static_assert(MK_TMERGE <= 2, "MK_TMERGE: the merge's registers hold M <= 2");
 constexpr int TM_MAX_SPLITS = 12;
+// MK_ATAG (EXPERIMENT, session 7, off): no grid barrier between attention and the o projection. The
+// attention output is also written as (fp32 bits, tag) words (after the q|k|v words in p.qkvt, the layer's
+// MK_QTAG tag), and the o stage's staging polls them instead. Needs MK_QTAG. Safe without the barrier:
+// every head's output depends on every qkv tile (its q, k, v rows), so once a block has staged the whole
+// attention output, every block has finished the qkv staging that read the residual the o epilogue
+// rewrites (a block without qkv tiles stages too, but its staged x is never used).
+#ifndef MK_ATAG
+#define MK_ATAG 0
+#endif
+static_assert(!MK_ATAG || MK_QTAG, "MK_ATAG needs MK_QTAG (the layer tags)");
 // MK_TRACE: the trace stamps (FLINT_MK_TRACE=1) are compiled only into a separate traced library
 // (flint/kernels/build.py build(traced=True) adds -DMK_TRACE=1): their runtime checks on every stage's
 // chain cost 2.5% per step (session 5, bench/results/mk_ab_session4_2026-11-29.log).
@@ -93,31 +105,9 @@ __device__ __forceinline__ float warp_max(float v) {
 // =====================================================================[2] grid barrier
 // Consumers of every block arrive once per barrier; thread 0 spins on an acquire load. The counter
 // only grows: barrier b of launch e (seq = e * S + b + 1, S = barriers per launch) completes at nblocks * seq.
-// MK_BAR_GROUPS = G > 1 (EXPERIMENT, session 6, off, NOT YET RUN on a GPU): G counters, each on its own
-// 128-byte line (p.bar_counter[16 g]); block b arrives on counter b mod G, lanes 0..G-1 of warp 0 each
-// wait for one counter (its blocks x barriers so far): G-way fewer same-address atomics per barrier.
-#ifndef MK_BAR_GROUPS
-#define MK_BAR_GROUPS 0
-#endif
-__device__ __forceinline__ void grid_barrier(const Params& p, unsigned long long target_or_seq) {
+__device__ __forceinline__ void grid_barrier(const Params& p, unsigned long long target) {
   cbar();
-  if (MK_BAR_GROUPS > 1) {
-    if (threadIdx.x < 32) {
-      const int lane = threadIdx.x, G = MK_BAR_GROUPS;
-      if (lane == 0)
-        asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p.bar_counter + 16 * (blockIdx.x % G)), "l"(1ull)
-                     : "memory");
-      if (lane < G) {
-        const unsigned long long target = (unsigned long long)((p.nblocks - lane + G - 1) / G) * target_or_seq;
-        unsigned long long v;
-        do {
-          asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p.bar_counter + 16 * lane) : "memory");
-        } while (v < target);
-      }
-      __syncwarp();
-    }
-  } else if (threadIdx.x == 0) {
-    const unsigned long long target = target_or_seq;
+  if (threadIdx.x == 0) {
     // release (cumulative over the block's writes ordered before it by cbar); no return value to wait for
     asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p.bar_counter), "l"(1ull) : "memory");
     unsigned long long v;
@@ -315,7 +305,7 @@ __device__ void compute_rstd(const Params& p, const float* const* src, float mul
 // (zeroed at kernel start).
 template <int M, bool SMEM_SRC = false>  // SMEM_SRC: src rows are in shared memory (generic loads)
 __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, const float* norm_w, int k0, int kst,
-                        int G, int gshift) {
+                        int G, int gshift, uint32_t atag = 0) {  // atag != 0 (MK_ATAG): src = the tagged attention output
   const int t = threadIdx.x;
   const int xstride = c.sl->xstride;
   const uint32_t xlo = (uint32_t)(M * xstride);
@@ -335,6 +325,12 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
       const int wi = c0 + u * NCT + t;
       const bool ok = wi < total;
       const int m = (M == 1 || !ok) ? 0 : wi / wpr, kw = wi - m * wpr;
+      if (MK_ATAG && !SMEM_SRC && atag != 0) {
+        v[u][0] = v[u][1] = make_float4(0.f, 0.f, 0.f, 0.f);
+        wv[u][0] = wv[u][1] = make_float4(1.f, 1.f, 1.f, 1.f);
+        if (ok) ld_tagged8(attn_word(*c.p, m, k0 + 8 * kw), atag, v[u][0], v[u][1]);
+        continue;
+      }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float4* sp = reinterpret_cast<const float4*>(src[m] + k0) + 2 * kw + h;
@@ -493,6 +489,30 @@ __device__ __forceinline__ void st_tagged(uint32_t* w, float v, uint32_t tag) {
 // the word of row `row` of token m's q | k | v vector (rows as the qkv matrix orders them: q, k, v; head-major)
 __device__ __forceinline__ uint32_t* qkv_word(const Params& p, int m, int row) {
   return p.qkvt + 2 * ((size_t)m * (p.nh + 2 * p.nkv) * p.D + row);
+}
+// 8 consecutive (value, tag) words, all loads in flight at once, re-polled until every tag is this one
+__device__ __forceinline__ void ld_tagged8(const uint32_t* w, uint32_t tag, float4& a, float4& b) {
+  uint4 u[4];
+  bool ok;
+  do {
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(u[e].x), "=r"(u[e].y), "=r"(u[e].z), "=r"(u[e].w) : "l"(w + 4 * e) : "memory");
+    ok = true;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) ok = ok && u[e].y == tag && u[e].w == tag;
+  } while (!ok);
+  a = make_float4(__uint_as_float(u[0].x), __uint_as_float(u[0].z), __uint_as_float(u[1].x), __uint_as_float(u[1].z));
+  b = make_float4(__uint_as_float(u[2].x), __uint_as_float(u[2].z), __uint_as_float(u[3].x), __uint_as_float(u[3].z));
+}
+// MK_ATAG: the word of attention output element i (head-major) of token m, after the q|k|v words of MAX_M tokens
+__device__ __forceinline__ uint32_t* attn_word(const Params& p, int m, int i) {
+  return p.qkvt + 2 * ((size_t)MAX_M * (p.nh + 2 * p.nkv) * p.D + (size_t)m * p.nh * p.D + i);
+}
+__device__ __forceinline__ void attn_out(const Params& p, int m, int i, float v, uint32_t tag) {
+  p.attn[(size_t)m * p.nh * p.D + i] = v;
+  if (MK_ATAG) st_tagged(attn_word(p, m, i), v, tag);
 }
 __device__ __forceinline__ float ld_tagged(const uint32_t* w, uint32_t tag) {  // spins until the tag is this one
   uint32_t v, tg;
@@ -684,7 +704,8 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
   for (int s = 0; s < mt.nseg; ++s) {
     if (s == 0 || !xall) {
       if (s > 0) cbar();  // every warp is done with segment s-1's x before it is overwritten
-      stage_x<M>(c, src, mult, norm_w, xall ? 0 : s * mt.kseg, xall ? mt.K : mt.kseg, mt.G, mt.gshift);
+      stage_x<M>(c, src, mult, norm_w, xall ? 0 : s * mt.kseg, xall ? mt.K : mt.kseg, mt.G, mt.gshift,
+                 MK_ATAG && mi == MAT_O ? c.tag0 + (uint32_t)layer : 0u);
       if (s == 0 && mi != MAT_LM) trace_stamp(p, layer, 16 + 4 * mi);
       if (ws) warp_stamp(p, layer, WS_O_STAGED);
     }
@@ -1018,24 +1039,11 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
         const int j = ii / cpr, ch = ii % cpr;
         if (MK_QTAG && j0 + j >= start && j0 + j < Ltot) {  // this step's row: from the tagged words
           const int m = j0 + j - start;
-          const uint32_t* w = qkv_word(p, m, (p.nh + isv * p.nkv + kvh) * D + ch * 8);
-          uint32_t h[4];
-          uint4 u[4];
-          bool ok;
-          do {  // all 8 (value, tag) pairs in flight at once, until every tag is this layer's
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-              asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                           : "=r"(u[e].x), "=r"(u[e].y), "=r"(u[e].z), "=r"(u[e].w) : "l"(w + 4 * e) : "memory");
-            ok = true;
-#pragma unroll
-            for (int e = 0; e < 4; ++e) ok = ok && u[e].y == qtag && u[e].w == qtag;
-          } while (!ok);
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const __half2 hv = __floats2half2_rn(__uint_as_float(u[e].x), __uint_as_float(u[e].z));
-            h[e] = *reinterpret_cast<const uint32_t*>(&hv);
-          }
+          float4 a, b;
+          ld_tagged8(qkv_word(p, m, (p.nh + isv * p.nkv + kvh) * D + ch * 8), qtag, a, b);
+          const __half2 hv[4] = {__floats2half2_rn(a.x, a.y), __floats2half2_rn(a.z, a.w), __floats2half2_rn(b.x, b.y),
+                                 __floats2half2_rn(b.z, b.w)};
+          const uint32_t* h = reinterpret_cast<const uint32_t*>(hv);
           __half* dst = isv ? Vb + ((size_t)buf * ATT_T + j) * D + ch * 8
                             : Kb + ((size_t)buf * ATT_T + j) * D + ((ch ^ (j & 7)) * 8);
           *reinterpret_cast<uint4*>(dst) = make_uint4(h[0], h[1], h[2], h[3]);
@@ -1144,9 +1152,9 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
       for (int i = t; i < R * D; i += NCT) {
         const int r = i / D, d = i - r * D;
         const int hq = kvh * g + r / M, m = r % M;
-        p.attn[(size_t)m * p.nh * D + hq * D + d] = o_s[i] / ms->att_l[r];
+        attn_out(p, m, hq * D + d, o_s[i] / ms->att_l[r], qtag);
       }
-    } else if (M <= 2 && MK_TMERGE && nsplit <= TM_MAX_SPLITS && R * D <= NCT && R * nsplit <= NCT) {
+    } else if (M <= MK_TMERGE && nsplit <= TM_MAX_SPLITS && R * D <= NCT && R * nsplit <= NCT) {
       uint32_t* tk = reinterpret_cast<uint32_t*>(p.part) + 2 * ((size_t)kvh * nsplit * R) * (D + 2);
       if (sp != 0) {  // hand the partial over: one tagged word per value
         uint32_t* tp = tk + 2 * ((size_t)sp * R) * (D + 2);
@@ -1210,7 +1218,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
           for (int s2 = 0; s2 < TM_MAX_SPLITS; ++s2)
             if (s2 < nsplit) num = fmaf(wt[2 * (r * TM_MAX_SPLITS + s2)], ov[s2], num);
           const int hq = kvh * g + r / M, m = r % M;
-          p.attn[(size_t)m * p.nh * D + hq * D + d] = num / ms->att_alpha[r];
+          attn_out(p, m, hq * D + d, num / ms->att_alpha[r], qtag);
         }
       }
     } else {
@@ -1245,7 +1253,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
             num = fmaf(wgt, __ldcg(e + 2 + d), num);
           }
           const int hq = kvh * g + r / M, m = r % M;
-          p.attn[(size_t)m * p.nh * D + hq * D + d] = num / den;
+          attn_out(p, m, hq * D + d, num / den, qtag);
         }
         if (t == 0) p.att_count[kvh] = 0;
       }
@@ -1325,11 +1333,12 @@ __global__ void __launch_bounds__(NT, 1)
   c.start = start;
   const unsigned long long epoch = __ldcg(p.epoch);
   c.tag0 = (uint32_t)(epoch * (unsigned long long)p.L) + 1u;
-  const unsigned long long S = (MK_DIAG == 4 || MK_QTAG ? 4ull : 5ull) * p.L;
+  // grid barriers per launch: 5 per layer, less the qkv -> attention one (MK_QTAG) and the attention -> o one (MK_ATAG)
+  const unsigned long long S = (5ull - (MK_DIAG == 4 || MK_QTAG ? 1 : 0) - (MK_ATAG ? 1 : 0)) * p.L;
   unsigned long long nbar = 0;
-  auto gsync = [&]() {  // (MK_BAR_GROUPS passes the barrier's sequence number, else the counter's target)
+  auto gsync = [&]() {
     ++nbar;
-    grid_barrier(p, MK_BAR_GROUPS > 1 ? epoch * S + nbar : (unsigned long long)p.nblocks * (epoch * S + nbar));
+    grid_barrier(p, (unsigned long long)p.nblocks * (epoch * S + nbar));
   };
 
   enum { ROW_TOK = 0, ROW_RESID, ROW_ATTN, ROW_ACT };
@@ -1382,7 +1391,7 @@ __global__ void __launch_bounds__(NT, 1)
     stamp(l, 3);
     if (MK_DIAG != 2) attention_stage<M>(c, l, uni);
     stamp(l, 4);
-    gsync();
+    if (!MK_ATAG) gsync();
     stamp(l, 5);
     matvec_stage<M>(c, MAT_O, l, attn_rows, 1.f, nullptr);
     stamp(l, 6);

@@ -66,7 +66,7 @@ struct Params {
   int* arg_idx;             // [nblocks][M]
   int* argmax;              // [M]
   int* done_count;          // [1]
-  unsigned long long* bar_counter;  // [16 * 16] monotonic grid-barrier counter(s): [0], or [16 g] (MK_BAR_GROUPS)
+  unsigned long long* bar_counter;  // [1] the monotonic grid-barrier counter
   unsigned long long* epoch;        // [1] launches so far
   float* dpart;             // FFN split-K partial sums [M][H tiles][nffn_pad][16] (nullptr when nffn == 0)
   unsigned long long* trace;        // optional [L * 16] globaltimer stamps of block 0 (nullptr: off)
