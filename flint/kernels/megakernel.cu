@@ -68,6 +68,15 @@ constexpr int TM_MAX_SPLITS = 12;
 #define MK_ATAG 0
 #endif
 static_assert(!MK_ATAG || MK_QTAG, "MK_ATAG needs MK_QTAG (the layer tags)");
+// MK_RTAG (EXPERIMENT, session 7, off): no grid barrier between the o projection and gate|up. The o epilogue
+// also writes the residual rows as tagged words (p.qkvt, after the attention output's), and gate|up's
+// staging polls them (only where its RMSNorm comes from the staging loads: one round, M * H / 8 <=
+// STAGE_U * NCT; else the barrier stays). Safe: the residual is rewritten next by the FFN reduction / down
+// epilogue after the next grid barrier, which every block reaches only after its gate|up staging.
+#ifndef MK_RTAG
+#define MK_RTAG 0
+#endif
+static_assert(!MK_RTAG || MK_QTAG, "MK_RTAG needs MK_QTAG (the layer tags)");
 // MK_TRACE: the trace stamps (FLINT_MK_TRACE=1) are compiled only into a separate traced library
 // (flint/kernels/build.py build(traced=True) adds -DMK_TRACE=1): their runtime checks on every stage's
 // chain cost 2.5% per step (session 5, bench/results/mk_ab_session4_2026-11-29.log).
@@ -236,6 +245,56 @@ __device__ void producer(const Params& p, const Smem& sl, const Ring& ring, cons
 }
 
 // =====================================================================[4] x staging
+// MK_QTAG: one 8-byte store (single-copy atomic) carries a value and the tag that says it is this step's
+__device__ __forceinline__ void st_tagged(uint32_t* w, float v, uint32_t tag) {
+  asm volatile("st.relaxed.gpu.global.v2.u32 [%0], {%1, %2};" ::"l"(w), "r"(__float_as_uint(v)), "r"(tag) : "memory");
+}
+// the word of row `row` of token m's q | k | v vector (rows as the qkv matrix orders them: q, k, v; head-major)
+__device__ __forceinline__ uint32_t* qkv_word(const Params& p, int m, int row) {
+  return p.qkvt + 2 * ((size_t)m * (p.nh + 2 * p.nkv) * p.D + row);
+}
+// 8 consecutive (value, tag) words, all loads in flight at once, re-polled until every tag is this one
+__device__ __forceinline__ void ld_tagged8(const uint32_t* w, uint32_t tag, float4& a, float4& b) {
+  uint4 u[4];
+  bool ok;
+  do {
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(u[e].x), "=r"(u[e].y), "=r"(u[e].z), "=r"(u[e].w) : "l"(w + 4 * e) : "memory");
+    ok = true;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) ok = ok && u[e].y == tag && u[e].w == tag;
+  } while (!ok);
+  a = make_float4(__uint_as_float(u[0].x), __uint_as_float(u[0].z), __uint_as_float(u[1].x), __uint_as_float(u[1].z));
+  b = make_float4(__uint_as_float(u[2].x), __uint_as_float(u[2].z), __uint_as_float(u[3].x), __uint_as_float(u[3].z));
+}
+// MK_ATAG: the word of attention output element i (head-major) of token m, after the q|k|v words of MAX_M tokens
+__device__ __forceinline__ uint32_t* attn_word(const Params& p, int m, int i) {
+  return p.qkvt + 2 * ((size_t)MAX_M * (p.nh + 2 * p.nkv) * p.D + (size_t)m * p.nh * p.D + i);
+}
+// MK_RTAG: the word of residual element i of token m after the o projection, after the attention output's words
+__device__ __forceinline__ uint32_t* resid_word(const Params& p, int m, int i) {
+  return p.qkvt + 2 * ((size_t)MAX_M * (2 * p.nh + 2 * p.nkv) * p.D + (size_t)m * p.H + i);
+}
+__device__ __forceinline__ void attn_out(const Params& p, int m, int i, float v, uint32_t tag) {
+  p.attn[(size_t)m * p.nh * p.D + i] = v;
+  if (MK_ATAG) st_tagged(attn_word(p, m, i), v, tag);
+}
+constexpr int STAGE_U = 2;  // stage_x: words in flight per thread (more raises register pressure for the whole kernel)
+// MK_RTAG applies where gate|up stages its input in one round with the RMSNorm from the same loads
+template <int M>
+__device__ __forceinline__ bool rtag_on(const Params& p) {
+  return MK_RTAG && p.mat[MAT_GU].nseg == 1 && p.mat[MAT_GU].K == p.H && M * (p.H >> 3) <= STAGE_U * NCT;
+}
+__device__ __forceinline__ float ld_tagged(const uint32_t* w, uint32_t tag) {  // spins until the tag is this one
+  uint32_t v, tg;
+  do {
+    asm volatile("ld.relaxed.gpu.global.v2.u32 {%0, %1}, [%2];" : "=r"(v), "=r"(tg) : "l"(w) : "memory");
+  } while (tg != tag);
+  return __uint_as_float(v);
+}
+
 extern __shared__ __align__(1024) uint8_t mk_smem[];
 
 constexpr int ROW_ACTB = 4;  // MiscSmem::rows[ROW_ACTB]: the FFN split-K act slice in shared memory
@@ -303,9 +362,11 @@ __device__ void compute_rstd(const Params& p, const float* const* src, float mul
 // deterministic). norm_w == nullptr: plain copy (attention output / act); else
 // rmsnorm(src * mult) * norm_w (rstd fused into the loads, or compute_rstd). xsum entries of tokens >= M stay 0
 // (zeroed at kernel start).
-template <int M, bool SMEM_SRC = false>  // SMEM_SRC: src rows are in shared memory (generic loads)
+// SMEM_SRC: src rows are in shared memory (generic loads); TAGGED (MK_ATAG / MK_RTAG): the source is tagged
+// words instead, token m's row at tw + 2 m tstride (a separate instantiation: the polls' registers)
+template <int M, bool SMEM_SRC = false, bool TAGGED = false>
 __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, const float* norm_w, int k0, int kst,
-                        int G, int gshift, uint32_t atag = 0) {  // atag != 0 (MK_ATAG): src = the tagged attention output
+                        int G, int gshift, const uint32_t* tw = nullptr, int tstride = 0, uint32_t tag = 0) {
   const int t = threadIdx.x;
   const int xstride = c.sl->xstride;
   const uint32_t xlo = (uint32_t)(M * xstride);
@@ -313,7 +374,7 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
   const int total = M * wpr;
   const int L = G >> 3;             // lanes per (token, group)
   const int wshift = gshift - 5;
-  constexpr int U = 2;  // words in flight per thread (more raises register pressure for the whole kernel)
+  constexpr int U = STAGE_U;
   // RMSNorm: when the whole row is one round of loads (decode on Granite and SmolLM2), the rstd comes
   // from the same loads (no separate pass, one L2 round trip less); else from compute_rstd first
   const bool fused = norm_w != nullptr && k0 == 0 && kst == c.p->H && total <= U * NCT;
@@ -325,16 +386,15 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
       const int wi = c0 + u * NCT + t;
       const bool ok = wi < total;
       const int m = (M == 1 || !ok) ? 0 : wi / wpr, kw = wi - m * wpr;
-      if (MK_ATAG && !SMEM_SRC && atag != 0) {
+      constexpr bool tagged = (MK_ATAG || MK_RTAG) && !SMEM_SRC && TAGGED;
+      if (tagged) {
         v[u][0] = v[u][1] = make_float4(0.f, 0.f, 0.f, 0.f);
-        wv[u][0] = wv[u][1] = make_float4(1.f, 1.f, 1.f, 1.f);
-        if (ok) ld_tagged8(attn_word(*c.p, m, k0 + 8 * kw), atag, v[u][0], v[u][1]);
-        continue;
+        if (ok) ld_tagged8(tw + 2 * ((size_t)m * tstride + k0 + 8 * kw), tag, v[u][0], v[u][1]);
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float4* sp = reinterpret_cast<const float4*>(src[m] + k0) + 2 * kw + h;
-        v[u][h] = !ok ? make_float4(0.f, 0.f, 0.f, 0.f) : SMEM_SRC ? *sp : __ldcg(sp);
+        if (!tagged) v[u][h] = !ok ? make_float4(0.f, 0.f, 0.f, 0.f) : SMEM_SRC ? *sp : __ldcg(sp);
         wv[u][h] = (norm_w && ok) ? __ldg(reinterpret_cast<const float4*>(norm_w + k0) + 2 * kw + h)
                                   : make_float4(1.f, 1.f, 1.f, 1.f);
       }
@@ -482,46 +542,6 @@ __device__ __forceinline__ void tile_dot(int G, uint32_t tile, int srb, int kseg
     mkmma::mma_tile_dot_g<M>(G, tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, lane, acc);
 }
 __device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }
-// MK_QTAG: one 8-byte store (single-copy atomic) carries a value and the tag that says it is this step's
-__device__ __forceinline__ void st_tagged(uint32_t* w, float v, uint32_t tag) {
-  asm volatile("st.relaxed.gpu.global.v2.u32 [%0], {%1, %2};" ::"l"(w), "r"(__float_as_uint(v)), "r"(tag) : "memory");
-}
-// the word of row `row` of token m's q | k | v vector (rows as the qkv matrix orders them: q, k, v; head-major)
-__device__ __forceinline__ uint32_t* qkv_word(const Params& p, int m, int row) {
-  return p.qkvt + 2 * ((size_t)m * (p.nh + 2 * p.nkv) * p.D + row);
-}
-// 8 consecutive (value, tag) words, all loads in flight at once, re-polled until every tag is this one
-__device__ __forceinline__ void ld_tagged8(const uint32_t* w, uint32_t tag, float4& a, float4& b) {
-  uint4 u[4];
-  bool ok;
-  do {
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-      asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(u[e].x), "=r"(u[e].y), "=r"(u[e].z), "=r"(u[e].w) : "l"(w + 4 * e) : "memory");
-    ok = true;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) ok = ok && u[e].y == tag && u[e].w == tag;
-  } while (!ok);
-  a = make_float4(__uint_as_float(u[0].x), __uint_as_float(u[0].z), __uint_as_float(u[1].x), __uint_as_float(u[1].z));
-  b = make_float4(__uint_as_float(u[2].x), __uint_as_float(u[2].z), __uint_as_float(u[3].x), __uint_as_float(u[3].z));
-}
-// MK_ATAG: the word of attention output element i (head-major) of token m, after the q|k|v words of MAX_M tokens
-__device__ __forceinline__ uint32_t* attn_word(const Params& p, int m, int i) {
-  return p.qkvt + 2 * ((size_t)MAX_M * (p.nh + 2 * p.nkv) * p.D + (size_t)m * p.nh * p.D + i);
-}
-__device__ __forceinline__ void attn_out(const Params& p, int m, int i, float v, uint32_t tag) {
-  p.attn[(size_t)m * p.nh * p.D + i] = v;
-  if (MK_ATAG) st_tagged(attn_word(p, m, i), v, tag);
-}
-__device__ __forceinline__ float ld_tagged(const uint32_t* w, uint32_t tag) {  // spins until the tag is this one
-  uint32_t v, tg;
-  do {
-    asm volatile("ld.relaxed.gpu.global.v2.u32 {%0, %1}, [%2];" : "=r"(v), "=r"(tg) : "l"(w) : "memory");
-  } while (tg != tag);
-  return __uint_as_float(v);
-}
-
 // Epilogue of one row pair (n0, n0 + 1) of token m (act: m < M; all lanes must call it, the lm_head
 // argmax shuffles within the 8 lanes of a token). Pairs are (2i, 2i+1): RoPE pairs for q/k (rows
 // were permuted), (gate_j, up_j) for gate/up (rows interleaved).
@@ -580,6 +600,10 @@ __device__ __forceinline__ void pair_epilogue(Ctx<M>& c, int mi, int layer, int 
       ow[0] = r0;
       ow[M] = r1;
       *reinterpret_cast<float2*>(p.resid + (size_t)mm * p.H + n0) = make_float2(r0, r1);
+      if (MK_RTAG && mi == MAT_O && rtag_on<M>(p)) {
+        st_tagged(resid_word(p, mm, n0), r0, c.tag0 + layer);
+        st_tagged(resid_word(p, mm, n0 + 1), r1, c.tag0 + layer);
+      }
     }
   } else if (mi == MAT_GU) {  // rows interleaved gate_j, up_j
     if (act && (n0 >> 1) < p.I) {
@@ -704,8 +728,13 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
   for (int s = 0; s < mt.nseg; ++s) {
     if (s == 0 || !xall) {
       if (s > 0) cbar();  // every warp is done with segment s-1's x before it is overwritten
-      stage_x<M>(c, src, mult, norm_w, xall ? 0 : s * mt.kseg, xall ? mt.K : mt.kseg, mt.G, mt.gshift,
-                 MK_ATAG && mi == MAT_O ? c.tag0 + (uint32_t)layer : 0u);
+      const bool ta = MK_ATAG && mi == MAT_O, tr = MK_RTAG && mi == MAT_GU && rtag_on<M>(p);
+      if (ta || tr)
+        stage_x<M, false, true>(c, src, mult, norm_w, xall ? 0 : s * mt.kseg, xall ? mt.K : mt.kseg, mt.G, mt.gshift,
+                                ta ? attn_word(p, 0, 0) : resid_word(p, 0, 0), ta ? p.nh * p.D : p.H,
+                                c.tag0 + (uint32_t)layer);
+      else
+        stage_x<M>(c, src, mult, norm_w, xall ? 0 : s * mt.kseg, xall ? mt.K : mt.kseg, mt.G, mt.gshift);
       if (s == 0 && mi != MAT_LM) trace_stamp(p, layer, 16 + 4 * mi);
       if (ws) warp_stamp(p, layer, WS_O_STAGED);
     }
@@ -1333,8 +1362,10 @@ __global__ void __launch_bounds__(NT, 1)
   c.start = start;
   const unsigned long long epoch = __ldcg(p.epoch);
   c.tag0 = (uint32_t)(epoch * (unsigned long long)p.L) + 1u;
-  // grid barriers per launch: 5 per layer, less the qkv -> attention one (MK_QTAG) and the attention -> o one (MK_ATAG)
-  const unsigned long long S = (5ull - (MK_DIAG == 4 || MK_QTAG ? 1 : 0) - (MK_ATAG ? 1 : 0)) * p.L;
+  // grid barriers per launch: 5 per layer, less the qkv -> attention one (MK_QTAG), the attention -> o one
+  // (MK_ATAG) and the o -> gate|up one (MK_RTAG where it applies)
+  const bool rtag = rtag_on<M>(p);
+  const unsigned long long S = (5ull - (MK_DIAG == 4 || MK_QTAG ? 1 : 0) - (MK_ATAG ? 1 : 0) - (rtag ? 1 : 0)) * p.L;
   unsigned long long nbar = 0;
   auto gsync = [&]() {
     ++nbar;
@@ -1395,7 +1426,7 @@ __global__ void __launch_bounds__(NT, 1)
     stamp(l, 5);
     matvec_stage<M>(c, MAT_O, l, attn_rows, 1.f, nullptr);
     stamp(l, 6);
-    gsync();
+    if (!rtag) gsync();
     stamp(l, 7);
     matvec_stage<M>(c, MAT_GU, l, resid_rows, 1.f, an + p.H);
     stamp(l, 8);
