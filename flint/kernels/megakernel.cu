@@ -70,8 +70,8 @@ constexpr int TM_MAX_SPLITS = 12;
 static_assert(!MK_ATAG || MK_QTAG, "MK_ATAG needs MK_QTAG (the layer tags)");
 // MK_RTAG (EXPERIMENT, session 7, off): no grid barrier between the o projection and gate|up. The o epilogue
 // also writes the residual rows as tagged words (p.qkvt, after the attention output's), and gate|up's
-// staging polls them (only where its RMSNorm comes from the staging loads: one round, M * H / 8 <=
-// STAGE_U * NCT; else the barrier stays). Safe: the residual is rewritten next by the FFN reduction / down
+// staging polls them (M <= 2, where its RMSNorm comes from the staging loads: one round, M * H / 8 <=
+// STAGE_U * NCT; else the barrier stays; M 5..7 spilled with it compiled in). Safe: the residual is rewritten next by the FFN reduction / down
 // epilogue after the next grid barrier, which every block reaches only after its gate|up staging.
 #ifndef MK_RTAG
 #define MK_RTAG 0
@@ -285,7 +285,7 @@ constexpr int STAGE_U = 2;  // stage_x: words in flight per thread (more raises 
 // MK_RTAG applies where gate|up stages its input in one round with the RMSNorm from the same loads
 template <int M>
 __device__ __forceinline__ bool rtag_on(const Params& p) {
-  return MK_RTAG && p.mat[MAT_GU].nseg == 1 && p.mat[MAT_GU].K == p.H && M * (p.H >> 3) <= STAGE_U * NCT;
+  return MK_RTAG && M <= 2 && p.mat[MAT_GU].nseg == 1 && p.mat[MAT_GU].K == p.H && M * (p.H >> 3) <= STAGE_U * NCT;
 }
 __device__ __forceinline__ float ld_tagged(const uint32_t* w, uint32_t tag) {  // spins until the tag is this one
   uint32_t v, tg;
