@@ -58,8 +58,9 @@ constexpr bool kIdot = MK_IDOT && M <= 4;  // this kernel stages int8 x and runs
 #endif
 static_assert(MK_TMERGE <= 2, "MK_TMERGE: the merge's registers hold M <= 2");
 constexpr int TM_MAX_SPLITS = 12;
-// MK_ATAG (EXPERIMENT, session 7, off): no grid barrier between attention and the o projection. The
-// attention output is also written as (fp32 bits, tag) words (after the q|k|v words in p.qkvt, the layer's
+// MK_ATAG (EXPERIMENT, session 7, off: correct, 23 GPU tests, but +5.4% per step at M = 1 and +6.8% at M = 2,
+// bench/results/mk_ab_session7_2026-11-29.log; all 132 blocks poll the 8 merge blocks' words): no grid
+// barrier between attention and the o projection. The attention output is also written as (fp32 bits, tag) words (after the q|k|v words in p.qkvt, the layer's
 // MK_QTAG tag), and the o stage's staging polls them instead. Needs MK_QTAG. Safe without the barrier:
 // every head's output depends on every qkv tile (its q, k, v rows), so once a block has staged the whole
 // attention output, every block has finished the qkv staging that read the residual the o epilogue
@@ -68,15 +69,6 @@ constexpr int TM_MAX_SPLITS = 12;
 #define MK_ATAG 0
 #endif
 static_assert(!MK_ATAG || MK_QTAG, "MK_ATAG needs MK_QTAG (the layer tags)");
-// MK_RTAG (EXPERIMENT, session 7, off): no grid barrier between the o projection and gate|up. The o epilogue
-// also writes the residual rows as tagged words (p.qkvt, after the attention output's), and gate|up's
-// staging polls them (M <= 2, where its RMSNorm comes from the staging loads: one round, M * H / 8 <=
-// STAGE_U * NCT; else the barrier stays; M 5..7 spilled with it compiled in). Safe: the residual is rewritten next by the FFN reduction / down
-// epilogue after the next grid barrier, which every block reaches only after its gate|up staging.
-#ifndef MK_RTAG
-#define MK_RTAG 0
-#endif
-static_assert(!MK_RTAG || MK_QTAG, "MK_RTAG needs MK_QTAG (the layer tags)");
 // MK_TRACE: the trace stamps (FLINT_MK_TRACE=1) are compiled only into a separate traced library
 // (flint/kernels/build.py build(traced=True) adds -DMK_TRACE=1): their runtime checks on every stage's
 // chain cost 2.5% per step (session 5, bench/results/mk_ab_session4_2026-11-29.log).
@@ -273,20 +265,11 @@ __device__ __forceinline__ void ld_tagged8(const uint32_t* w, uint32_t tag, floa
 __device__ __forceinline__ uint32_t* attn_word(const Params& p, int m, int i) {
   return p.qkvt + 2 * ((size_t)MAX_M * (p.nh + 2 * p.nkv) * p.D + (size_t)m * p.nh * p.D + i);
 }
-// MK_RTAG: the word of residual element i of token m after the o projection, after the attention output's words
-__device__ __forceinline__ uint32_t* resid_word(const Params& p, int m, int i) {
-  return p.qkvt + 2 * ((size_t)MAX_M * (2 * p.nh + 2 * p.nkv) * p.D + (size_t)m * p.H + i);
-}
 __device__ __forceinline__ void attn_out(const Params& p, int m, int i, float v, uint32_t tag) {
   p.attn[(size_t)m * p.nh * p.D + i] = v;
   if (MK_ATAG) st_tagged(attn_word(p, m, i), v, tag);
 }
 constexpr int STAGE_U = 2;  // stage_x: words in flight per thread (more raises register pressure for the whole kernel)
-// MK_RTAG applies where gate|up stages its input in one round with the RMSNorm from the same loads
-template <int M>
-__device__ __forceinline__ bool rtag_on(const Params& p) {
-  return MK_RTAG && M <= 2 && p.mat[MAT_GU].nseg == 1 && p.mat[MAT_GU].K == p.H && M * (p.H >> 3) <= STAGE_U * NCT;
-}
 __device__ __forceinline__ float ld_tagged(const uint32_t* w, uint32_t tag) {  // spins until the tag is this one
   uint32_t v, tg;
   do {
@@ -362,7 +345,7 @@ __device__ void compute_rstd(const Params& p, const float* const* src, float mul
 // deterministic). norm_w == nullptr: plain copy (attention output / act); else
 // rmsnorm(src * mult) * norm_w (rstd fused into the loads, or compute_rstd). xsum entries of tokens >= M stay 0
 // (zeroed at kernel start).
-// SMEM_SRC: src rows are in shared memory (generic loads); TAGGED (MK_ATAG / MK_RTAG): the source is tagged
+// SMEM_SRC: src rows are in shared memory (generic loads); TAGGED (MK_ATAG): the source is tagged
 // words instead, token m's row at tw + 2 m tstride (a separate instantiation: the polls' registers)
 template <int M, bool SMEM_SRC = false, bool TAGGED = false>
 __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, const float* norm_w, int k0, int kst,
@@ -386,7 +369,7 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
       const int wi = c0 + u * NCT + t;
       const bool ok = wi < total;
       const int m = (M == 1 || !ok) ? 0 : wi / wpr, kw = wi - m * wpr;
-      constexpr bool tagged = (MK_ATAG || MK_RTAG) && !SMEM_SRC && TAGGED;
+      constexpr bool tagged = MK_ATAG && !SMEM_SRC && TAGGED;
       if (tagged) {
         v[u][0] = v[u][1] = make_float4(0.f, 0.f, 0.f, 0.f);
         if (ok) ld_tagged8(tw + 2 * ((size_t)m * tstride + k0 + 8 * kw), tag, v[u][0], v[u][1]);
@@ -600,10 +583,6 @@ __device__ __forceinline__ void pair_epilogue(Ctx<M>& c, int mi, int layer, int 
       ow[0] = r0;
       ow[M] = r1;
       *reinterpret_cast<float2*>(p.resid + (size_t)mm * p.H + n0) = make_float2(r0, r1);
-      if (MK_RTAG && mi == MAT_O && rtag_on<M>(p)) {
-        st_tagged(resid_word(p, mm, n0), r0, c.tag0 + layer);
-        st_tagged(resid_word(p, mm, n0 + 1), r1, c.tag0 + layer);
-      }
     }
   } else if (mi == MAT_GU) {  // rows interleaved gate_j, up_j
     if (act && (n0 >> 1) < p.I) {
@@ -728,11 +707,9 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
   for (int s = 0; s < mt.nseg; ++s) {
     if (s == 0 || !xall) {
       if (s > 0) cbar();  // every warp is done with segment s-1's x before it is overwritten
-      const bool ta = MK_ATAG && mi == MAT_O, tr = MK_RTAG && mi == MAT_GU && rtag_on<M>(p);
-      if (ta || tr)
+      if (MK_ATAG && mi == MAT_O)
         stage_x<M, false, true>(c, src, mult, norm_w, xall ? 0 : s * mt.kseg, xall ? mt.K : mt.kseg, mt.G, mt.gshift,
-                                ta ? attn_word(p, 0, 0) : resid_word(p, 0, 0), ta ? p.nh * p.D : p.H,
-                                c.tag0 + (uint32_t)layer);
+                                attn_word(p, 0, 0), p.nh * p.D, c.tag0 + (uint32_t)layer);
       else
         stage_x<M>(c, src, mult, norm_w, xall ? 0 : s * mt.kseg, xall ? mt.K : mt.kseg, mt.G, mt.gshift);
       if (s == 0 && mi != MAT_LM) trace_stamp(p, layer, 16 + 4 * mi);
@@ -1362,10 +1339,10 @@ __global__ void __launch_bounds__(NT, 1)
   c.start = start;
   const unsigned long long epoch = __ldcg(p.epoch);
   c.tag0 = (uint32_t)(epoch * (unsigned long long)p.L) + 1u;
-  // grid barriers per launch: 5 per layer, less the qkv -> attention one (MK_QTAG), the attention -> o one
-  // (MK_ATAG) and the o -> gate|up one (MK_RTAG where it applies)
-  const bool rtag = rtag_on<M>(p);
-  const unsigned long long S = (5ull - (MK_DIAG == 4 || MK_QTAG ? 1 : 0) - (MK_ATAG ? 1 : 0) - (rtag ? 1 : 0)) * p.L;
+  // grid barriers per launch: 5 per layer, less the qkv -> attention one (MK_QTAG) and the attention -> o one
+  // (MK_ATAG). S must be the same for every M: the counter's target assumes every earlier launch had this S
+  // (session 7's MK_RTAG, compiled in for M <= 2 only, deadlocked the tests that mix M; removed, from f8a9637)
+  const unsigned long long S = (5ull - (MK_DIAG == 4 || MK_QTAG ? 1 : 0) - (MK_ATAG ? 1 : 0)) * p.L;
   unsigned long long nbar = 0;
   auto gsync = [&]() {
     ++nbar;
@@ -1426,7 +1403,7 @@ __global__ void __launch_bounds__(NT, 1)
     stamp(l, 5);
     matvec_stage<M>(c, MAT_O, l, attn_rows, 1.f, nullptr);
     stamp(l, 6);
-    if (!rtag) gsync();
+    gsync();
     stamp(l, 7);
     matvec_stage<M>(c, MAT_GU, l, resid_rows, 1.f, an + p.H);
     stamp(l, 8);
