@@ -40,8 +40,8 @@ constexpr bool kIdot = MK_IDOT && M <= 4;  // this kernel stages int8 x and runs
 #ifndef MK_DIAG
 #define MK_DIAG 0
 #endif
-// MK_QTAG (session 6: -3.1% per step at M = 1, GPU tests pass; OFF until the sanitizers and flint bench have
-// run on it, docs/megakernel.md "What is next (session 6)" 0): no grid barrier between qkv and attention. The qkv
+// MK_QTAG (on since session 7; session 6: -3.1% per step at M = 1; validated in full: bench/results/v8_2026-11-29.md,
+// v9_2026-11-29.md): no grid barrier between qkv and attention. The qkv
 // epilogues also write this step's q, k and v rows as (fp32 bits, tag) pairs (p.qkvt, one 8-byte store
 // each, tag = epoch * L + layer + 1), and attention polls exactly the words it needs: its q rows and the
 // K/V rows of this step's positions (older positions come from the cache, written by earlier launches).
@@ -57,6 +57,12 @@ constexpr bool kIdot = MK_IDOT && M <= 4;  // this kernel stages int8 x and runs
 #define MK_TMERGE 1
 #endif
 static_assert(MK_TMERGE <= 2, "MK_TMERGE: the merge's registers hold M <= 2");
+// MK_TM_ML (EXPERIMENT, session 7): the merging block fetches the other splits' (m, l) in the same poll as their
+// o words (before: two dependent ld_tagged after it, two more round trips on attention's chain; bench/mk_attn_items.py
+// shows the merge ending 2.3 us after the last split at ctx 512)
+#ifndef MK_TM_ML
+#define MK_TM_ML 0
+#endif
 constexpr int TM_MAX_SPLITS = 12;
 // MK_ATAG (EXPERIMENT, session 7, off: correct, 23 GPU tests, but +5.4% per step at M = 1 and +6.8% at M = 2,
 // bench/results/mk_ab_session7_2026-11-29.log; all 132 blocks poll the 8 merge blocks' words): no grid
@@ -1170,35 +1176,51 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
         }
       } else {  // split 0's block merges: its own partial from shared memory, the others' as they arrive
         const int r = t / D, d = t - r * D;
+        // threads t < R * nsplit also fetch split (t mod nsplit)'s (m, l) of row t / nsplit: with MK_TM_ML in the
+        // same poll as the o words (one 16-byte load: m, its tag, l, its tag), else after it (two more round trips)
+        const int rr = t / nsplit, sm = t - rr * nsplit;
+        const bool mlpoll = MK_TM_ML && t < R * nsplit && sm != 0;
+        const uint32_t* e = tk + 2 * (((size_t)sm * R + rr) * (D + 2));
         float ov[TM_MAX_SPLITS];
-        if (t < R * D) {
+        uint4 ml = make_uint4(0u, 0u, 0u, 0u);
+        if (t < R * D || mlpoll) {
           bool ok;
           do {  // every split's word in flight at once, re-polled until all carry this layer's tag
             uint32_t tg[TM_MAX_SPLITS];
+            ok = true;
+            if (t < R * D) {
 #pragma unroll
-            for (int s2 = 1; s2 < TM_MAX_SPLITS; ++s2) {
-              if (s2 < nsplit) {
-                uint32_t v;
-                asm volatile("ld.relaxed.gpu.global.v2.u32 {%0, %1}, [%2];"
-                             : "=r"(v), "=r"(tg[s2]) : "l"(tk + 2 * (((size_t)s2 * R + r) * (D + 2) + 2 + d)) : "memory");
-                ov[s2] = __uint_as_float(v);
+              for (int s2 = 1; s2 < TM_MAX_SPLITS; ++s2) {
+                if (s2 < nsplit) {
+                  uint32_t v;
+                  asm volatile("ld.relaxed.gpu.global.v2.u32 {%0, %1}, [%2];"
+                               : "=r"(v), "=r"(tg[s2]) : "l"(tk + 2 * (((size_t)s2 * R + r) * (D + 2) + 2 + d)) : "memory");
+                  ov[s2] = __uint_as_float(v);
+                }
               }
             }
-            ok = true;
+            if (mlpoll)
+              asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                           : "=r"(ml.x), "=r"(ml.y), "=r"(ml.z), "=r"(ml.w) : "l"(e) : "memory");
+            if (t < R * D) {
 #pragma unroll
-            for (int s2 = 1; s2 < TM_MAX_SPLITS; ++s2) ok = ok && (s2 >= nsplit || tg[s2] == qtag);
+              for (int s2 = 1; s2 < TM_MAX_SPLITS; ++s2) ok = ok && (s2 >= nsplit || tg[s2] == qtag);
+            }
+            if (mlpoll) ok = ok && ml.y == qtag && ml.w == qtag;
           } while (!ok);
-          ov[0] = o_s[t];
+          if (t < R * D) ov[0] = o_s[t];
         }
         float* wt = s_s;  // [R][TM_MAX_SPLITS] (m, l) then (weight, l); s_s (R x ATT_T floats) is free now
         if (t < R * nsplit) {
-          const int rr = t / nsplit, s2 = t - rr * nsplit;
+          const int s2 = sm;
           float mv, lv;
           if (s2 == 0) {
             mv = ms->att_m[rr];
             lv = ms->att_l[rr];
+          } else if (MK_TM_ML) {
+            mv = __uint_as_float(ml.x);
+            lv = __uint_as_float(ml.z);
           } else {
-            const uint32_t* e = tk + 2 * (((size_t)s2 * R + rr) * (D + 2));
             mv = ld_tagged(e, qtag);
             lv = ld_tagged(e + 2, qtag);
           }
