@@ -57,13 +57,13 @@ constexpr bool kIdot = MK_IDOT && M <= 4;  // this kernel stages int8 x and runs
 #define MK_TMERGE 1
 #endif
 static_assert(MK_TMERGE <= 2, "MK_TMERGE: the merge's registers hold M <= 2");
-// MK_TM_ML (EXPERIMENT, session 7): the merging block fetches the other splits' (m, l) in the same poll as their
-// o words (before: two dependent ld_tagged after it, two more round trips on attention's chain; bench/mk_attn_items.py
-// shows the merge ending 2.3 us after the last split at ctx 512)
-#ifndef MK_TM_ML
-#define MK_TM_ML 0
-#endif
 constexpr int TM_MAX_SPLITS = 12;
+// MK_PV3 (EXPERIMENT, session 7): attention's P.V on three warps per row (a third of the keys each) where
+// 3 R <= 15 warps and D = 64 (M = 1 on Granite and SmolLM2), not one: the P.V phase is 1.1 us of the 3.6 us of a split's
+// own work (bench/results/mk_warps_v9_2026-11-29.log)
+#ifndef MK_PV3
+#define MK_PV3 0
+#endif
 // MK_ATAG (EXPERIMENT, session 7, off: correct, 23 GPU tests, but +5.4% per step at M = 1 and +6.8% at M = 2,
 // bench/results/mk_ab_session7_2026-11-29.log; all 132 blocks poll the 8 merge blocks' words): no grid
 // barrier between attention and the o projection. The attention output is also written as (fp32 bits, tag) words (after the q|k|v words in p.qkvt, the layer's
@@ -1140,6 +1140,32 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
       cbar();
       warp_stamp(p, layer, WS_A_SOFTMAX);
       // o = o * alpha + P V: warp per row, lanes over dim pairs
+      if (MK_PV3 && M == 1 && 3 * R <= NCW && D == 64) {
+        // MK_PV3: three warps per row, each over a third of the keys; their sums join o in a fixed order
+        // (o * alpha + part 0, then + part 1, then + part 2: one block barrier between, deterministic)
+        const int r = warp / 3, kc = warp - 3 * r;
+        const bool act = MK_DIAG != 3 && warp < 3 * R;
+        const int ja = kc * nvalid / 3, jb = (kc + 1) * nvalid / 3;
+        float px = 0.f, py = 0.f;  // lane = dim pair (D = 64)
+        if (act) {
+          const float* pr = s_s + r * ATT_T;
+#pragma unroll 2
+          for (int j = ja; j < jb; ++j) {
+            const float pj = pr[j];
+            const float2 vv = __half22float2(*reinterpret_cast<const __half2*>(Vt + (size_t)j * D + 2 * lane));
+            px = fmaf(pj, vv.x, px);
+            py = fmaf(pj, vv.y, py);
+          }
+        }
+        for (int ph = 0; ph < 3; ++ph) {
+          if (act && kc == ph) {
+            const float alpha = ph == 0 ? ms->att_alpha[r] : 1.f;
+            o_s[r * D + 2 * lane] = fmaf(o_s[r * D + 2 * lane], alpha, px);
+            o_s[r * D + 2 * lane + 1] = fmaf(o_s[r * D + 2 * lane + 1], alpha, py);
+          }
+          if (ph < 2) cbar();
+        }
+      } else
       for (int r = warp; r < (MK_DIAG == 3 ? 0 : R); r += NCW) {
         const float alpha = ms->att_alpha[r];
         const float* pr = s_s + r * ATT_T;
@@ -1176,51 +1202,35 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
         }
       } else {  // split 0's block merges: its own partial from shared memory, the others' as they arrive
         const int r = t / D, d = t - r * D;
-        // threads t < R * nsplit also fetch split (t mod nsplit)'s (m, l) of row t / nsplit: with MK_TM_ML in the
-        // same poll as the o words (one 16-byte load: m, its tag, l, its tag), else after it (two more round trips)
-        const int rr = t / nsplit, sm = t - rr * nsplit;
-        const bool mlpoll = MK_TM_ML && t < R * nsplit && sm != 0;
-        const uint32_t* e = tk + 2 * (((size_t)sm * R + rr) * (D + 2));
         float ov[TM_MAX_SPLITS];
-        uint4 ml = make_uint4(0u, 0u, 0u, 0u);
-        if (t < R * D || mlpoll) {
+        if (t < R * D) {
           bool ok;
           do {  // every split's word in flight at once, re-polled until all carry this layer's tag
             uint32_t tg[TM_MAX_SPLITS];
-            ok = true;
-            if (t < R * D) {
 #pragma unroll
-              for (int s2 = 1; s2 < TM_MAX_SPLITS; ++s2) {
-                if (s2 < nsplit) {
-                  uint32_t v;
-                  asm volatile("ld.relaxed.gpu.global.v2.u32 {%0, %1}, [%2];"
-                               : "=r"(v), "=r"(tg[s2]) : "l"(tk + 2 * (((size_t)s2 * R + r) * (D + 2) + 2 + d)) : "memory");
-                  ov[s2] = __uint_as_float(v);
-                }
+            for (int s2 = 1; s2 < TM_MAX_SPLITS; ++s2) {
+              if (s2 < nsplit) {
+                uint32_t v;
+                asm volatile("ld.relaxed.gpu.global.v2.u32 {%0, %1}, [%2];"
+                             : "=r"(v), "=r"(tg[s2]) : "l"(tk + 2 * (((size_t)s2 * R + r) * (D + 2) + 2 + d)) : "memory");
+                ov[s2] = __uint_as_float(v);
               }
             }
-            if (mlpoll)
-              asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                           : "=r"(ml.x), "=r"(ml.y), "=r"(ml.z), "=r"(ml.w) : "l"(e) : "memory");
-            if (t < R * D) {
+            ok = true;
 #pragma unroll
-              for (int s2 = 1; s2 < TM_MAX_SPLITS; ++s2) ok = ok && (s2 >= nsplit || tg[s2] == qtag);
-            }
-            if (mlpoll) ok = ok && ml.y == qtag && ml.w == qtag;
+            for (int s2 = 1; s2 < TM_MAX_SPLITS; ++s2) ok = ok && (s2 >= nsplit || tg[s2] == qtag);
           } while (!ok);
-          if (t < R * D) ov[0] = o_s[t];
+          ov[0] = o_s[t];
         }
         float* wt = s_s;  // [R][TM_MAX_SPLITS] (m, l) then (weight, l); s_s (R x ATT_T floats) is free now
         if (t < R * nsplit) {
-          const int s2 = sm;
+          const int rr = t / nsplit, s2 = t - rr * nsplit;
           float mv, lv;
           if (s2 == 0) {
             mv = ms->att_m[rr];
             lv = ms->att_l[rr];
-          } else if (MK_TM_ML) {
-            mv = __uint_as_float(ml.x);
-            lv = __uint_as_float(ml.z);
           } else {
+            const uint32_t* e = tk + 2 * (((size_t)s2 * R + rr) * (D + 2));
             mv = ld_tagged(e, qtag);
             lv = ld_tagged(e + 2, qtag);
           }
