@@ -3,9 +3,11 @@ step (the Python twin of the kernel's stages). Device-side:
 
     FLINT_KERNEL_DIR=build/kernels python3 bench/mk_debug.py
     FLINT_MK_FFN_SPLIT=1 ...     # the FFN split-K path (16 FFN blocks on this shape)
+    FLINT_MK_DEBUG_HEAD_DIM=64 ...   # head_dim 64 instead of 128 (the paths kept to D = 64, e.g. MK_PV3)
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -33,7 +35,10 @@ def rel(a, b):
 
 
 def main():
-    cfg = small_cfg(num_hidden_layers=1)
+    hd = int(os.environ.get("FLINT_MK_DEBUG_HEAD_DIM", "128"))
+    if hd not in (64, 128):
+        sys.exit(f"FLINT_MK_DEBUG_HEAD_DIM={hd}: 64 or 128 (4 heads x head_dim must fit the hidden size 256)")
+    cfg = small_cfg(num_hidden_layers=1, head_dim=hd)
     P = synthetic_params(cfg, seed=0, int4_group_size=64, dtype=torch.float32, device="cuda")
     mk = MegakernelBackend(cfg, P, 64)
     W = {k: (v.dequantize() if hasattr(v, "dequantize") else v.float()) for k, v in P.items()}

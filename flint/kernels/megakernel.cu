@@ -23,6 +23,9 @@
 // +5.5%), MK_PACKED_NOZERO (4 FADD less per group: +1.7%, noise), MK_ATT_PRE (attention's old K/V rows in
 // flight before the qkv barrier: +2.1%, noise), MK_FAST_MERGE (the split merge's loads in one round trip,
 // one acq_rel atomic: noise); MK_POLL_RELAXED (5h: -1.2%, noise) from 181cb55.
+// Measured and removed in session 7 (bench/results/mk_ab_session7_2026-11-29.log): MK_BAR_GROUPS (the grid barrier on
+// 12 counters: noise; from 672f796), MK_RTAG (no o -> gate|up barrier: +2.3%, and its per-M barrier count deadlocked
+// mixed-M tests; from f8a9637), MK_TM_ML (the merge's (m, l) in the o poll: +0.8%; experiments/7f_tm_ml.patch).
 // MK_IDOT (EXPERIMENT, off; session 6: correct on the GPU, real SmolLM2 greedy identical, but +1.9% at M = 1,
 // +3.3% at M = 2: the dots are not bound by instruction issue): kernels with M <= 4 stage x as two int8
 // terms per token and group and run the integer tile dot (mkmma::imma_tile_dot, mma.m16n8k32.s8): about
