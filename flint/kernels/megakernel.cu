@@ -60,7 +60,21 @@ constexpr bool kIdot = MK_IDOT && M <= 4;  // this kernel stages int8 x and runs
 #define MK_TMERGE 1
 #endif
 static_assert(MK_TMERGE <= 2, "MK_TMERGE: the merge's registers hold M <= 2");
-constexpr int TM_MAX_SPLITS = 12;
+// MK_TM_MAX_SPLITS: the most context splits MK_TMERGE merges (registers: one o value and tag per split and
+// thread). 12 covers Granite to ctx 768; 16 (EXPERIMENT, session 7, not yet run on a GPU) covers every ctx on
+// 132 SMs (nsplit <= nblocks / nkv = 16), where the counter merge runs now (ctx 2048 and 8192)
+#ifndef MK_TM_MAX_SPLITS
+#define MK_TM_MAX_SPLITS 12
+#endif
+constexpr int TM_MAX_SPLITS = MK_TM_MAX_SPLITS;
+// MK_TM2 (EXPERIMENT, session 7, off, NOT YET RUN on a GPU): the merge in two phases, every split's (m, l) first (one
+// 16-byte poll per (row, split)), then the o words 8 splits per poll, summed in the same order (same results). It
+// holds 8 words per thread, not TM_MAX_SPLITS: with it, MK_TM_MAX_SPLITS=16 builds without spills
+#ifndef MK_TM2
+#define MK_TM2 0
+#endif
+static_assert(MK_TM2 || TM_MAX_SPLITS <= 12, "MK_TM_MAX_SPLITS > 12 spills the one-phase merge at M = 1: set MK_TM2=1");
+static_assert(2 * TM_MAX_SPLITS <= 64, "MK_TM_MAX_SPLITS: the merge's (m, l) table lives in s_s (R x ATT_T floats)");
 // MK_PV3 (EXPERIMENT, session 7): attention's P.V on three warps per row (a third of the keys each) where
 // 3 R <= 15 warps and D = 64 (M = 1 on Granite and SmolLM2), not one: the P.V phase is 1.1 us of the 3.6 us of a split's
 // own work (bench/results/mk_warps_v9_2026-11-29.log)
@@ -1202,6 +1216,66 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
         for (int i = t; i < R * (D + 2); i += NCT) {
           const int r = i / (D + 2), d = i - r * (D + 2);
           st_tagged(tp + 2 * i, d == 0 ? ms->att_m[r] : d == 1 ? ms->att_l[r] : o_s[r * D + d - 2], qtag);
+        }
+      } else if (MK_TM2) {  // split 0's block merges in two phases: every split's (m, l), then the o words
+        float* wt = s_s;  // [R][TM_MAX_SPLITS] (m, l) then (weight, l); s_s (R x ATT_T floats) is free now
+        if (t < R * nsplit) {  // phase 1: split s2's (m, l) of row rr (one 16-byte load: m, its tag, l, its tag)
+          const int rr = t / nsplit, s2 = t - rr * nsplit;
+          float mv = ms->att_m[rr], lv = ms->att_l[rr];
+          if (s2 != 0) {
+            const uint32_t* e = tk + 2 * (((size_t)s2 * R + rr) * (D + 2));
+            uint4 u;
+            do {
+              asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                           : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "l"(e) : "memory");
+            } while (u.y != qtag || u.w != qtag);
+            mv = __uint_as_float(u.x);
+            lv = __uint_as_float(u.z);
+          }
+          wt[2 * (rr * TM_MAX_SPLITS + s2)] = mv;
+          wt[2 * (rr * TM_MAX_SPLITS + s2) + 1] = lv;
+        }
+        cbar();
+        if (t < R) {  // per row: the max, then each split's weight exp(m_s - max) in place of m_s, and the sum
+          float mx = -INFINITY, den = 0.f;
+          for (int s2 = 0; s2 < nsplit; ++s2) mx = fmaxf(mx, wt[2 * (t * TM_MAX_SPLITS + s2)]);
+          for (int s2 = 0; s2 < nsplit; ++s2) {
+            const float m2 = wt[2 * (t * TM_MAX_SPLITS + s2)];
+            const float w2 = m2 == -INFINITY ? 0.f : expf(m2 - mx);
+            wt[2 * (t * TM_MAX_SPLITS + s2)] = w2;
+            den = fmaf(w2, wt[2 * (t * TM_MAX_SPLITS + s2) + 1], den);
+          }
+          ms->att_alpha[t] = den;
+        }
+        cbar();
+        if (t < R * D) {  // phase 2: the o words, 8 splits per poll, summed in split order (as the one-phase merge)
+          const int r = t / D, d = t - r * D;
+          float num = fmaf(wt[2 * (r * TM_MAX_SPLITS)], o_s[t], 0.f);
+          for (int s0 = 1; s0 < nsplit; s0 += 8) {
+            float ov[8];
+            bool ok;
+            do {
+              uint32_t tg[8];
+#pragma unroll
+              for (int k = 0; k < 8; ++k) {
+                tg[k] = qtag;
+                if (s0 + k < nsplit) {
+                  uint32_t v;
+                  asm volatile("ld.relaxed.gpu.global.v2.u32 {%0, %1}, [%2];"
+                               : "=r"(v), "=r"(tg[k]) : "l"(tk + 2 * (((size_t)(s0 + k) * R + r) * (D + 2) + 2 + d)) : "memory");
+                  ov[k] = __uint_as_float(v);
+                }
+              }
+              ok = true;
+#pragma unroll
+              for (int k = 0; k < 8; ++k) ok = ok && tg[k] == qtag;
+            } while (!ok);
+#pragma unroll
+            for (int k = 0; k < 8; ++k)
+              if (s0 + k < nsplit) num = fmaf(wt[2 * (r * TM_MAX_SPLITS + s0 + k)], ov[k], num);
+          }
+          const int hq = kvh * g + r / M, m = r % M;
+          attn_out(p, m, hq * D + d, num / ms->att_alpha[r], qtag);
         }
       } else {  // split 0's block merges: its own partial from shared memory, the others' as they arrive
         const int r = t / D, d = t - r * D;
