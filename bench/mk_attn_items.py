@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mk_dev import warm_granite  # noqa: E402
+from mk_dev import traced_step_stamps, warm_granite  # noqa: E402
 
 ctx = int(sys.argv[1]) if len(sys.argv) > 1 else 512
 mk, step = warm_granite(None, pos=ctx - 1, m=1, traced=True)  # the step's token at position ctx - 1
@@ -25,10 +25,7 @@ nsplit = min(ntiles, max(1, mk.nblocks // nkv))
 tps = (ntiles + nsplit - 1) // nsplit
 nsplit = (ntiles + tps - 1) // tps
 for rep in range(2):
-    mk.trace.zero_()
-    step()
-    torch.cuda.synchronize()
-    t = mk.block_stamps()
+    t = traced_step_stamps(mk, step)
     print(f"rep {rep}: ctx {ctx}, {nkv} kv heads x {nsplit} splits; per item: qkv end / attention entry / end (us)")
     for h in range(nkv):
         cells = []

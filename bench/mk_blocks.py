@@ -22,16 +22,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from flint.megakernel import MegakernelBackend  # noqa: E402
-from mk_dev import warm_granite  # noqa: E402
+from mk_dev import traced_step_stamps, warm_granite  # noqa: E402
 
 mk, step = warm_granite(int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1] != "-" else None,
                         m=int(sys.argv[2]) if len(sys.argv) > 2 else 1, traced=True)
 names = MegakernelBackend.BLOCK_STAMPS
 for rep in range(2):
-    mk.trace.zero_()
-    step()
-    torch.cuda.synchronize()
-    t = mk.block_stamps()
+    t = traced_step_stamps(mk, step)
     print(f"rep {rep}: SM clock {mk.sm_clock_ghz(0):.3f} GHz (block 0), {mk.sm_clock_ghz(1):.3f} GHz (last block)")
     print("  stage end, us: min / median / max   (blocks that ended last)")
     for k, n in enumerate(names):

@@ -40,6 +40,14 @@ def granite_cfg() -> ModelConfig:
     return from_hf_dict(dict(SYNTHETIC["granite-4.1-3b"]), "granite")
 
 
+def traced_step_stamps(mk, step):
+    """Run one more step with the trace cleared; every block's stage-end stamps (MegakernelBackend.block_stamps)."""
+    mk.trace.zero_()
+    step()
+    torch.cuda.synchronize()
+    return mk.block_stamps()
+
+
 def warm_granite(layers: int | None = None, pos: int = 511, warmup: int = 4, m: int = 1, traced: bool = False):
     """The synthetic Granite-4.1-3B int4 G128 backend (max_seq_len 1024), warmed up with `warmup`
     steps of `m` tokens (M = m, a verify step when m > 1) at position `pos`; returns (backend, a

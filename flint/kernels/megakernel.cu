@@ -1029,6 +1029,20 @@ __device__ void ffn_down_reduce(Ctx<M>& c, uint8_t* uni) {
 }
 
 // =====================================================================[7] attention
+// MK_TMERGE: row t's (m, l) per split s in wt[2 (t TM_MAX_SPLITS + s)] (+ 1) -> each split's weight exp(m_s - max)
+// in place of m_s; returns the denominator sum_s w_s l_s (fixed order)
+__device__ __forceinline__ float tm_weights(float* wt, int t, int nsplit) {
+  float mx = -INFINITY, den = 0.f;
+  for (int s2 = 0; s2 < nsplit; ++s2) mx = fmaxf(mx, wt[2 * (t * TM_MAX_SPLITS + s2)]);
+  for (int s2 = 0; s2 < nsplit; ++s2) {
+    const float m2 = wt[2 * (t * TM_MAX_SPLITS + s2)];
+    const float w2 = m2 == -INFINITY ? 0.f : expf(m2 - mx);
+    wt[2 * (t * TM_MAX_SPLITS + s2)] = w2;
+    den = fmaf(w2, wt[2 * (t * TM_MAX_SPLITS + s2) + 1], den);
+  }
+  return den;
+}
+
 // Work item = (kv head, contiguous split of the context). All query heads of the group and all M
 // tokens are processed together so K/V are read once. Sub-tiles of ATT_T keys are double-buffered
 // with cp.async; online softmax in fp32. Splits are merged by the last block to finish (counter).
@@ -1236,17 +1250,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
           wt[2 * (rr * TM_MAX_SPLITS + s2) + 1] = lv;
         }
         cbar();
-        if (t < R) {  // per row: the max, then each split's weight exp(m_s - max) in place of m_s, and the sum
-          float mx = -INFINITY, den = 0.f;
-          for (int s2 = 0; s2 < nsplit; ++s2) mx = fmaxf(mx, wt[2 * (t * TM_MAX_SPLITS + s2)]);
-          for (int s2 = 0; s2 < nsplit; ++s2) {
-            const float m2 = wt[2 * (t * TM_MAX_SPLITS + s2)];
-            const float w2 = m2 == -INFINITY ? 0.f : expf(m2 - mx);
-            wt[2 * (t * TM_MAX_SPLITS + s2)] = w2;
-            den = fmaf(w2, wt[2 * (t * TM_MAX_SPLITS + s2) + 1], den);
-          }
-          ms->att_alpha[t] = den;
-        }
+        if (t < R) ms->att_alpha[t] = tm_weights(wt, t, nsplit);
         cbar();
         if (t < R * D) {  // phase 2: the o words, 8 splits per poll, summed in split order (as the one-phase merge)
           const int r = t / D, d = t - r * D;
@@ -1315,17 +1319,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
           wt[2 * (rr * TM_MAX_SPLITS + s2) + 1] = lv;
         }
         cbar();
-        if (t < R) {  // per row: the max, then each split's weight exp(m_s - max) in place of m_s, and the sum
-          float mx = -INFINITY, den = 0.f;
-          for (int s2 = 0; s2 < nsplit; ++s2) mx = fmaxf(mx, wt[2 * (t * TM_MAX_SPLITS + s2)]);
-          for (int s2 = 0; s2 < nsplit; ++s2) {
-            const float m2 = wt[2 * (t * TM_MAX_SPLITS + s2)];
-            const float w2 = m2 == -INFINITY ? 0.f : expf(m2 - mx);
-            wt[2 * (t * TM_MAX_SPLITS + s2)] = w2;
-            den = fmaf(w2, wt[2 * (t * TM_MAX_SPLITS + s2) + 1], den);
-          }
-          ms->att_alpha[t] = den;
-        }
+        if (t < R) ms->att_alpha[t] = tm_weights(wt, t, nsplit);
         cbar();
         if (t < R * D) {
           float num = 0.f;
