@@ -13,7 +13,8 @@ for V in ${VARS:?set VARS to the variants to test}; do
   echo "== tests $V"
   (cd build/var/$V && export PYTHONPATH=/tmp/site:$PWD FLINT_KERNEL_DIR=$R/build/kernels &&
    python3 -c "import flint; print(flint.__file__)" &&
-   timeout ${TT:-150} python3 -u -m pytest -q -x -m gpu $R/tests/test_megakernel.py -p no:cacheprovider -rs 2>&1 | tail -6)
+   timeout ${TT:-150} python3 -u -m pytest -q -x -m gpu $R/tests/test_megakernel.py -p no:cacheprovider -rs 2>&1 | tail -6;
+   echo "tests $V rc=${PIPESTATUS[0]} (124: timed out, e.g. a deadlock)")
 done
 FLINT_KERNEL_DIR=build/kernels timeout 400 python3 -u bench/mk_ab.py ${AB:?set AB to the A/B variants} --m ${MS:-1,2} \
   --rounds ${ROUNDS:-4} 2>&1 | tee $OUT/ab.log | tail -30

@@ -260,7 +260,7 @@ class MegakernelBackend:
             self.arg_idx = torch.zeros((self.nblocks * MAX_M,), dtype=torch.int32)
             self.argmax = torch.zeros((MAX_M,), dtype=torch.int32)
             self.done_count = torch.zeros((1,), dtype=torch.int32)
-            self.bar_counter = torch.zeros((16,), dtype=torch.int64)  # [0]: the grid barrier (one 128 B line)
+            self.bar_counter = torch.zeros((1,), dtype=torch.int64)
             self.epoch = torch.zeros((1,), dtype=torch.int64)
             # FFN split-K partial sums [M][H tiles][nffn_pad][16] (f >= nffn stay 0)
             self.dpart = (torch.zeros((MAX_M * (-(-H // TILE_ROWS)) * self.ffn_plan["nffn_pad"] * TILE_ROWS,), **f32)

@@ -292,7 +292,6 @@ __device__ __forceinline__ void attn_out(const Params& p, int m, int i, float v,
   p.attn[(size_t)m * p.nh * p.D + i] = v;
   if (MK_ATAG) st_tagged(attn_word(p, m, i), v, tag);
 }
-constexpr int STAGE_U = 2;  // stage_x: words in flight per thread (more raises register pressure for the whole kernel)
 __device__ __forceinline__ float ld_tagged(const uint32_t* w, uint32_t tag) {  // spins until the tag is this one
   uint32_t v, tg;
   do {
@@ -380,7 +379,7 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
   const int total = M * wpr;
   const int L = G >> 3;             // lanes per (token, group)
   const int wshift = gshift - 5;
-  constexpr int U = STAGE_U;
+  constexpr int U = 2;  // words in flight per thread (more raises register pressure for the whole kernel)
   // RMSNorm: when the whole row is one round of loads (decode on Granite and SmolLM2), the rstd comes
   // from the same loads (no separate pass, one L2 round trip less); else from compute_rstd first
   const bool fused = norm_w != nullptr && k0 == 0 && kst == c.p->H && total <= U * NCT;
@@ -1447,10 +1446,7 @@ __global__ void __launch_bounds__(NT, 1)
   // (session 7's MK_RTAG, compiled in for M <= 2 only, deadlocked the tests that mix M; removed, from f8a9637)
   const unsigned long long S = (5ull - (MK_DIAG == 4 || MK_QTAG ? 1 : 0) - (MK_ATAG ? 1 : 0)) * p.L;
   unsigned long long nbar = 0;
-  auto gsync = [&]() {
-    ++nbar;
-    grid_barrier(p, (unsigned long long)p.nblocks * (epoch * S + nbar));
-  };
+  auto gsync = [&]() { ++nbar; grid_barrier(p, (unsigned long long)p.nblocks * (epoch * S + nbar)); };
 
   enum { ROW_TOK = 0, ROW_RESID, ROW_ATTN, ROW_ACT };
   if (threadIdx.x < M) {
