@@ -79,7 +79,7 @@ static_assert(2 * TM_MAX_SPLITS <= 64, "MK_TM_MAX_SPLITS: the merge's (m, l) tab
 // 3 R <= 15 warps and D = 64 (M = 1 on Granite and SmolLM2), not one: the P.V phase is 1.1 us of the 3.6 us of a split's
 // own work (bench/results/mk_warps_v9_2026-11-29.log)
 #ifndef MK_PV3
-#define MK_PV3 0
+#define MK_PV3 1
 #endif
 // MK_ATAG (EXPERIMENT, session 7, off: correct, 23 GPU tests, but +5.4% per step at M = 1 and +6.8% at M = 2,
 // bench/results/mk_ab_session7_2026-11-29.log; all 132 blocks poll the 8 merge blocks' words): no grid
