@@ -26,6 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL = Path("flint/kernels/megakernel.cu")
+# the sources a macro may be defined in (the first with a "#define NAME ..." line gets the value)
+SOURCES = (KERNEL, Path("flint/kernels/megakernel_host.cu"))
 
 
 def parse(spec: str) -> tuple[str, str, list[str], list[tuple[str, str]]]:
@@ -68,16 +70,17 @@ def materialize(name: str, source: str, patches: list[str], macros: list[tuple[s
                                cwd=dst, capture_output=True, text=True)
         if r.returncode:
             raise SystemExit(f"mk_variants: {name}: patch {patch} does not apply on {source}: {r.stderr.strip()}")
-    kernel = dst / KERNEL
-    text = kernel.read_text()
+    texts = {f: (dst / f).read_text() for f in SOURCES}
     for macro, value in macros:
         if macro == "TRACE":
             continue
         pat = re.compile(rf"^(#define {re.escape(macro)}) \S+", re.M)
-        if not pat.search(text):
-            raise SystemExit(f"mk_variants: {name}: no '#define {macro} ...' line in {KERNEL} of {source}")
-        text = pat.sub(lambda m: f"{m.group(1)} {value}", text, count=1)
-    kernel.write_text(text)
+        where = [f for f in SOURCES if pat.search(texts[f])]
+        if not where:
+            raise SystemExit(f"mk_variants: {name}: no '#define {macro} ...' line in {' or '.join(map(str, SOURCES))} of {source}")
+        texts[where[0]] = pat.sub(lambda m: f"{m.group(1)} {value}", texts[where[0]], count=1)
+    for f, text in texts.items():
+        (dst / f).write_text(text)
     shutil.rmtree(dst / "flint" / "data", ignore_errors=True)  # bundled draft/corpus: not needed to time
     shutil.rmtree(dst / "flint" / "kernels" / "dev", ignore_errors=True)
     return dst

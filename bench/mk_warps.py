@@ -15,11 +15,10 @@ import math
 import sys
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mk_dev import warm_granite  # noqa: E402
+from mk_dev import traced_step_stamps, warm_granite  # noqa: E402
 
 mk, step = warm_granite(traced=True)
 
@@ -28,9 +27,7 @@ def f(v, ghz):
 
 
 for rep in range(2):
-    mk.trace.zero_()
-    step()
-    torch.cuda.synchronize()
+    traced_step_stamps(mk, step)  # one more step, trace cleared first
     for b in (0, 1):
         ghz = mk.sm_clock_ghz(b)
         w = mk.warp_clocks(b)

@@ -196,8 +196,16 @@ __device__ __forceinline__ void warp_stamp_raw(const Params& p, int l, int slot)
   if (which < 0) return;
   p.trace[(size_t)2 * p.L * 32 + (size_t)p.nblocks * 16 + ((which * 16 + (threadIdx.x >> 5)) * 32 + slot)] = clock64();
 }
+// MK_WS_RING = 1 (trace variant, bench/mk_ring.py): the weight stream of the middle layer. The producer (warp 15)
+// stamps the issue of each of the 32 copies from the middle layer's first (slot = copy index); the consumers stamp
+// the FFN split-K down partials (ffn_down_partial): entry (0), staged (1), chunk k < 8 wait start (2 + 2k) and
+// done (3 + 2k), loop end (20). Every other warp stamp is off.
+#ifndef MK_WS_RING
+#define MK_WS_RING 0
+#endif
 // the WS_* points (in a MK_WS_ALL build the attention points are off: the units use their slots)
 __device__ __forceinline__ void warp_stamp(const Params& p, int l, int slot) {
+  if (MK_WS_RING) return;
   if (MK_WS_ALL && slot >= WS_A_ENTER && slot <= WS_A_EXIT) return;
   warp_stamp_raw(p, l, slot);
 }
@@ -212,17 +220,52 @@ struct Ring {
   int slot_bytes;
 };
 
+// MK_INFLIGHT (EXPERIMENT, session 8, 0 = off): at most this many bulk copies in flight per block (fewer than the
+// ring's slots): before issuing a copy the producer waits until the one MK_INFLIGHT before it has landed. The
+// middle layer's stream trace (bench/mk_ring.py) showed a copy landing 5 to 7 us after its issue during the FFN,
+// one slot per ~1 us: the copies queue, and so may every load, store and poll of the block behind them.
+#ifndef MK_INFLIGHT
+#define MK_INFLIGHT 0
+#endif
+__device__ __forceinline__ void inflight_cap(const Ring& ring, int slot, uint32_t lap) {
+  if (!MK_INFLIGHT) return;
+  const int cap = MK_INFLIGHT < ring.nslots ? MK_INFLIGHT : ring.nslots - 1;
+  int s2 = slot - cap;
+  uint32_t l2 = lap;
+  if (s2 < 0) {
+    if (lap == 0) return;
+    s2 += ring.nslots;
+    l2 = lap - 1;
+  }
+  mbar_wait(&ring.full[s2], l2 & 1);
+}
+#if MK_WS_RING
+// copy q of the stream from the middle layer's first (the producer counts them: rseq, -1 before that layer)
+__device__ __forceinline__ void ring_stamp(const Params& p, int& rseq) {
+  if (rseq >= 0 && rseq < 32) warp_stamp_raw(p, p.L / 2, rseq);
+  if (rseq >= 0) ++rseq;
+}
+#define RING_ARGS , const Params& p, int& rseq
+#define RING_PASS , p, rseq
+#define RING_STAMP() ring_stamp(p, rseq)
+#else
+#define RING_ARGS
+#define RING_PASS
+#define RING_STAMP()
+#endif
 // One ring slot per tile-segment (16 row-segments), in the consumers' order: segment-major, tiles
 // in order within a segment. Chunk q goes to slot q mod nslots on lap q / nslots, kept as (slot, lap)
 // and stepped (no division per copy: the one producer lane issues every copy of the block).
 __device__ void produce_matrix(const Mat& mt, int t0, int t1, int layer, const Ring& ring, int& slot, uint32_t& lap,
-                               uint64_t pol) {
+                               uint64_t pol RING_ARGS) {
   const uint32_t bytes = (uint32_t)(TILE_ROWS * mt.srb);
   const uint8_t* lbase = mt.base + (long long)layer * mt.layer_stride;
   for (int s = 0; s < mt.nseg; ++s) {
     const uint8_t* src = lbase + (long long)s * mt.seg_stride + (long long)t0 * bytes;
     for (int tl = t0; tl < t1; ++tl, src += bytes) {
       if (lap > 0) mbar_wait(&ring.empty[slot], (lap - 1) & 1);
+      inflight_cap(ring, slot, lap);
+      RING_STAMP();
       mbar_expect_tx(&ring.full[slot], bytes);
       bulk_g2s(ring.slots + (size_t)slot * ring.slot_bytes, src, bytes, &ring.full[slot], pol);
       if (++slot == ring.nslots) { slot = 0; ++lap; }
@@ -233,12 +276,14 @@ __device__ void produce_matrix(const Mat& mt, int t0, int t1, int layer, const R
 // FFN split-K: this block's down slice (all its row tiles, one K slice) in chunks of cpt tiles per
 // slot, in the consumers' order (ffn_down_partial)
 __device__ void produce_slice(const Mat& mt, int ntl, int cpt, int layer, const Ring& ring, int& slot, uint32_t& lap,
-                              uint64_t pol) {
+                              uint64_t pol RING_ARGS) {
   const uint32_t tb = (uint32_t)(TILE_ROWS * mt.srb);
   const uint8_t* src = mt.base + (long long)layer * mt.layer_stride + (long long)blockIdx.x * mt.seg_stride;
   for (int t = 0; t < ntl; t += cpt, src += (size_t)cpt * tb) {
     const uint32_t bytes = (uint32_t)min(cpt, ntl - t) * tb;
     if (lap > 0) mbar_wait(&ring.empty[slot], (lap - 1) & 1);
+    inflight_cap(ring, slot, lap);
+    RING_STAMP();
     mbar_expect_tx(&ring.full[slot], bytes);
     bulk_g2s(ring.slots + (size_t)slot * ring.slot_bytes, src, bytes, &ring.full[slot], pol);
     if (++slot == ring.nslots) { slot = 0; ++lap; }
@@ -250,13 +295,19 @@ __device__ void producer(const Params& p, const Smem& sl, const Ring& ring, cons
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
   int slot = 0;
   uint32_t lap = 0;
+#if MK_WS_RING
+  int rseq = -1;
+#endif
   for (int l = 0; l < p.L; ++l) {
+#if MK_WS_RING
+    if (l == p.L / 2) rseq = 0;
+#endif
     for (int m = MAT_QKV; m <= MAT_GU; ++m)
-      produce_matrix(p.mat[m], misc->tile0[m], misc->tile1[m], l, ring, slot, lap, pol);
-    if (p.nffn) produce_slice(p.mat[MAT_DS], misc->tile1[MAT_DS], sl.ds_cpt, l, ring, slot, lap, pol);
-    else produce_matrix(p.mat[MAT_D], misc->tile0[MAT_D], misc->tile1[MAT_D], l, ring, slot, lap, pol);
+      produce_matrix(p.mat[m], misc->tile0[m], misc->tile1[m], l, ring, slot, lap, pol RING_PASS);
+    if (p.nffn) produce_slice(p.mat[MAT_DS], misc->tile1[MAT_DS], sl.ds_cpt, l, ring, slot, lap, pol RING_PASS);
+    else produce_matrix(p.mat[MAT_D], misc->tile0[MAT_D], misc->tile1[MAT_D], l, ring, slot, lap, pol RING_PASS);
   }
-  produce_matrix(p.mat[MAT_LM], misc->tile0[MAT_LM], misc->tile1[MAT_LM], 0, ring, slot, lap, pol);
+  produce_matrix(p.mat[MAT_LM], misc->tile0[MAT_LM], misc->tile1[MAT_LM], 0, ring, slot, lap, pol RING_PASS);
 }
 
 // =====================================================================[4] x staging
@@ -914,15 +965,22 @@ __device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int
 // arrives on its empty barrier, as in matvec_stage (the ring's parity protocol), and on its parts
 // barrier (without that arrival the slot's parts phases fall a lap behind and the next matvec stage's
 // parity wait on it passes early or never: the first GPU run of this stage hung).
+#if MK_WS_RING
+#define DP_STAMP(k) warp_stamp_raw(p, layer, (k))
+#else
+#define DP_STAMP(k)
+#endif
 template <int M>
-__device__ void ffn_down_partial(Ctx<M>& c) {
+__device__ void ffn_down_partial(Ctx<M>& c, int layer) {
   const Params& p = *c.p;
   const Mat& mt = p.mat[MAT_DS];
   const int nt = c.misc->tile1[MAT_DS];  // all H row tiles, or 0 (blocks >= nffn)
   if (nt == 0) return;                   // block-uniform
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int f = blockIdx.x;
+  DP_STAMP(0);
   stage_x<M, true>(c, c.misc->rows[ROW_ACTB], 1.f, nullptr, 0, mt.K, mt.G, mt.gshift);  // ends with a block barrier
+  DP_STAMP(1);
   const int cpt = c.sl->ds_cpt, ng = mt.kseg >> mt.gshift;
   const int xstride = c.sl->xstride;
   const uint32_t xlo = (uint32_t)(M * xstride);
@@ -932,7 +990,9 @@ __device__ void ffn_down_partial(Ctx<M>& c) {
   const size_t mstride = (size_t)mt.ntiles * p.nffn_pad * TILE_ROWS;
   float* dpf = p.dpart + (size_t)f * TILE_ROWS + gq;
   for (int t = 0; t < nt; t += cpt) {
+    if (t < 8 * cpt) DP_STAMP(2 + 2 * (t / cpt));
     mbar_wait(&c.ring.full[c.slot], c.phase);
+    if (t < 8 * cpt) DP_STAMP(3 + 2 * (t / cpt));
     const int n = min(cpt, nt - t);
     const uint32_t sb = ring0 + (uint32_t)(c.slot * c.ring.slot_bytes);
     // (hoisted only where the registers allow: M <= 2 and G <= 64; else the generic tile dot)
@@ -965,6 +1025,7 @@ __device__ void ffn_down_partial(Ctx<M>& c) {
       c.phase ^= 1u;
     }
   }
+  DP_STAMP(20);
 }
 
 // FFN split-K, part 2 (after the grid barrier; replaces the down stage): the block's own residual rows
@@ -1507,7 +1568,7 @@ __global__ void __launch_bounds__(NT, 1)
     matvec_stage<M>(c, MAT_GU, l, resid_rows, 1.f, an + p.H);
     stamp(l, 8);
     if (p.nffn) {  // FFN split-K: down's partials from this block's own act slice, then a reduction
-      ffn_down_partial<M>(c);
+      ffn_down_partial<M>(c, l);
       stamp(l, 9);
       gsync();
       stamp(l, 10);

@@ -10,6 +10,11 @@
 #include "mk_common.cuh"
 #include "mk_mma.cuh"
 
+// MK_PARTS_GU (EXPERIMENT, session 8, 0 = the cost model's choice): gate|up's K parts per tile fixed, so its
+// tiles are worked on fewer at a time and their ring slots free earlier for the down slices
+#ifndef MK_PARTS_GU
+#define MK_PARTS_GU 0
+#endif
 #define MK_DECL(m)                                                                                      \
   extern "C" int flint_mk_launch_m##m(const mk::Params*, const mk::Smem*, int, const long long*, int, \
                                       cudaStream_t, int);                                              \
@@ -172,6 +177,9 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
         const long long cost = (long long)cdiv(T * S, mk::NCW) * (cdiv(ng, S) + 1);
         if (best_cost < 0 || cost < best_cost) { best_cost = cost; best = S; }
       }
+#if MK_PARTS_GU
+      if (m == mk::MAT_GU) best = MK_PARTS_GU < cap ? MK_PARTS_GU : cap;  // EXPERIMENT (session 8): gate|up's parts fixed
+#endif
       s.nparts[m] = best;
       max_parts = max_parts > best ? max_parts : best;
     }
