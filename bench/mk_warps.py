@@ -15,7 +15,6 @@ import math
 import sys
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mk_dev import traced_step_stamps, warm_granite  # noqa: E402
