@@ -220,12 +220,13 @@ struct Ring {
   int slot_bytes;
 };
 
-// MK_INFLIGHT (EXPERIMENT, session 8, 0 = off): at most this many bulk copies in flight per block (fewer than the
-// ring's slots): before issuing a copy the producer waits until the one MK_INFLIGHT before it has landed. The
+// MK_INFLIGHT (session 8; 2 by default, 0 = no cap): at most this many bulk copies in flight per block (fewer than
+// the ring's slots): before issuing a copy the producer waits until the one MK_INFLIGHT before it has landed. The
 // middle layer's stream trace (bench/mk_ring.py) showed a copy landing 5 to 7 us after its issue during the FFN,
-// one slot per ~1 us: the copies queue, and so may every load, store and poll of the block behind them.
+// one slot per ~1 us: the copies queue. Capped at 2, a copy lands within ~1.4 us and the step is 0.8-1.6% faster
+// at ctx 512 (three same-call A/Bs; neutral at ctx 2048 / 8192); 1 measured the same as 2, 3 as 2, 5 in between.
 #ifndef MK_INFLIGHT
-#define MK_INFLIGHT 0
+#define MK_INFLIGHT 2
 #endif
 __device__ __forceinline__ void inflight_cap(const Ring& ring, int slot, uint32_t lap) {
   if (!MK_INFLIGHT) return;
