@@ -240,6 +240,25 @@ __device__ __forceinline__ void inflight_cap(const Ring& ring, int slot, uint32_
   }
   mbar_wait(&ring.full[s2], l2 & 1);
 }
+// MK_DS_RR (EXPERIMENT, session 8, off; not yet run on a GPU): the FFN split-K's down-slice tiles round robin over
+// the whole slice (tile t + i of chunk t to warp (t + i) mod 15), not per chunk: a chunk of 34 tiles gives warps
+// 0..3 a third tile, i.e. a second two-tile iteration, in every chunk (15 tiles and 10 iterations vs 11 and 5-6).
+// Session 5's 5i (the same, as a patch) measured noise while the slice bytes arrived late; with MK_INFLIGHT every
+// chunk is in before the warps ask for it (bench/results/mk_ring_inflight2_m1_2026-11-29.log) and warps 0..3 end last.
+#ifndef MK_DS_RR
+#define MK_DS_RR 0
+#endif
+// MK_WARP_ARRIVE (EXPERIMENT, session 8, off; not yet run on a GPU): a warp's arrivals on a ring slot's parts and
+// empty mbarriers as one arrive of count 32 n by lane 0 after a __syncwarp (which orders the lanes' shared-memory
+// accesses before it), not 32 arrives of count n (one per lane); the expected counts stay NCT per phase.
+// Hypothesis from 8e: the per-lane arrivals are 960 arrive operations on two shared words per ring unit.
+#ifndef MK_WARP_ARRIVE
+#define MK_WARP_ARRIVE 0
+#endif
+__device__ __forceinline__ void warp_arrive_n(uint64_t* bar, uint32_t n, int lane) {
+  __syncwarp();
+  if (lane == 0) mbar_arrive_n(bar, 32u * n);
+}
 #if MK_WS_RING
 // copy q of the stream from the middle layer's first (the producer counts them: rseq, -1 before that layer)
 __device__ __forceinline__ void ring_stamp(const Params& p, int& rseq) {
@@ -820,7 +839,8 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
         // lane of the S part warps arrives; the warp of part S-1 adds the missing arrivals, waits,
         // sums the parts in order (deterministic) and runs the tile's epilogue
         if (part == S - 1) {
-          mbar_arrive_n(&c.ring.parts[slot], (uint32_t)(NCW - (S - 1)));
+          if (MK_WARP_ARRIVE) warp_arrive_n(&c.ring.parts[slot], (uint32_t)(NCW - (S - 1)), lane);
+          else mbar_arrive_n(&c.ring.parts[slot], (uint32_t)(NCW - (S - 1)));
           mbar_wait(&c.ring.parts[slot], phase);
           if (!MK_WS_ALL && ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j + 2);
           tile_epilogue<M>(c, mi, layer, t0 + j, j, s, pp, S, lane, warp);
@@ -830,10 +850,13 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
           if (wsu) warp_stamp_raw(p, layer, 4 + 3 * wu);
 #endif
         } else {
-          mbar_arrive(&c.ring.parts[slot]);
+          if (MK_WARP_ARRIVE) warp_arrive_n(&c.ring.parts[slot], 1u, lane);
+          else mbar_arrive(&c.ring.parts[slot]);
         }
       }
-      mbar_arrive(&c.ring.empty[slot]);  // every lane (NCT arrivals per phase: no divergent lane-0 branch)
+      // every lane (NCT arrivals per phase: no divergent lane-0 branch), or MK_WARP_ARRIVE
+      if (MK_WARP_ARRIVE) warp_arrive_n(&c.ring.empty[slot], 1u, lane);
+      else mbar_arrive(&c.ring.empty[slot]);
       if (++c.slot == c.ring.nslots) {
         c.slot = 0;
         c.phase ^= 1u;
@@ -855,7 +878,7 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
 // Same arithmetic as mkmma::mma_tile_dot for one group (see mk_mma.cuh for the layouts); I8 (MK_IDOT,
 // M <= 2): the same with mkmma::imma_tile_dot's x bytes, column scales and integer mma.
 template <int WPL, int M, bool I8 = false>
-__device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int srb, int kseg, int n, int warp,
+__device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int srb, int kseg, int n, int i0,
                                                    uint32_t xs, int xstride, uint32_t xlo, uint32_t xsum, int lane,
                                                    float* dp0, size_t tstride, size_t mstride) {
   using namespace mkmma;
@@ -888,7 +911,7 @@ __device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int
     asm("mov.b32 %0, 0x64006400;" : "=r"(magic));
   }
   const uint32_t ra = (uint32_t)(g * srb), rb = ra + (uint32_t)(8 * srb);
-  for (int i = warp; i < n; i += 2 * NCW) {
+  for (int i = i0; i < n; i += 2 * NCW) {
     const bool two = i + NCW < n;
     uint32_t wa[2][WPL], wb[2][WPL], hs[2][2];
 #pragma unroll
@@ -990,7 +1013,16 @@ __device__ void ffn_down_partial(Ctx<M>& c, int layer) {
   const int gq = lane >> 2, tq = lane & 3;
   const size_t mstride = (size_t)mt.ntiles * p.nffn_pad * TILE_ROWS;
   float* dpf = p.dpart + (size_t)f * TILE_ROWS + gq;
+#if MK_DS_RR
+  const int cpt15 = cpt % NCW;  // tile t + i of the slice goes to warp (t + i) mod 15; rot = t mod 15
+  int rot = 0;
+#endif
   for (int t = 0; t < nt; t += cpt) {
+    int i0 = warp;  // this warp's first tile of the chunk
+#if MK_DS_RR
+    i0 = warp >= rot ? warp - rot : warp - rot + NCW;
+    if ((rot += cpt15) >= NCW) rot -= NCW;
+#endif
     if (t < 8 * cpt) DP_STAMP(2 + 2 * (t / cpt));
     mbar_wait(&c.ring.full[c.slot], c.phase);
     if (t < 8 * cpt) DP_STAMP(3 + 2 * (t / cpt));
@@ -1003,14 +1035,14 @@ __device__ void ffn_down_partial(Ctx<M>& c, int layer) {
       if constexpr (M <= 2) {
         constexpr bool I8 = MK_IDOT != 0;
         if (mt.G == 64)
-          ds_tiles_one_group<2, M, I8>(sb, tb, mt.srb, mt.kseg, n, warp, c.xs, xstride, xlo, c.xsum, lane, dp0, ts,
+          ds_tiles_one_group<2, M, I8>(sb, tb, mt.srb, mt.kseg, n, i0, c.xs, xstride, xlo, c.xsum, lane, dp0, ts,
                                        mstride);
         else
-          ds_tiles_one_group<1, M, I8>(sb, tb, mt.srb, mt.kseg, n, warp, c.xs, xstride, xlo, c.xsum, lane, dp0, ts,
+          ds_tiles_one_group<1, M, I8>(sb, tb, mt.srb, mt.kseg, n, i0, c.xs, xstride, xlo, c.xsum, lane, dp0, ts,
                                        mstride);
       }
     } else
-    for (int i = warp; i < n; i += NCW) {
+    for (int i = i0; i < n; i += NCW) {
       float acc[4];
       tile_dot<M>(mt.G, sb + (uint32_t)i * tb, mt.srb, mt.kseg, 0, ng, c.xs, xstride, xlo, c.xsum, lane, acc);
       float* dp = dpf + (size_t)(t + i) * p.nffn_pad * TILE_ROWS;
@@ -1019,8 +1051,13 @@ __device__ void ffn_down_partial(Ctx<M>& c, int layer) {
     }
     // every lane, on the slot's parts barrier too: its phases must follow the ring's laps (matvec_stage
     // waits on it with the lap parity), so a lap of the slot without K parts still completes one
-    mbar_arrive(&c.ring.parts[c.slot]);
-    mbar_arrive(&c.ring.empty[c.slot]);  // (NCT arrivals per phase)
+    if (MK_WARP_ARRIVE) {
+      warp_arrive_n(&c.ring.parts[c.slot], 1u, lane);
+      warp_arrive_n(&c.ring.empty[c.slot], 1u, lane);
+    } else {
+      mbar_arrive(&c.ring.parts[c.slot]);
+      mbar_arrive(&c.ring.empty[c.slot]);  // (NCT arrivals per phase)
+    }
     if (++c.slot == c.ring.nslots) {
       c.slot = 0;
       c.phase ^= 1u;
