@@ -355,16 +355,32 @@ SHORT = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 
 def test_queue_limit_answers_429(env):
     narrow = env["narrow"]  # --max-queue 1: one decoding, one waiting, the third is refused
+    try:
+        queue_limit_checks(narrow)
+    except (AssertionError, pytest.fail.Exception) as e:  # the server's side of it, for the report
+        tail = "\n".join(narrow.log.read_text().splitlines()[-40:])
+        raise AssertionError(f"{e}\n--- the narrow server's log, last 40 lines ---\n{tail}") from e
+
+
+def queue_limit_checks(narrow: Server) -> None:
+    oa = client(narrow)  # made first: the first OpenAI client of a process takes a while to build
     with httpx.Client() as h1, httpx.Client() as h2, httpx.Client(timeout=30) as h3:
         with long_stream(h1, narrow) as running:
-            assert running.status_code == 200 and data_events(running.iter_lines(), 1)
+            # the line iterator stays referenced: once collected, it closes the connection under the stream (the
+            # server then cancels the running request and starts the waiting one, so the queue empties: the cause
+            # of this test's failures when the requests below came late, e.g. run alone or on a loaded machine)
+            lines = running.iter_lines()
+            assert running.status_code == 200 and data_events(lines, 1)
             with long_stream(h2, narrow) as waiting:  # headers come back at once; it waits in the queue
                 assert waiting.status_code == 200
                 r = h3.post(narrow.url + "/v1/completions", json=SHORT)
                 assert r.status_code == 429 and is_openai_error(r.json()), r.text
                 assert r.json()["error"]["code"] == "queue_full"
                 with pytest.raises(openai.RateLimitError):
-                    client(narrow).completions.create(model=MODEL, prompt="hi", max_tokens=2)
+                    oa.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+                time.sleep(0.5)  # ... and half a second later both requests are still there
+                health = h3.get(narrow.url + "/health").json()
+                assert health["running"] and health["waiting"] == 1, health
         # both clients hung up: the queue empties and the engine frees (at its next token)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
