@@ -4,9 +4,10 @@ Each argument is NAME=SOURCE[+PATCH...][:MACRO=VALUE...]:
   SOURCE  a git revision (HEAD, 5e27073, ...) or "." for the working tree
   PATCH   a patch file applied with `git apply` on top of SOURCE (e.g. the losing variants in
           flint/kernels/dev/experiments/)
-  MACRO   a `#define MACRO value` line of flint/kernels/megakernel.cu rewritten to VALUE (the line must
-          exist: a misspelt macro is an error, not a silent no-op); TRACE=1 (or any MK_WS_* macro) also
-          builds the variant's traced library (FLINT_MK_TRACE=1 runs need it: build.py --traced)
+  MACRO   a `#define MACRO value` line of flint/kernels/megakernel.cu (or megakernel_host.cu) rewritten
+          to VALUE (the line must exist: a misspelt macro is an error, not a silent no-op); TRACE=1 (or
+          any MK_WS_* macro) also builds the variant's traced library (FLINT_MK_TRACE=1 runs need it:
+          build.py --traced)
 
     python3 bench/mk_variants.py base=HEAD hop1=.:MK_HOP_CAP=1 hop2=.:MK_HOP_CAP=2
     # device (carry: ["build"]):  FLINT_KERNEL_DIR=build/kernels python3 bench/mk_ab.py base hop1 hop2
@@ -77,7 +78,8 @@ def materialize(name: str, source: str, patches: list[str], macros: list[tuple[s
         pat = re.compile(rf"^(#define {re.escape(macro)}) \S+", re.M)
         where = [f for f in SOURCES if pat.search(texts[f])]
         if not where:
-            raise SystemExit(f"mk_variants: {name}: no '#define {macro} ...' line in {' or '.join(map(str, SOURCES))} of {source}")
+            files = " or ".join(map(str, SOURCES))
+            raise SystemExit(f"mk_variants: {name}: no '#define {macro} ...' line in {files} of {source}")
         texts[where[0]] = pat.sub(lambda m: f"{m.group(1)} {value}", texts[where[0]], count=1)
     for f, text in texts.items():
         (dst / f).write_text(text)

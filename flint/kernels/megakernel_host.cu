@@ -10,8 +10,9 @@
 #include "mk_common.cuh"
 #include "mk_mma.cuh"
 
-// MK_PARTS_GU (EXPERIMENT, session 8, 0 = the cost model's choice): gate|up's K parts per tile fixed, so its
-// tiles are worked on fewer at a time and their ring slots free earlier for the down slices
+// MK_PARTS_GU (EXPERIMENT, session 8, 0 = the cost model's choice, 5 on Granite): gate|up's K parts per tile fixed,
+// so its tiles are worked on fewer at a time and their ring slots free earlier for the down slices. Measured: 7 and
+// 14 noise, 15 +10% (warp 14 reduces every tile); docs/megakernel.md 8c
 #ifndef MK_PARTS_GU
 #define MK_PARTS_GU 0
 #endif
