@@ -33,6 +33,16 @@
 #ifndef MK_UNROLL
 #define MK_UNROLL 1  // -DMK_UNROLL=2: two groups per loop iteration (A/B of the group-loop unroll)
 #endif
+// -DDOT_DIAG=n (session 8; timing diagnostics, WRONG results by design; G = 128, M = 1 and 2 only): a copy of the
+// mainline group loop (mkmma::mma_tile_dot, packed hi + lo) with one part taken out, to find what bounds the
+// resident rate (7 Tcodes/s: gate|up's 41.9 M codes per layer take 6.0 us at that rate, its stage's dot time):
+//   1 no decode (the raw code words as A registers: no SHF, no LOP3)   2 no HMMA (an FADD per A register instead)
+//   3 x from registers (the first group's hi/lo chunks reused)         4 code words from registers (loaded once)
+//   5 = 3 + 4 (only the off / eff / scale loads left in the loop)       6 = 1 + 2 (loads and FADDs only)
+//   7 = the copy unchanged (must time as the mainline: the copy's own check)
+#ifndef DOT_DIAG
+#define DOT_DIAG 0
+#endif
 namespace bench {
 
 constexpr int CW = mk::NCW;  // consumer warps
@@ -97,6 +107,100 @@ __device__ void mma_stage_x_sums(int ng, int G, uint32_t xs, int xstride, uint32
 }
 
 __device__ __forceinline__ void cbar() { asm volatile("bar.sync 1, %0;" ::"n"(NCT) : "memory"); }
+
+#if DOT_DIAG
+// mkmma::mma_tile_dot<4, M, 1> (G = 128, PACKED: M <= 4) with the DOT_DIAG part taken out (see the top)
+template <int M>
+__device__ __forceinline__ void diag_dot(uint32_t tile, int srb, int kseg, int gi0, int gi1, uint32_t xs, int xstride,
+                                         uint32_t xsum, int lane, float (&acc)[4]) {
+  using namespace mkmma;
+  static_assert(2 * M <= 8, "diag_dot: packed hi + lo only (M <= 4)");
+  constexpr int WPL = 4, G = 128, LB = M == 1 ? 1 : M == 2 ? 2 : 4;
+  constexpr bool DEC = DOT_DIAG != 1 && DOT_DIAG != 6, MMA = DOT_DIAG != 2 && DOT_DIAG != 6;
+  constexpr bool XREG = DOT_DIAG == 3 || DOT_DIAG == 5, WREG = DOT_DIAG == 4 || DOT_DIAG == 5;
+  // lane (g, t): rows g and g + 8 of the tile, words t * WPL.., the staged row feeding B column g, the group sums
+  const int g = lane >> 2, t = lane & 3;
+  const uint32_t rows[2] = {tile + (uint32_t)(g * srb), tile + (uint32_t)((g + 8) * srb)};
+  const uint32_t code_a = rows[0] + (uint32_t)(16 * t), code_b = rows[1] + (uint32_t)(16 * t);  // WPL * 4 = 16
+  const uint32_t sm_a = rows[0] + (uint32_t)(kseg / 2), sm_b = rows[1] + (uint32_t)(kseg / 2);
+  const int xrow = g < M ? g : g - LB < M && g >= LB ? M + g - LB : 0;
+  const uint32_t xa = xs + (uint32_t)(xrow * xstride + 16 * t);
+  const uint32_t xs_off = xsum + 16u * t, xs_eff = xsum + 64u + 8u * t;
+  uint32_t magic;
+  asm("mov.b32 %0, 0x64006400;" : "=r"(magic));
+  uint4 xr[WPL];
+  uint32_t war[WPL], wbr[WPL];
+  if constexpr (XREG) {
+#pragma unroll
+    for (int c = 0; c < WPL; ++c) xr[c] = mk::lds128(xa + (uint32_t)(gi0 * G * 2 + c * 64));
+  }
+  if constexpr (WREG) {
+    mma_lds_words<WPL>(code_a + (uint32_t)(gi0 * (G / 2)), war);
+    mma_lds_words<WPL>(code_b + (uint32_t)(gi0 * (G / 2)), wbr);
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) acc[j] = 0.f;
+#pragma unroll 1
+  for (int gi = gi0; gi < gi1; ++gi) {
+    uint32_t wa[WPL], wb[WPL];
+    if constexpr (WREG) {
+#pragma unroll
+      for (int c = 0; c < WPL; ++c) { wa[c] = war[c] + (uint32_t)gi; wb[c] = wbr[c] + (uint32_t)gi; }
+    } else {
+      mma_lds_words<WPL>(code_a + (uint32_t)(gi * (G / 2)), wa);
+      mma_lds_words<WPL>(code_b + (uint32_t)(gi * (G / 2)), wb);
+    }
+    const uint4 off = mk::lds128(xs_off + (uint32_t)(gi * MMA_XSUM_FLOATS * 4));
+    float d0[4] = {__uint_as_float(off.x), __uint_as_float(off.y), __uint_as_float(off.z), __uint_as_float(off.w)};
+    float d1[4] = {0.f, 0.f, 0.f, 0.f};
+    float2 eff;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(eff.x), "=f"(eff.y)
+                 : "r"(xs_eff + (uint32_t)(gi * MMA_XSUM_FLOATS * 4)));
+#pragma unroll
+    for (int c = 0; c < WPL; ++c) {
+      uint4 xh;
+      if constexpr (XREG) {
+        xh = xr[c];
+        xh.x += (uint32_t)gi;  // (a new value per group, so the mma is not hoisted)
+      } else {
+        xh = mk::lds128(xa + (uint32_t)(gi * G * 2 + c * 64));
+      }
+      // A registers of the word pair: [0] from bits 0..7 of each half, [1] from bits 8..15 (as the mainline)
+      uint32_t a[2][4];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t wa_h = h ? wa[c] >> 8 : wa[c], wb_h = h ? wb[c] >> 8 : wb[c];
+        if constexpr (DEC) {
+          a[h][0] = mma_nib<0x000F000Fu>(wa_h, magic), a[h][1] = mma_nib<0x000F000Fu>(wb_h, magic);
+          a[h][2] = mma_nib<0x00F000F0u>(wa_h, magic), a[h][3] = mma_nib<0x00F000F0u>(wb_h, magic);
+        } else {
+          a[h][0] = a[h][2] = wa[c], a[h][1] = a[h][3] = wb[c];  // (no shift either)
+        }
+      }
+      if constexpr (MMA) {
+        mma_16816(d0, a[0][0], a[0][1], a[0][2], a[0][3], xh.x, xh.y);
+        mma_16816(d1, a[1][0], a[1][1], a[1][2], a[1][3], xh.z, xh.w);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          d0[j] += __uint_as_float(a[0][j] ^ (j == 0 ? xh.x : j == 1 ? xh.y : 0u));
+          d1[j] += __uint_as_float(a[1][j] ^ (j == 0 ? xh.z : j == 1 ? xh.w : 0u));
+        }
+      }
+    }
+    const uint32_t hsa = mk::lds32(sm_a + (uint32_t)(gi * 4)), hsb = mk::lds32(sm_b + (uint32_t)(gi * 4));
+    const float2 fa = __half22float2(*reinterpret_cast<const __half2*>(&hsa));
+    const float2 fb = __half22float2(*reinterpret_cast<const __half2*>(&hsb));
+    acc[0] = fmaf(fa.x, d0[0] + d1[0], fmaf(fa.y, eff.x, acc[0]));
+    acc[1] = fmaf(fa.x, d0[1] + d1[1], fmaf(fa.y, eff.y, acc[1]));
+    acc[2] = fmaf(fb.x, d0[2] + d1[2], fmaf(fb.y, eff.x, acc[2]));
+    acc[3] = fmaf(fb.x, d0[3] + d1[3], fmaf(fb.y, eff.y, acc[3]));
+  }
+  // token m = column m (hi) + column LB + m (lo): the next register of this lane at M = 1, else lane t ^ LB / 2
+#pragma unroll
+  for (int j = 0; j < 4; ++j) acc[j] += M == 1 ? (j & 1 ? 0.f : acc[j + 1]) : __shfl_xor_sync(~0u, acc[j], LB / 2);
+}
+#endif
 
 struct Cfg {
   const uint8_t* w;  // [rows][srb]
@@ -208,8 +312,17 @@ __global__ void __launch_bounds__(NTHREADS, 1) dot_bench(Cfg c) {
       if (part < S) {
         const int gi0 = ng * part / S, gi1 = ng * (part + 1) / S;
         float acc[4];
+#if DOT_DIAG
+        (void)xlo;  // (the packed loop has the lo terms in B columns)
+        if constexpr (2 * M <= 8)
+          diag_dot<M>(base + (uint32_t)(c.ring_off + slot * tile_bytes), c.srb, c.K, gi0, gi1, base + c.x_off, xstride,
+                      base + c.xsum_off, lane, acc);
+        else
+          acc[0] = acc[1] = acc[2] = acc[3] = 0.f;  // (not run: main() refuses M > 2 in a DOT_DIAG build)
+#else
         mkmma::mma_tile_dot_g<M, MK_UNROLL>(c.G, base + (uint32_t)(c.ring_off + slot * tile_bytes), c.srb, c.K, gi0,
                                             gi1, base + c.x_off, xstride, xlo, base + c.xsum_off, lane, acc);
+#endif
         if (c.store) {
           float* yp = c.y + ((long long)part * c.rows + (t0 + j) * 16) * M;
           if (2 * t < M) { yp[g * M + 2 * t] = acc[0]; yp[(g + 8) * M + 2 * t] = acc[2]; }
@@ -400,9 +513,11 @@ int main(int argc, char** argv) {
   std::printf("device %s, %d SMs; buffer %.2f GB (%lld rows x %d B, K=%d G=%d, %d part%s per tile); HBM read %.0f GB/s\n",
               prop.name, nsm, rows * (double)srb / 1e9, rows, srb, K, G, S, S > 1 ? "s" : "", hbm);
   std::vector<Result> out;
+  if (DOT_DIAG && G != 128) { std::fprintf(stderr, "mma_dot_bench: DOT_DIAG builds take --G 128 only\n"); return 2; }
   for (int resident = 0; resident < 2; ++resident) {
     out.push_back(run_one<1>(c, resident, reps, nsm, sample_tiles, sample_bytes, hx));
     out.push_back(run_one<2>(c, resident, reps, nsm, sample_tiles, sample_bytes, hx));
+    if (DOT_DIAG) continue;  // (the diagnostic copy is the packed M <= 4 loop; M = 1 and 2 suffice)
     out.push_back(run_one<4>(c, resident, reps, nsm, sample_tiles, sample_bytes, hx));
     out.push_back(run_one<8>(c, resident, reps, nsm, sample_tiles, sample_bytes, hx));
   }
@@ -412,10 +527,10 @@ int main(int argc, char** argv) {
   for (const Result& r : out) {
     std::printf("%-9s %2d %2d %5d %10.1f %8.0f %6.1f%% %12.1f %9.2e\n", r.mode.c_str(), S, r.M, r.nslots, r.us, r.gbps,
                 r.gbps > 0 ? 100.0 * r.gbps / hbm : 0.0, r.codes_per_s / 1e9, r.rel_err);
-    if (r.mode == "stream" && !(r.rel_err >= 0 && r.rel_err < 2e-3)) ok = false;
+    if (r.mode == "stream" && !(r.rel_err >= 0 && r.rel_err < 2e-3) && (DOT_DIAG == 0 || DOT_DIAG == 7)) ok = false;
   }
-  std::printf("{\"device\": \"%s\", \"K\": %d, \"G\": %d, \"parts\": %d, \"hbm_read_gbps\": %.1f, \"results\": [",
-              prop.name, K, G, S, hbm);
+  std::printf("{\"device\": \"%s\", \"K\": %d, \"G\": %d, \"parts\": %d, \"dot_diag\": %d, \"hbm_read_gbps\": %.1f, "
+              "\"results\": [", prop.name, K, G, S, DOT_DIAG, hbm);
   for (size_t i = 0; i < out.size(); ++i)
     std::printf("%s{\"mode\": \"%s\", \"M\": %d, \"slots\": %d, \"us\": %.2f, \"gbps\": %.1f, \"gcodes_per_s\": %.2f, "
                 "\"rel_err\": %.3e}", i ? ", " : "", out[i].mode.c_str(), out[i].M, out[i].nslots, out[i].us,
