@@ -40,6 +40,7 @@
 //   3 x from registers (the first group's hi/lo chunks reused)         4 code words from registers (loaded once)
 //   5 = 3 + 4 (only the off / eff / scale loads left in the loop)       6 = 1 + 2 (loads and FADDs only)
 //   7 = the copy unchanged (must time as the mainline: the copy's own check)
+//   8 = MK_IDOT's integer loop (mkmma::imma_tile_dot: 4 m16n8k32.s8 per group), the fp16 x bytes read as int8
 #ifndef DOT_DIAG
 #define DOT_DIAG 0
 #endif
@@ -314,7 +315,10 @@ __global__ void __launch_bounds__(NTHREADS, 1) dot_bench(Cfg c) {
         float acc[4];
 #if DOT_DIAG
         (void)xlo;  // (the packed loop has the lo terms in B columns)
-        if constexpr (2 * M <= 8)
+        if constexpr (2 * M <= 8 && DOT_DIAG == 8)  // MK_IDOT's loop, the staged fp16 x bytes read as int8
+          mkmma::imma_tile_dot<4, M>(base + (uint32_t)(c.ring_off + slot * tile_bytes), c.srb, c.K, gi0, gi1,
+                                     base + c.x_off, xstride, base + c.xsum_off, lane, acc);
+        else if constexpr (2 * M <= 8)
           diag_dot<M>(base + (uint32_t)(c.ring_off + slot * tile_bytes), c.srb, c.K, gi0, gi1, base + c.x_off, xstride,
                       base + c.xsum_off, lane, acc);
         else
