@@ -1,6 +1,6 @@
 """The weight stream of one layer against its stages (a trace variant: build it with MK_WS_RING=1,
 `python3 bench/mk_variants.py ring=.:MK_WS_RING=1`): for the middle layer of one Granite-4.1-3B int4 G128
-step (ctx 512 unless --pos), blocks 0 and last:
+step at ctx 512 (M tokens, 1 unless given), blocks 0 and last:
 
 - the block's stage ends (its per-layer stamps, BLOCK_STAMPS),
 - when the producer issued each of the 32 copies from the layer's first (its empty-slot wait done),

@@ -38,3 +38,12 @@ def test_ffn_split_slice_units():
     fails = check("slice_noparts", 400, seed=5)
     assert len(fails) > 300, "the model should find the missing parts arrival (the hang of the first GPU run)"
     assert any("deadlock" in f for f in fails)
+
+
+def test_inflight_cap_holds():
+    # MK_INFLIGHT: the producer waits for the copy `cap` before each one to land (0 = no cap, the kernel
+    # before session 8; 1; 2 = the default; caps >= the ring's slots are clamped to nslots - 1)
+    for cap in (0, 1, 2, 9):
+        assert check("all", 200, seed=10 + cap, inflight=cap) == []
+    for seed in range(20):
+        run("all", [(2, 7), (2, 7), (8, 5), (5, 0)] * 3, 8, seed, inflight=1)

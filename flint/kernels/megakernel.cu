@@ -61,21 +61,17 @@ constexpr bool kIdot = MK_IDOT && M <= 4;  // this kernel stages int8 x and runs
 #endif
 static_assert(MK_TMERGE <= 2, "MK_TMERGE: the merge's registers hold M <= 2");
 // MK_TM_MAX_SPLITS: the most context splits MK_TMERGE merges (registers: one o value and tag per split and
-// thread). 12 covers Granite to ctx 768; 16 (EXPERIMENT, session 7, not yet run on a GPU) covers every ctx on
-// 132 SMs (nsplit <= nblocks / nkv = 16), where the counter merge runs now (ctx 2048 and 8192)
+// thread; more than 12 spills at M = 1). 12 covers Granite to ctx 768; beyond, the counter merge runs. Session 8
+// measured a two-phase merge that fits 16 (MK_TM2, from 0a332c7): no gain at ctx 2048 (+0.7%, inside that
+// call's noise), so it was removed.
 #ifndef MK_TM_MAX_SPLITS
 #define MK_TM_MAX_SPLITS 12
 #endif
 constexpr int TM_MAX_SPLITS = MK_TM_MAX_SPLITS;
-// MK_TM2 (EXPERIMENT, session 7, off, NOT YET RUN on a GPU): the merge in two phases, every split's (m, l) first (one
-// 16-byte poll per (row, split)), then the o words 8 splits per poll, summed in the same order (same results). It
-// holds 8 words per thread, not TM_MAX_SPLITS: with it, MK_TM_MAX_SPLITS=16 builds without spills
-#ifndef MK_TM2
-#define MK_TM2 0
-#endif
-static_assert(MK_TM2 || TM_MAX_SPLITS <= 12, "MK_TM_MAX_SPLITS > 12 spills the one-phase merge at M = 1: set MK_TM2=1");
+static_assert(TM_MAX_SPLITS <= 12, "MK_TM_MAX_SPLITS > 12 spills the merge at M = 1");
 static_assert(2 * TM_MAX_SPLITS <= 64, "MK_TM_MAX_SPLITS: the merge's (m, l) table lives in s_s (R x ATT_T floats)");
-// MK_PV3 (EXPERIMENT, session 7): attention's P.V on three warps per row (a third of the keys each) where
+// MK_PV3 (on since session 8: -2.4% in session 7's A/B, validated in full as bench/results/v10_2026-11-29.md):
+// attention's P.V on three warps per row (a third of the keys each) where
 // 3 R <= 15 warps and D = 64 (M = 1 on Granite and SmolLM2), not one: the P.V phase is 1.1 us of the 3.6 us of a split's
 // own work (bench/results/mk_warps_v9_2026-11-29.log)
 #ifndef MK_PV3
@@ -255,9 +251,22 @@ __device__ __forceinline__ void inflight_cap(const Ring& ring, int slot, uint32_
 #ifndef MK_WARP_ARRIVE
 #define MK_WARP_ARRIVE 0
 #endif
-__device__ __forceinline__ void warp_arrive_n(uint64_t* bar, uint32_t n, int lane) {
-  __syncwarp();
-  if (lane == 0) mbar_arrive_n(bar, 32u * n);
+// a warp's arrivals on a ring slot's parts / empty mbarrier: n per lane (NCT per phase in all)
+__device__ __forceinline__ void ring_arrive_n(uint64_t* bar, uint32_t n, int lane) {
+  if (MK_WARP_ARRIVE) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive_n(bar, 32u * n);
+  } else {
+    mbar_arrive_n(bar, n);
+  }
+}
+__device__ __forceinline__ void ring_arrive(uint64_t* bar, int lane) {
+  if (MK_WARP_ARRIVE) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive_n(bar, 32u);
+  } else {
+    mbar_arrive(bar);  // every lane: no divergent lane-0 branch
+  }
 }
 #if MK_WS_RING
 // copy q of the stream from the middle layer's first (the producer counts them: rseq, -1 before that layer)
@@ -839,8 +848,7 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
         // lane of the S part warps arrives; the warp of part S-1 adds the missing arrivals, waits,
         // sums the parts in order (deterministic) and runs the tile's epilogue
         if (part == S - 1) {
-          if (MK_WARP_ARRIVE) warp_arrive_n(&c.ring.parts[slot], (uint32_t)(NCW - (S - 1)), lane);
-          else mbar_arrive_n(&c.ring.parts[slot], (uint32_t)(NCW - (S - 1)));
+          ring_arrive_n(&c.ring.parts[slot], (uint32_t)(NCW - (S - 1)), lane);
           mbar_wait(&c.ring.parts[slot], phase);
           if (!MK_WS_ALL && ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j + 2);
           tile_epilogue<M>(c, mi, layer, t0 + j, j, s, pp, S, lane, warp);
@@ -850,13 +858,10 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
           if (wsu) warp_stamp_raw(p, layer, 4 + 3 * wu);
 #endif
         } else {
-          if (MK_WARP_ARRIVE) warp_arrive_n(&c.ring.parts[slot], 1u, lane);
-          else mbar_arrive(&c.ring.parts[slot]);
+          ring_arrive(&c.ring.parts[slot], lane);
         }
       }
-      // every lane (NCT arrivals per phase: no divergent lane-0 branch), or MK_WARP_ARRIVE
-      if (MK_WARP_ARRIVE) warp_arrive_n(&c.ring.empty[slot], 1u, lane);
-      else mbar_arrive(&c.ring.empty[slot]);
+      ring_arrive(&c.ring.empty[slot], lane);  // (NCT arrivals per phase)
       if (++c.slot == c.ring.nslots) {
         c.slot = 0;
         c.phase ^= 1u;
@@ -1051,13 +1056,8 @@ __device__ void ffn_down_partial(Ctx<M>& c, int layer) {
     }
     // every lane, on the slot's parts barrier too: its phases must follow the ring's laps (matvec_stage
     // waits on it with the lap parity), so a lap of the slot without K parts still completes one
-    if (MK_WARP_ARRIVE) {
-      warp_arrive_n(&c.ring.parts[c.slot], 1u, lane);
-      warp_arrive_n(&c.ring.empty[c.slot], 1u, lane);
-    } else {
-      mbar_arrive(&c.ring.parts[c.slot]);
-      mbar_arrive(&c.ring.empty[c.slot]);  // (NCT arrivals per phase)
-    }
+    ring_arrive(&c.ring.parts[c.slot], lane);
+    ring_arrive(&c.ring.empty[c.slot], lane);  // (NCT arrivals per phase)
     if (++c.slot == c.ring.nslots) {
       c.slot = 0;
       c.phase ^= 1u;
@@ -1328,56 +1328,6 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
         for (int i = t; i < R * (D + 2); i += NCT) {
           const int r = i / (D + 2), d = i - r * (D + 2);
           st_tagged(tp + 2 * i, d == 0 ? ms->att_m[r] : d == 1 ? ms->att_l[r] : o_s[r * D + d - 2], qtag);
-        }
-      } else if (MK_TM2) {  // split 0's block merges in two phases: every split's (m, l), then the o words
-        float* wt = s_s;  // [R][TM_MAX_SPLITS] (m, l) then (weight, l); s_s (R x ATT_T floats) is free now
-        if (t < R * nsplit) {  // phase 1: split s2's (m, l) of row rr (one 16-byte load: m, its tag, l, its tag)
-          const int rr = t / nsplit, s2 = t - rr * nsplit;
-          float mv = ms->att_m[rr], lv = ms->att_l[rr];
-          if (s2 != 0) {
-            const uint32_t* e = tk + 2 * (((size_t)s2 * R + rr) * (D + 2));
-            uint4 u;
-            do {
-              asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                           : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "l"(e) : "memory");
-            } while (u.y != qtag || u.w != qtag);
-            mv = __uint_as_float(u.x);
-            lv = __uint_as_float(u.z);
-          }
-          wt[2 * (rr * TM_MAX_SPLITS + s2)] = mv;
-          wt[2 * (rr * TM_MAX_SPLITS + s2) + 1] = lv;
-        }
-        cbar();
-        if (t < R) ms->att_alpha[t] = tm_weights(wt, t, nsplit);
-        cbar();
-        if (t < R * D) {  // phase 2: the o words, 8 splits per poll, summed in split order (as the one-phase merge)
-          const int r = t / D, d = t - r * D;
-          float num = fmaf(wt[2 * (r * TM_MAX_SPLITS)], o_s[t], 0.f);
-          for (int s0 = 1; s0 < nsplit; s0 += 8) {
-            float ov[8];
-            bool ok;
-            do {
-              uint32_t tg[8];
-#pragma unroll
-              for (int k = 0; k < 8; ++k) {
-                tg[k] = qtag;
-                if (s0 + k < nsplit) {
-                  uint32_t v;
-                  asm volatile("ld.relaxed.gpu.global.v2.u32 {%0, %1}, [%2];"
-                               : "=r"(v), "=r"(tg[k]) : "l"(tk + 2 * (((size_t)(s0 + k) * R + r) * (D + 2) + 2 + d)) : "memory");
-                  ov[k] = __uint_as_float(v);
-                }
-              }
-              ok = true;
-#pragma unroll
-              for (int k = 0; k < 8; ++k) ok = ok && tg[k] == qtag;
-            } while (!ok);
-#pragma unroll
-            for (int k = 0; k < 8; ++k)
-              if (s0 + k < nsplit) num = fmaf(wt[2 * (r * TM_MAX_SPLITS + s0 + k)], ov[k], num);
-          }
-          const int hq = kvh * g + r / M, m = r % M;
-          attn_out(p, m, hq * D + d, num / ms->att_alpha[r], qtag);
         }
       } else {  // split 0's block merges: its own partial from shared memory, the others' as they arrive
         const int r = t / D, d = t - r * D;

@@ -9,7 +9,10 @@ tests only sample. This model runs the protocol under random interleavings and c
 * a count barrier (the slot's ``empty`` and ``parts`` barriers) completes a phase after exactly its
   expected arrivals; an arrival made for another lap lands in whatever phase is open, which the model
   flags;
-* the producer's bulk copy lands at an arbitrary later time (copies complete out of order).
+* the producer's bulk copy lands at an arbitrary later time (copies complete out of order);
+* the producer keeps at most ``inflight`` copies in flight (``MK_INFLIGHT``, 2 by default since session 8):
+  before a copy it waits, on the full barrier with the hardware's parity answer, for the copy that many
+  before it (0: no cap).
 
 Protocols (megakernel.cu, [5] matvec_stage and the FFN split-K's ffn_down_partial):
 ``"all"``    every warp waits for every unit's slot and arrives on its empty barrier (the mainline);
@@ -78,7 +81,7 @@ def units(stages: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(i, S) for i, (nt, S) in enumerate(stages) for _ in range(nt)]
 
 
-def run(protocol: str, stages: list[tuple[int, int]], nslots: int, seed: int) -> None:
+def run(protocol: str, stages: list[tuple[int, int]], nslots: int, seed: int, inflight: int = 2) -> None:
     rng = random.Random(seed)
     us = units(stages)
     slots = [Slot() for _ in range(nslots)]
@@ -98,6 +101,11 @@ def run(protocol: str, stages: list[tuple[int, int]], nslots: int, seed: int) ->
                 else:
                     while not sl.empty.parity_done((lap - 1) & 1):
                         yield WAIT
+            cap = min(inflight, nslots - 1)
+            if cap and u >= cap:  # megakernel.cu inflight_cap: the copy `cap` before this one has landed
+                u2 = u - cap
+                while not full_parity_done(slots[u2 % nslots], (u2 // nslots) & 1):
+                    yield WAIT
             landing.append((s, lap))
             if protocol == "skip2":
                 sl.issued = lap + 1
@@ -190,7 +198,7 @@ def random_stages(rng: random.Random, slices: bool = False) -> list[tuple[int, i
     return out
 
 
-def check(protocol: str, runs: int, seed: int = 0) -> list[str]:
+def check(protocol: str, runs: int, seed: int = 0, inflight: int = 2) -> list[str]:
     """Run `runs` random schedules; return the failures (empty if the protocol held every time)."""
     rng = random.Random(seed)
     fails = []
@@ -198,7 +206,7 @@ def check(protocol: str, runs: int, seed: int = 0) -> list[str]:
         stages = random_stages(rng, slices=protocol in ("all", "slice_noparts"))
         nslots = rng.randint(3, 8)
         try:
-            run(protocol, stages, nslots, seed=rng.randrange(1 << 30))
+            run(protocol, stages, nslots, seed=rng.randrange(1 << 30), inflight=inflight)
         except ProtocolError as e:
             fails.append(f"run {r} (stages {stages}, {nslots} slots): {e}")
     return fails
