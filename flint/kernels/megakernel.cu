@@ -236,15 +236,16 @@ __device__ __forceinline__ void inflight_cap(const Ring& ring, int slot, uint32_
   }
   mbar_wait(&ring.full[s2], l2 & 1);
 }
-// MK_DS_RR (EXPERIMENT, session 8, off; not yet run on a GPU): the FFN split-K's down-slice tiles round robin over
-// the whole slice (tile t + i of chunk t to warp (t + i) mod 15), not per chunk: a chunk of 34 tiles gives warps
-// 0..3 a third tile, i.e. a second two-tile iteration, in every chunk (15 tiles and 10 iterations vs 11 and 5-6).
+// MK_DS_RR (on since session 9): the FFN split-K's down-slice tiles round robin over the whole slice (tile t + i of
+// chunk t to warp (t + i) mod 15), not per chunk: with per-chunk assignment a chunk of 34 tiles gave warps 0..3 a
+// third tile, i.e. a second two-tile iteration, in every chunk (15 tiles and 10 iterations vs 11 and 5-6).
 // Session 5's 5i (the same, as a patch) measured noise while the slice bytes arrived late; with MK_INFLIGHT every
-// chunk is in before the warps ask for it (bench/results/mk_ring_inflight2_m1_2026-11-29.log) and warps 0..3 end last.
+// chunk is in before the warps ask for it. Session 9's same-call A/Bs at ctx 512: M = 1 -3.8%, M = 2 -1.6%
+// (bench/results/mk_ab_session9_rr_wa_2026-11-30.log). 0 = the per-chunk assignment.
 #ifndef MK_DS_RR
-#define MK_DS_RR 0
+#define MK_DS_RR 1
 #endif
-// MK_WARP_ARRIVE (EXPERIMENT, session 8, off; not yet run on a GPU): a warp's arrivals on a ring slot's parts and
+// MK_WARP_ARRIVE (EXPERIMENT, session 8, off; session 9's A/B: noise, +0.5% at M = 1, -0.5% at M = 2): a warp's arrivals on a ring slot's parts and
 // empty mbarriers as one arrive of count 32 n by lane 0 after a __syncwarp (which orders the lanes' shared-memory
 // accesses before it), not 32 arrives of count n (one per lane); the expected counts stay NCT per phase.
 // Hypothesis from 8e: the per-lane arrivals are 960 arrive operations on two shared words per ring unit.
