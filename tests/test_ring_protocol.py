@@ -47,3 +47,19 @@ def test_inflight_cap_holds():
         assert check("all", 200, seed=10 + cap, inflight=cap) == []
     for seed in range(20):
         run("all", [(2, 7), (2, 7), (8, 5), (5, 0)] * 3, 8, seed, inflight=1)
+
+
+def test_flat_split_holds():
+    # MK_FLAT (session 9): gate|up 8 tiles x 20 groups over 15 warps (2-3 parts per unit), the lm_head's 48 x 20
+    # (a warp spans several units), and random flattened stages mixed with the mainline's and slice units
+    from flint.kernels.dev.ring_model import flat_parts
+    parts = [flat_parts(8, 20, j) for j in range(8)]
+    assert {w for p in parts for w in p} == set(range(15))  # every warp holds a part
+    assert all(sorted(p[w][0] for w in p) == list(range(len(p))) for p in parts)  # parts 0..Su-1, warp order
+    assert sum(len(p) for p in parts) == 15 + 7  # every warp once, plus one per unit boundary inside a range
+    for seed in range(30):
+        run("flat", [(2, 7), (2, 7), (8, -20), (5, 0)] * 2, 8, seed)
+        run("flat", [(48, -20)], 8, seed)
+    assert check("flat", 400, seed=11) == []
+    fails = check("flat_badcount", 200, seed=12)
+    assert len(fails) > 150, "the model should find the reducer's missing arrival"

@@ -806,6 +806,16 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
   // stepped per item; the K groups of part p are [gtab(p), gtab(p + 1)), one division per lane and stage
   int part = warp;
   const int gtab = lane < 16 ? c.misc->gbound[mi][lane] : ng;  // ng * lane / S, computed once per launch
+#if MK_FLAT
+  // S == 0 (the host's choice, single-segment matrices, M <= 4: more spills): the block's nt x ng (tile, group)
+  // pairs, tile-major, split evenly over the 15 warps: warp i takes pairs [fa(i), fa(i + 1)), fa(i) = i nt ng / 15
+  // (lane i holds fa(i)). A unit's parts are the warps whose ranges meet it, in warp order; its reducer is the
+  // first of them (part 0), the one warp for which the unit is the LAST it touches, so its wait is at its end.
+  const bool flat = M <= 4 && S == 0;
+  const int ntg = nt * ng;
+  const int fa = flat ? (int)((uint32_t)(min(lane, NCW) * ntg) / (uint32_t)NCW) : 0;
+  const int fa0 = __shfl_sync(0xffffffffu, fa, warp), fa1 = __shfl_sync(0xffffffffu, fa, warp + 1);
+#endif
   if (ws) warp_stamp(p, layer, WS_O_ENTER);
   for (int s = 0; s < mt.nseg; ++s) {
     if (s == 0 || !xall) {
@@ -830,9 +840,41 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
       if (wsu) warp_stamp_raw(p, layer, 2 + 3 * wu);
 #endif
       if (!MK_WS_ALL && ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j);
-      if (part < S) {
+      // this unit's K part of this warp (MV_MINE), its index MV_PT of MV_SU parts, the reducer flag (MV_RED);
+      // without MK_FLAT these are the plain expressions (the default's code, byte-identical SASS)
+#if MK_FLAT
+      bool mine = part < S, red = part == S - 1;
+      int pt = part, Su = S;
+      int gi0 = __shfl_sync(0xffffffffu, gtab, part), gi1 = __shfl_sync(0xffffffffu, gtab, part + 1);
+      if constexpr (M <= 4) {
+        if (flat) {
+          const int u0 = j * ng, u1 = u0 + ng;
+          const bool inr = lane >= 1 && lane < NCW;
+          const int wf = __popc(__ballot_sync(0xffffffffu, inr && fa <= u0));  // the warp holding pair u0
+          const int wl = __popc(__ballot_sync(0xffffffffu, inr && fa < u1));   // the warp holding pair u1 - 1
+          mine = warp >= wf && warp <= wl;
+          pt = warp - wf;
+          Su = wl - wf + 1;
+          red = pt == 0;
+          gi0 = max(fa0, u0) - u0;
+          gi1 = min(fa1, u1) - u0;
+        }
+      }
+#define MV_MINE mine
+#define MV_RED red
+#define MV_PT pt
+#define MV_SU Su
+#else
+#define MV_MINE (part < S)
+#define MV_RED (part == S - 1)
+#define MV_PT part
+#define MV_SU S
+#endif
+      if (MV_MINE) {
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#if !MK_FLAT
         const int gi0 = __shfl_sync(0xffffffffu, gtab, part), gi1 = __shfl_sync(0xffffffffu, gtab, part + 1);
+#endif
         if (!(p.dbg & 1)) {
           tile_dot<M>(mt.G, ring0 + (uint32_t)(slot * c.ring.slot_bytes), mt.srb, mt.kseg, gi0, gi1, xs, xstride, xlo,
                       xsum, lane, acc);
@@ -842,17 +884,17 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
         if (wsu) warp_stamp_raw(p, layer, 3 + 3 * wu);
 #endif
         float* pp = c.parts + slot * c.sl->pstride;
-        float* pw = pp + part * TILE_ROWS * M;
+        float* pw = pp + MV_PT * TILE_ROWS * M;
         if (2 * tq < M) { pw[gq * M + 2 * tq] = acc[0]; pw[(gq + 8) * M + 2 * tq] = acc[2]; }
         if (2 * tq + 1 < M) { pw[gq * M + 2 * tq + 1] = acc[1]; pw[(gq + 8) * M + 2 * tq + 1] = acc[3]; }
         // hand-off through the slot's parts mbarrier (NCT arrivals per phase, release/acquire): every
-        // lane of the S part warps arrives; the warp of part S-1 adds the missing arrivals, waits,
-        // sums the parts in order (deterministic) and runs the tile's epilogue
-        if (part == S - 1) {
-          ring_arrive_n(&c.ring.parts[slot], (uint32_t)(NCW - (S - 1)), lane);
+        // lane of the Su part warps arrives; the reducer (part Su-1; with MK_FLAT's split part 0) adds the
+        // missing arrivals, waits, sums the parts in order (deterministic) and runs the tile's epilogue
+        if (MV_RED) {
+          ring_arrive_n(&c.ring.parts[slot], (uint32_t)(NCW - (MV_SU - 1)), lane);
           mbar_wait(&c.ring.parts[slot], phase);
           if (!MK_WS_ALL && ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j + 2);
-          tile_epilogue<M>(c, mi, layer, t0 + j, j, s, pp, S, lane, warp);
+          tile_epilogue<M>(c, mi, layer, t0 + j, j, s, pp, MV_SU, lane, warp);
           __syncwarp();
           if (!MK_WS_ALL && ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j + 3);
 #if MK_WS_ALL
@@ -870,6 +912,10 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
       part = part >= S ? part - S : part - S + NCW;  // the next item's part: (warp - (item + 1) S) mod 15
     }
   }
+#undef MV_MINE
+#undef MV_RED
+#undef MV_PT
+#undef MV_SU
   if (mi != MAT_LM) {
     trace_stamp(p, layer, 16 + 4 * mi + 1);  // thread 0's warp is done
   }
@@ -1448,7 +1494,11 @@ __global__ void __launch_bounds__(NT, 1)
   if (threadIdx.x < NMAT * 16) {  // the K-group bounds of the S parts of each matrix, once
     const int m = threadIdx.x >> 4, pt = threadIdx.x & 15, S = sl.nparts[m];
     const int ng = p.mat[m].kseg >> p.mat[m].gshift;
+#if MK_FLAT
+    misc->gbound[m][pt] = (uint8_t)(pt <= S && S > 0 ? ng * pt / S : ng);  // (S == 0: the flattened split)
+#else
     misc->gbound[m][pt] = (uint8_t)(pt <= S ? ng * pt / S : ng);
+#endif
   }
   if (threadIdx.x < NMAT) {  // this block's tiles of every matrix, once (a division per call otherwise)
     const int mi = threadIdx.x;

@@ -181,8 +181,34 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
 #if MK_PARTS_GU
       if (m == mk::MAT_GU) best = MK_PARTS_GU < cap ? MK_PARTS_GU : cap;  // EXPERIMENT (session 8): gate|up's parts fixed
 #endif
+      int used_parts = best;
+#if MK_FLAT
+      // the flattened split (megakernel.cu matvec_stage, nparts 0): every warp ~T ng / 15 groups; cost = those
+      // groups + the (at most 2 or 3) units a warp touches. Its most parts per unit over the block tile counts
+      // T - 1 and T (block_tiles: floor or ceil) must fit the partial-sum slots.
+      if (M <= 4 && mt.nseg == 1 && T * ng >= mk::NCW) {  // (the device code: M <= 4)
+        int maxp = 1;
+        for (int Tb = T > 1 ? T - 1 : 1; Tb <= T; ++Tb) {
+          const int N = Tb * ng;
+          for (int j = 0; j < Tb; ++j) {
+            int wf = 0, wl = 0;
+            for (int w = 1; w < mk::NCW; ++w) {
+              const int a = w * N / mk::NCW;
+              if (a <= j * ng) wf = w;
+              if (a < (j + 1) * ng) wl = w;
+            }
+            maxp = maxp > wl - wf + 1 ? maxp : wl - wf + 1;
+          }
+        }
+        const long long fcost = cdiv(T * ng, mk::NCW) + 2;
+        if (fcost < best_cost && maxp <= mk::MAX_PARTS && maxp * M <= mk::PART_FLOATS) {
+          best = 0;
+          used_parts = maxp;
+        }
+      }
+#endif
       s.nparts[m] = best;
-      max_parts = max_parts > best ? max_parts : best;
+      max_parts = max_parts > used_parts ? max_parts : used_parts;
     }
     s.xstride = mkmma::mma_x_stride_bytes(kx);
     s.ds_cpt = p.nffn ? slot / (mk::TILE_ROWS * p.mat[mk::MAT_DS].srb) : 0;

@@ -25,6 +25,10 @@ Protocols (megakernel.cu, [5] matvec_stage and the FFN split-K's ffn_down_partia
 ``"skip2"``  as "skip", with monotonic per-slot ``consumed`` / ``issued`` counters instead of the
              empty barrier and a wait for ``issued`` before the full-barrier parity wait (MK_SKIP2: correct, but +1.2% per step on the H200 in session 5; removed from the kernel, in 0117668).
 
+``"flat"``   as "all", with some matvec stages on MK_FLAT's flattened split (session 9): per unit the warps whose
+             (tile, group) ranges meet it hold its parts, the first of them reduces;
+``"flat_badcount"`` as "flat", the reducer arriving for one warp too few (must be caught).
+
 Checked per run: every part reads the lap it expects, the reducer sees every part of its unit, no
 arrival lands in another lap's phase, and everything finishes (no deadlock).
     python3 -m flint.kernels.dev.ring_model        # a few thousand random schedules per protocol
@@ -77,15 +81,32 @@ class Slot:
 
 def units(stages: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """Units of a sequence of stages (ntiles, S); returns (stage, S) per unit in order. S = 0: a slice
-    unit (ffn_down_partial: no K parts, no reducer)."""
+    unit (ffn_down_partial: no K parts, no reducer). S < 0: a unit of MK_FLAT's flattened split with -S K
+    groups per tile (flat_parts gives each warp's part)."""
     return [(i, S) for i, (nt, S) in enumerate(stages) for _ in range(nt)]
+
+
+def flat_parts(nt: int, ng: int, j: int, bad_count: bool = False) -> dict[int, tuple[int, int, int]]:
+    """MK_FLAT (megakernel.cu matvec_stage): the block's nt x ng (tile, group) pairs, tile-major, split over the
+    15 warps (warp i: [i N / 15, (i + 1) N / 15)); unit j's parts {warp: (part, parts, reducer's arrival count)}
+    for the warps whose ranges meet it; part 0 reduces. bad_count: the reducer arrives for one warp too few."""
+    n = nt * ng
+    fa = [i * n // NCW for i in range(NCW + 1)]
+    u0, u1 = j * ng, (j + 1) * ng
+    wf = sum(1 for i in range(1, NCW) if fa[i] <= u0)
+    wl = sum(1 for i in range(1, NCW) if fa[i] < u1)
+    su = wl - wf + 1
+    extra = NCW - (su - 1) - (1 if bad_count else 0)
+    return {w: (w - wf, su, extra) for w in range(wf, wl + 1)}
 
 
 def run(protocol: str, stages: list[tuple[int, int]], nslots: int, seed: int, inflight: int = 2) -> None:
     rng = random.Random(seed)
+    mainline = protocol in ("all", "flat", "flat_badcount")  # the mainline's units (the flat ones on top)
     us = units(stages)
     slots = [Slot() for _ in range(nslots)]
     landing: list[tuple[int, int]] = []  # (slot, lap) copies in flight
+    where: dict = {}  # actor -> what it waits on (the deadlock report)
 
     def full_parity_done(sl: Slot, parity: int) -> bool:
         return (sl.full_done & 1) != parity
@@ -112,12 +133,39 @@ def run(protocol: str, stages: list[tuple[int, int]], nslots: int, seed: int, in
             yield
 
     def warp(w: int):
-        part, stage = w, -1
+        part, stage, j = w, -1, 0
         for u, (st, S) in enumerate(us):
             s, lap = u % nslots, u // nslots
             sl = slots[s]
             if st != stage:  # every matvec stage starts its part rotation at the warp's index
-                part, stage = w, st
+                part, stage, j = w, st, 0
+            else:
+                j += 1
+            if S < 0:  # MK_FLAT: every warp waits for the slot; the warps whose ranges meet the unit hold parts
+                fp = flat_parts(stages[st][0], -S, j, bad_count=protocol == "flat_badcount")
+                where[w] = f"unit {u} full"
+                while not full_parity_done(sl, lap & 1):
+                    yield WAIT
+                if w in fp:
+                    pt, su, extra = fp[w]
+                    if sl.content != lap:
+                        raise ProtocolError(f"warp {w} flat unit {u}: read lap {sl.content}'s data for lap {lap}")
+                    yield  # the dot
+                    sl.partial[pt] = lap
+                    if pt == 0:  # reducer
+                        sl.parts.arrive(extra, lap, f"warp {w} (flat reducer) unit {u}")
+                        where[w] = f"unit {u} parts (reducer)"
+                        while not sl.parts.parity_done(lap & 1):
+                            yield WAIT
+                        got = [sl.partial.get(p) for p in range(su)]
+                        if any(g != lap for g in got):
+                            raise ProtocolError(f"warp {w} flat unit {u}: parts of laps {got} for lap {lap}")
+                        yield  # the epilogue
+                    else:
+                        sl.parts.arrive(1, lap, f"warp {w} flat unit {u}")
+                sl.empty.arrive(1, lap, f"warp {w} flat unit {u}")
+                yield
+                continue
             if S == 0:  # a slice unit: every warp reads the slot, no parts hand-off
                 while not full_parity_done(sl, lap & 1):
                     yield WAIT
@@ -130,7 +178,7 @@ def run(protocol: str, stages: list[tuple[int, int]], nslots: int, seed: int, in
                 yield
                 continue
             mine = part < S
-            if protocol == "all" or mine:
+            if mainline or mine:
                 if protocol == "skip2":
                     while sl.issued <= lap:
                         yield WAIT
@@ -159,7 +207,7 @@ def run(protocol: str, stages: list[tuple[int, int]], nslots: int, seed: int, in
                             sl.empty.arrive(1, lap, f"warp {w} unit {u}")
                         elif protocol == "skip2":
                             sl.consumed += 1
-                if protocol == "all":
+                if mainline:
                     sl.empty.arrive(1, lap, f"warp {w} unit {u}")
             part = part - S if part >= S else part - S + NCW
             yield
@@ -184,15 +232,19 @@ def run(protocol: str, stages: list[tuple[int, int]], nslots: int, seed: int, in
             live.remove(k)
             idle = 0
         if idle > 20000:
-            raise ProtocolError("deadlock: every actor spins on a barrier")
+            raise ProtocolError("deadlock: every actor spins on a barrier" + (f" ({where})" if where else ""))
 
 
-def random_stages(rng: random.Random, slices: bool = False) -> list[tuple[int, int]]:
+def random_stages(rng: random.Random, slices: bool = False, flat: bool = False) -> list[tuple[int, int]]:
     """A step-like sequence of stages: (tiles of this block, parts per tile); slices: some stages are
-    FFN split-K slice stages (chunks, S = 0), each after a matvec stage as in the kernel."""
+    FFN split-K slice stages (chunks, S = 0), each after a matvec stage as in the kernel; flat: some matvec
+    stages use MK_FLAT's flattened split (S = -groups per tile)."""
     out = []
     for _ in range(rng.randint(2, 6)):
-        out.append((rng.randint(1, 9), rng.randint(1, NCW)))
+        if flat and rng.random() < 0.5:
+            out.append((rng.randint(1, 12), -rng.randint(1, 24)))
+        else:
+            out.append((rng.randint(1, 9), rng.randint(1, NCW)))
         if slices and rng.random() < 0.5:
             out.append((rng.randint(1, 6), 0))
     return out
@@ -203,7 +255,8 @@ def check(protocol: str, runs: int, seed: int = 0, inflight: int = 2) -> list[st
     rng = random.Random(seed)
     fails = []
     for r in range(runs):
-        stages = random_stages(rng, slices=protocol in ("all", "slice_noparts"))
+        stages = random_stages(rng, slices=protocol in ("all", "slice_noparts", "flat", "flat_badcount"),
+                               flat=protocol in ("flat", "flat_badcount"))
         nslots = rng.randint(3, 8)
         try:
             run(protocol, stages, nslots, seed=rng.randrange(1 << 30), inflight=inflight)
@@ -213,6 +266,6 @@ def check(protocol: str, runs: int, seed: int = 0, inflight: int = 2) -> list[st
 
 
 if __name__ == "__main__":
-    for proto in ("all", "skip", "skip2", "slice_noparts"):
+    for proto in ("all", "skip", "skip2", "slice_noparts", "flat", "flat_badcount"):
         f = check(proto, 2000)
         print(f"{proto:6s}: {len(f)} of 2000 random schedules failed" + (f"; first: {f[0]}" if f else ""))
