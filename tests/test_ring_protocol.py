@@ -50,16 +50,39 @@ def test_inflight_cap_holds():
 
 
 def test_flat_split_holds():
-    # MK_FLAT (session 9): gate|up 8 tiles x 20 groups over 15 warps (2-3 parts per unit), the lm_head's 48 x 20
-    # (a warp spans several units), and random flattened stages mixed with the mainline's and slice units
+    # MK_FLAT (session 9): gate|up 8 tiles x 20 groups in 15 R chunks (R = 1: 2-3 parts per unit), the lm_head's
+    # 48 x 20 (a warp spans several units), and random flattened stages mixed with the mainline's and slice units
     from flint.kernels.dev.ring_model import flat_parts
     parts = [flat_parts(8, 20, j) for j in range(8)]
     assert {w for p in parts for w in p} == set(range(15))  # every warp holds a part
-    assert all(sorted(p[w][0] for w in p) == list(range(len(p))) for p in parts)  # parts 0..Su-1, warp order
+    assert all(sorted(p[w][0] for w in p) == list(range(len(p))) for p in parts)  # parts 0..Su-1
+    assert all(sum(p[w][3] for w in p) == 1 for p in parts)  # one reducer per unit
     assert sum(len(p) for p in parts) == 15 + 7  # every warp once, plus one per unit boundary inside a range
     for seed in range(30):
         run("flat", [(2, 7), (2, 7), (8, -20), (5, 0)] * 2, 8, seed)
+        run("flat", [(2, 7), (2, 7), (8, -320), (5, 0)] * 2, 8, seed)  # 3 rounds
         run("flat", [(48, -20)], 8, seed)
     assert check("flat", 400, seed=11) == []
     fails = check("flat_badcount", 200, seed=12)
     assert len(fails) > 150, "the model should find the reducer's missing arrival"
+
+
+def test_flat_split_covers_every_group_once():
+    # the kernel's arithmetic (flat_groups mirrors matvec_stage's MK_FLAT block): every (tile, group) pair of the
+    # block exactly once, each warp's pieces in unit order, a unit's pieces contiguous in chunk order
+    from flint.kernels.dev.ring_model import flat_groups, flat_parts
+    for nt, ng, rounds in [(8, 20, 1), (8, 20, 2), (8, 20, 3), (7, 20, 3), (48, 20, 1), (48, 20, 4), (2, 20, 1),
+                           (1, 18, 1), (24, 18, 2), (5, 3, 1), (13, 7, 2)]:
+        seen = {}
+        for j in range(nt):
+            fp = flat_parts(nt, ng, j, rounds)
+            pieces = sorted((fp[w][0], flat_groups(nt, ng, rounds, w, j)) for w in range(15) if w in fp)
+            assert all(flat_groups(nt, ng, rounds, w, j) is None for w in range(15) if w not in fp)
+            lo = 0
+            for _, (g0, g1) in pieces:  # in part order: contiguous from 0 to ng
+                assert g0 == lo and g1 >= g0, (nt, ng, rounds, j, pieces)
+                lo = g1
+                for g in range(g0, g1):
+                    seen[(j, g)] = seen.get((j, g), 0) + 1
+            assert lo == ng, (nt, ng, rounds, j, pieces)
+        assert len(seen) == nt * ng and set(seen.values()) == {1}

@@ -807,14 +807,12 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
   int part = warp;
   const int gtab = lane < 16 ? c.misc->gbound[mi][lane] : ng;  // ng * lane / S, computed once per launch
 #if MK_FLAT
-  // S == 0 (the host's choice, single-segment matrices, M <= 4: more spills): the block's nt x ng (tile, group)
-  // pairs, tile-major, split evenly over the 15 warps: warp i takes pairs [fa(i), fa(i + 1)), fa(i) = i nt ng / 15
-  // (lane i holds fa(i)). A unit's parts are the warps whose ranges meet it, in warp order; its reducer is the
-  // first of them (part 0), the one warp for which the unit is the LAST it touches, so its wait is at its end.
-  const bool flat = M <= 4 && S == 0;
-  const int ntg = nt * ng;
-  const int fa = flat ? (int)((uint32_t)(min(lane, NCW) * ntg) / (uint32_t)NCW) : 0;
-  const int fa0 = __shfl_sync(0xffffffffu, fa, warp), fa1 = __shfl_sync(0xffffffffu, fa, warp + 1);
+  // S = -R <= -1 (the host's choice, single-segment matrices, M <= 4: more spills): the block's N = nt x ng
+  // (tile, group) pairs, tile-major, cut into C = 15 R equal chunks, chunk k = pairs [k N / C, (k + 1) N / C)
+  // dealt to warp k mod 15 (R rounds, in unit order, so units complete round by round and free their slots). A
+  // unit's parts are the chunks that meet it (at most 15, distinct warps); the last one ending inside it reduces.
+  const bool flat = M <= 4 && S < 0;
+  const uint32_t fN = (uint32_t)(nt * ng), fC = (uint32_t)(flat ? -S * NCW : NCW);
 #endif
   if (ws) warp_stamp(p, layer, WS_O_ENTER);
   for (int s = 0; s < mt.nseg; ++s) {
@@ -848,16 +846,20 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
       int gi0 = __shfl_sync(0xffffffffu, gtab, part), gi1 = __shfl_sync(0xffffffffu, gtab, part + 1);
       if constexpr (M <= 4) {
         if (flat) {
-          const int u0 = j * ng, u1 = u0 + ng;
-          const bool inr = lane >= 1 && lane < NCW;
-          const int wf = __popc(__ballot_sync(0xffffffffu, inr && fa <= u0));  // the warp holding pair u0
-          const int wl = __popc(__ballot_sync(0xffffffffu, inr && fa < u1));   // the warp holding pair u1 - 1
-          mine = warp >= wf && warp <= wl;
-          pt = warp - wf;
-          Su = wl - wf + 1;
-          red = pt == 0;
-          gi0 = max(fa0, u0) - u0;
-          gi1 = min(fa1, u1) - u0;
+          const uint32_t u0 = (uint32_t)(j * ng), u1 = u0 + (uint32_t)ng;
+          const int kf = (int)(((u0 + 1) * fC - 1) / fN), kl = (int)((u1 * fC - 1) / fN);  // the chunks of pairs u0, u1-1
+          int d = warp - kf % NCW;
+          d += d < 0 ? NCW : 0;  // this warp's chunk of the unit: kf + d (if <= kl)
+          const uint32_t k = (uint32_t)(kf + d);
+          mine = kf + d <= kl;
+          pt = d;
+          Su = kl - kf + 1;
+          // the reducer: the last chunk that ends inside the unit (chunk kl usually runs on into the next unit,
+          // and a warp's wait must not hold back its own later pieces); one chunk: itself
+          const bool kl_ends = (uint32_t)(kl + 1) * fN / fC == u1;
+          red = pt == (kl_ends || Su == 1 ? Su - 1 : Su - 2);
+          gi0 = (int)(max(k * fN / fC, u0) - u0);
+          gi1 = (int)(min((k + 1) * fN / fC, u1) - u0);
         }
       }
 #define MV_MINE mine
@@ -1495,7 +1497,7 @@ __global__ void __launch_bounds__(NT, 1)
     const int m = threadIdx.x >> 4, pt = threadIdx.x & 15, S = sl.nparts[m];
     const int ng = p.mat[m].kseg >> p.mat[m].gshift;
 #if MK_FLAT
-    misc->gbound[m][pt] = (uint8_t)(pt <= S && S > 0 ? ng * pt / S : ng);  // (S == 0: the flattened split)
+    misc->gbound[m][pt] = (uint8_t)(pt <= S && S > 0 ? ng * pt / S : ng);  // (S < 0: the flattened split)
 #else
     misc->gbound[m][pt] = (uint8_t)(pt <= S ? ng * pt / S : ng);
 #endif

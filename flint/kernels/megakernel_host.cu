@@ -183,26 +183,23 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
 #endif
       int used_parts = best;
 #if MK_FLAT
-      // the flattened split (megakernel.cu matvec_stage, nparts 0): every warp ~T ng / 15 groups; cost = those
-      // groups + the (at most 2 or 3) units a warp touches. Its most parts per unit over the block tile counts
-      // T - 1 and T (block_tiles: floor or ceil) must fit the partial-sum slots.
-      if (M <= 4 && mt.nseg == 1 && T * ng >= mk::NCW) {  // (the device code: M <= 4)
+      // the flattened split (megakernel.cu matvec_stage, nparts -R): the block's T ng (tile, group) pairs in 15 R
+      // chunks dealt round robin to the warps; cost = a warp's groups + its pieces (C + T - 1 over 15 warps); taken
+      // when not above the parts split's (Granite: gate|up for R <= 3 and the lm_head; qkv and o keep their parts).
+      // A unit's chunks over the block tile counts T - 1 and T (block_tiles: floor or ceil) must fit the parts.
+      if (M <= 4 && mt.nseg == 1 && T * ng >= mk::NCW * MK_FLAT) {  // (the device code: M <= 4)
+        const int C = mk::NCW * MK_FLAT;
         int maxp = 1;
         for (int Tb = T > 1 ? T - 1 : 1; Tb <= T; ++Tb) {
           const int N = Tb * ng;
           for (int j = 0; j < Tb; ++j) {
-            int wf = 0, wl = 0;
-            for (int w = 1; w < mk::NCW; ++w) {
-              const int a = w * N / mk::NCW;
-              if (a <= j * ng) wf = w;
-              if (a < (j + 1) * ng) wl = w;
-            }
-            maxp = maxp > wl - wf + 1 ? maxp : wl - wf + 1;
+            const int kf = ((j * ng + 1) * C - 1) / N, kl = ((j + 1) * ng * C - 1) / N;
+            maxp = maxp > kl - kf + 1 ? maxp : kl - kf + 1;
           }
         }
-        const long long fcost = cdiv(T * ng, mk::NCW) + 2;
-        if (fcost < best_cost && maxp <= mk::MAX_PARTS && maxp * M <= mk::PART_FLOATS) {
-          best = 0;
+        const long long fcost = cdiv(T * ng, mk::NCW) + cdiv(C + T - 1, mk::NCW);  // + a warp's pieces (chunk x unit)
+        if (fcost <= best_cost && maxp <= mk::MAX_PARTS && maxp * M <= mk::PART_FLOATS) {
+          best = -MK_FLAT;
           used_parts = maxp;
         }
       }

@@ -16,8 +16,9 @@ constexpr int NCT = NCW * 32;
 constexpr int NT = NCT + 32;
 constexpr int TILE_ROWS = 16;       // weight rows per tile (one mma.m16n8k16 A operand)
 constexpr int MAX_SLOTS = 16;       // ring slots, one tile-segment (16 row-segments) each
-// MK_FLAT (EXPERIMENT, session 9, off): matvec stages may split a block's tiles x K groups flattened (tile-major) over
-// the 15 consumer warps (Smem::nparts[m] == 0 marks it; host and device both read this switch)
+// MK_FLAT = R (EXPERIMENT, session 9, 0 = off): matvec stages may split a block's tiles x K groups flattened
+// (tile-major) into 15 R chunks dealt round robin to the 15 consumer warps (Smem::nparts[m] = -R marks it; host and
+// device both read this switch). R = 1 measured +5.6% per step (docs/megakernel.md 9i); R > 1 not yet run.
 #ifndef MK_FLAT
 #define MK_FLAT 0
 #endif

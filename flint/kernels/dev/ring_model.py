@@ -25,8 +25,8 @@ Protocols (megakernel.cu, [5] matvec_stage and the FFN split-K's ffn_down_partia
 ``"skip2"``  as "skip", with monotonic per-slot ``consumed`` / ``issued`` counters instead of the
              empty barrier and a wait for ``issued`` before the full-barrier parity wait (MK_SKIP2: correct, but +1.2% per step on the H200 in session 5; removed from the kernel, in 0117668).
 
-``"flat"``   as "all", with some matvec stages on MK_FLAT's flattened split (session 9): per unit the warps whose
-             (tile, group) ranges meet it hold its parts, the first of them reduces;
+``"flat"``   as "all", with some matvec stages on MK_FLAT's flattened split (session 9; 1-4 rounds of chunks): per
+             unit the warps whose chunks meet it hold its parts, the last chunk ending inside it reduces;
 ``"flat_badcount"`` as "flat", the reducer arriving for one warp too few (must be caught).
 
 Checked per run: every part reads the lap it expects, the reducer sees every part of its unit, no
@@ -86,18 +86,31 @@ def units(stages: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(i, S) for i, (nt, S) in enumerate(stages) for _ in range(nt)]
 
 
-def flat_parts(nt: int, ng: int, j: int, bad_count: bool = False) -> dict[int, tuple[int, int, int]]:
-    """MK_FLAT (megakernel.cu matvec_stage): the block's nt x ng (tile, group) pairs, tile-major, split over the
-    15 warps (warp i: [i N / 15, (i + 1) N / 15)); unit j's parts {warp: (part, parts, reducer's arrival count)}
-    for the warps whose ranges meet it; part 0 reduces. bad_count: the reducer arrives for one warp too few."""
-    n = nt * ng
-    fa = [i * n // NCW for i in range(NCW + 1)]
+def flat_parts(nt: int, ng: int, j: int, rounds: int = 1, bad_count: bool = False) -> dict[int, tuple[int, int, int, bool]]:
+    """MK_FLAT = rounds (megakernel.cu matvec_stage): the block's N = nt x ng (tile, group) pairs, tile-major, cut
+    into C = 15 rounds chunks (chunk k = [k N / C, (k + 1) N / C)) dealt to warp k mod 15; unit j's parts
+    {warp: (part, parts, reducer's arrival count, reduces)} for the chunks that meet it, the reducer being the last
+    chunk that ends inside the unit (or the only one). bad_count: the reducer arrives for one warp too few."""
+    n, c = nt * ng, NCW * rounds
     u0, u1 = j * ng, (j + 1) * ng
-    wf = sum(1 for i in range(1, NCW) if fa[i] <= u0)
-    wl = sum(1 for i in range(1, NCW) if fa[i] < u1)
-    su = wl - wf + 1
+    kf, kl = ((u0 + 1) * c - 1) // n, (u1 * c - 1) // n
+    su = kl - kf + 1
+    assert su <= NCW, "the host keeps a unit's chunks <= 15"
+    kl_ends = (kl + 1) * n // c == u1
+    rpt = su - 1 if kl_ends or su == 1 else su - 2
     extra = NCW - (su - 1) - (1 if bad_count else 0)
-    return {w: (w - wf, su, extra) for w in range(wf, wl + 1)}
+    return {k % NCW: (k - kf, su, extra, k - kf == rpt) for k in range(kf, kl + 1)}
+
+
+def flat_groups(nt: int, ng: int, rounds: int, w: int, j: int) -> tuple[int, int] | None:
+    """The groups [g0, g1) of unit j that warp w holds under MK_FLAT = rounds (the kernel's arithmetic), or None."""
+    n, c = nt * ng, NCW * rounds
+    u0, u1 = j * ng, (j + 1) * ng
+    kf, kl = ((u0 + 1) * c - 1) // n, (u1 * c - 1) // n
+    k = kf + (w - kf % NCW) % NCW
+    if k > kl:
+        return None
+    return max(k * n // c, u0) - u0, min((k + 1) * n // c, u1) - u0
 
 
 def run(protocol: str, stages: list[tuple[int, int]], nslots: int, seed: int, inflight: int = 2) -> None:
@@ -141,18 +154,19 @@ def run(protocol: str, stages: list[tuple[int, int]], nslots: int, seed: int, in
                 part, stage, j = w, st, 0
             else:
                 j += 1
-            if S < 0:  # MK_FLAT: every warp waits for the slot; the warps whose ranges meet the unit hold parts
-                fp = flat_parts(stages[st][0], -S, j, bad_count=protocol == "flat_badcount")
+            if S < 0:  # MK_FLAT: every warp waits for the slot; the warps whose chunks meet the unit hold parts
+                ng, rounds = -S % 100, -S // 100 or 1
+                fp = flat_parts(stages[st][0], ng, j, rounds, bad_count=protocol == "flat_badcount")
                 where[w] = f"unit {u} full"
                 while not full_parity_done(sl, lap & 1):
                     yield WAIT
                 if w in fp:
-                    pt, su, extra = fp[w]
+                    pt, su, extra, reduces = fp[w]
                     if sl.content != lap:
                         raise ProtocolError(f"warp {w} flat unit {u}: read lap {sl.content}'s data for lap {lap}")
                     yield  # the dot
                     sl.partial[pt] = lap
-                    if pt == 0:  # reducer
+                    if reduces:
                         sl.parts.arrive(extra, lap, f"warp {w} (flat reducer) unit {u}")
                         where[w] = f"unit {u} parts (reducer)"
                         while not sl.parts.parity_done(lap & 1):
@@ -241,8 +255,10 @@ def random_stages(rng: random.Random, slices: bool = False, flat: bool = False) 
     stages use MK_FLAT's flattened split (S = -groups per tile)."""
     out = []
     for _ in range(rng.randint(2, 6)):
-        if flat and rng.random() < 0.5:
-            out.append((rng.randint(1, 12), -rng.randint(1, 24)))
+        if flat and rng.random() < 0.5:  # S = -(100 rounds + groups per tile), a unit's chunks <= 15
+            nt, ng = rng.randint(1, 12), rng.randint(1, 24)
+            rounds = rng.choice([r for r in (1, 2, 3, 4) if r == 1 or 15 * r * ng <= 14 * nt * ng])
+            out.append((nt, -(100 * rounds + ng) if rounds > 1 else -ng))
         else:
             out.append((rng.randint(1, 9), rng.randint(1, NCW)))
         if slices and rng.random() < 0.5:
