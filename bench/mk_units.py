@@ -3,7 +3,8 @@ stage picked by MK_WS_MAT, e.g. `python3 bench/mk_variants.py gu=.:MK_WS_ALL=1:M
 for the middle layer of one Granite-4.1-3B int4 G128 step (ctx 512), blocks 0 and last, per warp and
 unit u (item = segment x tile, the first 8): when its ring slot was ready ("r"), when the warp's K
 part was done ("d", warps holding a part), when the reducer's epilogue was done ("e"); us since the
-block entered the stage (SM cycles / the clock measured in the same launch).
+block entered the stage (SM cycles / the clock measured in the same launch). Builds from session 9 on also
+time the input's staging inside stage_x (loads landed, rstd known, words stored).
 
     cd build/var/gu && FLINT_KERNEL_DIR=../../kernels FLINT_MK_TRACE=1 python3 bench/mk_units.py [M]
 """
@@ -33,6 +34,10 @@ for b in (0, 1):
         return "    -" if math.isnan(v) else f"{(v - t0) / ghz / 1e3:5.2f}"
 
     print(f"block {'0' if b == 0 else 'last'} (SM clock {ghz:.3f} GHz), us since stage entry; per unit r/d/e")
+    if not bool(torch.isnan(w[:15, 28]).all()):  # stage_x's own stamps (builds from session 9 on)
+        print("staging, per warp: loads landed + squares summed (normed stages) / rstd known / words stored / staged")
+        for wi in range(15):
+            print(f"  {wi:2d}  " + " / ".join(f(float(w[wi, k])) for k in (26, 27, 28, 1)))
     print("warp staged | " + " | ".join(f"u{u}: r     d     e   " for u in range(8)) + "| loop  exit")
     for wi in range(15):
         units = " | ".join(" ".join(f(float(w[wi, 2 + 3 * u + k])) for k in range(3)) for u in range(8))

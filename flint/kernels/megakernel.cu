@@ -180,7 +180,9 @@ enum {
 #define MK_WS_MAT MAT_O
 #endif
 // MK_WS_ALL = 1 (trace variant): every unit (item = segment x tile, first 8) of the traced stage gets
-// three stamps (slot ready, the warp's part done, the reducer's epilogue done) at 2 + 3 u .. 4 + 3 u,
+// three stamps (slot ready, the warp's part done, the reducer's epilogue done) at 2 + 3 u .. 4 + 3 u; its input's
+// staging (stage_x, session 9) stamps 26 (a normed stage: the warp's loads landed, squares summed), 27 (the rstd
+// known) and 28 (the warp's words converted and stored; slot 1 is after stage_x's final block barrier),
 // loop end at 30, exit at 31; the attention stamps are off (bench/mk_units.py reads them).
 #ifndef MK_WS_ALL
 #define MK_WS_ALL 0
@@ -400,6 +402,9 @@ struct Ctx {
   uint32_t xs, xsum;   // shared addresses of the staged x and its per-group sums
   int start;
   uint32_t tag0;       // MK_QTAG: the tag of layer 0 in this launch (epoch * L + 1)
+#if MK_WS_ALL
+  int wsl;             // MK_WS_ALL: the layer whose stage_x stamps slots 26-28 (-1: none)
+#endif
 };
 
 // rstd per token from the per-warp sums of squares in misc->red[warp][m] (fixed order), then a cbar.
@@ -508,8 +513,14 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
           pending &= ~__ballot_sync(0xffffffffu, mine);
         }
       }
+#if MK_WS_ALL
+      if (c.wsl >= 0) warp_stamp_raw(*c.p, c.wsl, 26);  // this warp's loads landed and its squares are summed
+#endif
       cbar();
       finish_rstd<M>(*c.p, c.misc);
+#if MK_WS_ALL
+      if (c.wsl >= 0) warp_stamp_raw(*c.p, c.wsl, 27);  // the block's rstd is known
+#endif
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -614,6 +625,9 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
       }  // fp16 terms
     }
   }
+#if MK_WS_ALL
+  if (c.wsl >= 0) warp_stamp_raw(*c.p, c.wsl, 28);  // this warp's words converted and stored
+#endif
   cbar();
 }
 
@@ -821,8 +835,15 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
       if (MK_ATAG && mi == MAT_O)
         stage_x<M, false, true>(c, src, mult, norm_w, xall ? 0 : s * mt.kseg, xall ? mt.K : mt.kseg, mt.G, mt.gshift,
                                 attn_word(p, 0, 0), p.nh * p.D, c.tag0 + (uint32_t)layer);
-      else
+      else {
+#if MK_WS_ALL
+        c.wsl = ws ? layer : -1;
+#endif
         stage_x<M>(c, src, mult, norm_w, xall ? 0 : s * mt.kseg, xall ? mt.K : mt.kseg, mt.G, mt.gshift);
+#if MK_WS_ALL
+        c.wsl = -1;
+#endif
+      }
       if (s == 0 && mi != MAT_LM) trace_stamp(p, layer, 16 + 4 * mi);
       if (ws) warp_stamp(p, layer, WS_O_STAGED);
     }
@@ -1528,6 +1549,9 @@ __global__ void __launch_bounds__(NT, 1)
   }
   Ctx<M> c;
   c.p = &p;
+#if MK_WS_ALL
+  c.wsl = -1;
+#endif
   c.sl = &sl;
   c.ring = ring;
   c.slot = 0;
