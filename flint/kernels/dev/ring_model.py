@@ -145,6 +145,17 @@ def run(protocol: str, stages: list[tuple[int, int]], nslots: int, seed: int, in
                 sl.issued = lap + 1
             yield
 
+    def reduce(sl: Slot, lap: int, extra: int, nparts: int, who: str):
+        """The reducer: arrives for the warps without a part, waits for the parts phase, checks every part's lap,
+        runs the epilogue."""
+        sl.parts.arrive(extra, lap, who)
+        while not sl.parts.parity_done(lap & 1):
+            yield WAIT
+        got = [sl.partial.get(p) for p in range(nparts)]
+        if any(g != lap for g in got):
+            raise ProtocolError(f"{who}: parts of laps {got} for lap {lap}")
+        yield  # the epilogue
+
     def warp(w: int):
         part, stage, j = w, -1, 0
         for u, (st, S) in enumerate(us):
@@ -167,14 +178,8 @@ def run(protocol: str, stages: list[tuple[int, int]], nslots: int, seed: int, in
                     yield  # the dot
                     sl.partial[pt] = lap
                     if reduces:
-                        sl.parts.arrive(extra, lap, f"warp {w} (flat reducer) unit {u}")
                         where[w] = f"unit {u} parts (reducer)"
-                        while not sl.parts.parity_done(lap & 1):
-                            yield WAIT
-                        got = [sl.partial.get(p) for p in range(su)]
-                        if any(g != lap for g in got):
-                            raise ProtocolError(f"warp {w} flat unit {u}: parts of laps {got} for lap {lap}")
-                        yield  # the epilogue
+                        yield from reduce(sl, lap, extra, su, f"warp {w} (flat reducer) unit {u}")
                     else:
                         sl.parts.arrive(1, lap, f"warp {w} flat unit {u}")
                 sl.empty.arrive(1, lap, f"warp {w} flat unit {u}")
@@ -204,13 +209,7 @@ def run(protocol: str, stages: list[tuple[int, int]], nslots: int, seed: int, in
                     yield  # the dot
                     sl.partial[part] = lap
                     if part == S - 1:  # reducer
-                        sl.parts.arrive(NCW - (S - 1), lap, f"warp {w} (reducer) unit {u}")
-                        while not sl.parts.parity_done(lap & 1):
-                            yield WAIT
-                        got = [sl.partial.get(p) for p in range(S)]
-                        if any(g != lap for g in got):
-                            raise ProtocolError(f"warp {w} unit {u}: parts of laps {got} for lap {lap}")
-                        yield  # the epilogue
+                        yield from reduce(sl, lap, NCW - (S - 1), S, f"warp {w} (reducer) unit {u}")
                         if protocol == "skip":
                             sl.empty.arrive(NCW - (S - 1), lap, f"warp {w} (reducer) unit {u}")
                         elif protocol == "skip2":
