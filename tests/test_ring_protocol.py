@@ -86,3 +86,10 @@ def test_flat_split_covers_every_group_once():
                     seen[(j, g)] = seen.get((j, g), 0) + 1
             assert lo == ng, (nt, ng, rounds, j, pieces)
         assert len(seen) == nt * ng and set(seen.values()) == {1}
+
+
+def test_rotating_reducer_holds():
+    # MK_RED_ROT (session 9): the reducing part rotates per unit; the protocol is the mainline's
+    for seed in range(30):
+        run("rotate", [(2, 7), (2, 7), (8, 5), (5, 0)] * 2, 8, seed)
+    assert check("rotate", 400, seed=13) == []

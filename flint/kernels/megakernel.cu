@@ -254,6 +254,14 @@ __device__ __forceinline__ void inflight_cap(const Ring& ring, int slot, uint32_
 #ifndef MK_WARP_ARRIVE
 #define MK_WARP_ARRIVE 0
 #endif
+// MK_RED_ROT (EXPERIMENT, session 9, off; not yet run on a GPU): the part that reduces a unit rotates per unit
+// (S - 1 - (i mod S)) instead of always part S - 1. Part p of item i runs on warp (i S + p) mod 15, so with
+// gate|up's S = 5 the reducers were always warps 4, 9 and 14: session 9's unit trace (mk_units_gu_2026-11-30.log)
+// shows them carrying every epilogue (0.45-0.8 us each) and ending the stage ~1 us after the others. The
+// mbarrier protocol is unchanged (one part warp adds the others' arrivals and waits). Projection: -1.5 to -3%.
+#ifndef MK_RED_ROT
+#define MK_RED_ROT 0
+#endif
 // a warp's arrivals on a ring slot's parts / empty mbarrier: n per lane (NCT per phase in all)
 __device__ __forceinline__ void ring_arrive_n(uint64_t* bar, uint32_t n, int lane) {
   if (MK_WARP_ARRIVE) {
@@ -819,6 +827,12 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
   // part p of item i runs on warp (i S + p) mod 15, i.e. this warp holds part (warp - i S) mod 15,
   // stepped per item; the K groups of part p are [gtab(p), gtab(p + 1)), one division per lane and stage
   int part = warp;
+#if MK_RED_ROT
+  int rred = S - 1;  // the part that reduces item i: S - 1 - (i mod S), stepped per item (M <= 4: M = 5 spills)
+#define RED_PART (M <= 4 ? rred : S - 1)
+#else
+#define RED_PART (S - 1)
+#endif
   const int gtab = lane < 16 ? c.misc->gbound[mi][lane] : ng;  // ng * lane / S, computed once per launch
 #if MK_FLAT
   // S = -R <= -1 (the host's choice, single-segment matrices, M <= 4: more spills): the block's N = nt x ng
@@ -862,7 +876,7 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
       // this unit's K part of this warp (MV_MINE), its index MV_PT of MV_SU parts, the reducer flag (MV_RED);
       // without MK_FLAT these are the plain expressions (the default's code, byte-identical SASS)
 #if MK_FLAT
-      bool mine = part < S, red = part == S - 1;
+      bool mine = part < S, red = part == RED_PART;
       int pt = part, Su = S;
       int gi0 = __shfl_sync(0xffffffffu, gtab, part), gi1 = __shfl_sync(0xffffffffu, gtab, part + 1);
       if constexpr (M <= 4) {
@@ -889,7 +903,7 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
 #define MV_SU Su
 #else
 #define MV_MINE (part < S)
-#define MV_RED (part == S - 1)
+#define MV_RED (part == RED_PART)
 #define MV_PT part
 #define MV_SU S
 #endif
@@ -933,8 +947,12 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
         c.phase ^= 1u;
       }
       part = part >= S ? part - S : part - S + NCW;  // the next item's part: (warp - (item + 1) S) mod 15
+#if MK_RED_ROT
+      rred = rred == 0 ? S - 1 : rred - 1;
+#endif
     }
   }
+#undef RED_PART
 #undef MV_MINE
 #undef MV_RED
 #undef MV_PT

@@ -27,7 +27,8 @@ Protocols (megakernel.cu, [5] matvec_stage and the FFN split-K's ffn_down_partia
 
 ``"flat"``   as "all", with some matvec stages on MK_FLAT's flattened split (session 9; 1-4 rounds of chunks): per
              unit the warps whose chunks meet it hold its parts, the last chunk ending inside it reduces;
-``"flat_badcount"`` as "flat", the reducer arriving for one warp too few (must be caught).
+``"flat_badcount"`` as "flat", the reducer arriving for one warp too few (must be caught);
+``"rotate"`` as "all", the part that reduces unit i of a stage being S - 1 - (i mod S) (MK_RED_ROT, session 9).
 
 Checked per run: every part reads the lap it expects, the reducer sees every part of its unit, no
 arrival lands in another lap's phase, and everything finishes (no deadlock).
@@ -115,7 +116,7 @@ def flat_groups(nt: int, ng: int, rounds: int, w: int, j: int) -> tuple[int, int
 
 def run(protocol: str, stages: list[tuple[int, int]], nslots: int, seed: int, inflight: int = 2) -> None:
     rng = random.Random(seed)
-    mainline = protocol in ("all", "flat", "flat_badcount")  # the mainline's units (the flat ones on top)
+    mainline = protocol in ("all", "flat", "flat_badcount", "rotate")  # the mainline's units (+ flat ones)
     us = units(stages)
     slots = [Slot() for _ in range(nslots)]
     landing: list[tuple[int, int]] = []  # (slot, lap) copies in flight
@@ -208,7 +209,8 @@ def run(protocol: str, stages: list[tuple[int, int]], nslots: int, seed: int, in
                         raise ProtocolError(f"warp {w} unit {u}: read lap {sl.content}'s data for lap {lap}")
                     yield  # the dot
                     sl.partial[part] = lap
-                    if part == S - 1:  # reducer
+                    rpart = S - 1 - (j % S) if protocol == "rotate" else S - 1  # MK_RED_ROT: the reducer rotates
+                    if part == rpart:  # reducer
                         yield from reduce(sl, lap, NCW - (S - 1), S, f"warp {w} (reducer) unit {u}")
                         if protocol == "skip":
                             sl.empty.arrive(NCW - (S - 1), lap, f"warp {w} (reducer) unit {u}")
@@ -270,7 +272,7 @@ def check(protocol: str, runs: int, seed: int = 0, inflight: int = 2) -> list[st
     rng = random.Random(seed)
     fails = []
     for r in range(runs):
-        stages = random_stages(rng, slices=protocol in ("all", "slice_noparts", "flat", "flat_badcount"),
+        stages = random_stages(rng, slices=protocol in ("all", "slice_noparts", "flat", "flat_badcount", "rotate"),
                                flat=protocol in ("flat", "flat_badcount"))
         nslots = rng.randint(3, 8)
         try:
@@ -281,6 +283,6 @@ def check(protocol: str, runs: int, seed: int = 0, inflight: int = 2) -> list[st
 
 
 if __name__ == "__main__":
-    for proto in ("all", "skip", "skip2", "slice_noparts", "flat", "flat_badcount"):
+    for proto in ("all", "skip", "skip2", "slice_noparts", "flat", "flat_badcount", "rotate"):
         f = check(proto, 2000)
         print(f"{proto:6s}: {len(f)} of 2000 random schedules failed" + (f"; first: {f[0]}" if f else ""))
