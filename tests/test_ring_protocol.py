@@ -59,9 +59,9 @@ def test_flat_split_holds():
     assert all(sum(p[w][3] for w in p) == 1 for p in parts)  # one reducer per unit
     assert sum(len(p) for p in parts) == 15 + 7  # every warp once, plus one per unit boundary inside a range
     for seed in range(30):
-        run("flat", [(2, 7), (2, 7), (8, -20), (5, 0)] * 2, 8, seed)
-        run("flat", [(2, 7), (2, 7), (8, -320), (5, 0)] * 2, 8, seed)  # 3 rounds
-        run("flat", [(48, -20)], 8, seed)
+        run("flat", [(2, 7), (2, 7), (8, -20, 1), (5, 0)] * 2, 8, seed)
+        run("flat", [(2, 7), (2, 7), (8, -20, 3), (5, 0)] * 2, 8, seed)
+        run("flat", [(48, -20, 1)], 8, seed)
     assert check("flat", 400, seed=11) == []
     fails = check("flat_badcount", 200, seed=12)
     assert len(fails) > 150, "the model should find the reducer's missing arrival"

@@ -877,8 +877,11 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
       // without MK_FLAT these are the plain expressions (the default's code, byte-identical SASS)
 #if MK_FLAT
       bool mine = part < S, red = part == RED_PART;
-      int pt = part, Su = S;
-      int gi0 = __shfl_sync(0xffffffffu, gtab, part), gi1 = __shfl_sync(0xffffffffu, gtab, part + 1);
+      int pt = part, Su = S, gi0 = 0, gi1 = 0;
+      if (!flat) {  // (warp-uniform: the shuffles run converged)
+        gi0 = __shfl_sync(0xffffffffu, gtab, part);
+        gi1 = __shfl_sync(0xffffffffu, gtab, part + 1);
+      }
       if constexpr (M <= 4) {
         if (flat) {
           const uint32_t u0 = (uint32_t)(j * ng), u1 = u0 + (uint32_t)ng;
@@ -925,8 +928,8 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
         if (2 * tq < M) { pw[gq * M + 2 * tq] = acc[0]; pw[(gq + 8) * M + 2 * tq] = acc[2]; }
         if (2 * tq + 1 < M) { pw[gq * M + 2 * tq + 1] = acc[1]; pw[(gq + 8) * M + 2 * tq + 1] = acc[3]; }
         // hand-off through the slot's parts mbarrier (NCT arrivals per phase, release/acquire): every
-        // lane of the Su part warps arrives; the reducer (part Su-1; with MK_FLAT's split part 0) adds the
-        // missing arrivals, waits, sums the parts in order (deterministic) and runs the tile's epilogue
+        // lane of the Su part warps arrives; the reducer (part S-1, or MK_RED_ROT's / MK_FLAT's choice) adds
+        // the missing arrivals, waits, sums the parts in order (deterministic) and runs the tile's epilogue
         if (MV_RED) {
           ring_arrive_n(&c.ring.parts[slot], (uint32_t)(NCW - (MV_SU - 1)), lane);
           mbar_wait(&c.ring.parts[slot], phase);

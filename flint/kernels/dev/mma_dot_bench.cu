@@ -205,29 +205,29 @@ __device__ __forceinline__ void diag_dot(uint32_t tile, int srb, int kseg, int g
   for (int j = 0; j < 4; ++j) acc[j] += M == 1 ? (j & 1 ? 0.f : acc[j + 1]) : __shfl_xor_sync(~0u, acc[j], LB / 2);
 }
 
-// DOT_DIAG = 9 (a candidate, correct results): two tiles per warp and group, one set of x / off / eff loads for both,
-// four independent mma chains (A rows g, g + 8; B rows g, g + 8); otherwise the packed loop unchanged
-template <int M, int CH = 2>
-__device__ __forceinline__ void diag_dot2(uint32_t ta, uint32_t tb, int srb, int kseg, int gi0, int gi1, uint32_t xs,
-                                          int xstride, uint32_t xsum, int lane, float (&acc)[2][4]) {
+// DOT_DIAG = 9 / 12 (candidates, correct results): NT = 2 tiles per warp and group, one set of x / off / eff loads for
+// both, CH = 2 / 4 independent mma chains per tile; DOT_DIAG = 10 / 11: NT = 1 tile, CH = 4 / 8 chains (the mainline:
+// one tile, 2 chains of 4). The mma (c, h) of a tile goes to chain (2c + h) mod CH; otherwise the packed loop unchanged.
+template <int M, int CH, int NT>
+__device__ __forceinline__ void diag_dotn(const uint32_t (&tile)[NT], int srb, int kseg, int gi0, int gi1, uint32_t xs,
+                                          int xstride, uint32_t xsum, int lane, float (&acc)[NT][4]) {
   using namespace mkmma;
-  static_assert(2 * M <= 8, "diag_dot2: packed hi + lo only (M <= 4)");
+  static_assert(2 * M <= 8 && CH % 2 == 0 && CH <= 8, "diag_dotn: packed hi + lo only (M <= 4), CH in 2, 4, 8");
   constexpr int WPL = 4, G = 128, LB = M == 1 ? 1 : M == 2 ? 2 : 4;
   const int g = lane >> 2, t = lane & 3;
-  const uint32_t tile[2] = {ta, tb};
   const int xrow = g < M ? g : g - LB < M && g >= LB ? M + g - LB : 0;
   const uint32_t xa = xs + (uint32_t)(xrow * xstride + 16 * t);
   uint32_t magic;
   asm("mov.b32 %0, 0x64006400;" : "=r"(magic));
 #pragma unroll
-  for (int u = 0; u < 2; ++u)
+  for (int u = 0; u < NT; ++u)
 #pragma unroll
     for (int j = 0; j < 4; ++j) acc[u][j] = 0.f;
 #pragma unroll 1
   for (int gi = gi0; gi < gi1; ++gi) {
-    uint32_t w[2][2][WPL];  // [tile][row g, row g + 8][word]
+    uint32_t w[NT][2][WPL];  // [tile][row g, row g + 8][word]
 #pragma unroll
-    for (int u = 0; u < 2; ++u)
+    for (int u = 0; u < NT; ++u)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
         mma_lds_words<WPL>(tile[u] + (uint32_t)((g + 8 * h) * srb + 16 * t + gi * (G / 2)), w[u][h]);
@@ -235,9 +235,9 @@ __device__ __forceinline__ void diag_dot2(uint32_t ta, uint32_t tb, int srb, int
     float2 eff;
     asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(eff.x), "=f"(eff.y)
                  : "r"(xsum + 64u + 8u * t + (uint32_t)(gi * MMA_XSUM_FLOATS * 4)));
-    float d[2][CH][4];  // [tile][chain]: mma (c, h) of a tile goes to chain (2c + h) mod CH
+    float d[NT][CH][4];  // [tile][chain]: mma (c, h) of a tile goes to chain (2c + h) mod CH
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
+    for (int u = 0; u < NT; ++u) {
       d[u][0][0] = __uint_as_float(off.x), d[u][0][1] = __uint_as_float(off.y);
       d[u][0][2] = __uint_as_float(off.z), d[u][0][3] = __uint_as_float(off.w);
 #pragma unroll
@@ -249,7 +249,7 @@ __device__ __forceinline__ void diag_dot2(uint32_t ta, uint32_t tb, int srb, int
     for (int c = 0; c < WPL; ++c) {
       const uint4 xh = mk::lds128(xa + (uint32_t)(gi * G * 2 + c * 64));
 #pragma unroll
-      for (int u = 0; u < 2; ++u) {
+      for (int u = 0; u < NT; ++u) {
         const uint32_t a0 = w[u][0][c], b0 = w[u][1][c], a1 = a0 >> 8, b1 = b0 >> 8;
         mma_16816(d[u][(2 * c) % CH], mma_nib<0x000F000Fu>(a0, magic), mma_nib<0x000F000Fu>(b0, magic),
                   mma_nib<0x00F000F0u>(a0, magic), mma_nib<0x00F000F0u>(b0, magic), xh.x, xh.y);
@@ -258,13 +258,13 @@ __device__ __forceinline__ void diag_dot2(uint32_t ta, uint32_t tb, int srb, int
       }
     }
 #pragma unroll
-    for (int u = 0; u < 2; ++u)
+    for (int u = 0; u < NT; ++u)
 #pragma unroll
       for (int k = 2; k < CH; k += 2)
 #pragma unroll
         for (int j = 0; j < 4; ++j) d[u][0][j] += d[u][k][j], d[u][1][j] += d[u][k + 1][j];
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
+    for (int u = 0; u < NT; ++u) {
       const uint32_t hsa = mk::lds32(tile[u] + (uint32_t)(g * srb + kseg / 2 + gi * 4));
       const uint32_t hsb = mk::lds32(tile[u] + (uint32_t)((g + 8) * srb + kseg / 2 + gi * 4));
       const float2 fa = __half22float2(*reinterpret_cast<const __half2*>(&hsa));
@@ -276,68 +276,12 @@ __device__ __forceinline__ void diag_dot2(uint32_t ta, uint32_t tb, int srb, int
     }
   }
 #pragma unroll
-  for (int u = 0; u < 2; ++u)
+  for (int u = 0; u < NT; ++u)
 #pragma unroll
     for (int j = 0; j < 4; ++j)
       acc[u][j] += M == 1 ? (j & 1 ? 0.f : acc[u][j + 1]) : __shfl_xor_sync(~0u, acc[u][j], LB / 2);
 }
 
-// DOT_DIAG = 10 / 11 (candidates, correct results): one tile, the mainline's packed loop with its 8 mmas per group on
-// CH = 4 / 8 independent chains (mainline: 2 chains of 4), summed per group
-template <int M, int CH>
-__device__ __forceinline__ void diag_dotc(uint32_t tile, int srb, int kseg, int gi0, int gi1, uint32_t xs, int xstride,
-                                          uint32_t xsum, int lane, float (&acc)[4]) {
-  using namespace mkmma;
-  static_assert(2 * M <= 8 && CH % 2 == 0 && CH <= 8, "diag_dotc: packed hi + lo only (M <= 4), CH in 2, 4, 8");
-  constexpr int WPL = 4, G = 128, LB = M == 1 ? 1 : M == 2 ? 2 : 4;
-  const int g = lane >> 2, t = lane & 3;
-  const int xrow = g < M ? g : g - LB < M && g >= LB ? M + g - LB : 0;
-  const uint32_t xa = xs + (uint32_t)(xrow * xstride + 16 * t);
-  uint32_t magic;
-  asm("mov.b32 %0, 0x64006400;" : "=r"(magic));
-#pragma unroll
-  for (int j = 0; j < 4; ++j) acc[j] = 0.f;
-#pragma unroll 1
-  for (int gi = gi0; gi < gi1; ++gi) {
-    uint32_t w[2][WPL];  // [row g, row g + 8][word]
-#pragma unroll
-    for (int h = 0; h < 2; ++h) mma_lds_words<WPL>(tile + (uint32_t)((g + 8 * h) * srb + 16 * t + gi * (G / 2)), w[h]);
-    const uint4 off = mk::lds128(xsum + 16u * t + (uint32_t)(gi * MMA_XSUM_FLOATS * 4));
-    float2 eff;
-    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(eff.x), "=f"(eff.y)
-                 : "r"(xsum + 64u + 8u * t + (uint32_t)(gi * MMA_XSUM_FLOATS * 4)));
-    float d[CH][4];
-    d[0][0] = __uint_as_float(off.x), d[0][1] = __uint_as_float(off.y);
-    d[0][2] = __uint_as_float(off.z), d[0][3] = __uint_as_float(off.w);
-#pragma unroll
-    for (int k = 1; k < CH; ++k)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) d[k][j] = 0.f;
-#pragma unroll
-    for (int c = 0; c < WPL; ++c) {
-      const uint4 xh = mk::lds128(xa + (uint32_t)(gi * G * 2 + c * 64));
-      const uint32_t a0 = w[0][c], b0 = w[1][c], a1 = a0 >> 8, b1 = b0 >> 8;
-      mma_16816(d[(2 * c) % CH], mma_nib<0x000F000Fu>(a0, magic), mma_nib<0x000F000Fu>(b0, magic),
-                mma_nib<0x00F000F0u>(a0, magic), mma_nib<0x00F000F0u>(b0, magic), xh.x, xh.y);
-      mma_16816(d[(2 * c + 1) % CH], mma_nib<0x000F000Fu>(a1, magic), mma_nib<0x000F000Fu>(b1, magic),
-                mma_nib<0x00F000F0u>(a1, magic), mma_nib<0x00F000F0u>(b1, magic), xh.z, xh.w);
-    }
-#pragma unroll
-    for (int k = 2; k < CH; k += 2)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) d[0][j] += d[k][j], d[1][j] += d[k + 1][j];
-    const uint32_t hsa = mk::lds32(tile + (uint32_t)(g * srb + kseg / 2 + gi * 4));
-    const uint32_t hsb = mk::lds32(tile + (uint32_t)((g + 8) * srb + kseg / 2 + gi * 4));
-    const float2 fa = __half22float2(*reinterpret_cast<const __half2*>(&hsa));
-    const float2 fb = __half22float2(*reinterpret_cast<const __half2*>(&hsb));
-    acc[0] = fmaf(fa.x, d[0][0] + d[1][0], fmaf(fa.y, eff.x, acc[0]));
-    acc[1] = fmaf(fa.x, d[0][1] + d[1][1], fmaf(fa.y, eff.y, acc[1]));
-    acc[2] = fmaf(fb.x, d[0][2] + d[1][2], fmaf(fb.y, eff.x, acc[2]));
-    acc[3] = fmaf(fb.x, d[0][3] + d[1][3], fmaf(fb.y, eff.y, acc[3]));
-  }
-#pragma unroll
-  for (int j = 0; j < 4; ++j) acc[j] += M == 1 ? (j & 1 ? 0.f : acc[j + 1]) : __shfl_xor_sync(~0u, acc[j], LB / 2);
-}
 #endif
 
 struct Cfg {
@@ -462,9 +406,10 @@ __global__ void __launch_bounds__(NTHREADS, 1) dot_bench(Cfg c) {
       if (warp == own) {
         float acc[2][4];
         if constexpr (2 * M <= 8) {
-          diag_dot2<M, DOT_DIAG == 12 ? 4 : 2>(base + (uint32_t)(c.ring_off + slot * tile_bytes),
-                       base + (uint32_t)(c.ring_off + (two ? slot2 : slot) * tile_bytes), c.srb, c.K, 0, ng,
-                       base + c.x_off, xstride, base + c.xsum_off, lane, acc);
+          const uint32_t tl[2] = {base + (uint32_t)(c.ring_off + slot * tile_bytes),
+                                  base + (uint32_t)(c.ring_off + (two ? slot2 : slot) * tile_bytes)};
+          diag_dotn<M, DOT_DIAG == 12 ? 4 : 2, 2>(tl, c.srb, c.K, 0, ng, base + c.x_off, xstride, base + c.xsum_off,
+                                                 lane, acc);
         } else {
           for (int u = 0; u < 2; ++u) acc[u][0] = acc[u][1] = acc[u][2] = acc[u][3] = 0.f;
         }
@@ -505,10 +450,13 @@ __global__ void __launch_bounds__(NTHREADS, 1) dot_bench(Cfg c) {
         if constexpr (2 * M <= 8 && DOT_DIAG == 8)  // MK_IDOT's loop, the staged fp16 x bytes read as int8
           mkmma::imma_tile_dot<4, M>(base + (uint32_t)(c.ring_off + slot * tile_bytes), c.srb, c.K, gi0, gi1,
                                      base + c.x_off, xstride, base + c.xsum_off, lane, acc);
-        else if constexpr (2 * M <= 8 && (DOT_DIAG == 10 || DOT_DIAG == 11))
-          diag_dotc<M, DOT_DIAG == 10 ? 4 : 8>(base + (uint32_t)(c.ring_off + slot * tile_bytes), c.srb, c.K, gi0, gi1,
-                                               base + c.x_off, xstride, base + c.xsum_off, lane, acc);
-        else if constexpr (2 * M <= 8)
+        else if constexpr (2 * M <= 8 && (DOT_DIAG == 10 || DOT_DIAG == 11)) {
+          const uint32_t tl[1] = {base + (uint32_t)(c.ring_off + slot * tile_bytes)};
+          float a1[1][4];
+          diag_dotn<M, DOT_DIAG == 10 ? 4 : 8, 1>(tl, c.srb, c.K, gi0, gi1, base + c.x_off, xstride, base + c.xsum_off,
+                                                 lane, a1);
+          acc[0] = a1[0][0], acc[1] = a1[0][1], acc[2] = a1[0][2], acc[3] = a1[0][3];
+        } else if constexpr (2 * M <= 8)
           diag_dot<M>(base + (uint32_t)(c.ring_off + slot * tile_bytes), c.srb, c.K, gi0, gi1, base + c.x_off, xstride,
                       base + c.xsum_off, lane, acc);
         else

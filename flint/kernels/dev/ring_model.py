@@ -80,11 +80,11 @@ class Slot:
     consumed: int = 0             # skip2: cumulative arrivals
 
 
-def units(stages: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Units of a sequence of stages (ntiles, S); returns (stage, S) per unit in order. S = 0: a slice
-    unit (ffn_down_partial: no K parts, no reducer). S < 0: a unit of MK_FLAT's flattened split with -S K
-    groups per tile (flat_parts gives each warp's part)."""
-    return [(i, S) for i, (nt, S) in enumerate(stages) for _ in range(nt)]
+def units(stages: list[tuple]) -> list[tuple[int, int]]:
+    """Units of a sequence of stages (ntiles, S) or (ntiles, -ng, rounds); returns (stage, S) per unit in order.
+    S = 0: a slice unit (ffn_down_partial: no K parts, no reducer). (ntiles, -ng, rounds): a unit of MK_FLAT's
+    flattened split, ng K groups per tile in 15 rounds chunks (flat_parts gives each warp's part)."""
+    return [(i, st[1]) for i, st in enumerate(stages) for _ in range(st[0])]
 
 
 def flat_parts(nt: int, ng: int, j: int, rounds: int = 1, bad_count: bool = False) -> dict[int, tuple[int, int, int, bool]]:
@@ -114,7 +114,7 @@ def flat_groups(nt: int, ng: int, rounds: int, w: int, j: int) -> tuple[int, int
     return max(k * n // c, u0) - u0, min((k + 1) * n // c, u1) - u0
 
 
-def run(protocol: str, stages: list[tuple[int, int]], nslots: int, seed: int, inflight: int = 2) -> None:
+def run(protocol: str, stages: list[tuple], nslots: int, seed: int, inflight: int = 2) -> None:
     rng = random.Random(seed)
     mainline = protocol in ("all", "flat", "flat_badcount", "rotate")  # the mainline's units (+ flat ones)
     us = units(stages)
@@ -167,8 +167,8 @@ def run(protocol: str, stages: list[tuple[int, int]], nslots: int, seed: int, in
             else:
                 j += 1
             if S < 0:  # MK_FLAT: every warp waits for the slot; the warps whose chunks meet the unit hold parts
-                ng, rounds = -S % 100, -S // 100 or 1
-                fp = flat_parts(stages[st][0], ng, j, rounds, bad_count=protocol == "flat_badcount")
+                nt, _, rounds = stages[st]
+                fp = flat_parts(nt, -S, j, rounds, bad_count=protocol == "flat_badcount")
                 where[w] = f"unit {u} full"
                 while not full_parity_done(sl, lap & 1):
                     yield WAIT
@@ -250,16 +250,15 @@ def run(protocol: str, stages: list[tuple[int, int]], nslots: int, seed: int, in
             raise ProtocolError("deadlock: every actor spins on a barrier" + (f" ({where})" if where else ""))
 
 
-def random_stages(rng: random.Random, slices: bool = False, flat: bool = False) -> list[tuple[int, int]]:
+def random_stages(rng: random.Random, slices: bool = False, flat: bool = False) -> list[tuple]:
     """A step-like sequence of stages: (tiles of this block, parts per tile); slices: some stages are
     FFN split-K slice stages (chunks, S = 0), each after a matvec stage as in the kernel; flat: some matvec
     stages use MK_FLAT's flattened split (S = -groups per tile)."""
     out = []
     for _ in range(rng.randint(2, 6)):
-        if flat and rng.random() < 0.5:  # S = -(100 rounds + groups per tile), a unit's chunks <= 15
+        if flat and rng.random() < 0.5:  # (ntiles, -groups per tile, rounds): a unit's chunks <= 15
             nt, ng = rng.randint(1, 12), rng.randint(1, 24)
-            rounds = rng.choice([r for r in (1, 2, 3, 4) if r == 1 or 15 * r * ng <= 14 * nt * ng])
-            out.append((nt, -(100 * rounds + ng) if rounds > 1 else -ng))
+            out.append((nt, -ng, rng.choice([r for r in (1, 2, 3, 4) if r == 1 or 15 * r <= 14 * nt])))
         else:
             out.append((rng.randint(1, 9), rng.randint(1, NCW)))
         if slices and rng.random() < 0.5:
