@@ -261,9 +261,13 @@ class MegakernelBackend:
             self.argmax = torch.zeros((MAX_M,), dtype=torch.int32)
             self.done_count = torch.zeros((1,), dtype=torch.int32)
             self.bar_counter = torch.zeros((1,), dtype=torch.int64)
-            self.epoch = torch.zeros((1,), dtype=torch.int64)
-            # FFN split-K partial sums [M][H tiles][nffn_pad][16] (f >= nffn stay 0)
-            self.dpart = (torch.zeros((MAX_M * (-(-H // TILE_ROWS)) * self.ffn_plan["nffn_pad"] * TILE_ROWS,), **f32)
+            # launches so far; the barrier counter's value at a launch's start (kernels whose barriers per launch
+            # depend on M: MK_FXRES)
+            self.epoch = torch.zeros((2,), dtype=torch.int64)
+            # FFN split-K partial sums [M][H tiles][nffn_pad][16] (f >= nffn stay 0), then room for the kernel's
+            # fixed-point residual [M][H tiles * 16] of 8-byte words (MK_FXRES)
+            hp = -(-H // TILE_ROWS) * TILE_ROWS
+            self.dpart = (torch.zeros((MAX_M * hp * self.ffn_plan["nffn_pad"] + 2 * MAX_M * hp,), **f32)
                           if self.ffn_plan else None)
             # FLINT_MK_TRACE=1: blocks 0 and nblocks-1 stamp %globaltimer at stage boundaries (stage_times)
             self.trace = (torch.zeros((2 * L * 32 + self.nblocks * 16 + 2 * 16 * 32,), dtype=torch.int64)

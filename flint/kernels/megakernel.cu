@@ -262,6 +262,54 @@ __device__ __forceinline__ void inflight_cap(const Ring& ring, int slot, uint32_
 #ifndef MK_RED_ROT
 #define MK_RED_ROT 0
 #endif
+// MK_FXRES (session 10; FFN split-K, M = 1 only): the residual stream between layers as 64-bit fixed point (2^-32
+// units) in Hp words after the partial sums in p.dpart, and each FFN block ADDS its down partials into it with
+// red.global.add.u64 (integer adds commute: deterministic, bitwise-repeatable) instead of writing them to dpart
+// for every block to sum after a grid barrier. The o epilogue stores its rows' value (fp32 as before, and in fixed
+// point); the next layer's qkv staging reads the fixed-point words right after the FFN's barrier, converts them and
+// keeps the block's own rows (c.own, p.resid) for the o epilogue. No ffn_down_reduce and one grid barrier less per
+// layer. Each FFN block walks its slice's chunks from chunk (f mod chunks) on, so the 128 blocks' adds spread over
+// all rows (from chunk 0 on: no gain, session 10). Session 10's same-call A/Bs at ctx 512: M = 1 -1.7% and -2.4%;
+// at M = 2 (twice the adds) +1 to +2%, hence M = 1 only. The qkv staging's loads land 0.6-0.9 us later than from
+// the fp32 residual (the L2 still applying the adds), which eats most of the 2.5 us removed.
+// Barriers per launch then depend on M: the barrier target counts from a base kept in p.epoch[1].
+#ifndef MK_FXRES
+#define MK_FXRES 0
+#endif
+// MK_SPIN (EXPERIMENT, session 10, off): the consumers' mbarrier waits spin on mbarrier.test_wait instead of
+// try_wait (which may suspend the warp until the phase completes or a time limit passes). 1: the reducer's wait on
+// a slot's parts barrier; 2: also every wait for a ring slot to land. Hypothesis from session 10's qkv unit trace:
+// the reducer's epilogue ends 0.6 us after the last part's arrival, for ~50 instructions of work; if that is the
+// wake-up, -0.5 us per stage. Projection: -1 to -4%.
+#ifndef MK_SPIN
+#define MK_SPIN 0
+#endif
+__device__ __forceinline__ void cwait(uint64_t* bar, uint32_t parity, int level) {
+  if (MK_SPIN >= level)
+    mbar_wait_spin(bar, parity);
+  else
+    mbar_wait(bar, parity);
+}
+// the M = 1 object only (one object per M: FLINT_MK_M); the other M's code is the default's, but for the barrier base
+#if MK_FXRES && defined(FLINT_MK_M) && FLINT_MK_M == 1
+#define MK_FX1 1
+#else
+#define MK_FX1 0
+#endif
+template <int M>
+constexpr bool kFx = MK_FX1 && M == 1;
+constexpr float FX_SCALE = 4294967296.f, FX_INV = 1.f / 4294967296.f;
+__device__ __forceinline__ unsigned long long fx_of(float v) { return (unsigned long long)__float2ll_rn(v * FX_SCALE); }
+__device__ __forceinline__ float fx_val(long long x) { return __ll2float_rn(x) * FX_INV; }
+__device__ __forceinline__ void fx_red(unsigned long long* a, float v) {
+  asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(a), "l"(fx_of(v)) : "memory");
+}
+// the fixed-point residual: token m's row at fx_base(p) + m * fx_stride(p) (the padded rows of the down tiles), after
+// the partial sums in p.dpart (not over them: the slices f >= nffn there must stay 0 for the other M's reduction)
+__device__ __forceinline__ unsigned long long* fx_base(const Params& p) {
+  return reinterpret_cast<unsigned long long*>(p.dpart + (size_t)MAX_M * p.mat[MAT_DS].ntiles * p.nffn_pad * TILE_ROWS);
+}
+__device__ __forceinline__ int fx_stride(const Params& p) { return p.mat[MAT_DS].ntiles * TILE_ROWS; }
 // a warp's arrivals on a ring slot's parts / empty mbarrier: n per lane (NCT per phase in all)
 __device__ __forceinline__ void ring_arrive_n(uint64_t* bar, uint32_t n, int lane) {
   if (MK_WARP_ARRIVE) {
@@ -316,21 +364,29 @@ __device__ void produce_matrix(const Mat& mt, int t0, int t1, int layer, const R
 // FFN split-K: this block's down slice (all its row tiles, one K slice) in chunks of cpt tiles per
 // slot, in the consumers' order (ffn_down_partial)
 __device__ void produce_slice(const Mat& mt, int ntl, int cpt, int layer, const Ring& ring, int& slot, uint32_t& lap,
-                              uint64_t pol RING_ARGS) {
+                              uint64_t pol, bool fxrot RING_ARGS) {
   const uint32_t tb = (uint32_t)(TILE_ROWS * mt.srb);
   const uint8_t* src = mt.base + (long long)layer * mt.layer_stride + (long long)blockIdx.x * mt.seg_stride;
+#if MK_FX1  // (kFx: chunks from chunk (f mod chunks) on: ffn_down_partial's order)
+  const int nch = (ntl + cpt - 1) / cpt, ch0 = fxrot ? (int)blockIdx.x % nch : 0;
+  for (int ci = 0; ci < nch; ++ci) {
+    const int t = (ci + ch0 < nch ? ci + ch0 : ci + ch0 - nch) * cpt;
+    const uint8_t* cs = src + (size_t)t * tb;
+#else
   for (int t = 0; t < ntl; t += cpt, src += (size_t)cpt * tb) {
+    const uint8_t* cs = src;
+#endif
     const uint32_t bytes = (uint32_t)min(cpt, ntl - t) * tb;
     if (lap > 0) mbar_wait(&ring.empty[slot], (lap - 1) & 1);
     inflight_cap(ring, slot, lap);
     RING_STAMP();
     mbar_expect_tx(&ring.full[slot], bytes);
-    bulk_g2s(ring.slots + (size_t)slot * ring.slot_bytes, src, bytes, &ring.full[slot], pol);
+    bulk_g2s(ring.slots + (size_t)slot * ring.slot_bytes, cs, bytes, &ring.full[slot], pol);
     if (++slot == ring.nslots) { slot = 0; ++lap; }
   }
 }
 
-__device__ void producer(const Params& p, const Smem& sl, const Ring& ring, const MiscSmem* misc) {
+__device__ void producer(const Params& p, const Smem& sl, const Ring& ring, const MiscSmem* misc, bool fxrot) {
   uint64_t pol;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
   int slot = 0;
@@ -344,7 +400,7 @@ __device__ void producer(const Params& p, const Smem& sl, const Ring& ring, cons
 #endif
     for (int m = MAT_QKV; m <= MAT_GU; ++m)
       produce_matrix(p.mat[m], misc->tile0[m], misc->tile1[m], l, ring, slot, lap, pol RING_PASS);
-    if (p.nffn) produce_slice(p.mat[MAT_DS], misc->tile1[MAT_DS], sl.ds_cpt, l, ring, slot, lap, pol RING_PASS);
+    if (p.nffn) produce_slice(p.mat[MAT_DS], misc->tile1[MAT_DS], sl.ds_cpt, l, ring, slot, lap, pol, fxrot RING_PASS);
     else produce_matrix(p.mat[MAT_D], misc->tile0[MAT_D], misc->tile1[MAT_D], l, ring, slot, lap, pol RING_PASS);
   }
   produce_matrix(p.mat[MAT_LM], misc->tile0[MAT_LM], misc->tile1[MAT_LM], 0, ring, slot, lap, pol RING_PASS);
@@ -413,6 +469,9 @@ struct Ctx {
 #if MK_WS_ALL
   int wsl;             // MK_WS_ALL: the layer whose stage_x stamps slots 26-28 (-1: none)
 #endif
+#if MK_FX1
+  bool fx;             // MK_FXRES: the next matvec stage's input is the fixed-point residual
+#endif
 };
 
 // rstd per token from the per-warp sums of squares in misc->red[warp][m] (fixed order), then a cbar.
@@ -431,7 +490,7 @@ __device__ __forceinline__ void finish_rstd(const Params& p, MiscSmem* misc) {
 // rstd per token of the vector rows src[m] (length H), block-wide deterministic reduction.
 // Loads are unrolled UNR deep so a thread's L2 round trips overlap (one latency, not H / 480).
 constexpr int UNR = 8;
-template <int M>
+template <int M, bool FX = false>
 __device__ void compute_rstd(const Params& p, const float* const* src, float mult, MiscSmem* misc) {
   const int t = threadIdx.x, lane = t & 31, w = t >> 5;
 #pragma unroll
@@ -442,7 +501,11 @@ __device__ void compute_rstd(const Params& p, const float* const* src, float mul
 #pragma unroll
       for (int u = 0; u < UNR; ++u) {
         const int k = base + u * NCT;
-        v[u] = k < p.H ? __ldcg(src[m] + k) * mult : 0.f;
+        if constexpr (FX)
+          v[u] = k < p.H ? fx_val(__ldcg(reinterpret_cast<const long long*>(fx_base(p)) + (size_t)m * fx_stride(p) + k))
+                         : 0.f;
+        else
+          v[u] = k < p.H ? __ldcg(src[m] + k) * mult : 0.f;
       }
 #pragma unroll
       for (int u = 0; u < UNR; ++u) s = fmaf(v[u], v[u], s);
@@ -463,7 +526,7 @@ __device__ void compute_rstd(const Params& p, const float* const* src, float mul
 // (zeroed at kernel start).
 // SMEM_SRC: src rows are in shared memory (generic loads); TAGGED (MK_ATAG): the source is tagged
 // words instead, token m's row at tw + 2 m tstride (a separate instantiation: the polls' registers)
-template <int M, bool SMEM_SRC = false, bool TAGGED = false>
+template <int M, bool SMEM_SRC = false, bool TAGGED = false, bool FX = false>
 __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, const float* norm_w, int k0, int kst,
                         int G, int gshift, const uint32_t* tw = nullptr, int tstride = 0, uint32_t tag = 0) {
   const int t = threadIdx.x;
@@ -477,7 +540,7 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
   // RMSNorm: when the whole row is one round of loads (decode on Granite and SmolLM2), the rstd comes
   // from the same loads (no separate pass, one L2 round trip less); else from compute_rstd first
   const bool fused = norm_w != nullptr && k0 == 0 && kst == c.p->H && total <= U * NCT;
-  if (norm_w != nullptr && !fused) compute_rstd<M>(*c.p, src, mult, c.misc);
+  if (norm_w != nullptr && !fused) compute_rstd<M, FX>(*c.p, src, mult, c.misc);
   for (int c0 = 0; c0 < total; c0 += NCT * U) {
     float4 v[U][2], wv[U][2];
 #pragma unroll
@@ -490,10 +553,18 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
         v[u][0] = v[u][1] = make_float4(0.f, 0.f, 0.f, 0.f);
         if (ok) ld_tagged8(tw + 2 * ((size_t)m * tstride + k0 + 8 * kw), tag, v[u][0], v[u][1]);
       }
+      if constexpr (FX) {  // the fixed-point residual: 8 words of 8 bytes
+        const longlong2* fp = reinterpret_cast<const longlong2*>(fx_base(*c.p) + (size_t)m * fx_stride(*c.p) + k0) + 4 * kw;
+        longlong2 q[4];
+#pragma unroll
+        for (int h = 0; h < 4; ++h) q[h] = ok ? __ldcg(fp + h) : make_longlong2(0, 0);
+        v[u][0] = make_float4(fx_val(q[0].x), fx_val(q[0].y), fx_val(q[1].x), fx_val(q[1].y));
+        v[u][1] = make_float4(fx_val(q[2].x), fx_val(q[2].y), fx_val(q[3].x), fx_val(q[3].y));
+      }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float4* sp = reinterpret_cast<const float4*>(src[m] + k0) + 2 * kw + h;
-        if (!tagged) v[u][h] = !ok ? make_float4(0.f, 0.f, 0.f, 0.f) : SMEM_SRC ? *sp : __ldcg(sp);
+        if (!tagged && !FX) v[u][h] = !ok ? make_float4(0.f, 0.f, 0.f, 0.f) : SMEM_SRC ? *sp : __ldcg(sp);
         wv[u][h] = (norm_w && ok) ? __ldg(reinterpret_cast<const float4*>(norm_w + k0) + 2 * kw + h)
                                   : make_float4(1.f, 1.f, 1.f, 1.f);
       }
@@ -522,12 +593,12 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
         }
       }
 #if MK_WS_ALL
-      if (c.wsl >= 0) warp_stamp_raw(*c.p, c.wsl, 26);  // this warp's loads landed and its squares are summed
+      if (M <= 2 && c.wsl >= 0) warp_stamp_raw(*c.p, c.wsl, 26);  // this warp's loads landed and its squares are summed
 #endif
       cbar();
       finish_rstd<M>(*c.p, c.misc);
 #if MK_WS_ALL
-      if (c.wsl >= 0) warp_stamp_raw(*c.p, c.wsl, 27);  // the block's rstd is known
+      if (M <= 2 && c.wsl >= 0) warp_stamp_raw(*c.p, c.wsl, 27);  // the block's rstd is known
 #endif
     }
 #pragma unroll
@@ -540,6 +611,17 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
       const float wx[8] = {wv[u][0].x, wv[u][0].y, wv[u][0].z, wv[u][0].w,
                            wv[u][1].x, wv[u][1].y, wv[u][1].z, wv[u][1].w};
       const float r = norm_w ? mult * c.misc->rstd[m] : 1.f;
+      if constexpr (FX) {  // the block's own rows (the o tiling) for the o epilogue, and the fp32 hidden state
+        const int k = k0 + 8 * kw, n0 = c.misc->tile0[MAT_O] * TILE_ROWS;
+        const int n1 = min(c.misc->tile1[MAT_O] * TILE_ROWS, c.p->H);
+        if (ok && k >= n0 && k < n1) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) c.own[(k + j - n0) * M + m] = x[j];
+          float4* rp = reinterpret_cast<float4*>(c.p->resid + (size_t)m * c.p->H + k);
+          rp[0] = v[u][0];
+          rp[1] = v[u][1];
+        }
+      }
       if constexpr (kIdot<M>) {  // the integer dot's x: two int8 terms per token and group
         float xv[8], amax = 0.f;
 #pragma unroll
@@ -634,7 +716,7 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
     }
   }
 #if MK_WS_ALL
-  if (c.wsl >= 0) warp_stamp_raw(*c.p, c.wsl, 28);  // this warp's words converted and stored
+  if (M <= 2 && c.wsl >= 0) warp_stamp_raw(*c.p, c.wsl, 28);  // this warp's words converted and stored
 #endif
   cbar();
 }
@@ -708,6 +790,11 @@ __device__ __forceinline__ void pair_epilogue(Ctx<M>& c, int mi, int layer, int 
       ow[0] = r0;
       ow[M] = r1;
       *reinterpret_cast<float2*>(p.resid + (size_t)mm * p.H + n0) = make_float2(r0, r1);
+#if MK_FX1
+      if (kFx<M> && p.nffn && mi == MAT_O)  // the fixed-point residual the FFN blocks add their down partials into
+        *reinterpret_cast<longlong2*>(fx_base(p) + (size_t)mm * fx_stride(p) + n0) =
+            make_longlong2((long long)fx_of(r0), (long long)fx_of(r1));
+#endif
     }
   } else if (mi == MAT_GU) {  // rows interleaved gate_j, up_j
     if (act && (n0 >> 1) < p.I) {
@@ -822,7 +909,8 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
   const uint32_t xlo = (uint32_t)(M * xstride);
   const uint32_t ring0 = smem_u32(c.ring.slots);
   const int gq = lane >> 2, tq = lane & 3;
-  const bool ws = mi == MK_WS_MAT;  // the stage whose inside is traced (warp_stamp)
+  // the stage whose inside is traced (warp_stamp; MK_WS_ALL: M <= 2, the stamps' registers spill at larger M)
+  const bool ws = mi == MK_WS_MAT && (!MK_WS_ALL || M <= 2);
   // per-unit bookkeeping without integer division (it cost ~0.3 us per unit and warp, bench/mk_units.py):
   // part p of item i runs on warp (i S + p) mod 15, i.e. this warp holds part (warp - i S) mod 15,
   // stepped per item; the K groups of part p are [gtab(p), gtab(p + 1)), one division per lane and stage
@@ -853,6 +941,12 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
 #if MK_WS_ALL
         c.wsl = ws ? layer : -1;
 #endif
+#if MK_FX1
+        if (kFx<M> && c.fx)
+          stage_x<M, false, false, true>(c, src, mult, norm_w, xall ? 0 : s * mt.kseg, xall ? mt.K : mt.kseg, mt.G,
+                                         mt.gshift);
+        else
+#endif
         stage_x<M>(c, src, mult, norm_w, xall ? 0 : s * mt.kseg, xall ? mt.K : mt.kseg, mt.G, mt.gshift);
 #if MK_WS_ALL
         c.wsl = -1;
@@ -866,7 +960,7 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
     for (int j = 0; j < nt; ++j) {
       const int slot = c.slot;
       const uint32_t phase = c.phase;
-      mbar_wait(&c.ring.full[slot], phase);
+      cwait(&c.ring.full[slot], phase, 2);
 #if MK_WS_ALL
       const int wu = s * nt + j;  // the unit's stamps: 2 + 3 wu (ready), + 1 (part done), + 2 (epilogue done)
       const bool wsu = ws && wu < 8;
@@ -932,7 +1026,7 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
         // the missing arrivals, waits, sums the parts in order (deterministic) and runs the tile's epilogue
         if (MV_RED) {
           ring_arrive_n(&c.ring.parts[slot], (uint32_t)(NCW - (MV_SU - 1)), lane);
-          mbar_wait(&c.ring.parts[slot], phase);
+          cwait(&c.ring.parts[slot], phase, 1);
           if (!MK_WS_ALL && ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j + 2);
           tile_epilogue<M>(c, mi, layer, t0 + j, j, s, pp, MV_SU, lane, warp);
           __syncwarp();
@@ -976,7 +1070,7 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
 template <int WPL, int M, bool I8 = false>
 __device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int srb, int kseg, int n, int i0,
                                                    uint32_t xs, int xstride, uint32_t xlo, uint32_t xsum, int lane,
-                                                   float* dp0, size_t tstride, size_t mstride) {
+                                                   float* dp0, size_t tstride, size_t mstride, float rm = 0.f) {
   using namespace mkmma;
   static_assert(!I8 || M <= 2, "hoisted integer slice dot: M <= 2");
   constexpr bool PACKED = 2 * M <= 8;
@@ -1071,9 +1165,21 @@ __device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int
           for (int j = 0; j < 4; ++j) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], LB / 2);
         }
       }
+#if MK_FX1  // kFx: dp0 is the fixed-point residual's row g of the chunk's first tile (tstride 16, mstride: Hp)
+      if constexpr (kFx<M>) {
+      unsigned long long* dq = reinterpret_cast<unsigned long long*>(dp0) + (size_t)(u ? i + NCW : i) * tstride;
+      if (2 * t < M) { fx_red(dq + 2 * t * mstride, rm * acc[0]); fx_red(dq + 2 * t * mstride + 8, rm * acc[2]); }
+      if (2 * t + 1 < M) {
+        fx_red(dq + (2 * t + 1) * mstride, rm * acc[1]);
+        fx_red(dq + (2 * t + 1) * mstride + 8, rm * acc[3]);
+      }
+      } else
+#endif
+      {
       float* dp = dp0 + (size_t)(u ? i + NCW : i) * tstride;
       if (2 * t < M) { dp[2 * t * mstride] = acc[0]; dp[2 * t * mstride + 8] = acc[2]; }
       if (2 * t + 1 < M) { dp[(2 * t + 1) * mstride] = acc[1]; dp[(2 * t + 1) * mstride + 8] = acc[3]; }
+      }
     }
   }
 }
@@ -1113,37 +1219,63 @@ __device__ void ffn_down_partial(Ctx<M>& c, int layer) {
   const int cpt15 = cpt % NCW;  // tile t + i of the slice goes to warp (t + i) mod 15; rot = t mod 15
   int rot = 0;
 #endif
+#if MK_FX1
+  const int nch = (nt + cpt - 1) / cpt, ch0 = kFx<M> ? f % nch : 0;  // (the producer's order: produce_slice)
+  for (int ci = 0; ci < nch; ++ci) {
+    const int t = (ci + ch0 < nch ? ci + ch0 : ci + ch0 - nch) * cpt;
+    int i0 = warp >= t % NCW ? warp - t % NCW : warp - t % NCW + NCW;  // tile t + i to warp (t + i) mod 15
+    unsigned long long* fxr = fx_base(p) + (size_t)t * TILE_ROWS + gq;
+    const size_t fxs = (size_t)fx_stride(p);
+#else
   for (int t = 0; t < nt; t += cpt) {
     int i0 = warp;  // this warp's first tile of the chunk
 #if MK_DS_RR
     i0 = warp >= rot ? warp - rot : warp - rot + NCW;
     if ((rot += cpt15) >= NCW) rot -= NCW;
 #endif
+#endif
     if (t < 8 * cpt) DP_STAMP(2 + 2 * (t / cpt));
-    mbar_wait(&c.ring.full[c.slot], c.phase);
+    cwait(&c.ring.full[c.slot], c.phase, 2);
     if (t < 8 * cpt) DP_STAMP(3 + 2 * (t / cpt));
     const int n = min(cpt, nt - t);
     const uint32_t sb = ring0 + (uint32_t)(c.slot * c.ring.slot_bytes);
     // (hoisted only where the registers allow: M <= 2 and G <= 64; else the generic tile dot)
     if (M <= 2 && ng == 1 && mt.G <= 64) {
+#if MK_FX1
+      float* dp0 = kFx<M> ? reinterpret_cast<float*>(fxr) : dpf + (size_t)t * p.nffn_pad * TILE_ROWS;
+      const size_t ts = kFx<M> ? (size_t)TILE_ROWS : (size_t)p.nffn_pad * TILE_ROWS, ms = kFx<M> ? fxs : mstride;
+#else
       float* dp0 = dpf + (size_t)t * p.nffn_pad * TILE_ROWS;
-      const size_t ts = (size_t)p.nffn_pad * TILE_ROWS;
+      const size_t ts = (size_t)p.nffn_pad * TILE_ROWS, ms = mstride;
+#endif
       if constexpr (M <= 2) {
         constexpr bool I8 = MK_IDOT != 0;
         if (mt.G == 64)
           ds_tiles_one_group<2, M, I8>(sb, tb, mt.srb, mt.kseg, n, i0, c.xs, xstride, xlo, c.xsum, lane, dp0, ts,
-                                       mstride);
+                                       ms, p.res_mult);
         else
           ds_tiles_one_group<1, M, I8>(sb, tb, mt.srb, mt.kseg, n, i0, c.xs, xstride, xlo, c.xsum, lane, dp0, ts,
-                                       mstride);
+                                       ms, p.res_mult);
       }
     } else
     for (int i = i0; i < n; i += NCW) {
       float acc[4];
       tile_dot<M>(mt.G, sb + (uint32_t)i * tb, mt.srb, mt.kseg, 0, ng, c.xs, xstride, xlo, c.xsum, lane, acc);
+#if MK_FX1
+      if constexpr (kFx<M>) {
+      unsigned long long* dq = fxr + (size_t)i * TILE_ROWS;
+      if (2 * tq < M) { fx_red(dq + 2 * tq * fxs, p.res_mult * acc[0]); fx_red(dq + 2 * tq * fxs + 8, p.res_mult * acc[2]); }
+      if (2 * tq + 1 < M) {
+        fx_red(dq + (2 * tq + 1) * fxs, p.res_mult * acc[1]);
+        fx_red(dq + (2 * tq + 1) * fxs + 8, p.res_mult * acc[3]);
+      }
+      } else
+#endif
+      {
       float* dp = dpf + (size_t)(t + i) * p.nffn_pad * TILE_ROWS;
       if (2 * tq < M) { dp[2 * tq * mstride] = acc[0]; dp[2 * tq * mstride + 8] = acc[2]; }
       if (2 * tq + 1 < M) { dp[(2 * tq + 1) * mstride] = acc[1]; dp[(2 * tq + 1) * mstride + 8] = acc[3]; }
+      }
     }
     // every lane, on the slot's parts barrier too: its phases must follow the ring's laps (matvec_stage
     // waits on it with the lap parity), so a lap of the slot without K parts still completes one
@@ -1565,7 +1697,7 @@ __global__ void __launch_bounds__(NT, 1)
   }
   __syncthreads();
   if (threadIdx.x >= NCT) {  // producer warp
-    if (threadIdx.x == NCT) producer(p, sl, ring, misc);
+    if (threadIdx.x == NCT) producer(p, sl, ring, misc, kFx<M>);
     return;
   }
   Ctx<M> c;
@@ -1586,14 +1718,24 @@ __global__ void __launch_bounds__(NT, 1)
   c.xs = smem_u32(smem + sl.uni);
   c.xsum = smem_u32(smem + sl.xsum);
   c.start = start;
+#if MK_FX1
+  c.fx = false;
+#endif
   const unsigned long long epoch = __ldcg(p.epoch);
   c.tag0 = (uint32_t)(epoch * (unsigned long long)p.L) + 1u;
   // grid barriers per launch: 5 per layer, less the qkv -> attention one (MK_QTAG) and the attention -> o one
   // (MK_ATAG). S must be the same for every M: the counter's target assumes every earlier launch had this S
   // (session 7's MK_RTAG, compiled in for M <= 2 only, deadlocked the tests that mix M; removed, from f8a9637)
-  const unsigned long long S = (5ull - (MK_DIAG == 4 || MK_QTAG ? 1 : 0) - (MK_ATAG ? 1 : 0)) * p.L;
   unsigned long long nbar = 0;
+#if MK_FXRES  // the barriers per launch depend on M: count from the base the previous launch left in p.epoch[1]
+  // (it replaces the epoch as the one 64-bit value held across the kernel: the end re-reads the epoch; a static
+  // __shared__ copy does not fit next to the dynamic shared memory)
+  const unsigned long long bar0 = __ldcg(p.epoch + 1);
+  auto gsync = [&]() { ++nbar; grid_barrier(p, bar0 + (unsigned long long)p.nblocks * nbar); };
+#else
+  const unsigned long long S = (5ull - (MK_DIAG == 4 || MK_QTAG ? 1 : 0) - (MK_ATAG ? 1 : 0)) * p.L;
   auto gsync = [&]() { ++nbar; grid_barrier(p, (unsigned long long)p.nblocks * (epoch * S + nbar)); };
+#endif
 
   enum { ROW_TOK = 0, ROW_RESID, ROW_ATTN, ROW_ACT };
   if (threadIdx.x < M) {
@@ -1639,7 +1781,13 @@ __global__ void __launch_bounds__(NT, 1)
     const float mult = l == 0 ? p.emb_mult : 1.f;
     const float* an = p.norms + (size_t)l * 2 * p.H;
     stamp(l, 1);
+#if MK_FX1
+    c.fx = kFx<M> && p.nffn && l > 0;
+#endif
     matvec_stage<M>(c, MAT_QKV, l, xsrc, mult, an);
+#if MK_FX1
+    c.fx = false;
+#endif
     stamp(l, 2);
     if (MK_DIAG != 4 && !MK_QTAG) gsync();
     stamp(l, 3);
@@ -1658,6 +1806,10 @@ __global__ void __launch_bounds__(NT, 1)
       stamp(l, 9);
       gsync();
       stamp(l, 10);
+      if (kFx<M>) {  // the partials were added into the fixed-point residual: the next stage reads it
+        stamp(l, 11);
+        continue;
+      }
       ffn_down_reduce<M>(c, uni);
     } else {
       stamp(l, 9);
@@ -1669,6 +1821,9 @@ __global__ void __launch_bounds__(NT, 1)
     gsync();
   }
   stamp(p.L - 1, 12);
+#if MK_FX1
+  c.fx = kFx<M> && p.nffn != 0;
+#endif
   matvec_stage<M>(c, MAT_LM, 0, resid_rows, 1.f, p.final_norm);
   stamp(p.L - 1, 13);
   // argmax: warps' partials -> block partial (warp order) -> the last block reduces blocks in order
@@ -1703,7 +1858,12 @@ __global__ void __launch_bounds__(NT, 1)
   }
   if (c.misc->flag && threadIdx.x == 0) {
     *p.done_count = 0;
+#if MK_FXRES
+    *p.epoch = __ldcg(p.epoch) + 1;  // every block read the epoch before its first barrier
+    p.epoch[1] = bar0 + (unsigned long long)p.nblocks * nbar;  // (every block has passed all nbar barriers)
+#else
     *p.epoch = epoch + 1;  // every block read the epoch before its first barrier
+#endif
   }
 }
 

@@ -73,7 +73,7 @@ struct Params {
   int* argmax;              // [M]
   int* done_count;          // [1]
   unsigned long long* bar_counter;  // [1] the monotonic grid-barrier counter
-  unsigned long long* epoch;        // [1] launches so far
+  unsigned long long* epoch;        // [2] launches so far; MK_FXRES: the barrier counter at this launch's start
   float* dpart;             // FFN split-K partial sums [M][H tiles][nffn_pad][16] (nullptr when nffn == 0)
   unsigned long long* trace;        // optional [L * 16] globaltimer stamps of block 0 (nullptr: off)
   uint32_t* qkvt;           // MK_QTAG: [M][(nh + 2 nkv) D] (fp32 bits, tag) pairs: this step's q, k, v rows
