@@ -50,7 +50,7 @@ def test_inflight_cap_holds():
 
 
 def test_flat_split_holds():
-    # MK_FLAT (session 9): gate|up 8 tiles x 20 groups in 15 R chunks (R = 1: 2-3 parts per unit), the lm_head's
+    # MK_FLAT (session 9; a patch since session 10: experiments/10_flat_redrot_spin.patch): gate|up 8 tiles x 20 groups in 15 R chunks (R = 1: 2-3 parts per unit), the lm_head's
     # 48 x 20 (a warp spans several units), and random flattened stages mixed with the mainline's and slice units
     from flint.kernels.dev.ring_model import flat_parts
     parts = [flat_parts(8, 20, j) for j in range(8)]
@@ -68,7 +68,8 @@ def test_flat_split_holds():
 
 
 def test_flat_split_covers_every_group_once():
-    # the kernel's arithmetic (flat_groups mirrors matvec_stage's MK_FLAT block): every (tile, group) pair of the
+    # the kernel's arithmetic (flat_groups mirrors the MK_FLAT block of matvec_stage in
+    # experiments/10_flat_redrot_spin.patch): every (tile, group) pair of the
     # block exactly once, each warp's pieces in unit order, a unit's pieces contiguous in chunk order
     from flint.kernels.dev.ring_model import flat_groups, flat_parts
     for nt, ng, rounds in [(8, 20, 1), (8, 20, 2), (8, 20, 3), (7, 20, 3), (48, 20, 1), (48, 20, 4), (2, 20, 1),
@@ -89,7 +90,7 @@ def test_flat_split_covers_every_group_once():
 
 
 def test_rotating_reducer_holds():
-    # MK_RED_ROT (session 9): the reducing part rotates per unit; the protocol is the mainline's
+    # MK_RED_ROT (session 9; the same patch): the reducing part rotates per unit; the protocol is the mainline's
     for seed in range(30):
         run("rotate", [(2, 7), (2, 7), (8, 5), (5, 0)] * 2, 8, seed)
     assert check("rotate", 400, seed=13) == []

@@ -254,14 +254,6 @@ __device__ __forceinline__ void inflight_cap(const Ring& ring, int slot, uint32_
 #ifndef MK_WARP_ARRIVE
 #define MK_WARP_ARRIVE 0
 #endif
-// MK_RED_ROT (EXPERIMENT, session 9, off; not yet run on a GPU): the part that reduces a unit rotates per unit
-// (S - 1 - (i mod S)) instead of always part S - 1. Part p of item i runs on warp (i S + p) mod 15, so with
-// gate|up's S = 5 the reducers were always warps 4, 9 and 14: session 9's unit trace (mk_units_gu_2026-11-30.log)
-// shows them carrying every epilogue (0.45-0.8 us each) and ending the stage ~1 us after the others. The
-// mbarrier protocol is unchanged (one part warp adds the others' arrivals and waits). Projection: -1.5 to -3%.
-#ifndef MK_RED_ROT
-#define MK_RED_ROT 0
-#endif
 // MK_FXRES (session 10; FFN split-K, M = 1 only): the residual stream between layers as 64-bit fixed point (2^-32
 // units) in Hp words after the partial sums in p.dpart, and each FFN block ADDS its down partials into it with
 // red.global.add.u64 (integer adds commute: deterministic, bitwise-repeatable) instead of writing them to dpart
@@ -269,27 +261,14 @@ __device__ __forceinline__ void inflight_cap(const Ring& ring, int slot, uint32_
 // point); the next layer's qkv staging reads the fixed-point words right after the FFN's barrier, converts them and
 // keeps the block's own rows (c.own, p.resid) for the o epilogue. No ffn_down_reduce and one grid barrier less per
 // layer. Each FFN block walks its slice's chunks from chunk (f mod chunks) on, so the 128 blocks' adds spread over
-// all rows (from chunk 0 on: no gain, session 10). Session 10's same-call A/Bs at ctx 512: M = 1 -1.7% and -2.4%;
-// at M = 2 (twice the adds) +1 to +2%, hence M = 1 only. The qkv staging's loads land 0.6-0.9 us later than from
-// the fp32 residual (the L2 still applying the adds), which eats most of the 2.5 us removed.
+// all rows (from chunk 0 on: no gain, session 10). Session 10's same-call A/Bs at ctx 512, every M: M = 1 -1.7% and
+// -2.4%, M = 2 (twice the adds) +1 to +2%, hence M = 1 only; this form: M = 1 -1.0%, ctx 2048 -1.7% (23 GPU tests
+// pass; docs/megakernel.md 10c-10e). Off until it takes the full validation. The qkv staging's loads land 0.6-0.9 us
+// later than from the fp32 residual (the L2 still applying the adds), which eats most of the 2.5 us removed.
 // Barriers per launch then depend on M: the barrier target counts from a base kept in p.epoch[1].
 #ifndef MK_FXRES
 #define MK_FXRES 0
 #endif
-// MK_SPIN (EXPERIMENT, session 10, off): the consumers' mbarrier waits spin on mbarrier.test_wait instead of
-// try_wait (which may suspend the warp until the phase completes or a time limit passes). 1: the reducer's wait on
-// a slot's parts barrier; 2: also every wait for a ring slot to land. Hypothesis from session 10's qkv unit trace:
-// the reducer's epilogue ends 0.6 us after the last part's arrival, for ~50 instructions of work; if that is the
-// wake-up, -0.5 us per stage. Projection: -1 to -4%.
-#ifndef MK_SPIN
-#define MK_SPIN 0
-#endif
-__device__ __forceinline__ void cwait(uint64_t* bar, uint32_t parity, int level) {
-  if (MK_SPIN >= level)
-    mbar_wait_spin(bar, parity);
-  else
-    mbar_wait(bar, parity);
-}
 // the M = 1 object only (one object per M: FLINT_MK_M); the other M's code is the default's, but for the barrier base
 #if MK_FXRES && defined(FLINT_MK_M) && FLINT_MK_M == 1
 #define MK_FX1 1
@@ -915,21 +894,7 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
   // part p of item i runs on warp (i S + p) mod 15, i.e. this warp holds part (warp - i S) mod 15,
   // stepped per item; the K groups of part p are [gtab(p), gtab(p + 1)), one division per lane and stage
   int part = warp;
-#if MK_RED_ROT
-  int rred = S - 1;  // the part that reduces item i: S - 1 - (i mod S), stepped per item (M <= 4: M = 5 spills)
-#define RED_PART (M <= 4 ? rred : S - 1)
-#else
-#define RED_PART (S - 1)
-#endif
   const int gtab = lane < 16 ? c.misc->gbound[mi][lane] : ng;  // ng * lane / S, computed once per launch
-#if MK_FLAT
-  // S = -R <= -1 (the host's choice, single-segment matrices, M <= 4: more spills): the block's N = nt x ng
-  // (tile, group) pairs, tile-major, cut into C = 15 R equal chunks, chunk k = pairs [k N / C, (k + 1) N / C)
-  // dealt to warp k mod 15 (R rounds, in unit order, so units complete round by round and free their slots). A
-  // unit's parts are the chunks that meet it (at most 15, distinct warps); the last one ending inside it reduces.
-  const bool flat = M <= 4 && S < 0;
-  const uint32_t fN = (uint32_t)(nt * ng), fC = (uint32_t)(flat ? -S * NCW : NCW);
-#endif
   if (ws) warp_stamp(p, layer, WS_O_ENTER);
   for (int s = 0; s < mt.nseg; ++s) {
     if (s == 0 || !xall) {
@@ -960,55 +925,16 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
     for (int j = 0; j < nt; ++j) {
       const int slot = c.slot;
       const uint32_t phase = c.phase;
-      cwait(&c.ring.full[slot], phase, 2);
+      mbar_wait(&c.ring.full[slot], phase);
 #if MK_WS_ALL
       const int wu = s * nt + j;  // the unit's stamps: 2 + 3 wu (ready), + 1 (part done), + 2 (epilogue done)
       const bool wsu = ws && wu < 8;
       if (wsu) warp_stamp_raw(p, layer, 2 + 3 * wu);
 #endif
       if (!MK_WS_ALL && ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j);
-      // this unit's K part of this warp (MV_MINE), its index MV_PT of MV_SU parts, the reducer flag (MV_RED);
-      // without MK_FLAT these are the plain expressions (the default's code, byte-identical SASS)
-#if MK_FLAT
-      bool mine = part < S, red = part == RED_PART;
-      int pt = part, Su = S, gi0 = 0, gi1 = 0;
-      if (!flat) {  // (warp-uniform: the shuffles run converged)
-        gi0 = __shfl_sync(0xffffffffu, gtab, part);
-        gi1 = __shfl_sync(0xffffffffu, gtab, part + 1);
-      }
-      if constexpr (M <= 4) {
-        if (flat) {
-          const uint32_t u0 = (uint32_t)(j * ng), u1 = u0 + (uint32_t)ng;
-          const int kf = (int)(((u0 + 1) * fC - 1) / fN), kl = (int)((u1 * fC - 1) / fN);  // the chunks of pairs u0, u1-1
-          int d = warp - kf % NCW;
-          d += d < 0 ? NCW : 0;  // this warp's chunk of the unit: kf + d (if <= kl)
-          const uint32_t k = (uint32_t)(kf + d);
-          mine = kf + d <= kl;
-          pt = d;
-          Su = kl - kf + 1;
-          // the reducer: the last chunk that ends inside the unit (chunk kl usually runs on into the next unit,
-          // and a warp's wait must not hold back its own later pieces); one chunk: itself
-          const bool kl_ends = (uint32_t)(kl + 1) * fN / fC == u1;
-          red = pt == (kl_ends || Su == 1 ? Su - 1 : Su - 2);
-          gi0 = (int)(max(k * fN / fC, u0) - u0);
-          gi1 = (int)(min((k + 1) * fN / fC, u1) - u0);
-        }
-      }
-#define MV_MINE mine
-#define MV_RED red
-#define MV_PT pt
-#define MV_SU Su
-#else
-#define MV_MINE (part < S)
-#define MV_RED (part == RED_PART)
-#define MV_PT part
-#define MV_SU S
-#endif
-      if (MV_MINE) {
+      if (part < S) {
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#if !MK_FLAT
         const int gi0 = __shfl_sync(0xffffffffu, gtab, part), gi1 = __shfl_sync(0xffffffffu, gtab, part + 1);
-#endif
         if (!(p.dbg & 1)) {
           tile_dot<M>(mt.G, ring0 + (uint32_t)(slot * c.ring.slot_bytes), mt.srb, mt.kseg, gi0, gi1, xs, xstride, xlo,
                       xsum, lane, acc);
@@ -1018,17 +944,17 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
         if (wsu) warp_stamp_raw(p, layer, 3 + 3 * wu);
 #endif
         float* pp = c.parts + slot * c.sl->pstride;
-        float* pw = pp + MV_PT * TILE_ROWS * M;
+        float* pw = pp + part * TILE_ROWS * M;
         if (2 * tq < M) { pw[gq * M + 2 * tq] = acc[0]; pw[(gq + 8) * M + 2 * tq] = acc[2]; }
         if (2 * tq + 1 < M) { pw[gq * M + 2 * tq + 1] = acc[1]; pw[(gq + 8) * M + 2 * tq + 1] = acc[3]; }
         // hand-off through the slot's parts mbarrier (NCT arrivals per phase, release/acquire): every
-        // lane of the Su part warps arrives; the reducer (part S-1, or MK_RED_ROT's / MK_FLAT's choice) adds
-        // the missing arrivals, waits, sums the parts in order (deterministic) and runs the tile's epilogue
-        if (MV_RED) {
-          ring_arrive_n(&c.ring.parts[slot], (uint32_t)(NCW - (MV_SU - 1)), lane);
-          cwait(&c.ring.parts[slot], phase, 1);
+        // lane of the S part warps arrives; the warp of part S-1 adds the missing arrivals, waits,
+        // sums the parts in order (deterministic) and runs the tile's epilogue
+        if (part == S - 1) {
+          ring_arrive_n(&c.ring.parts[slot], (uint32_t)(NCW - (S - 1)), lane);
+          mbar_wait(&c.ring.parts[slot], phase);
           if (!MK_WS_ALL && ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j + 2);
-          tile_epilogue<M>(c, mi, layer, t0 + j, j, s, pp, MV_SU, lane, warp);
+          tile_epilogue<M>(c, mi, layer, t0 + j, j, s, pp, S, lane, warp);
           __syncwarp();
           if (!MK_WS_ALL && ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j + 3);
 #if MK_WS_ALL
@@ -1044,16 +970,8 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
         c.phase ^= 1u;
       }
       part = part >= S ? part - S : part - S + NCW;  // the next item's part: (warp - (item + 1) S) mod 15
-#if MK_RED_ROT
-      rred = rred == 0 ? S - 1 : rred - 1;
-#endif
     }
   }
-#undef RED_PART
-#undef MV_MINE
-#undef MV_RED
-#undef MV_PT
-#undef MV_SU
   if (mi != MAT_LM) {
     trace_stamp(p, layer, 16 + 4 * mi + 1);  // thread 0's warp is done
   }
@@ -1235,7 +1153,7 @@ __device__ void ffn_down_partial(Ctx<M>& c, int layer) {
 #endif
 #endif
     if (t < 8 * cpt) DP_STAMP(2 + 2 * (t / cpt));
-    cwait(&c.ring.full[c.slot], c.phase, 2);
+    mbar_wait(&c.ring.full[c.slot], c.phase);
     if (t < 8 * cpt) DP_STAMP(3 + 2 * (t / cpt));
     const int n = min(cpt, nt - t);
     const uint32_t sb = ring0 + (uint32_t)(c.slot * c.ring.slot_bytes);
@@ -1670,11 +1588,7 @@ __global__ void __launch_bounds__(NT, 1)
   if (threadIdx.x < NMAT * 16) {  // the K-group bounds of the S parts of each matrix, once
     const int m = threadIdx.x >> 4, pt = threadIdx.x & 15, S = sl.nparts[m];
     const int ng = p.mat[m].kseg >> p.mat[m].gshift;
-#if MK_FLAT
-    misc->gbound[m][pt] = (uint8_t)(pt <= S && S > 0 ? ng * pt / S : ng);  // (S < 0: the flattened split)
-#else
     misc->gbound[m][pt] = (uint8_t)(pt <= S ? ng * pt / S : ng);
-#endif
   }
   if (threadIdx.x < NMAT) {  // this block's tiles of every matrix, once (a division per call otherwise)
     const int mi = threadIdx.x;

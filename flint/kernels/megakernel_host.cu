@@ -181,31 +181,8 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
 #if MK_PARTS_GU
       if (m == mk::MAT_GU) best = MK_PARTS_GU < cap ? MK_PARTS_GU : cap;  // EXPERIMENT (session 8): gate|up's parts fixed
 #endif
-      int used_parts = best;
-#if MK_FLAT
-      // the flattened split (megakernel.cu matvec_stage, nparts -R): the block's T ng (tile, group) pairs in 15 R
-      // chunks dealt round robin to the warps; cost = a warp's groups + its pieces (C + T - 1 over 15 warps); taken
-      // when not above the parts split's (Granite: gate|up for R <= 3 and the lm_head; qkv and o keep their parts).
-      // A unit's chunks over the block tile counts T - 1 and T (block_tiles: floor or ceil) must fit the parts.
-      if (M <= 4 && mt.nseg == 1 && T * ng >= mk::NCW * MK_FLAT) {  // (the device code: M <= 4)
-        const int C = mk::NCW * MK_FLAT;
-        int maxp = 1;
-        for (int Tb = T > 1 ? T - 1 : 1; Tb <= T; ++Tb) {
-          const int N = Tb * ng;
-          for (int j = 0; j < Tb; ++j) {
-            const int kf = ((j * ng + 1) * C - 1) / N, kl = ((j + 1) * ng * C - 1) / N;
-            maxp = maxp > kl - kf + 1 ? maxp : kl - kf + 1;
-          }
-        }
-        const long long fcost = cdiv(T * ng, mk::NCW) + cdiv(C + T - 1, mk::NCW);  // + a warp's pieces (chunk x unit)
-        if (fcost <= best_cost && maxp <= mk::MAX_PARTS && maxp * M <= mk::PART_FLOATS) {
-          best = -MK_FLAT;
-          used_parts = maxp;
-        }
-      }
-#endif
       s.nparts[m] = best;
-      max_parts = max_parts > used_parts ? max_parts : used_parts;
+      max_parts = max_parts > best ? max_parts : best;
     }
     s.xstride = mkmma::mma_x_stride_bytes(kx);
     s.ds_cpt = p.nffn ? slot / (mk::TILE_ROWS * p.mat[mk::MAT_DS].srb) : 0;

@@ -16,12 +16,6 @@ constexpr int NCT = NCW * 32;
 constexpr int NT = NCT + 32;
 constexpr int TILE_ROWS = 16;       // weight rows per tile (one mma.m16n8k16 A operand)
 constexpr int MAX_SLOTS = 16;       // ring slots, one tile-segment (16 row-segments) each
-// MK_FLAT = R (EXPERIMENT, session 9, 0 = off): matvec stages may split a block's tiles x K groups flattened
-// (tile-major) into 15 R chunks dealt round robin to the 15 consumer warps (Smem::nparts[m] = -R marks it; host and
-// device both read this switch). R = 1 measured +5.6% per step (docs/megakernel.md 9i); R > 1 not yet run.
-#ifndef MK_FLAT
-#define MK_FLAT 0
-#endif
 constexpr int MAX_PARTS = 15;       // K parts per tile (one warp each; <= NCW so a warp holds at most one)
 constexpr int PART_FLOATS = 32;     // parts * M <= PART_FLOATS (per-slot partial sums, 64 B each per M)
 constexpr int MAX_ACC_TILES = 64;  // tiles per block of a multi-segment matrix

@@ -25,10 +25,12 @@ Protocols (megakernel.cu, [5] matvec_stage and the FFN split-K's ffn_down_partia
 ``"skip2"``  as "skip", with monotonic per-slot ``consumed`` / ``issued`` counters instead of the
              empty barrier and a wait for ``issued`` before the full-barrier parity wait (MK_SKIP2: correct, but +1.2% per step on the H200 in session 5; removed from the kernel, in 0117668).
 
-``"flat"``   as "all", with some matvec stages on MK_FLAT's flattened split (session 9; 1-4 rounds of chunks): per
+``"flat"``   as "all", with some matvec stages on MK_FLAT's flattened split (session 9; 1-4 rounds of chunks; lost
+             +6.5% / +10.5% for R = 1 / 3 in session 10, out of the kernel: experiments/10_flat_redrot_spin.patch): per
              unit the warps whose chunks meet it hold its parts, the last chunk ending inside it reduces;
 ``"flat_badcount"`` as "flat", the reducer arriving for one warp too few (must be caught);
-``"rotate"`` as "all", the part that reduces unit i of a stage being S - 1 - (i mod S) (MK_RED_ROT, session 9).
+``"rotate"`` as "all", the part that reduces unit i of a stage being S - 1 - (i mod S) (MK_RED_ROT, session 9; lost
+             +1.2% in session 10, same patch).
 
 Checked per run: every part reads the lap it expects, the reducer sees every part of its unit, no
 arrival lands in another lap's phase, and everything finishes (no deadlock).
@@ -88,7 +90,7 @@ def units(stages: list[tuple]) -> list[tuple[int, int]]:
 
 
 def flat_parts(nt: int, ng: int, j: int, rounds: int = 1, bad_count: bool = False) -> dict[int, tuple[int, int, int, bool]]:
-    """MK_FLAT = rounds (megakernel.cu matvec_stage): the block's N = nt x ng (tile, group) pairs, tile-major, cut
+    """MK_FLAT = rounds (matvec_stage with experiments/10_flat_redrot_spin.patch): the block's N = nt x ng (tile, group) pairs, tile-major, cut
     into C = 15 rounds chunks (chunk k = [k N / C, (k + 1) N / C)) dealt to warp k mod 15; unit j's parts
     {warp: (part, parts, reducer's arrival count, reduces)} for the chunks that meet it, the reducer being the last
     chunk that ends inside the unit (or the only one). bad_count: the reducer arrives for one warp too few."""
