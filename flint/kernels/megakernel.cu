@@ -266,8 +266,21 @@ __device__ __forceinline__ void inflight_cap(const Ring& ring, int slot, uint32_
 // pass; docs/megakernel.md 10c-10e). Off until it takes the full validation. The qkv staging's loads land 0.6-0.9 us
 // later than from the fp32 residual (the L2 still applying the adds), which eats most of the 2.5 us removed.
 // Barriers per launch then depend on M: the barrier target counts from a base kept in p.epoch[1].
+// 2 (EXPERIMENT, not yet run): also the tiles inside a chunk start at tile f mod n (the hoisted slice dot), so the
+// ~26 blocks working on one chunk at a time add to different rows (fewer adds queued on one word).
 #ifndef MK_FXRES
 #define MK_FXRES 0
+#endif
+// MK_STAGE_SKIP (EXPERIMENT, session 10, off, 23 GPU tests pass): in stage_x's conversion pass a warp none of whose lanes holds a word
+// skips it (it computed the whole pass on zeros: the break before is block-uniform). Session 10's qkv unit trace:
+// the pass takes 0.55-0.6 us after the rstd, and warps 10-14, which hold no word at M = 1 (320 words), end it at the
+// same time as the others, i.e. the pass looks issue-bound over 15 warps; the FFN's act staging (8 words per block)
+// runs it on 15 warps for one warp's words. Projection: qkv / o / gate|up stagings -0.15 us each, the act staging
+// -0.4 us: -0.5 to -1 us per layer (-1.5 to -3%). Measured (one same-call A/B, 3 rounds; a __all_sync vote, as the
+// plain warp-uniform branch spilled at M = 1): M = 1 +2.5% (rounds 1376-1420 vs 1378-1382), M = 2 -1.7%: unresolved,
+// off (docs/megakernel.md 10g).
+#ifndef MK_STAGE_SKIP
+#define MK_STAGE_SKIP 0
 #endif
 // the M = 1 object only (one object per M: FLINT_MK_M); the other M's code is the default's, but for the barrier base
 #if MK_FXRES && defined(FLINT_MK_M) && FLINT_MK_M == 1
@@ -580,9 +593,12 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
       if (M <= 2 && c.wsl >= 0) warp_stamp_raw(*c.p, c.wsl, 27);  // the block's rstd is known
 #endif
     }
+    // MK_STAGE_SKIP: a warp with no word in this round skips the pass (warp-uniform: the pass has no block barrier
+    // and its shuffles stay within a warp; a warp's later words are further on)
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (c0 + u * NCT >= total) break;  // block-uniform: no idle rounds
+      if (MK_STAGE_SKIP && __all_sync(0xffffffffu, c0 + u * NCT + t >= total)) break;
       const int wi = c0 + u * NCT + t;
       const bool ok = wi < total;
       const int m = (M == 1 || !ok) ? 0 : wi / wpr, kw = wi - m * wpr;
@@ -988,7 +1004,8 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
 template <int WPL, int M, bool I8 = false>
 __device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int srb, int kseg, int n, int i0,
                                                    uint32_t xs, int xstride, uint32_t xlo, uint32_t xsum, int lane,
-                                                   float* dp0, size_t tstride, size_t mstride, float rm = 0.f) {
+                                                   float* dp0, size_t tstride, size_t mstride, float rm = 0.f,
+                                                   int rot = 0) {
   using namespace mkmma;
   static_assert(!I8 || M <= 2, "hoisted integer slice dot: M <= 2");
   constexpr bool PACKED = 2 * M <= 8;
@@ -1019,12 +1036,17 @@ __device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int
     asm("mov.b32 %0, 0x64006400;" : "=r"(magic));
   }
   const uint32_t ra = (uint32_t)(g * srb), rb = ra + (uint32_t)(8 * srb);
+  // the chunk's tile at position i (MK_FXRES = 2 at M = 1: rotated by rot, so blocks in the same chunk add to other rows)
+  auto tix = [&](int i) -> int {
+    if constexpr (kFx<M> && MK_FXRES == 2) return i + rot < n ? i + rot : i + rot - n;
+    return i;
+  };
   for (int i = i0; i < n; i += 2 * NCW) {
     const bool two = i + NCW < n;
     uint32_t wa[2][WPL], wb[2][WPL], hs[2][2];
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
-      const uint32_t tile = sb + (uint32_t)(u && two ? i + NCW : i) * tb;
+      const uint32_t tile = sb + (uint32_t)tix(u && two ? i + NCW : i) * tb;
       mma_lds_words<WPL>(tile + ra + (uint32_t)(t * WPL * 4), wa[u]);
       mma_lds_words<WPL>(tile + rb + (uint32_t)(t * WPL * 4), wb[u]);
       hs[u][0] = lds32(tile + ra + (uint32_t)(kseg >> 1));
@@ -1085,7 +1107,7 @@ __device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int
       }
 #if MK_FX1  // kFx: dp0 is the fixed-point residual's row g of the chunk's first tile (tstride 16, mstride: Hp)
       if constexpr (kFx<M>) {
-      unsigned long long* dq = reinterpret_cast<unsigned long long*>(dp0) + (size_t)(u ? i + NCW : i) * tstride;
+      unsigned long long* dq = reinterpret_cast<unsigned long long*>(dp0) + (size_t)tix(u ? i + NCW : i) * tstride;
       if (2 * t < M) { fx_red(dq + 2 * t * mstride, rm * acc[0]); fx_red(dq + 2 * t * mstride + 8, rm * acc[2]); }
       if (2 * t + 1 < M) {
         fx_red(dq + (2 * t + 1) * mstride, rm * acc[1]);
@@ -1170,10 +1192,10 @@ __device__ void ffn_down_partial(Ctx<M>& c, int layer) {
         constexpr bool I8 = MK_IDOT != 0;
         if (mt.G == 64)
           ds_tiles_one_group<2, M, I8>(sb, tb, mt.srb, mt.kseg, n, i0, c.xs, xstride, xlo, c.xsum, lane, dp0, ts,
-                                       ms, p.res_mult);
+                                       ms, p.res_mult, kFx<M> ? f % n : 0);
         else
           ds_tiles_one_group<1, M, I8>(sb, tb, mt.srb, mt.kseg, n, i0, c.xs, xstride, xlo, c.xsum, lane, dp0, ts,
-                                       ms, p.res_mult);
+                                       ms, p.res_mult, kFx<M> ? f % n : 0);
       }
     } else
     for (int i = i0; i < n; i += NCW) {
