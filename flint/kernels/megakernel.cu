@@ -271,14 +271,14 @@ __device__ __forceinline__ void inflight_cap(const Ring& ring, int slot, uint32_
 #ifndef MK_FXRES
 #define MK_FXRES 0
 #endif
-// MK_STAGE_SKIP (EXPERIMENT, session 10, off, 23 GPU tests pass): in stage_x's conversion pass a warp none of whose lanes holds a word
-// skips it (it computed the whole pass on zeros: the break before is block-uniform). Session 10's qkv unit trace:
-// the pass takes 0.55-0.6 us after the rstd, and warps 10-14, which hold no word at M = 1 (320 words), end it at the
-// same time as the others, i.e. the pass looks issue-bound over 15 warps; the FFN's act staging (8 words per block)
-// runs it on 15 warps for one warp's words. Projection: qkv / o / gate|up stagings -0.15 us each, the act staging
-// -0.4 us: -0.5 to -1 us per layer (-1.5 to -3%). Measured (one same-call A/B, 3 rounds; a __all_sync vote, as the
-// plain warp-uniform branch spilled at M = 1): M = 1 +2.5% (rounds 1376-1420 vs 1378-1382), M = 2 -1.7%: unresolved,
-// off (docs/megakernel.md 10g).
+// MK_STAGE_SKIP (EXPERIMENT, session 10, off, 23 GPU tests pass): in stage_x's conversion pass a warp none of whose
+// lanes holds a word skips it (it computed the whole pass on zeros: the break before is block-uniform). Session 10's
+// qkv unit trace: the pass takes 0.55-0.6 us after the rstd, and warps 10-14, which hold no word at M = 1 (320 words),
+// end it at the same time as the others, i.e. the pass looks issue-bound over 15 warps; the FFN's act staging (8 words
+// per block) runs it on 15 warps for one warp's words. Projection: qkv / o / gate|up stagings -0.15 us each, the act
+// staging -0.4 us: -0.5 to -1 us per layer (-1.5 to -3%). Measured (one same-call A/B, 3 rounds; a __all_sync vote, as
+// the plain warp-uniform branch spilled at M = 1): M = 1 +2.5% (rounds 1376-1420 vs 1378-1382), M = 2 -1.7%:
+// unresolved, off (docs/megakernel.md 10g).
 #ifndef MK_STAGE_SKIP
 #define MK_STAGE_SKIP 0
 #endif
@@ -290,6 +290,7 @@ __device__ __forceinline__ void inflight_cap(const Ring& ring, int slot, uint32_
 #endif
 template <int M>
 constexpr bool kFx = MK_FX1 && M == 1;
+// (|v| >= 2^31 saturates where fp32 would carry on: far above any residual of the models flint runs)
 constexpr float FX_SCALE = 4294967296.f, FX_INV = 1.f / 4294967296.f;
 __device__ __forceinline__ unsigned long long fx_of(float v) { return (unsigned long long)__float2ll_rn(v * FX_SCALE); }
 __device__ __forceinline__ float fx_val(long long x) { return __ll2float_rn(x) * FX_INV; }
@@ -546,7 +547,8 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
         if (ok) ld_tagged8(tw + 2 * ((size_t)m * tstride + k0 + 8 * kw), tag, v[u][0], v[u][1]);
       }
       if constexpr (FX) {  // the fixed-point residual: 8 words of 8 bytes
-        const longlong2* fp = reinterpret_cast<const longlong2*>(fx_base(*c.p) + (size_t)m * fx_stride(*c.p) + k0) + 4 * kw;
+        const longlong2* fp =
+            reinterpret_cast<const longlong2*>(fx_base(*c.p) + (size_t)m * fx_stride(*c.p) + k0) + 4 * kw;
         longlong2 q[4];
 #pragma unroll
         for (int h = 0; h < 4; ++h) q[h] = ok ? __ldcg(fp + h) : make_longlong2(0, 0);
@@ -593,11 +595,11 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
       if (M <= 2 && c.wsl >= 0) warp_stamp_raw(*c.p, c.wsl, 27);  // the block's rstd is known
 #endif
     }
-    // MK_STAGE_SKIP: a warp with no word in this round skips the pass (warp-uniform: the pass has no block barrier
-    // and its shuffles stay within a warp; a warp's later words are further on)
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (c0 + u * NCT >= total) break;  // block-uniform: no idle rounds
+      // MK_STAGE_SKIP: a warp with no word left stops (warp-uniform: the pass has no block barrier and its shuffles
+      // stay within a warp; a warp's later words are further on)
       if (MK_STAGE_SKIP && __all_sync(0xffffffffu, c0 + u * NCT + t >= total)) break;
       const int wi = c0 + u * NCT + t;
       const bool ok = wi < total;
@@ -1036,7 +1038,8 @@ __device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int
     asm("mov.b32 %0, 0x64006400;" : "=r"(magic));
   }
   const uint32_t ra = (uint32_t)(g * srb), rb = ra + (uint32_t)(8 * srb);
-  // the chunk's tile at position i (MK_FXRES = 2 at M = 1: rotated by rot, so blocks in the same chunk add to other rows)
+  // the chunk's tile at position i (MK_FXRES = 2 at M = 1: rotated by rot, so the blocks on one chunk add to other
+  // rows at a time)
   auto tix = [&](int i) -> int {
     if constexpr (kFx<M> && MK_FXRES == 2) return i + rot < n ? i + rot : i + rot - n;
     return i;
@@ -1204,7 +1207,10 @@ __device__ void ffn_down_partial(Ctx<M>& c, int layer) {
 #if MK_FX1
       if constexpr (kFx<M>) {
       unsigned long long* dq = fxr + (size_t)i * TILE_ROWS;
-      if (2 * tq < M) { fx_red(dq + 2 * tq * fxs, p.res_mult * acc[0]); fx_red(dq + 2 * tq * fxs + 8, p.res_mult * acc[2]); }
+      if (2 * tq < M) {
+        fx_red(dq + 2 * tq * fxs, p.res_mult * acc[0]);
+        fx_red(dq + 2 * tq * fxs + 8, p.res_mult * acc[2]);
+      }
       if (2 * tq + 1 < M) {
         fx_red(dq + (2 * tq + 1) * fxs, p.res_mult * acc[1]);
         fx_red(dq + (2 * tq + 1) * fxs + 8, p.res_mult * acc[3]);
