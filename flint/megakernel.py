@@ -208,6 +208,13 @@ class MegakernelBackend:
                                   cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size)
         self.nblocks = torch.cuda.get_device_properties(dev).multi_processor_count
         self.ffn_plan = self._ffn_plan(ffn_split, params["layers.0.w_down"].group_size)
+        # FLINT_MK_OHEAD=1 (EXPERIMENT): the o projection by kv head where the shapes fit it (a kernel built with
+        # MK_OHEAD uses it at M = 1; other builds ignore it; the library checks the fit again)
+        ob = self.nblocks // nkv
+        self.ohead = (os.environ.get("FLINT_MK_OHEAD", "0") == "1" and self.ffn_plan is not None and d == 64
+                      and nh // nkv <= 8 and ob >= 1 and (-(-H // TILE_ROWS)) % ob == 0
+                      and (-(-H // TILE_ROWS)) // ob <= 15
+                      and params["layers.0.wo"].group_size % d == 0)  # (where it does not fit: the o stage)
         with torch.device(dev):
             mats, descs = {}, {}
             qkv, o, gu, dn = [], [], [], []
@@ -224,6 +231,8 @@ class MegakernelBackend:
                             ("lm_head", [params["lm_head"].to(dev)])):
                 if key == "down" and self.ffn_plan:  # FFN split-K: down as per-FFN-block K slices
                     mats["dslice"], descs["dslice"] = repack_down_slices(ws, self.ffn_plan, dev)
+                    if self.ohead:  # (MK_OHEAD) o's per-q-head column slices take down's place
+                        mats["down"], descs["down"] = repack_down_slices(o, dict(nffn=nh, kf=d, G=d), dev)
                 else:
                     mats[key], descs[key] = repack(ws, key, dev)
             del qkv, o, gu, dn
@@ -329,7 +338,8 @@ class MegakernelBackend:
         ia = [c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers,
               c.vocab_size, self.max_seq_len, int(bool(c.use_rope)), self.nblocks,
               int(os.environ.get("FLINT_MK_DBG", "0")),  # debug bits for timing experiments only
-              self.ffn_plan["nffn"] if self.ffn_plan else 0, self.ffn_plan["nffn_pad"] if self.ffn_plan else 0]
+              self.ffn_plan["nffn"] if self.ffn_plan else 0, self.ffn_plan["nffn_pad"] if self.ffn_plan else 0,
+              int(self.ohead)]
         for t in (self.embed, self.norms, self.final_norm, self.rope_cos, self.rope_sin, self.k_cache,
                   self.v_cache, self.resid, self.q, self.attn, self.act, self.part, self.att_count,
                   self.logits, self.arg_val, self.arg_idx, self.argmax, self.done_count, self.bar_counter,

@@ -290,6 +290,30 @@ __device__ __forceinline__ void inflight_cap(const Ring& ring, int slot, uint32_
 #endif
 template <int M>
 constexpr bool kFx = MK_FX1 && M == 1;
+// MK_OHEAD (EXPERIMENT, session 10, off, NOT YET RUN on a GPU; needs MK_FXRES; M = 1, FFN split-K, where the host
+// finds the shapes fit (Params::ohead = blocks per kv head B), requested by FLINT_MK_OHEAD=1): the o projection by kv
+// head. Blocks [h B, (h + 1) B) own o's row tiles [j T, (j + 1) T) (j = b - h B) over head h's q heads' columns
+// (mat[MAT_D]: o repacked as per-q-head column slices); they poll head h's attention output (tagged words, written
+// by its merge), dot their slices and ADD their rows' sums into the fixed-point o accumulator: no grid barrier after
+// attention and no o matvec stage. Residual buffers (int64, M = 1, parity q = layer & 1; fx_buf): X[q] the layer's
+// input, O[q] the o sums, Y[q] = X + O, D[q] the down sums. The gate|up staging reads X + O and each row's owner
+// writes it to Y; the next qkv staging reads Y + D and the owners write it to the next X (two buffers per staging:
+// three spilled); owners zero the other parity's O and D after bar3 (every read of them was before it, every add
+// into them comes after the next bar4); the last block zeroes the last layer's.
+// docs/megakernel.md, session 10's next steps, item 5. Projection: -2 to -3 us per layer.
+#ifndef MK_OHEAD
+#define MK_OHEAD 0
+#endif
+static_assert(!MK_OHEAD || MK_FXRES, "MK_OHEAD needs MK_FXRES (its fixed-point adds)");
+#if MK_OHEAD && MK_FX1
+#define MK_OH1 1
+#else
+#define MK_OH1 0
+#endif
+// the fixed-point buffers of MK_FXRES / MK_OHEAD (M = 1): X[0..1], O[0..1], D[0..1], Y[0..1] (MK_FXRES alone: X[0]);
+// a stage_x source code: the two buffers to add (b: 15 = none) and the one the rows' owners write the sum to
+enum { FXB_X = 0, FXB_O = 2, FXB_D = 4, FXB_Y = 6, FXB_NONE = 15 };
+__host__ __device__ constexpr int fx_code(int a, int b, int w) { return 1 << 12 | a | b << 4 | w << 8; }
 // (|v| >= 2^31 saturates where fp32 would carry on: far above any residual of the models flint runs)
 constexpr float FX_SCALE = 4294967296.f, FX_INV = 1.f / 4294967296.f;
 __device__ __forceinline__ unsigned long long fx_of(float v) { return (unsigned long long)__float2ll_rn(v * FX_SCALE); }
@@ -303,6 +327,9 @@ __device__ __forceinline__ unsigned long long* fx_base(const Params& p) {
   return reinterpret_cast<unsigned long long*>(p.dpart + (size_t)MAX_M * p.mat[MAT_DS].ntiles * p.nffn_pad * TILE_ROWS);
 }
 __device__ __forceinline__ int fx_stride(const Params& p) { return p.mat[MAT_DS].ntiles * TILE_ROWS; }
+__device__ __forceinline__ unsigned long long* fx_buf(const Params& p, int b) {
+  return fx_base(p) + (size_t)b * fx_stride(p);
+}
 // a warp's arrivals on a ring slot's parts / empty mbarrier: n per lane (NCT per phase in all)
 __device__ __forceinline__ void ring_arrive_n(uint64_t* bar, uint32_t n, int lane) {
   if (MK_WARP_ARRIVE) {
@@ -334,6 +361,17 @@ __device__ __forceinline__ void ring_stamp(const Params& p, int& rseq) {
 #define RING_PASS
 #define RING_STAMP()
 #endif
+// One bulk copy into the next ring slot (chunk q: slot q mod nslots on lap q / nslots): once the slot's previous lap
+// is consumed and at most MK_INFLIGHT copies are in flight
+__device__ __forceinline__ void ring_copy(const Ring& ring, int& slot, uint32_t& lap, const uint8_t* src,
+                                          uint32_t bytes, uint64_t pol RING_ARGS) {
+  if (lap > 0) mbar_wait(&ring.empty[slot], (lap - 1) & 1);
+  inflight_cap(ring, slot, lap);
+  RING_STAMP();
+  mbar_expect_tx(&ring.full[slot], bytes);
+  bulk_g2s(ring.slots + (size_t)slot * ring.slot_bytes, src, bytes, &ring.full[slot], pol);
+  if (++slot == ring.nslots) { slot = 0; ++lap; }
+}
 // One ring slot per tile-segment (16 row-segments), in the consumers' order: segment-major, tiles
 // in order within a segment. Chunk q goes to slot q mod nslots on lap q / nslots, kept as (slot, lap)
 // and stepped (no division per copy: the one producer lane issues every copy of the block).
@@ -344,12 +382,7 @@ __device__ void produce_matrix(const Mat& mt, int t0, int t1, int layer, const R
   for (int s = 0; s < mt.nseg; ++s) {
     const uint8_t* src = lbase + (long long)s * mt.seg_stride + (long long)t0 * bytes;
     for (int tl = t0; tl < t1; ++tl, src += bytes) {
-      if (lap > 0) mbar_wait(&ring.empty[slot], (lap - 1) & 1);
-      inflight_cap(ring, slot, lap);
-      RING_STAMP();
-      mbar_expect_tx(&ring.full[slot], bytes);
-      bulk_g2s(ring.slots + (size_t)slot * ring.slot_bytes, src, bytes, &ring.full[slot], pol);
-      if (++slot == ring.nslots) { slot = 0; ++lap; }
+      ring_copy(ring, slot, lap, src, bytes, pol RING_PASS);
     }
   }
 }
@@ -370,16 +403,30 @@ __device__ void produce_slice(const Mat& mt, int ntl, int cpt, int layer, const 
     const uint8_t* cs = src;
 #endif
     const uint32_t bytes = (uint32_t)min(cpt, ntl - t) * tb;
-    if (lap > 0) mbar_wait(&ring.empty[slot], (lap - 1) & 1);
-    inflight_cap(ring, slot, lap);
-    RING_STAMP();
-    mbar_expect_tx(&ring.full[slot], bytes);
-    bulk_g2s(ring.slots + (size_t)slot * ring.slot_bytes, cs, bytes, &ring.full[slot], pol);
-    if (++slot == ring.nslots) { slot = 0; ++lap; }
+    ring_copy(ring, slot, lap, cs, bytes, pol RING_PASS);
   }
 }
 
-__device__ void producer(const Params& p, const Smem& sl, const Ring& ring, const MiscSmem* misc, bool fxrot) {
+#if MK_OH1
+// MK_OHEAD: this block's o column slices, one per q head of its kv head, each its T row tiles (o_head_stage's order;
+// pp: the params, as p comes with RING_ARGS in MK_WS_RING builds)
+__device__ void produce_oslices(const Params& pp, int layer, const Ring& ring, int& slot, uint32_t& lap,
+                                uint64_t pol RING_ARGS) {
+  const Mat& mt = pp.mat[MAT_D];
+  const int B = pp.ohead, h = (int)blockIdx.x / B, j = (int)blockIdx.x - h * B;
+  if (h >= pp.nkv) return;  // (the blocks past nkv B have no o work)
+  const int gq = pp.nh / pp.nkv, T = mt.ntiles / B;
+  const uint32_t tb = (uint32_t)(TILE_ROWS * mt.srb), bytes = (uint32_t)T * tb;
+  for (int qh = 0; qh < gq; ++qh) {
+    const uint8_t* cs = mt.base + (long long)layer * mt.layer_stride + (long long)(h * gq + qh) * mt.seg_stride +
+                        (long long)j * T * tb;
+    ring_copy(ring, slot, lap, cs, bytes, pol RING_PASS);
+  }
+}
+#endif
+
+__device__ void producer(const Params& p, const Smem& sl, const Ring& ring, const MiscSmem* misc, bool fxrot,
+                         bool oh) {
   uint64_t pol;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
   int slot = 0;
@@ -391,8 +438,15 @@ __device__ void producer(const Params& p, const Smem& sl, const Ring& ring, cons
 #if MK_WS_RING
     if (l == p.L / 2) rseq = 0;
 #endif
-    for (int m = MAT_QKV; m <= MAT_GU; ++m)
+    for (int m = MAT_QKV; m <= MAT_GU; ++m) {
+#if MK_OH1
+      if (m == MAT_O && oh) {
+        produce_oslices(p, l, ring, slot, lap, pol RING_PASS);
+        continue;
+      }
+#endif
       produce_matrix(p.mat[m], misc->tile0[m], misc->tile1[m], l, ring, slot, lap, pol RING_PASS);
+    }
     if (p.nffn) produce_slice(p.mat[MAT_DS], misc->tile1[MAT_DS], sl.ds_cpt, l, ring, slot, lap, pol, fxrot RING_PASS);
     else produce_matrix(p.mat[MAT_D], misc->tile0[MAT_D], misc->tile1[MAT_D], l, ring, slot, lap, pol RING_PASS);
   }
@@ -430,7 +484,7 @@ __device__ __forceinline__ uint32_t* attn_word(const Params& p, int m, int i) {
 }
 __device__ __forceinline__ void attn_out(const Params& p, int m, int i, float v, uint32_t tag) {
   p.attn[(size_t)m * p.nh * p.D + i] = v;
-  if (MK_ATAG) st_tagged(attn_word(p, m, i), v, tag);
+  if (MK_ATAG || (MK_OH1 && p.ohead)) st_tagged(attn_word(p, m, i), v, tag);  // (MK_OHEAD: the o blocks poll it)
 }
 __device__ __forceinline__ float ld_tagged(const uint32_t* w, uint32_t tag) {  // spins until the tag is this one
   uint32_t v, tg;
@@ -463,7 +517,7 @@ struct Ctx {
   int wsl;             // MK_WS_ALL: the layer whose stage_x stamps slots 26-28 (-1: none)
 #endif
 #if MK_FX1
-  bool fx;             // MK_FXRES: the next matvec stage's input is the fixed-point residual
+  int fx;              // MK_FXRES: the next matvec stage's input is the fixed-point residual (0: not; else fx_code)
 #endif
 };
 
@@ -529,7 +583,8 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
   const int total = M * wpr;
   const int L = G >> 3;             // lanes per (token, group)
   const int wshift = gshift - 5;
-  constexpr int U = 2;  // words in flight per thread (more raises register pressure for the whole kernel)
+  // words in flight per thread (more raises register pressure for the whole kernel; FX: one, its loads are 4x wider)
+  constexpr int U = FX ? 1 : 2;
   // RMSNorm: when the whole row is one round of loads (decode on Granite and SmolLM2), the rstd comes
   // from the same loads (no separate pass, one L2 round trip less); else from compute_rstd first
   const bool fused = norm_w != nullptr && k0 == 0 && kst == c.p->H && total <= U * NCT;
@@ -541,20 +596,39 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
       const int wi = c0 + u * NCT + t;
       const bool ok = wi < total;
       const int m = (M == 1 || !ok) ? 0 : wi / wpr, kw = wi - m * wpr;
-      constexpr bool tagged = MK_ATAG && !SMEM_SRC && TAGGED;
+      constexpr bool tagged = (MK_ATAG || MK_OH1) && !SMEM_SRC && TAGGED;
       if (tagged) {
         v[u][0] = v[u][1] = make_float4(0.f, 0.f, 0.f, 0.f);
         if (ok) ld_tagged8(tw + 2 * ((size_t)m * tstride + k0 + 8 * kw), tag, v[u][0], v[u][1]);
       }
-      if constexpr (FX) {  // the fixed-point residual: 8 words of 8 bytes
-        const longlong2* fp =
-            reinterpret_cast<const longlong2*>(fx_base(*c.p) + (size_t)m * fx_stride(*c.p) + k0) + 4 * kw;
-        longlong2 q[4];
+#if MK_FX1
+      if constexpr (FX) {  // the fixed-point residual: the sum of c.fx's buffers, 8 words of 8 bytes each
+        long long sx[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #pragma unroll
-        for (int h = 0; h < 4; ++h) q[h] = ok ? __ldcg(fp + h) : make_longlong2(0, 0);
-        v[u][0] = make_float4(fx_val(q[0].x), fx_val(q[0].y), fx_val(q[1].x), fx_val(q[1].y));
-        v[u][1] = make_float4(fx_val(q[2].x), fx_val(q[2].y), fx_val(q[3].x), fx_val(q[3].y));
+        for (int bi = 0; bi < 2; ++bi) {
+          const int b = (c.fx >> (4 * bi)) & 15;
+          if (b == FXB_NONE) break;
+          const longlong2* fp = reinterpret_cast<const longlong2*>(fx_buf(*c.p, b + m) + k0) + 4 * kw;
+#pragma unroll
+          for (int h = 0; h < 4; ++h) {
+            const longlong2 q = ok ? __ldcg(fp + h) : make_longlong2(0, 0);
+            sx[2 * h] += q.x;
+            sx[2 * h + 1] += q.y;
+          }
+        }
+        const int wb = (c.fx >> 8) & 15;  // the rows' owners keep the sum (MK_OHEAD: Y, the next layer's X)
+        if (wb != FXB_NONE && ok) {
+          const int k = k0 + 8 * kw, n0 = c.misc->tile0[MAT_O] * TILE_ROWS;
+          if (k >= n0 && k < min(c.misc->tile1[MAT_O] * TILE_ROWS, c.p->H)) {
+            longlong2* wp = reinterpret_cast<longlong2*>(fx_buf(*c.p, wb + m) + k);
+#pragma unroll
+            for (int h = 0; h < 4; ++h) wp[h] = make_longlong2(sx[2 * h], sx[2 * h + 1]);
+          }
+        }
+        v[u][0] = make_float4(fx_val(sx[0]), fx_val(sx[1]), fx_val(sx[2]), fx_val(sx[3]));
+        v[u][1] = make_float4(fx_val(sx[4]), fx_val(sx[5]), fx_val(sx[6]), fx_val(sx[7]));
       }
+#endif
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float4* sp = reinterpret_cast<const float4*>(src[m] + k0) + 2 * kw + h;
@@ -1167,7 +1241,8 @@ __device__ void ffn_down_partial(Ctx<M>& c, int layer) {
   for (int ci = 0; ci < nch; ++ci) {
     const int t = (ci + ch0 < nch ? ci + ch0 : ci + ch0 - nch) * cpt;
     int i0 = warp >= t % NCW ? warp - t % NCW : warp - t % NCW + NCW;  // tile t + i to warp (t + i) mod 15
-    unsigned long long* fxr = fx_base(p) + (size_t)t * TILE_ROWS + gq;
+    // (MK_OHEAD: D[layer & 1]; else the residual X itself)
+    unsigned long long* fxr = fx_buf(p, MK_OH1 && p.ohead ? FXB_D + (layer & 1) : FXB_X) + (size_t)t * TILE_ROWS + gq;
     const size_t fxs = (size_t)fx_stride(p);
 #else
   for (int t = 0; t < nt; t += cpt) {
@@ -1590,6 +1665,51 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
   }
 }
 
+#if MK_OH1
+// MK_OHEAD (M = 1): block b = h B + j polls kv head h's attention output (its q heads' gq x D tagged words), stages it
+// as gq groups of D, dots its T row tiles of each q head's o column slice (one ring unit per slice, producer order:
+// produce_oslices), sums the gq slices per row in order in registers (deterministic) and adds res_mult x the sum into
+// O[layer & 1] (red.global.add.u64 of fixed point). Every warp passes every unit (the ring's parity protocol) and
+// arrives on its parts barrier too, as ffn_down_partial does. Warp w < T owns tile w (T <= 15: the host checks).
+template <int M>
+__device__ void o_head_stage(Ctx<M>& c, int layer, const float* const* attn_rows) {
+  const Params& p = *c.p;
+  const int B = p.ohead, h = (int)blockIdx.x / B, j = (int)blockIdx.x - h * B;
+  if (h >= p.nkv) return;  // block-uniform: no o work, no ring units
+  const Mat& mt = p.mat[MAT_D];
+  const int gq = p.nh / p.nkv, T = mt.ntiles / B;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, tq = lane & 3;
+  cbar();  // the staged x shares its shared memory with attention's tiles (the grid barrier after attention did this)
+  stage_x<M, false, true>(c, attn_rows, 1.f, nullptr, h * gq * p.D, gq * p.D, mt.G, mt.gshift, attn_word(p, 0, 0),
+                          p.nh * p.D, c.tag0 + (uint32_t)layer);  // (ends with a block barrier)
+  const uint32_t ring0 = smem_u32(c.ring.slots), tb = (uint32_t)(TILE_ROWS * mt.srb);
+  const uint32_t xlo = (uint32_t)(M * c.sl->xstride);
+  float racc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int qh = 0; qh < gq; ++qh) {
+    mbar_wait(&c.ring.full[c.slot], c.phase);
+    if (warp < T) {
+      float acc[4];
+      tile_dot<M>(mt.G, ring0 + (uint32_t)(c.slot * c.ring.slot_bytes) + (uint32_t)warp * tb, mt.srb, mt.kseg, 0, 1,
+                  c.xs + (uint32_t)(qh * mt.G * 2), c.sl->xstride, xlo,
+                  c.xsum + (uint32_t)(qh * mkmma::MMA_XSUM_FLOATS * 4), lane, acc);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) racc[i] += acc[i];
+    }
+    ring_arrive(&c.ring.parts[c.slot], lane);
+    ring_arrive(&c.ring.empty[c.slot], lane);
+    if (++c.slot == c.ring.nslots) {
+      c.slot = 0;
+      c.phase ^= 1u;
+    }
+  }
+  if (warp < T && tq == 0) {  // M = 1: lanes tq = 0 hold token 0's rows gr and gr + 8
+    unsigned long long* o = fx_buf(p, FXB_O + (layer & 1)) + (size_t)(j * T + warp) * TILE_ROWS + gr;
+    fx_red(o, p.res_mult * racc[0]);
+    fx_red(o + 8, p.res_mult * racc[2]);
+  }
+}
+#endif
+
 // =====================================================================[8] kernel
 template <int M>
 __global__ void __launch_bounds__(NT, 1)
@@ -1639,7 +1759,7 @@ __global__ void __launch_bounds__(NT, 1)
   }
   __syncthreads();
   if (threadIdx.x >= NCT) {  // producer warp
-    if (threadIdx.x == NCT) producer(p, sl, ring, misc, kFx<M>);
+    if (threadIdx.x == NCT) producer(p, sl, ring, misc, kFx<M>, MK_OH1 && kFx<M> && p.ohead > 0);
     return;
   }
   Ctx<M> c;
@@ -1661,7 +1781,12 @@ __global__ void __launch_bounds__(NT, 1)
   c.xsum = smem_u32(smem + sl.xsum);
   c.start = start;
 #if MK_FX1
-  c.fx = false;
+  c.fx = 0;
+#endif
+#if MK_OH1
+  const bool oh = kFx<M> && p.ohead > 0;  // MK_OHEAD at this M
+#else
+  constexpr bool oh = false;
 #endif
   const unsigned long long epoch = __ldcg(p.epoch);
   c.tag0 = (uint32_t)(epoch * (unsigned long long)p.L) + 1u;
@@ -1713,6 +1838,7 @@ __global__ void __launch_bounds__(NT, 1)
       const float v = __ldg(tok_src[m] + n) * p.emb_mult;
       c.own[(n - n0) * M + m] = v;
       p.resid[(size_t)m * p.H + n] = v;
+      if (oh) fx_buf(p, FXB_X)[n] = fx_of(v);  // MK_OHEAD: layer 0's X (M = 1)
     }
   }
   uint8_t* uni = smem + sl.uni;
@@ -1724,24 +1850,48 @@ __global__ void __launch_bounds__(NT, 1)
     const float* an = p.norms + (size_t)l * 2 * p.H;
     stamp(l, 1);
 #if MK_FX1
-    c.fx = kFx<M> && p.nffn && l > 0;
+    if (kFx<M> && p.nffn && l > 0) {  // MK_OHEAD: Y + D of the last layer, the owners keep it as this layer's X
+      const int par = l & 1;
+      c.fx = oh ? fx_code(FXB_Y + (par ^ 1), FXB_D + (par ^ 1), FXB_X + par) : fx_code(FXB_X, FXB_NONE, FXB_NONE);
+    }
 #endif
     matvec_stage<M>(c, MAT_QKV, l, xsrc, mult, an);
 #if MK_FX1
-    c.fx = false;
+    c.fx = 0;
 #endif
     stamp(l, 2);
     if (MK_DIAG != 4 && !MK_QTAG) gsync();
     stamp(l, 3);
     if (MK_DIAG != 2) attention_stage<M>(c, l, uni);
     stamp(l, 4);
-    if (!MK_ATAG) gsync();
-    stamp(l, 5);
-    matvec_stage<M>(c, MAT_O, l, attn_rows, 1.f, nullptr);
-    stamp(l, 6);
-    gsync();
-    stamp(l, 7);
-    matvec_stage<M>(c, MAT_GU, l, resid_rows, 1.f, an + p.H);
+#if MK_OH1
+    if (oh) {  // the o projection by kv head: its sums added into O[l & 1], no barrier before it
+      const int par = l & 1;
+      o_head_stage<M>(c, l, attn_rows);
+      stamp(l, 5);
+      stamp(l, 6);
+      gsync();
+      stamp(l, 7);
+      {  // the other parity's O and D: this block's rows to zero (read for the last time before this barrier)
+        const int n0 = c.misc->tile0[MAT_O] * TILE_ROWS, n1 = min(c.misc->tile1[MAT_O] * TILE_ROWS, p.H);
+        unsigned long long* zo = fx_buf(p, FXB_O + (par ^ 1));
+        unsigned long long* zd = fx_buf(p, FXB_D + (par ^ 1));
+        for (int n = n0 + (int)threadIdx.x; n < n1; n += NCT) zo[n] = zd[n] = 0ull;
+      }
+      c.fx = fx_code(FXB_X + par, FXB_O + par, FXB_Y + par);  // (the owners keep X + O as Y)
+      matvec_stage<M>(c, MAT_GU, l, resid_rows, 1.f, an + p.H);
+      c.fx = 0;
+    } else
+#endif
+    {
+      if (!MK_ATAG) gsync();
+      stamp(l, 5);
+      matvec_stage<M>(c, MAT_O, l, attn_rows, 1.f, nullptr);
+      stamp(l, 6);
+      gsync();
+      stamp(l, 7);
+      matvec_stage<M>(c, MAT_GU, l, resid_rows, 1.f, an + p.H);
+    }
     stamp(l, 8);
     if (p.nffn) {  // FFN split-K: down's partials from this block's own act slice, then a reduction
       ffn_down_partial<M>(c, l);
@@ -1764,7 +1914,10 @@ __global__ void __launch_bounds__(NT, 1)
   }
   stamp(p.L - 1, 12);
 #if MK_FX1
-  c.fx = kFx<M> && p.nffn != 0;
+  if (kFx<M> && p.nffn) {
+    const int lp = (p.L - 1) & 1;
+    c.fx = oh ? fx_code(FXB_Y + lp, FXB_D + lp, FXB_NONE) : fx_code(FXB_X, FXB_NONE, FXB_NONE);
+  }
 #endif
   matvec_stage<M>(c, MAT_LM, 0, resid_rows, 1.f, p.final_norm);
   stamp(p.L - 1, 13);
@@ -1798,6 +1951,14 @@ __global__ void __launch_bounds__(NT, 1)
     }
     p.argmax[threadIdx.x] = bi;
   }
+#if MK_OH1
+  if (oh && c.misc->flag) {  // every block is done: the last layer's O and D to zero for the next launch
+    const int lp = (p.L - 1) & 1, hp = fx_stride(p);
+    unsigned long long* zo = fx_buf(p, FXB_O + lp);
+    unsigned long long* zd = fx_buf(p, FXB_D + lp);
+    for (int n = threadIdx.x; n < hp; n += NCT) zo[n] = zd[n] = 0ull;
+  }
+#endif
   if (c.misc->flag && threadIdx.x == 0) {
     *p.done_count = 0;
 #if MK_FXRES

@@ -59,7 +59,7 @@ extern "C" int flint_mk_abi_version() { return 4; }
 // iargs: see flint/megakernel.py (_pack_args) for the order; it is the one definition of it.
 extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, int n_f, void** out) {
   *out = nullptr;
-  const int NI = 13 + 23 + mk::NMAT * 10, NF = 5;
+  const int NI = 14 + 23 + mk::NMAT * 10, NF = 5;
   if (n_i != NI || n_f != NF) {
     snprintf(g_err, sizeof(g_err), "flint_mk_create: expected %d int and %d float args, got %d and %d", NI, NF, n_i,
              n_f);
@@ -75,6 +75,7 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
   p.dbg = (int)ia[k++];
   p.nffn = (int)ia[k++];
   p.nffn_pad = (int)ia[k++];
+  p.ohead = (int)ia[k++];  // (a request: 1 = the o projection by head if the shapes allow it; set to blocks per head below)
   void** ptrs[] = {(void**)&p.embed, (void**)&p.norms, (void**)&p.final_norm, (void**)&p.rope_cos,
                    (void**)&p.rope_sin, (void**)&p.kcache, (void**)&p.vcache, (void**)&p.resid, (void**)&p.q,
                    (void**)&p.attn, (void**)&p.act, (void**)&p.part, (void**)&p.att_count, (void**)&p.logits,
@@ -89,7 +90,8 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
     mt.N = (int)ia[k++]; mt.K = (int)ia[k++]; mt.G = (int)ia[k++]; mt.nseg = (int)ia[k++];
     mt.kseg = (int)ia[k++]; mt.srb = (int)ia[k++]; mt.nreal = (int)ia[k++];
     // absent: MAT_D with FFN split-K, MAT_DS without (never touched by the kernel then)
-    const bool absent = (m == mk::MAT_D && p.nffn > 0) || (m == mk::MAT_DS && p.nffn == 0);
+    // (MK_OHEAD: MAT_D holds o's per-head column slices instead)
+    const bool absent = (m == mk::MAT_D && p.nffn > 0 && !p.ohead) || (m == mk::MAT_DS && p.nffn == 0);
     if (absent) {
       mt = mk::Mat{};
       mt.G = 32; mt.gshift = 5; mt.nseg = 1;
@@ -98,7 +100,7 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
     mt.gshift = mt.G == 32 ? 5 : mt.G == 64 ? 6 : mt.G == 128 ? 7 : -1;
     mt.ntiles = mt.N / mk::TILE_ROWS;
     // rows at 16 bytes (a slice: at its code loads' width, G / 8 bytes)
-    const int row_align = m == mk::MAT_DS ? (mt.G >> 3) : 16;
+    const int row_align = m == mk::MAT_DS || (m == mk::MAT_D && p.ohead) ? (mt.G >> 3) : 16;
     if (mt.gshift < 0 || mt.N % mk::TILE_ROWS || mt.nreal > mt.N || mt.nreal <= mt.N - mk::TILE_ROWS ||
         mt.kseg % mt.G || mt.kseg > mk::KSEG_MAX || mt.kseg * mt.nseg != mt.K || mt.srb % row_align ||
         mt.srb < mt.kseg / 2 + 4 * (mt.kseg / mt.G) || ((uintptr_t)mt.base % 16) || !mt.base) {
@@ -132,6 +134,20 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
   if ((e = cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev))) { delete h; return cuda_fail("attr", e); }
   if (!coop) { delete h; return fail("flint_mk_create: device does not support cooperative launch"); }
   if (p.nblocks <= 0 || p.nblocks > nsm) p.nblocks = nsm;
+  if (p.ohead) {  // MK_OHEAD (requested): kv head h's o rows over its q heads' columns on blocks [h B, (h + 1) B)
+    const mk::Mat& os = p.mat[mk::MAT_D];
+    const int B = p.nblocks / p.nkv, gq = p.nh / p.nkv;
+    if (!p.nffn || p.D != 64 || os.K != p.D || os.G != p.D || os.nseg != 1 || os.N != p.mat[mk::MAT_O].N ||
+        os.layer_stride != (long long)p.nh * os.seg_stride || B < 1 || p.mat[mk::MAT_O].ntiles % B || gq > 8 ||
+        p.mat[mk::MAT_O].ntiles / B > mk::NCW) {
+      snprintf(g_err, sizeof(g_err), "flint_mk_create: the o projection by head needs the FFN split, head_dim 64, "
+               "o's rows in whole tiles per block of a head, at most 15 (%d tiles, %d blocks per kv head) and <= 8 q "
+               "heads per kv head (%d); its slices: K=%d G=%d", p.mat[mk::MAT_O].ntiles, B, gq, os.K, os.G);
+      delete h;
+      return 1;
+    }
+    p.ohead = B;
+  }
   if (p.nffn > p.nblocks) {
     snprintf(g_err, sizeof(g_err), "flint_mk_create: FFN split-K needs %d blocks, the grid has %d", p.nffn, p.nblocks);
     delete h;
@@ -152,6 +168,10 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
   int slot = 0;
   for (int m = 0; m < mk::NMAT; ++m) slot = slot > mk::TILE_ROWS * p.mat[m].srb ? slot : mk::TILE_ROWS * p.mat[m].srb;
   slot = al(slot);
+  if (p.ohead && (p.mat[mk::MAT_O].ntiles / p.ohead) * mk::TILE_ROWS * p.mat[mk::MAT_D].srb > slot) {
+    delete h;
+    return fail("flint_mk_create: the o projection by head: a block's o slice does not fit a ring slot");
+  }
   for (int M = 1; M <= mk::MAX_M; ++M) {
     mk::Smem& s = h->sl[M];
     h->ready[M] = false;

@@ -71,6 +71,9 @@ struct Params {
   float* dpart;             // FFN split-K partial sums [M][H tiles][nffn_pad][16] (nullptr when nffn == 0)
   unsigned long long* trace;        // optional [L * 16] globaltimer stamps of block 0 (nullptr: off)
   uint32_t* qkvt;           // MK_QTAG: [M][(nh + 2 nkv) D] (fp32 bits, tag) pairs: this step's q, k, v rows
+  // MK_OHEAD (M = 1, FFN split-K): blocks per kv head of the o projection by head (0: off); mat[MAT_D] then holds
+  // o's per-q-head column slices [L][nh][H tiles x 16][srb] (repack_down_slices' layout)
+  int ohead;
 };
 
 // Shared-memory layout (byte offsets) and per-matrix work split, computed on the host per M.
