@@ -370,8 +370,9 @@ class MegakernelBackend:
     def reset(self) -> None:
         """Clear the barrier/merge counters (needed only after a failed launch); the cache needs no
         clearing (positions >= start_pos are written before they are read)."""
-        for t in (self.bar_counter, self.epoch, self.att_count, self.done_count, self.qkv_tag, self.part):
-            t.zero_()
+        for t in (self.bar_counter, self.epoch, self.att_count, self.done_count, self.qkv_tag, self.part, self.dpart):
+            if t is not None:  # (dpart: the FFN split's partials and the fixed-point residual buffers, MK_FXRES)
+                t.zero_()
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
