@@ -537,7 +537,7 @@ __device__ __forceinline__ void finish_rstd(const Params& p, MiscSmem* misc) {
 // rstd per token of the vector rows src[m] (length H), block-wide deterministic reduction.
 // Loads are unrolled UNR deep so a thread's L2 round trips overlap (one latency, not H / 480).
 constexpr int UNR = 8;
-template <int M, bool FX = false>
+template <int M>
 __device__ void compute_rstd(const Params& p, const float* const* src, float mult, MiscSmem* misc) {
   const int t = threadIdx.x, lane = t & 31, w = t >> 5;
 #pragma unroll
@@ -548,11 +548,7 @@ __device__ void compute_rstd(const Params& p, const float* const* src, float mul
 #pragma unroll
       for (int u = 0; u < UNR; ++u) {
         const int k = base + u * NCT;
-        if constexpr (FX)
-          v[u] = k < p.H ? fx_val(__ldcg(reinterpret_cast<const long long*>(fx_base(p)) + (size_t)m * fx_stride(p) + k))
-                         : 0.f;
-        else
-          v[u] = k < p.H ? __ldcg(src[m] + k) * mult : 0.f;
+        v[u] = k < p.H ? __ldcg(src[m] + k) * mult : 0.f;
       }
 #pragma unroll
       for (int u = 0; u < UNR; ++u) s = fmaf(v[u], v[u], s);
@@ -588,7 +584,9 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
   // RMSNorm: when the whole row is one round of loads (decode on Granite and SmolLM2), the rstd comes
   // from the same loads (no separate pass, one L2 round trip less); else from compute_rstd first
   const bool fused = norm_w != nullptr && k0 == 0 && kst == c.p->H && total <= U * NCT;
-  if (norm_w != nullptr && !fused) compute_rstd<M, FX>(*c.p, src, mult, c.misc);
+  // (FX: whole rows in one round, so its rstd is always fused: the launch refuses H > 8 NCT with MK_FXRES)
+  if constexpr (!FX)
+    if (norm_w != nullptr && !fused) compute_rstd<M>(*c.p, src, mult, c.misc);
   for (int c0 = 0; c0 < total; c0 += NCT * U) {
     float4 v[U][2], wv[U][2];
 #pragma unroll
@@ -1981,6 +1979,8 @@ extern "C" int MK_CAT(flint_mk_launch_m, FLINT_MK_M)(const mk::Params* p, const 
                                                        int set_attr) {
   auto kern = mk::decode_kernel<FLINT_MK_M>;
   cudaError_t e;
+  // MK_FXRES stages the fixed-point residual as whole rows of one round (one word of 8 codes per thread)
+  if (MK_FX1 && p->nffn && p->H > 8 * mk::NCT) return (int)cudaErrorNotSupported;
   if (set_attr) {
     e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, sl->total);
     if (e != cudaSuccess) return (int)e;
