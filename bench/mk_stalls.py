@@ -103,6 +103,7 @@ def main() -> None:
         return name
 
     regions = collections.Counter()
+    why_region: dict = collections.defaultdict(lambda: collections.Counter())
     ctx = "decode_kernel"
     for (f, ln), r in zip(table, ins):
         if f == "megakernel.cu" and func(ln) not in helpers:
@@ -112,10 +113,20 @@ def main() -> None:
             where = "tile dot (mk_mma.cuh)"
         else:
             where = ctx
-        regions[where] += sum(int(float(r[col[f"stall_{k}"]] or 0)) for k in REASONS if f"stall_{k}" in col)
-    print("\nsamples per region (inlined helpers count for their caller)")
+        for k in REASONS:
+            if f"stall_{k}" in col:
+                v = int(float(r[col[f"stall_{k}"]] or 0))
+                regions[where] += v
+                why_region[where][k] += v
+    print("\nsamples per region (inlined helpers count for their caller); main reasons, and no_inst (instruction "
+          "fetch: a cold instruction cache or a branch target) within the region")
     for k, v in regions.most_common():
-        print(f"{100 * v / tot:5.1f}%  {k}")
+        c = why_region[k]
+        why = ", ".join(f"{kk} {vv * 100 // max(v, 1)}%" for kk, vv in c.most_common(3))
+        print(f"{100 * v / tot:5.1f}%  {k:24s} [{why}; no_inst {100 * c['no_inst'] / max(v, 1):.1f}%]")
+    nb = sum(total.values()) - total["barrier"]
+    print(f"\nno_inst: {100 * total['no_inst'] / tot:.1f}% of all samples, {100 * total['no_inst'] / max(nb, 1):.1f}% of "
+          "the samples not waiting at a block barrier")
     print(f"\ntop {a.top} source lines (share of all samples; main reasons)")
     for (f, ln), c in sorted(by_line.items(), key=lambda kv: -sum(kv[1].values()))[:a.top]:
         n = sum(c.values())

@@ -36,7 +36,7 @@ for rep in range(2):
         print("  warp " + " ".join(f"{c[2:]:>7s}"[-7:] for c in cols))
         for wi in range(15):
             print(f"  {wi:4d} " + " ".join(f"{f(w[c][wi], ghz):>7s}" for c in cols))
-        if b == 0:
+        if b == 0 or not math.isnan(w["attn.q"][0]):  # block 0, or a second block with an item (MK_TRACE_B2)
             acols = ["attn.q", "attn.tile", "attn.scores", "attn.softmax", "attn.pv", "attn.partial", "attn.count",
                      "attn.merge", "attn.exit"]
             print("  attention item, warp 0 / max over warps, us since entry:")

@@ -125,15 +125,46 @@ __device__ __forceinline__ float warp_max(float v) {
 // =====================================================================[2] grid barrier
 // Consumers of every block arrive once per barrier; thread 0 spins on an acquire load. The counter
 // only grows: barrier b of launch e (seq = e * S + b + 1, S = barriers per launch) completes at nblocks * seq.
+// MK_POLL3 (EXPERIMENT, session 11, off; measured +2.2% at M = 1, +1.7% at M = 2: docs 11g): the waiting thread keeps three loads of the counter in flight, issued about a
+// third of a round trip apart (nanosleep between the first three; each later one is issued when the oldest returns,
+// which keeps the spacing), so the completion is seen ~RT/3 after it lands instead of up to one round trip later
+// (session 11's trace: the barriers exit 0.8-2 us after the last arrival; an L2 round trip under the weight stream
+// is ~0.6-0.8 us). The loads are relaxed; one acquire fence after the exit orders what follows.
+#ifndef MK_POLL3
+#define MK_POLL3 0
+#endif
+__device__ __forceinline__ unsigned long long ld_relaxed_u64(const unsigned long long* a) {
+  unsigned long long v;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(a) : "memory");
+  return v;
+}
 __device__ __forceinline__ void grid_barrier(const Params& p, unsigned long long target) {
   cbar();
   if (threadIdx.x == 0) {
     // release (cumulative over the block's writes ordered before it by cbar); no return value to wait for
     asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p.bar_counter), "l"(1ull) : "memory");
-    unsigned long long v;
-    do {
-      asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p.bar_counter) : "memory");
-    } while (v < target);
+    if (MK_POLL3) {
+      const unsigned long long* bc = p.bar_counter;
+      unsigned long long v0 = ld_relaxed_u64(bc);
+      __nanosleep(200);
+      unsigned long long v1 = ld_relaxed_u64(bc);
+      __nanosleep(200);
+      unsigned long long v2 = ld_relaxed_u64(bc);
+      while (true) {
+        if (v0 >= target) break;
+        v0 = ld_relaxed_u64(bc);
+        if (v1 >= target) break;
+        v1 = ld_relaxed_u64(bc);
+        if (v2 >= target) break;
+        v2 = ld_relaxed_u64(bc);
+      }
+      asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    } else {
+      unsigned long long v;
+      do {
+        asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p.bar_counter) : "memory");
+      } while (v < target);
+    }
   }
   cbar();
 }
@@ -150,8 +181,13 @@ __device__ __forceinline__ void block_tiles(int ntiles, int nb, int b, int& t0, 
 // block 0's / the last block's SM clock (%clock64) at the start (slot 14) and end (slot 15) of each
 // layer, so the clock rate during the launch is known (MegakernelBackend.block_stamps / sm_clock_ghz).
 // which traced block this is: 0 (block 0), 1 (the last block), -1 (not traced per layer)
+// MK_TRACE_B2 (trace variants): the second traced block (default -1: the last block), e.g. 7 = kv head 0's split 7 at
+// ctx 512, the split that polls this step's K/V rows (bench/mk_warps.py then shows its attention item too)
+#ifndef MK_TRACE_B2
+#define MK_TRACE_B2 -1
+#endif
 __device__ __forceinline__ int traced_block(const Params& p) {
-  return blockIdx.x == 0 ? 0 : blockIdx.x == p.nblocks - 1 ? 1 : -1;
+  return blockIdx.x == 0 ? 0 : (int)blockIdx.x == (MK_TRACE_B2 >= 0 ? MK_TRACE_B2 : p.nblocks - 1) ? 1 : -1;
 }
 __device__ __forceinline__ void trace_stamp(const Params& p, int l, int k) {
   if (!MK_TRACE) return;
@@ -263,13 +299,13 @@ __device__ __forceinline__ void inflight_cap(const Ring& ring, int slot, uint32_
 // layer. Each FFN block walks its slice's chunks from chunk (f mod chunks) on, so the 128 blocks' adds spread over
 // all rows (from chunk 0 on: no gain, session 10). Session 10's same-call A/Bs at ctx 512, every M: M = 1 -1.7% and
 // -2.4%, M = 2 (twice the adds) +1 to +2%, hence M = 1 only; this form: M = 1 -1.0%, ctx 2048 -1.7% (23 GPU tests
-// pass; docs/megakernel.md 10c-10e). Off until it takes the full validation. The qkv staging's loads land 0.6-0.9 us
+// pass; docs/megakernel.md 10c-10e); session 11: -3.2% (24 GPU tests), the default since v13. The qkv staging's loads land 0.6-0.9 us
 // later than from the fp32 residual (the L2 still applying the adds), which eats most of the 2.5 us removed.
 // Barriers per launch then depend on M: the barrier target counts from a base kept in p.epoch[1].
-// 2 (EXPERIMENT, not yet run): also the tiles inside a chunk start at tile f mod n (the hoisted slice dot), so the
-// ~26 blocks working on one chunk at a time add to different rows (fewer adds queued on one word).
+// 2 (EXPERIMENT; session 11: +0.5% against 1, noise): also the tiles inside a chunk start at tile f mod n (the hoisted
+// slice dot), so the ~26 blocks working on one chunk at a time add to different rows.
 #ifndef MK_FXRES
-#define MK_FXRES 0
+#define MK_FXRES 1
 #endif
 // MK_STAGE_SKIP (EXPERIMENT, session 10, off, 23 GPU tests pass): in stage_x's conversion pass a warp none of whose
 // lanes holds a word skips it (it computed the whole pass on zeros: the break before is block-uniform). Session 10's
@@ -290,7 +326,8 @@ __device__ __forceinline__ void inflight_cap(const Ring& ring, int slot, uint32_
 #endif
 template <int M>
 constexpr bool kFx = MK_FX1 && M == 1;
-// MK_OHEAD (EXPERIMENT, session 10, off, NOT YET RUN on a GPU; needs MK_FXRES; M = 1, FFN split-K, where the host
+// MK_OHEAD (EXPERIMENT, session 10, off; session 11: correct, 24 GPU tests, but +4.9% per step at M = 1 (+8.0% with
+// MK_FXRES = 2), not yet traced: docs/megakernel.md 11a; needs MK_FXRES; M = 1, FFN split-K, where the host
 // finds the shapes fit (Params::ohead = blocks per kv head B), requested by FLINT_MK_OHEAD=1): the o projection by kv
 // head. Blocks [h B, (h + 1) B) own o's row tiles [j T, (j + 1) T) (j = b - h B) over head h's q heads' columns
 // (mat[MAT_D]: o repacked as per-q-head column slices); they poll head h's attention output (tagged words, written
@@ -1230,7 +1267,7 @@ __device__ void ffn_down_partial(Ctx<M>& c, int layer) {
   const int gq = lane >> 2, tq = lane & 3;
   const size_t mstride = (size_t)mt.ntiles * p.nffn_pad * TILE_ROWS;
   float* dpf = p.dpart + (size_t)f * TILE_ROWS + gq;
-#if MK_DS_RR
+#if MK_DS_RR && !MK_FX1  // (MK_FXRES computes the rotation from t itself)
   const int cpt15 = cpt % NCW;  // tile t + i of the slice goes to warp (t + i) mod 15; rot = t mod 15
   int rot = 0;
 #endif
@@ -1383,6 +1420,21 @@ __device__ __forceinline__ float tm_weights(float* wt, int t, int nsplit) {
   return den;
 }
 
+// MK_TM_FAST (EXPERIMENT, session 11, off; two calls: -2.3% and +0.6% at M = 1, noise; the traced tail after the (m, l)
+// pairs stayed 0.92 us: docs 11h): the MK_TMERGE merger's tail shortened. Session 11's trace of the merging
+// block (bench/results/mk_warps_session11_v13_2026-11-30.log): every split's o words seen at 5.1 us after entry, the
+// (m, l) pairs in shared memory at 5.76 (two dependent tagged loads: two round trips), the output written at 6.72 (a
+// serial pass of R threads over the splits' weights, then a block barrier). Here each (m, l) pair is one 16-byte
+// load, and every output thread computes its row's weights itself, unrolled (the same arithmetic in the same order:
+// bitwise the same output).
+#ifndef MK_TM_FAST
+#define MK_TM_FAST 0
+#endif
+// MK_ATT_TPS (EXPERIMENT, session 11, default 1; 2 measured +6.7% at M = 1: docs 11d): at least this many ATT_T-key tiles per context split (fewer splits,
+// so the merge waits for fewer partials and each split computes longer)
+#ifndef MK_ATT_TPS
+#define MK_ATT_TPS 1
+#endif
 // Work item = (kv head, contiguous split of the context). All query heads of the group and all M
 // tokens are processed together so K/V are read once. Sub-tiles of ATT_T keys are double-buffered
 // with cp.async; online softmax in fp32. Splits are merged by the last block to finish (counter).
@@ -1394,7 +1446,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
   const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
   const int ntiles = (Ltot + ATT_T - 1) / ATT_T;
   int nsplit = min(ntiles, max(1, p.nblocks / p.nkv));
-  const int tps = (ntiles + nsplit - 1) / nsplit;
+  const int tps = MK_ATT_TPS > 1 ? max(MK_ATT_TPS, (ntiles + nsplit - 1) / nsplit) : (ntiles + nsplit - 1) / nsplit;
   nsplit = (ntiles + tps - 1) / tps;
   const int nitems = p.nkv * nsplit;
   const uint32_t qtag = c.tag0 + (uint32_t)layer;  // MK_QTAG: this layer's tag
@@ -1571,6 +1623,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
           const int r = i / (D + 2), d = i - r * (D + 2);
           st_tagged(tp + 2 * i, d == 0 ? ms->att_m[r] : d == 1 ? ms->att_l[r] : o_s[r * D + d - 2], qtag);
         }
+        warp_stamp(p, layer, WS_A_PART);  // (MK_TMERGE: the partial's stores issued)
       } else {  // split 0's block merges: its own partial from shared memory, the others' as they arrive
         const int r = t / D, d = t - r * D;
         float ov[TM_MAX_SPLITS];
@@ -1593,6 +1646,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
           } while (!ok);
           ov[0] = o_s[t];
         }
+        warp_stamp(p, layer, WS_A_PART);  // (MK_TMERGE merger: every split's o words seen by this warp)
         float* wt = s_s;  // [R][TM_MAX_SPLITS] (m, l) then (weight, l); s_s (R x ATT_T floats) is free now
         if (t < R * nsplit) {
           const int rr = t / nsplit, s2 = t - rr * nsplit;
@@ -1602,13 +1656,47 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
             lv = ms->att_l[rr];
           } else {
             const uint32_t* e = tk + 2 * (((size_t)s2 * R + rr) * (D + 2));
-            mv = ld_tagged(e, qtag);
-            lv = ld_tagged(e + 2, qtag);
+            if (MK_TM_FAST) {  // (m, tag), (l, tag): one 16-byte load (16-byte aligned: rows of D + 2 = 66 words)
+              uint4 u;
+              do {
+                asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                             : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "l"(e) : "memory");
+              } while (u.y != qtag || u.w != qtag);
+              mv = __uint_as_float(u.x);
+              lv = __uint_as_float(u.z);
+            } else {
+              mv = ld_tagged(e, qtag);
+              lv = ld_tagged(e + 2, qtag);
+            }
           }
           wt[2 * (rr * TM_MAX_SPLITS + s2)] = mv;
           wt[2 * (rr * TM_MAX_SPLITS + s2) + 1] = lv;
         }
         cbar();
+        warp_stamp(p, layer, WS_A_COUNT);  // (MK_TMERGE merger: every (m, l) in shared memory)
+        if (MK_TM_FAST) {
+          // every output thread weighs its row's splits itself (the same operations in the same order as tm_weights,
+          // so the same bits), unrolled so the shared loads and the exponentials overlap: no serial pass on R
+          // threads and no block barrier after it
+          if (t < R * D) {
+            const float* wr = wt + 2 * r * TM_MAX_SPLITS;
+            float mx = -INFINITY;
+#pragma unroll
+            for (int s2 = 0; s2 < TM_MAX_SPLITS; ++s2)
+              if (s2 < nsplit) mx = fmaxf(mx, wr[2 * s2]);
+            float num = 0.f, den = 0.f;
+#pragma unroll
+            for (int s2 = 0; s2 < TM_MAX_SPLITS; ++s2)
+              if (s2 < nsplit) {
+                const float m2 = wr[2 * s2];
+                const float w2 = m2 == -INFINITY ? 0.f : expf(m2 - mx);
+                den = fmaf(w2, wr[2 * s2 + 1], den);
+                num = fmaf(w2, ov[s2], num);
+              }
+            const int hq = kvh * g + r / M, m = r % M;
+            attn_out(p, m, hq * D + d, num / den, qtag);
+          }
+        } else {
         if (t < R) ms->att_alpha[t] = tm_weights(wt, t, nsplit);
         cbar();
         if (t < R * D) {
@@ -1618,6 +1706,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
             if (s2 < nsplit) num = fmaf(wt[2 * (r * TM_MAX_SPLITS + s2)], ov[s2], num);
           const int hq = kvh * g + r / M, m = r % M;
           attn_out(p, m, hq * D + d, num / ms->att_alpha[r], qtag);
+        }
         }
       }
     } else {
