@@ -80,6 +80,22 @@ def test_build_compiles_without_spills(tmp_path, monkeypatch):
     assert all(f["spill_stores"] == 0 and f["spill_loads"] == 0 for f in funcs)
 
 
+def test_spills_refused_except_traced_on_request(monkeypatch):
+    from flint.kernels import build
+
+    clean = {"function": "k1", "registers": 128, "stack": 0, "spill_stores": 0, "spill_loads": 0}
+    spilt = {"function": "k2", "registers": 128, "stack": 16, "spill_stores": 24, "spill_loads": 72}
+    monkeypatch.delenv("FLINT_MK_TRACE_SPILLS_OK", raising=False)
+    assert build.spill_verdict([clean], traced=False) is None
+    assert build.spill_verdict([clean, spilt], traced=False).startswith("register spills (build refused)")
+    msg = build.spill_verdict([spilt], traced=True)
+    assert msg.startswith("register spills") and "FLINT_MK_TRACE_SPILLS_OK" in msg and "k2" in msg
+    monkeypatch.setenv("FLINT_MK_TRACE_SPILLS_OK", "1")
+    assert build.spill_verdict([spilt], traced=False).startswith("register spills")  # the default library: never
+    warn = build.spill_verdict([spilt], traced=True)
+    assert warn.startswith("the traced library spills") and "k2" in warn
+
+
 def test_trace_readers_layout():
     """The trace buffer's regions as the kernel writes them (megakernel.cu trace_stamp / warp_stamp):
     [2][L][32] per-layer stamps (slots 14/15: %clock64), [nblocks][16] middle-layer stamps of every

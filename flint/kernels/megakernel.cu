@@ -327,7 +327,8 @@ __device__ __forceinline__ void inflight_cap(const Ring& ring, int slot, uint32_
 template <int M>
 constexpr bool kFx = MK_FX1 && M == 1;
 // MK_OHEAD (EXPERIMENT, session 10, off; session 11: correct, 24 GPU tests, but +4.9% per step at M = 1 (+8.0% with
-// MK_FXRES = 2), not yet traced: docs/megakernel.md 11a; needs MK_FXRES; M = 1, FFN split-K, where the host
+// MK_FXRES = 2); traced (docs/megakernel.md 11i): the o hop gains ~0.5-1 us per layer, the two-buffer fixed-point
+// stagings of qkv and gate|up lose ~1 and ~1.8 us; needs MK_FXRES; M = 1, FFN split-K, where the host
 // finds the shapes fit (Params::ohead = blocks per kv head B), requested by FLINT_MK_OHEAD=1): the o projection by kv
 // head. Blocks [h B, (h + 1) B) own o's row tiles [j T, (j + 1) T) (j = b - h B) over head h's q heads' columns
 // (mat[MAT_D]: o repacked as per-q-head column slices); they poll head h's attention output (tagged words, written
