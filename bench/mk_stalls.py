@@ -102,8 +102,7 @@ def main() -> None:
                 name = nm
         return name
 
-    regions = collections.Counter()
-    why_region: dict = collections.defaultdict(lambda: collections.Counter())
+    why_region: dict = collections.defaultdict(lambda: collections.Counter())  # region -> reason -> samples
     ctx = "decode_kernel"
     for (f, ln), r in zip(table, ins):
         if f == "megakernel.cu" and func(ln) not in helpers:
@@ -115,13 +114,11 @@ def main() -> None:
             where = ctx
         for k in REASONS:
             if f"stall_{k}" in col:
-                v = int(float(r[col[f"stall_{k}"]] or 0))
-                regions[where] += v
-                why_region[where][k] += v
+                why_region[where][k] += int(float(r[col[f"stall_{k}"]] or 0))
     print("\nsamples per region (inlined helpers count for their caller); main reasons, and no_inst (instruction "
           "fetch: a cold instruction cache or a branch target) within the region")
-    for k, v in regions.most_common():
-        c = why_region[k]
+    for k, c in sorted(why_region.items(), key=lambda kv: -sum(kv[1].values())):
+        v = sum(c.values())
         why = ", ".join(f"{kk} {vv * 100 // max(v, 1)}%" for kk, vv in c.most_common(3))
         print(f"{100 * v / tot:5.1f}%  {k:24s} [{why}; no_inst {100 * c['no_inst'] / max(v, 1):.1f}%]")
     nb = sum(total.values()) - total["barrier"]

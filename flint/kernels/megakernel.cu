@@ -125,46 +125,15 @@ __device__ __forceinline__ float warp_max(float v) {
 // =====================================================================[2] grid barrier
 // Consumers of every block arrive once per barrier; thread 0 spins on an acquire load. The counter
 // only grows: barrier b of launch e (seq = e * S + b + 1, S = barriers per launch) completes at nblocks * seq.
-// MK_POLL3 (EXPERIMENT, session 11, off; measured +2.2% at M = 1, +1.7% at M = 2: docs 11g): the waiting thread keeps three loads of the counter in flight, issued about a
-// third of a round trip apart (nanosleep between the first three; each later one is issued when the oldest returns,
-// which keeps the spacing), so the completion is seen ~RT/3 after it lands instead of up to one round trip later
-// (session 11's trace: the barriers exit 0.8-2 us after the last arrival; an L2 round trip under the weight stream
-// is ~0.6-0.8 us). The loads are relaxed; one acquire fence after the exit orders what follows.
-#ifndef MK_POLL3
-#define MK_POLL3 0
-#endif
-__device__ __forceinline__ unsigned long long ld_relaxed_u64(const unsigned long long* a) {
-  unsigned long long v;
-  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(a) : "memory");
-  return v;
-}
 __device__ __forceinline__ void grid_barrier(const Params& p, unsigned long long target) {
   cbar();
   if (threadIdx.x == 0) {
     // release (cumulative over the block's writes ordered before it by cbar); no return value to wait for
     asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p.bar_counter), "l"(1ull) : "memory");
-    if (MK_POLL3) {
-      const unsigned long long* bc = p.bar_counter;
-      unsigned long long v0 = ld_relaxed_u64(bc);
-      __nanosleep(200);
-      unsigned long long v1 = ld_relaxed_u64(bc);
-      __nanosleep(200);
-      unsigned long long v2 = ld_relaxed_u64(bc);
-      while (true) {
-        if (v0 >= target) break;
-        v0 = ld_relaxed_u64(bc);
-        if (v1 >= target) break;
-        v1 = ld_relaxed_u64(bc);
-        if (v2 >= target) break;
-        v2 = ld_relaxed_u64(bc);
-      }
-      asm volatile("fence.acq_rel.gpu;" ::: "memory");
-    } else {
-      unsigned long long v;
-      do {
-        asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p.bar_counter) : "memory");
-      } while (v < target);
-    }
+    unsigned long long v;
+    do {
+      asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p.bar_counter) : "memory");
+    } while (v < target);
   }
   cbar();
 }
@@ -1421,21 +1390,6 @@ __device__ __forceinline__ float tm_weights(float* wt, int t, int nsplit) {
   return den;
 }
 
-// MK_TM_FAST (EXPERIMENT, session 11, off; two calls: -2.3% and +0.6% at M = 1, noise; the traced tail after the (m, l)
-// pairs stayed 0.92 us: docs 11h): the MK_TMERGE merger's tail shortened. Session 11's trace of the merging
-// block (bench/results/mk_warps_session11_v13_2026-11-30.log): every split's o words seen at 5.1 us after entry, the
-// (m, l) pairs in shared memory at 5.76 (two dependent tagged loads: two round trips), the output written at 6.72 (a
-// serial pass of R threads over the splits' weights, then a block barrier). Here each (m, l) pair is one 16-byte
-// load, and every output thread computes its row's weights itself, unrolled (the same arithmetic in the same order:
-// bitwise the same output).
-#ifndef MK_TM_FAST
-#define MK_TM_FAST 0
-#endif
-// MK_ATT_TPS (EXPERIMENT, session 11, default 1; 2 measured +6.7% at M = 1: docs 11d): at least this many ATT_T-key tiles per context split (fewer splits,
-// so the merge waits for fewer partials and each split computes longer)
-#ifndef MK_ATT_TPS
-#define MK_ATT_TPS 1
-#endif
 // Work item = (kv head, contiguous split of the context). All query heads of the group and all M
 // tokens are processed together so K/V are read once. Sub-tiles of ATT_T keys are double-buffered
 // with cp.async; online softmax in fp32. Splits are merged by the last block to finish (counter).
@@ -1447,7 +1401,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
   const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
   const int ntiles = (Ltot + ATT_T - 1) / ATT_T;
   int nsplit = min(ntiles, max(1, p.nblocks / p.nkv));
-  const int tps = MK_ATT_TPS > 1 ? max(MK_ATT_TPS, (ntiles + nsplit - 1) / nsplit) : (ntiles + nsplit - 1) / nsplit;
+  const int tps = (ntiles + nsplit - 1) / nsplit;
   nsplit = (ntiles + tps - 1) / tps;
   const int nitems = p.nkv * nsplit;
   const uint32_t qtag = c.tag0 + (uint32_t)layer;  // MK_QTAG: this layer's tag
@@ -1657,47 +1611,14 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
             lv = ms->att_l[rr];
           } else {
             const uint32_t* e = tk + 2 * (((size_t)s2 * R + rr) * (D + 2));
-            if (MK_TM_FAST) {  // (m, tag), (l, tag): one 16-byte load (16-byte aligned: rows of D + 2 = 66 words)
-              uint4 u;
-              do {
-                asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                             : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "l"(e) : "memory");
-              } while (u.y != qtag || u.w != qtag);
-              mv = __uint_as_float(u.x);
-              lv = __uint_as_float(u.z);
-            } else {
-              mv = ld_tagged(e, qtag);
-              lv = ld_tagged(e + 2, qtag);
-            }
+            mv = ld_tagged(e, qtag);
+            lv = ld_tagged(e + 2, qtag);
           }
           wt[2 * (rr * TM_MAX_SPLITS + s2)] = mv;
           wt[2 * (rr * TM_MAX_SPLITS + s2) + 1] = lv;
         }
         cbar();
         warp_stamp(p, layer, WS_A_COUNT);  // (MK_TMERGE merger: every (m, l) in shared memory)
-        if (MK_TM_FAST) {
-          // every output thread weighs its row's splits itself (the same operations in the same order as tm_weights,
-          // so the same bits), unrolled so the shared loads and the exponentials overlap: no serial pass on R
-          // threads and no block barrier after it
-          if (t < R * D) {
-            const float* wr = wt + 2 * r * TM_MAX_SPLITS;
-            float mx = -INFINITY;
-#pragma unroll
-            for (int s2 = 0; s2 < TM_MAX_SPLITS; ++s2)
-              if (s2 < nsplit) mx = fmaxf(mx, wr[2 * s2]);
-            float num = 0.f, den = 0.f;
-#pragma unroll
-            for (int s2 = 0; s2 < TM_MAX_SPLITS; ++s2)
-              if (s2 < nsplit) {
-                const float m2 = wr[2 * s2];
-                const float w2 = m2 == -INFINITY ? 0.f : expf(m2 - mx);
-                den = fmaf(w2, wr[2 * s2 + 1], den);
-                num = fmaf(w2, ov[s2], num);
-              }
-            const int hq = kvh * g + r / M, m = r % M;
-            attn_out(p, m, hq * D + d, num / den, qtag);
-          }
-        } else {
         if (t < R) ms->att_alpha[t] = tm_weights(wt, t, nsplit);
         cbar();
         if (t < R * D) {
@@ -1707,7 +1628,6 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
             if (s2 < nsplit) num = fmaf(wt[2 * (r * TM_MAX_SPLITS + s2)], ov[s2], num);
           const int hq = kvh * g + r / M, m = r % M;
           attn_out(p, m, hq * D + d, num / ms->att_alpha[r], qtag);
-        }
         }
       }
     } else {
