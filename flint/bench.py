@@ -4,8 +4,11 @@ measured in the same run.
 For each model x backend x context: fill the KV cache to ``ctx`` (prefill of random tokens), decode
 ``--tokens`` greedy tokens once untimed (warm-up: compiles and captures every attention bucket
 those positions touch), then ``--repeats`` timed passes over the same positions (CUDA events on a
-GPU, the host clock on a CPU); the figure is the median pass. Each step ends in a host sync (the
-next token is read back), as in a real generation loop.
+GPU, the host clock on a CPU); the figure is the median pass. The greedy loop (``--loop``, the
+``loop`` column): ``device`` (default) where the backend has ``greedy_run`` (compiled, megakernel):
+each step's argmax is the next step's input on the GPU and the tokens are read back once per pass,
+as gpt-fast's generate loop does; ``host``: every step ends in a host sync (greedy_next, or forward +
+argmax), as a loop that must see each token before the next (sampling on the host) does.
 
 * bytes per token = what one decode step reads: the backend's weights as it holds them (int4 codes
   + scales + mins/zeros, LM head included, norms, one embedding row) + K and V at ``ctx``. A
@@ -21,7 +24,7 @@ next token is read back), as in a real generation loop.
   an int4 backend is asked for (the bf16 backends then run those values dequantized), else bf16.
 
 Prints a llama-bench-style markdown table; ``--json PATH`` writes
-``{"device", "hbm_read_GBps", "results": [{"model", "backend", "ctx", "tok_s", "ms_per_token",
+``{"device", "hbm_read_GBps", "results": [{"model", "backend", "ctx", "loop", "tok_s", "ms_per_token",
 "bytes_per_token", "mbu"}]}`` (plus ``"ttft"`` rows with --prompt-len), rewritten after every
 result; ``--plot PATH.png`` draws tok/s against context per backend with each backend's
 bandwidth ceiling (bandwidth / bytes per token) dashed.
@@ -152,14 +155,37 @@ def prefill(backend, start: int, end: int, gen: torch.Generator) -> None:
         backend.forward(torch.randint(0, vocab, (n,), generator=gen), s)
 
 
+def decode_loop(backend, loop: str = "device") -> str:
+    """How greedy decoding is timed: "device" when the backend has greedy_run (each token's argmax feeds
+    the next step on the device, as gpt-fast's loop does: no host sync between tokens), else "host"
+    (one host round trip per token: greedy_next, or forward + argmax)."""
+    if loop not in ("device", "host"):
+        raise BenchError(f"--loop must be 'device' or 'host', got {loop!r}")
+    return "device" if loop == "device" and hasattr(backend, "greedy_run") else "host"
+
+
 def time_decode(backend, ctx: int, n_tokens: int, repeats: int, device: torch.device,
-                flush: torch.Tensor | None = None) -> float:
-    """Median seconds per decoded token at positions ctx..ctx+n-1 (cache assumed filled to ctx)."""
+                flush: torch.Tensor | None = None, loop: str = "device") -> float:
+    """Median seconds per decoded token at positions ctx..ctx+n-1 (cache assumed filled to ctx).
+    loop: see decode_loop (with an L2 flush before each token, always "host")."""
     step = _stepper(backend)
     cuda = device.type == "cuda"
+    on_device = decode_loop(backend, loop) == "device" and flush is None
 
     def one_pass(timed: bool) -> float:
         tok = 1
+        if on_device:
+            if cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                _sync(device)
+                a.record()
+                backend.greedy_run(tok, ctx, n_tokens)  # (returns after its one sync)
+                b.record()
+                b.synchronize()
+                return a.elapsed_time(b) / 1e3
+            t = time.perf_counter()
+            backend.greedy_run(tok, ctx, n_tokens)
+            return time.perf_counter() - t
         if not timed:
             for i in range(n_tokens):
                 tok = step(tok, ctx + i)
@@ -236,7 +262,7 @@ def load_bench_model(spec: str | None, int4_group_size: int | None, device: torc
 def run_bench(models: list[str | None], backends: list[str], ctxs: list[int], n_tokens: int = 32,
               repeats: int = 3, prompt_len: int | None = None, device: str | None = None,
               group_size: int = 128, json_path: str | None = None, bw_bytes: int | None = None,
-              seed: int = 0, log=print) -> dict:
+              seed: int = 0, log=print, loop: str = "device") -> dict:
     """Run the benchmark; returns the JSON document (also written to json_path after every row)."""
     for b in backends:
         if b not in BACKENDS:
@@ -247,6 +273,8 @@ def run_bench(models: list[str | None], backends: list[str], ctxs: list[int], n_
         raise BenchError(f"--ctx values must be >= 0, got {ctxs}")
     if prompt_len is not None and prompt_len < 1:
         raise BenchError("--prompt-len must be >= 1")
+    if loop not in ("device", "host"):
+        raise BenchError(f"--loop must be 'device' or 'host', got {loop!r}")
     dev = torch.device(device or default_device())
     doc = {"device": device_name(dev), "hbm_read_GBps": 0.0, "results": []}
     if prompt_len:
@@ -280,7 +308,7 @@ def run_bench(models: list[str | None], backends: list[str], ctxs: list[int], n_
         for bname in backends:
             try:
                 _bench_backend(doc, save, lm, name, bname, ctxs, n_tokens, repeats, prompt_len, dev,
-                               need, group_size, gen, l2, log)
+                               need, group_size, gen, l2, log, loop)
             except Exception as e:  # noqa: BLE001
                 # one backend failing (no sm_90 for the megakernel, a compile error) leaves the rest
                 # of the sweep standing; the error is printed and recorded, and the exit code is 1
@@ -302,7 +330,7 @@ _FLUSH: dict = {}  # the L2-flush buffer, made once
 
 
 def _bench_backend(doc, save, lm, name, bname, ctxs, n_tokens, repeats, prompt_len, dev, need,
-                   group_size, gen, l2, log) -> None:
+                   group_size, gen, l2, log, loop="device") -> None:
     """All rows of one model x backend."""
     backend = make_backend(bname, lm, max_seq_len=need, device=str(dev), group_size=group_size)
     wbytes = weight_bytes_per_token(backend)
@@ -319,10 +347,11 @@ def _bench_backend(doc, save, lm, name, bname, ctxs, n_tokens, repeats, prompt_l
     for ctx in sorted(ctxs):
         prefill(backend, filled, ctx, gen)
         filled = ctx
-        s = time_decode(backend, ctx, n_tokens, repeats, dev, flush)
+        s = time_decode(backend, ctx, n_tokens, repeats, dev, flush, loop)
         nbytes = wbytes + kv_bytes(backend, ctx)
         tok_s = 1.0 / s
-        row = {"model": name, "backend": bname, "ctx": ctx, "tok_s": round(tok_s, 2),
+        how = "host" if flush is not None else decode_loop(backend, loop)
+        row = {"model": name, "backend": bname, "ctx": ctx, "loop": how, "tok_s": round(tok_s, 2),
                "ms_per_token": round(s * 1e3, 4), "bytes_per_token": int(nbytes),
                "mbu": round(nbytes * tok_s / (doc["hbm_read_GBps"] * 1e9), 4)}
         doc["results"].append(row)
@@ -334,10 +363,10 @@ def _bench_backend(doc, save, lm, name, bname, ctxs, n_tokens, repeats, prompt_l
 
 def markdown_table(doc: dict) -> str:
     lines = [f"device: {doc['device']} · measured read bandwidth {doc['hbm_read_GBps']:.1f} GB/s", "",
-             "| model | backend | ctx | tok/s | ms/token | GB/token | MBU |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+             "| model | backend | ctx | loop | tok/s | ms/token | GB/token | MBU |",
+             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: |"]
     for r in doc["results"]:
-        lines.append(f"| {r['model']} | {r['backend']} | {r['ctx']} | {r['tok_s']:.2f} | "
+        lines.append(f"| {r['model']} | {r['backend']} | {r['ctx']} | {r.get('loop', 'host')} | {r['tok_s']:.2f} | "
                      f"{r['ms_per_token']:.3f} | {r['bytes_per_token'] / 1e9:.4f} | {r['mbu']:.1%} |")
     if doc.get("ttft"):
         lines += ["", "| model | backend | prompt tokens | TTFT ms |", "| --- | --- | ---: | ---: |"]
@@ -441,7 +470,7 @@ def _run(args) -> int:
         ctxs=_parse_list(args.ctx or ctx_default, "ctx", int),
         n_tokens=args.tokens, repeats=args.repeats, prompt_len=args.prompt_len, device=str(dev),
         group_size=args.group_size, json_path=args.json,
-        bw_bytes=int(args.bw_gib * (1 << 30)) if args.bw_gib else None, seed=args.seed)
+        bw_bytes=int(args.bw_gib * (1 << 30)) if args.bw_gib else None, seed=args.seed, loop=args.loop)
     print(markdown_table(doc))
     if args.plot and doc["results"]:
         plot(doc, args.plot)
@@ -469,6 +498,10 @@ def register(sub) -> None:
     p.add_argument("--bw-gib", type=float, default=None,
                    help="buffer for the bandwidth measurement in GiB (default 4 on a GPU, 1 on a CPU)")
     p.add_argument("--seed", type=int, default=0, help="seed of synthetic weights and random tokens")
+    p.add_argument("--loop", default="device", choices=("device", "host"),
+                   help="greedy decode loop: device = each argmax feeds the next step on the GPU, no host sync "
+                        "between tokens (gpt-fast's loop; backends with greedy_run), host = one round trip "
+                        "per token (default device)")
     p.add_argument("--draft", default=None, metavar="PATH",
                    help="speculative decoding with this draft head (a path or a shipped name, e.g. "
                         "smollm2-135m): acceptance and tok/s beside plain decoding, on real prompts")

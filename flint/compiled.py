@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .backend import BackendError
+from .backend import BackendError, check_greedy_run
 from .config import ModelConfig
 from .model import apply_rope, dense, rms_norm, rope_tables
 from .quant import Int4Weight, concat_rows, fit_group_size, quantize_int4
@@ -341,3 +341,16 @@ class CompiledBackend:
         self.tok_buf.fill_(int(token))
         self._decode(pos)
         return int(self.next_buf)
+
+    @torch.inference_mode()
+    def greedy_run(self, token: int, pos: int, n: int) -> list[int]:
+        """``n`` greedy steps from ``token`` at ``pos``: each step's argmax becomes the next step's input on
+        the device (gpt-fast's loop: no host sync between tokens); returns the n argmax tokens."""
+        check_greedy_run(self, token, pos, n)
+        hist = torch.empty(n, dtype=torch.long, device=self.device)
+        self.tok_buf.fill_(int(token))
+        for i in range(n):
+            self._decode(pos + i)
+            hist[i: i + 1].copy_(self.next_buf)
+            self.tok_buf.copy_(self.next_buf)
+        return hist.tolist()

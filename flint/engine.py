@@ -93,6 +93,10 @@ def _stop_holdback(text: str, stops: list[str]) -> int:
 
 
 class Engine:
+    # greedy decoding on a backend with greedy_run: tokens per burst (each argmax feeds the next step on the
+    # device, one host sync per burst; a stop inside a burst wastes at most GREEDY_BURST - 1 steps)
+    GREEDY_BURST = 8
+
     def __init__(self, backend, tokenizer=None, eos_token_ids=None):
         self.backend = backend
         self.tokenizer = tokenizer
@@ -136,16 +140,27 @@ class Engine:
         Subclasses (speculative decoding) override this; stream() does the text side."""
         logits = self.prefill(list(prompt_ids))
         pos = len(prompt_ids)
-        fast = sp.temperature == 0 and hasattr(self.backend, "greedy_next")
+        greedy = sp.temperature == 0
+        burst = greedy and hasattr(self.backend, "greedy_run")
+        fast = greedy and hasattr(self.backend, "greedy_next")
         tok = sample(logits, sp, gen)
+        produced = 1
         while True:
             yield tok
+            if burst:  # the consumer asked for more: at least one token is still wanted
+                n = max(1, min(self.GREEDY_BURST, sp.max_new_tokens - produced))
+                toks = self.backend.greedy_run(tok, pos, n)
+                pos, produced = pos + n, produced + n
+                yield from toks[:-1]
+                tok = toks[-1]
+                continue
             if fast:
                 tok = self.backend.greedy_next(tok, pos)
             else:
                 logits = self.backend.forward(torch.tensor([tok], dtype=torch.long), pos)[-1]
                 tok = sample(logits, sp, gen)
             pos += 1
+            produced += 1
 
     def _on_start(self) -> None:
         """Hook: a generation begins (subclasses reset their per-call stats)."""

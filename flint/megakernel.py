@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from .backend import check_greedy_run
 from .config import ModelConfig
 from .quant import Int4Weight
 
@@ -45,6 +46,8 @@ def load_library(traced: bool = False):
     lib.flint_mk_forward.restype = ctypes.c_int
     lib.flint_mk_greedy.argtypes = [vp, ctypes.c_int, ctypes.c_int, vp, ctypes.POINTER(ctypes.c_int)]
     lib.flint_mk_greedy.restype = ctypes.c_int
+    lib.flint_mk_greedy_run.argtypes = [vp, ctypes.c_int, ctypes.c_int, ctypes.c_int, vp, vp]
+    lib.flint_mk_greedy_run.restype = ctypes.c_int
     lib.flint_mk_max_m.argtypes = [vp]
     lib.flint_mk_max_m.restype = ctypes.c_int
     lib.flint_mk_smem_info.argtypes = [vp, ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
@@ -409,6 +412,17 @@ class MegakernelBackend:
         _check(self._lib.flint_mk_greedy(self._h, int(token), int(pos), ctypes.c_void_p(stream.cuda_stream),
                                          ctypes.byref(out)), self._lib)
         return out.value
+
+    def greedy_run(self, token: int, pos: int, n: int) -> list[int]:
+        """``n`` greedy M = 1 steps from ``token`` at ``pos``; returns their argmax tokens. Step i + 1 reads
+        step i's argmax on the device, so the n launches queue back to back (no host round trip between
+        tokens; one sync at the end). The K/V of positions pos .. pos + n - 1 are written."""
+        check_greedy_run(self, token, pos, n)
+        hist = torch.zeros(n, dtype=torch.int64, device=self.device)
+        stream = torch.cuda.current_stream(self.device)
+        _check(self._lib.flint_mk_greedy_run(self._h, int(token), int(pos), int(n), ctypes.c_void_p(hist.data_ptr()),
+                                             ctypes.c_void_p(stream.cuda_stream)), self._lib)
+        return hist.tolist()
 
     STAGES = ("rstd1", "qkv", "bar1", "attn", "bar2", "o", "bar3", "gate_up", "dpart", "bar4", "down", "bar5")
     SUBSTAGES = ("qkv", "o", "gate_up", "down")

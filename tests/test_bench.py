@@ -41,10 +41,12 @@ def test_json_schema(cpu_run, tiny_spec):
     assert isinstance(doc["device"], str) and doc["device"].startswith("CPU")
     assert isinstance(doc["hbm_read_GBps"], float) and doc["hbm_read_GBps"] > 0
     assert len(doc["results"]) == 6
-    types = {"model": str, "backend": str, "ctx": int, "tok_s": float, "ms_per_token": float,
+    types = {"model": str, "backend": str, "ctx": int, "loop": str, "tok_s": float, "ms_per_token": float,
              "bytes_per_token": int, "mbu": float}
     for r in doc["results"]:
         assert set(r) == set(types)
+        # compiled* have greedy_run (argmax fed back on the device); the reference loops on the host
+        assert r["loop"] == ("host" if r["backend"] == "reference" else "device"), r
         for k, t in types.items():
             assert isinstance(r[k], t), (k, r[k])
         assert r["model"] == tiny_spec and r["tok_s"] > 0
@@ -84,11 +86,19 @@ def test_bytes_per_token(cpu_run):
 def test_table_and_plot(cpu_run, tmp_path):
     doc, _ = cpu_run
     table = markdown_table(doc)
-    assert "| model | backend | ctx | tok/s | ms/token | GB/token | MBU |" in table
+    assert "| model | backend | ctx | loop | tok/s | ms/token | GB/token | MBU |" in table
     assert table.count("| compiled-bf16 |") == 2 + 1  # two decode rows, one TTFT row
     png = tmp_path / "bench.png"
     plot(doc, str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_host_loop_is_chosen_on_request(tiny_spec):
+    doc = run_bench([tiny_spec], ["compiled"], [8], n_tokens=2, repeats=1, device="cpu", group_size=32,
+                    bw_bytes=32 << 20, log=_quiet, loop="host")
+    assert [r["loop"] for r in doc["results"]] == ["host"]
+    with pytest.raises(BenchError, match="--loop must be 'device' or 'host', got 'gpu'"):
+        run_bench([tiny_spec], ["compiled"], [8], device="cpu", log=_quiet, loop="gpu")
 
 
 def test_bad_arguments_are_clear_errors(tiny_spec, capsys):

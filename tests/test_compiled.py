@@ -97,6 +97,27 @@ def test_mixed_group_sizes_and_float_weights():
     _assert_close(be.forward(toks, 0), ref.forward(toks, 0), 2e-4, "mixed")
 
 
+def test_greedy_run_matches_a_host_loop():
+    """greedy_run (each argmax fed back on the device) gives the tokens of greedy_next step by step, writes
+    the same cache, and refuses what greedy_next refuses."""
+    cfg, params = small_model()
+    be = CompiledBackend(cfg, params, 64, device="cpu")
+    prompt = torch.randint(0, cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(5))
+    tok = int(torch.argmax(be.forward(prompt, 0)[-1]))
+    want, t = [], tok
+    for i in range(6):
+        t = be.greedy_next(t, 9 + i)
+        want.append(t)
+    assert be.greedy_run(tok, 9, 6) == want
+    assert be.greedy_run(want[2], 12, 3) == want[3:]  # from the middle: the cache before 12 is the same
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        be.greedy_run(cfg.vocab_size, 9, 2)
+    with pytest.raises(ValueError, match=r"positions 60\.\.64 exceed max_seq_len 64"):
+        be.greedy_run(tok, 60, 5)
+    with pytest.raises(ValueError, match="n >= 1"):
+        be.greedy_run(tok, 9, 0)
+
+
 def test_bad_input_is_a_clear_error():
     cfg, params = small_model()
     be = CompiledBackend(cfg, params, 64, device="cpu")

@@ -157,6 +157,47 @@ def test_prefix_reuse_matches_fresh_engine(backend, tiny_llama, prompt_ids):
     assert rolled.token_ids == fresh.token_ids
 
 
+class _Bursting:
+    """A backend with greedy_run (as compiled and megakernel have), recording the bursts it is asked for."""
+
+    def __init__(self, inner):
+        self.inner, self.bursts = inner, []
+        self.cfg, self.device, self.max_seq_len = inner.cfg, inner.device, inner.max_seq_len
+
+    def forward(self, tokens, start_pos, return_hidden=False):
+        return self.inner.forward(tokens, start_pos, return_hidden)
+
+    def greedy_run(self, token, pos, n):
+        self.bursts.append((pos, n))
+        out = []
+        for i in range(n):
+            token = int(self.inner.forward(torch.tensor([token]), pos + i)[-1].argmax())
+            out.append(token)
+        return out
+
+
+def test_greedy_bursts_match_step_by_step(backend, tiny_llama, prompt_ids):
+    # greedy decoding through greedy_run bursts gives the step-by-step tokens, never asks for positions past
+    # max_new_tokens, stops at eos inside a burst, and its cache bookkeeping serves a follow-up prompt
+    free, _ = run(Engine(backend, tiny_llama.tokenizer), prompt_ids, max_new_tokens=21, ignore_eos=True)
+    b = _Bursting(backend)
+    res, pieces = run(Engine(b, tiny_llama.tokenizer), prompt_ids, max_new_tokens=21, ignore_eos=True)
+    assert res.token_ids == free.token_ids and "".join(pieces) == res.text
+    n0 = len(prompt_ids)
+    assert b.bursts == [(n0, 8), (n0 + 8, 8), (n0 + 16, 4)]  # 1 token from the prefill + 20 in bursts
+    eos = free.token_ids[11]
+    first = free.token_ids.index(eos)
+    b.bursts.clear()
+    stopped, _ = run(Engine(b, tiny_llama.tokenizer, eos_token_ids=[eos]), prompt_ids, max_new_tokens=21)
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[: first + 1]
+    eng = Engine(b, tiny_llama.tokenizer)
+    first_turn, _ = run(eng, prompt_ids, max_new_tokens=10, ignore_eos=True)
+    follow = prompt_ids + first_turn.token_ids + tiny_llama.tokenizer.encode(" more")
+    again, _ = run(eng, follow, max_new_tokens=10, ignore_eos=True)
+    fresh, _ = run(Engine(backend, tiny_llama.tokenizer), follow, max_new_tokens=10, ignore_eos=True)
+    assert again.token_ids == fresh.token_ids
+
+
 def test_m_token_step_equals_m_single_steps(tiny_llama):
     ids = torch.tensor(tiny_llama.tokenizer.encode("The quick brown fox jumps"))
     a = Transformer(tiny_llama.cfg, tiny_llama.params, max_seq_len=MAX_SEQ)

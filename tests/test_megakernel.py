@@ -266,6 +266,27 @@ def test_verify_shapes_match_reference(m, split):
 
 @gpu
 @needs_sm90
+@pytest.mark.parametrize("split", ["0", "auto"])
+def test_greedy_run_matches_step_by_step(split):
+    # greedy_run feeds each argmax to the next launch on the device: the same tokens as greedy_next one step at a
+    # time (the same kernel at the same positions), with the FFN split path (Granite shapes on 132 SMs) and without
+    cfg = _granite(3)
+    mk, _ = _pair(cfg, 128, 300, ffn_split=split)
+    toks = torch.randint(0, cfg.vocab_size, (64,), generator=torch.Generator().manual_seed(11))
+    for i in range(0, 64, 8):
+        mk.forward(toks[i:i + 8], i)
+    want, t = [], int(toks[63])
+    for i in range(40):
+        t = mk.greedy_next(t, 63 + i)
+        want.append(t)
+    assert mk.greedy_run(int(toks[63]), 63, 40) == want
+    assert mk.greedy_run(want[9], 73, 5) == want[10:15]
+    with pytest.raises(ValueError, match="exceed max_seq_len 300"):
+        mk.greedy_run(1, 290, 11)
+
+
+@gpu
+@needs_sm90
 def test_unsupported_shapes_raise():
     from flint.megakernel import MegakernelBackend
     from flint.synthetic import synthetic_params

@@ -43,6 +43,13 @@ constexpr bool kIdot = MK_IDOT && M <= 4;  // this kernel stages int8 x and runs
 #ifndef MK_DIAG
 #define MK_DIAG 0
 #endif
+// MK_DIAG2 (DIAGNOSTIC ONLY, wrong answers, off; session 12), a bit mask: what a part of the FFN costs at M = 1 with
+// MK_FXRES, by removing it. 1: the down partials written with a plain 64-bit store instead of red.add (the L2's atomic
+// work); 2: the down-slice dot and its adds skipped (the ring waits and arrivals kept); 4: no grid barrier between
+// o and gate|up (bar3).
+#ifndef MK_DIAG2
+#define MK_DIAG2 0
+#endif
 // MK_QTAG (on since session 7; session 6: -3.1% per step at M = 1; validated in full: bench/results/v8_2026-11-29.md,
 // v9_2026-11-29.md): no grid barrier between qkv and attention. The qkv
 // epilogues also write this step's q, k and v rows as (fp32 bits, tag) pairs (p.qkvt, one 8-byte store
@@ -326,6 +333,10 @@ constexpr float FX_SCALE = 4294967296.f, FX_INV = 1.f / 4294967296.f;
 __device__ __forceinline__ unsigned long long fx_of(float v) { return (unsigned long long)__float2ll_rn(v * FX_SCALE); }
 __device__ __forceinline__ float fx_val(long long x) { return __ll2float_rn(x) * FX_INV; }
 __device__ __forceinline__ void fx_red(unsigned long long* a, float v) {
+  if (MK_DIAG2 & 1) {
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(a), "l"(fx_of(v)) : "memory");
+    return;
+  }
   asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(a), "l"(fx_of(v)) : "memory");
 }
 // the fixed-point residual: token m's row at fx_base(p) + m * fx_stride(p) (the padded rows of the down tiles), after
@@ -1263,7 +1274,8 @@ __device__ void ffn_down_partial(Ctx<M>& c, int layer) {
     const int n = min(cpt, nt - t);
     const uint32_t sb = ring0 + (uint32_t)(c.slot * c.ring.slot_bytes);
     // (hoisted only where the registers allow: M <= 2 and G <= 64; else the generic tile dot)
-    if (M <= 2 && ng == 1 && mt.G <= 64) {
+    if (MK_DIAG2 & 2) {
+    } else if (M <= 2 && ng == 1 && mt.G <= 64) {
 #if MK_FX1
       float* dp0 = kFx<M> ? reinterpret_cast<float*>(fxr) : dpf + (size_t)t * p.nffn_pad * TILE_ROWS;
       const size_t ts = kFx<M> ? (size_t)TILE_ROWS : (size_t)p.nffn_pad * TILE_ROWS, ms = kFx<M> ? fxs : mstride;
@@ -1896,7 +1908,7 @@ __global__ void __launch_bounds__(NT, 1)
       stamp(l, 5);
       matvec_stage<M>(c, MAT_O, l, attn_rows, 1.f, nullptr);
       stamp(l, 6);
-      gsync();
+      if (!(kFx<M> && (MK_DIAG2 & 4))) gsync();
       stamp(l, 7);
       matvec_stage<M>(c, MAT_GU, l, resid_rows, 1.f, an + p.H);
     }

@@ -54,7 +54,7 @@ struct Handle {
 
 extern "C" const char* flint_mk_last_error() { return g_err; }
 
-extern "C" int flint_mk_abi_version() { return 4; }
+extern "C" int flint_mk_abi_version() { return 5; }
 
 // iargs: see flint/megakernel.py (_pack_args) for the order; it is the one definition of it.
 extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, int n_f, void** out) {
@@ -297,6 +297,29 @@ extern "C" int flint_mk_forward(void* hv, int M, const long long* tokens_dev, in
 }
 
 // M = 1 greedy step: token by value, argmax back through pinned memory; one stream sync.
+// Greedy decoding of n tokens with no host round trip between them: step i > 0 reads its input token from
+// hist[i - 1], where the argmax of step i - 1 was copied on the device, so the n launches queue back to back
+// on the stream. hist: n int64 in device memory, zeroed by the caller (each copy fills the low 4 bytes of one
+// entry; token ids are non-negative). Nothing is synchronized here: the caller reads hist when it needs the
+// tokens. Positions pos .. pos + n - 1 are checked before anything is launched.
+extern "C" int flint_mk_greedy_run(void* hv, int token, int pos, int n, long long* hist, void* stream) {
+  Handle* h = (Handle*)hv;
+  cudaStream_t s = (cudaStream_t)stream;
+  if (n < 1 || hist == nullptr) return fail("megakernel greedy_run: needs n >= 1 and a history buffer");
+  if (pos < 0 || (long long)pos + n > h->p.max_seq) {
+    snprintf(g_err, sizeof(g_err), "megakernel: positions %d..%lld exceed max_seq_len %d", pos,
+             (long long)pos + n - 1, h->p.max_seq);
+    return 1;
+  }
+  for (int i = 0; i < n; ++i) {
+    int e = i == 0 ? launch(h, 1, pos, nullptr, token, s) : launch(h, 1, pos + i, hist + (i - 1), 0, s);
+    if (e) return e;
+    if ((e = cudaMemcpyAsync(hist + i, h->p.argmax, sizeof(int), cudaMemcpyDeviceToDevice, s)))
+      return cuda_fail("megakernel greedy_run argmax copy", e);
+  }
+  return 0;
+}
+
 extern "C" int flint_mk_greedy(void* hv, int token, int pos, void* stream, int* out) {
   Handle* h = (Handle*)hv;
   cudaStream_t s = (cudaStream_t)stream;
