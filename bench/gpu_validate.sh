@@ -2,7 +2,8 @@
 # One device call (writes at most 8 files to $OUT: the device tool returns no more) that validates the GPU paths after the GGUF is staged (see docs/megakernel.md):
 # megakernel + compiled GPU tests (incl. SmolLM2 256-token greedy vs reference), the chat selftest on
 # the megakernel, flint bench (compiled vs megakernel, same run), and compute-sanitizer on a 1-layer model.
-# Usage on the device: bash bench/gpu_validate.sh   (carry: build, .stage2; part_aa already in /var/tmp/flint)
+# Usage on the device: bash bench/gpu_validate.sh   (carry: build, .stage2; part_aa already in /var/tmp/flint;
+# SANITIZE=0: without the sanitizers)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 FLINT_KERNEL_DIR=build/kernels
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -18,6 +19,8 @@ python3 -m flint bench --model synthetic:smollm2-135m --backend compiled,megaker
 python3 -m flint bench --model synthetic:granite-4.1-3b --backend compiled,megakernel \
   --ctx 512,2048,8192 --tokens 32 --repeats 3 --json $OUT/bench.json --plot $OUT/bench.png 2>&1 | tail -12
 timeout 150 python3 -m flint bench --model $G --backend megakernel --ctx 512 --draft smollm2-135m --tokens 64 --repeats 3 --json $OUT/bench_spec.json 2>&1 | tail -8
+# SANITIZE=0 skips the sanitizers (a change that leaves the kernel's SASS as validated: host or Python code only)
+[ "${SANITIZE:-1}" = 0 ] && { echo "sanitizers skipped (SANITIZE=0)"; exit 0; }
 for S in 0 1; do  # the down stage, then the FFN split-K path (forced on the 1-layer shape)
   echo "== FLINT_MK_FFN_SPLIT=$S" >> $OUT/memcheck.log; echo "== FLINT_MK_FFN_SPLIT=$S" >> $OUT/racecheck.log
   FLINT_MK_FFN_SPLIT=$S timeout 120 compute-sanitizer --tool memcheck --print-limit 5 python3 bench/mk_debug.py >> $OUT/memcheck.log 2>&1; echo "memcheck split=$S rc=$?"; tail -3 $OUT/memcheck.log

@@ -363,3 +363,5 @@ def test_smollm2_greedy_matches_reference():
             out_mk.append(t_mk)
             out_ref.append(t_ref)
         assert out_mk == out_ref, f"greedy tokens diverge for {text!r} at {next(i for i, (x, y) in enumerate(zip(out_mk, out_ref)) if x != y)}"
+        # the device loop (the engine's greedy bursts): the same 255 tokens from the same first one
+        assert mk.greedy_run(out_mk[0], len(ids), 255) == out_mk[1:], f"greedy_run diverges for {text!r}"
