@@ -46,7 +46,8 @@ constexpr bool kIdot = MK_IDOT && M <= 4;  // this kernel stages int8 x and runs
 // MK_DIAG2 (DIAGNOSTIC ONLY, wrong answers, off; session 12), a bit mask: what a part of the FFN costs at M = 1 with
 // MK_FXRES, by removing it. 1: the down partials written with a plain 64-bit store instead of red.add (the L2's atomic
 // work); 2: the down-slice dot and its adds skipped (the ring waits and arrivals kept); 4: no grid barrier between
-// o and gate|up (bar3); 8: the down-slice dot computed, its adds dropped; 16: the adds of zeros, the dot dropped.
+// o and gate|up (bar3); 8: the down-slice dot computed, its adds dropped; 16: the adds of zeros, the dot dropped;
+// 64 << mi: matrix mi's tile dot skipped in matvec_stage (its sums 0; 64: q|k|v, 128: o, 256: gate|up, 1024: lm_head).
 #ifndef MK_DIAG2
 #define MK_DIAG2 0
 #endif
@@ -1047,7 +1048,7 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
       if (part < S) {
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         const int gi0 = __shfl_sync(0xffffffffu, gtab, part), gi1 = __shfl_sync(0xffffffffu, gtab, part + 1);
-        if (!(p.dbg & 1)) {
+        if (!(p.dbg & 1) && !((MK_DIAG2 >> 6) & (1 << mi))) {
           tile_dot<M>(mt.G, ring0 + (uint32_t)(slot * c.ring.slot_bytes), mt.srb, mt.kseg, gi0, gi1, xs, xstride, xlo,
                       xsum, lane, acc);
         }
