@@ -16,7 +16,9 @@
 // Compile (here or on the device; sm_90a only):
 //   mkdir -p build/dev && nvcc -gencode arch=compute_90a,code=sm_90a -O3 -std=c++17 -lineinfo \
 //        -Xptxas=--warn-on-spills -o build/dev/mma_dot_bench flint/kernels/dev/mma_dot_bench.cu
-// Run:  ./build/dev/mma_dot_bench [--K 2560] [--G 128] [--parts 1] [--gib 2] [--reps 10]  (M = 1, 2, 4, 8)
+// Run:  ./build/dev/mma_dot_bench [--K 2560] [--G 128] [--parts 1] [--warps 15] [--gib 2] [--reps 10]  (M = 1, 2, 4, 8)
+// --warps W: only consumer warps 0..W-1 compute (items dealt mod W); all 15 still wait on and release every slot. The
+// resident rate against W says whether a scheduler's warps overlap their group chains (session 12, docs 12j).
 // Output: one line per (mode, M), then one JSON line.
 #include "../mk_common.cuh"
 #include "../mk_ptx.cuh"
@@ -288,6 +290,7 @@ struct Cfg {
   const uint8_t* w;  // [rows][srb]
   long long rows;
   int K, G, srb, nslots, resident_reps, parts, store;
+  int warps;       // consumer warps that compute (--warps; the others only wait on and release the slots)
   const float* x;  // [M][K] fp32
   float* y;        // y_part [parts][rows][M] (store != 0); y[0] keeps the math otherwise
   int x_off, xsum_off, ring_off, bar_off;  // smem byte offsets
@@ -393,7 +396,8 @@ __global__ void __launch_bounds__(NTHREADS, 1) dot_bench(Cfg c) {
 #if DOT_DIAG == 9 || DOT_DIAG == 12
   // tiles (j, j + 1) to one warp, whole K (--parts 1); the pair's owner rotates per pass as the items do
   for (int pass = 0; pass < passes; ++pass) {
-    int slot = 0, own = pass % CW;
+    const int W = c.warps;
+    int slot = 0, own = pass % W;
     uint32_t ph = 0;
     for (int j = 0; j < (int)nt; j += 2) {
       const bool two = j + 1 < nt;
@@ -431,14 +435,16 @@ __global__ void __launch_bounds__(NTHREADS, 1) dot_bench(Cfg c) {
       slot = two ? slot2 : slot;
       ph = two ? ph2 : ph;
       if (++slot == c.nslots) { slot = 0; ph ^= 1u; }
-      if (++own == CW) own = 0;
+      if (++own == W) own = 0;
     }
   }
   (void)S; (void)xlo; (void)gtab;
 #else
   for (int pass = 0; pass < passes; ++pass) {
-    int slot = 0, part = warp - (pass * S) % CW;  // item = tile * S + part, warp = item mod 15
-    if (part < 0) part += CW;
+    // item = tile * S + part, warp = item mod W (W = 15 as the megakernel; --warps: fewer warps compute)
+    const int W = c.warps;
+    int slot = 0, part = warp < W ? warp - (pass * S) % W : S;
+    if (part < 0) part += W;
     uint32_t ph = 0;
     for (int j = 0; j < (int)nt; ++j) {
       if (pass == 0) mbar_wait(&full[slot], ph);
@@ -476,7 +482,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) dot_bench(Cfg c) {
       __syncwarp();
       if (lane == 0 && pass == 0) mbar_arrive(&empty[slot]);
       if (++slot == c.nslots) { slot = 0; ph ^= 1u; }
-      part = part >= S ? part - S : part - S + CW;  // the next tile's part: (warp - (j + 1 + pass) S) mod 15
+      if (warp < W) part = part >= S ? part - S : part - S + W;  // the next tile's part: (warp - (j + 1 + pass) S) mod W
     }
   }
 #endif
@@ -593,7 +599,7 @@ static Result run_one(Cfg c, bool resident, int reps, int nsm, const std::vector
 }
 
 int main(int argc, char** argv) {
-  int K = 2560, G = 128, reps = 10, S = 1;
+  int K = 2560, G = 128, reps = 10, S = 1, W = CW;
   double gib = 2.0;
   for (int i = 1; i < argc; i += 2) {
     const std::string a = argv[i];
@@ -603,6 +609,7 @@ int main(int argc, char** argv) {
     else if (a == "--parts") S = std::atoi(argv[i + 1]);
     else if (a == "--gib") gib = std::atof(argv[i + 1]);
     else if (a == "--reps") reps = std::atoi(argv[i + 1]);
+    else if (a == "--warps") W = std::atoi(argv[i + 1]);
     else { std::fprintf(stderr, "mma_dot_bench: unknown argument %s\n", argv[i]); return 2; }
   }
   if ((G != 32 && G != 64 && G != 128) || K <= 0 || K % G || K > mk::KSEG_MAX) {
@@ -614,6 +621,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (reps < 1) { std::fprintf(stderr, "mma_dot_bench: --reps %d: need >= 1\n", reps); return 2; }
+  if (W < 1 || W > CW) { std::fprintf(stderr, "mma_dot_bench: --warps %d: need 1..%d\n", W, CW); return 2; }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   const int nsm = prop.multiProcessorCount;
@@ -621,7 +629,7 @@ int main(int argc, char** argv) {
   const long long rows = (long long)(gib * (1ll << 30) / srb) / (16ll * nsm) * (16ll * nsm);
   if (rows <= 0) { std::fprintf(stderr, "mma_dot_bench: --gib %g is too small\n", gib); return 2; }
   Cfg c{};
-  c.rows = rows; c.K = K; c.G = G; c.srb = srb; c.parts = S;
+  c.rows = rows; c.K = K; c.G = G; c.srb = srb; c.parts = S; c.warps = W;
   uint8_t* w; float *x, *y; unsigned* sink;
   CK(cudaMalloc(&w, (size_t)rows * srb));
   CK(cudaMalloc(&x, (size_t)8 * K * 4));
@@ -655,8 +663,9 @@ int main(int argc, char** argv) {
   }
   std::sort(bw.begin(), bw.end());
   const double hbm = bw[bw.size() / 2];
-  std::printf("device %s, %d SMs; buffer %.2f GB (%lld rows x %d B, K=%d G=%d, %d part%s per tile); HBM read %.0f GB/s\n",
-              prop.name, nsm, rows * (double)srb / 1e9, rows, srb, K, G, S, S > 1 ? "s" : "", hbm);
+  std::printf("device %s, %d SMs; buffer %.2f GB (%lld rows x %d B, K=%d G=%d, %d part%s per tile, %d computing "
+              "warp%s); HBM read %.0f GB/s\n", prop.name, nsm, rows * (double)srb / 1e9, rows, srb, K, G, S,
+              S > 1 ? "s" : "", W, W > 1 ? "s" : "", hbm);
   std::vector<Result> out;
   if (DOT_DIAG && G != 128) { std::fprintf(stderr, "mma_dot_bench: DOT_DIAG builds take --G 128 only\n"); return 2; }
   if ((DOT_DIAG == 9 || DOT_DIAG == 12) && S != 1) {
