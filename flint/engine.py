@@ -172,7 +172,8 @@ class Engine:
         """Yield (token_id, text_piece) as tokens decode; sets self.last when done.
 
         Text pieces need a tokenizer; without one they are "". Closing the generator early (a
-        client that went away) stops decoding at the next token.
+        client that went away) stops decoding at the next token (greedy on a backend with greedy_run:
+        after the current burst of at most GREEDY_BURST tokens, already computed).
         """
         sp.validate()
         self.check_fits(len(prompt_ids), sp.max_new_tokens)
