@@ -155,22 +155,27 @@ def prefill(backend, start: int, end: int, gen: torch.Generator) -> None:
         backend.forward(torch.randint(0, vocab, (n,), generator=gen), s)
 
 
-def decode_loop(backend, loop: str = "device") -> str:
-    """How greedy decoding is timed: "device" when the backend has greedy_run (each token's argmax feeds
-    the next step on the device, as gpt-fast's loop does: no host sync between tokens), else "host"
-    (one host round trip per token: greedy_next, or forward + argmax)."""
+def _check_loop(loop: str) -> None:
     if loop not in ("device", "host"):
         raise BenchError(f"--loop must be 'device' or 'host', got {loop!r}")
-    return "device" if loop == "device" and hasattr(backend, "greedy_run") else "host"
+
+
+def decode_loop(backend, loop: str = "device", flush: torch.Tensor | None = None) -> str:
+    """How greedy decoding is timed: "device" when asked for and the backend has greedy_run (each token's
+    argmax feeds the next step on the device, as gpt-fast's loop does: no host sync between tokens), else
+    "host" (one host round trip per token: greedy_next, or forward + argmax); always "host" with an L2
+    flush before each token (tokens are timed one by one then)."""
+    _check_loop(loop)
+    return "device" if loop == "device" and flush is None and hasattr(backend, "greedy_run") else "host"
 
 
 def time_decode(backend, ctx: int, n_tokens: int, repeats: int, device: torch.device,
                 flush: torch.Tensor | None = None, loop: str = "device") -> float:
     """Median seconds per decoded token at positions ctx..ctx+n-1 (cache assumed filled to ctx).
-    loop: see decode_loop (with an L2 flush before each token, always "host")."""
+    loop: see decode_loop."""
     step = _stepper(backend)
     cuda = device.type == "cuda"
-    on_device = decode_loop(backend, loop) == "device" and flush is None
+    on_device = decode_loop(backend, loop, flush) == "device"
 
     def one_pass(timed: bool) -> float:
         tok = 1
@@ -273,8 +278,7 @@ def run_bench(models: list[str | None], backends: list[str], ctxs: list[int], n_
         raise BenchError(f"--ctx values must be >= 0, got {ctxs}")
     if prompt_len is not None and prompt_len < 1:
         raise BenchError("--prompt-len must be >= 1")
-    if loop not in ("device", "host"):
-        raise BenchError(f"--loop must be 'device' or 'host', got {loop!r}")
+    _check_loop(loop)
     dev = torch.device(device or default_device())
     doc = {"device": device_name(dev), "hbm_read_GBps": 0.0, "results": []}
     if prompt_len:
@@ -350,8 +354,8 @@ def _bench_backend(doc, save, lm, name, bname, ctxs, n_tokens, repeats, prompt_l
         s = time_decode(backend, ctx, n_tokens, repeats, dev, flush, loop)
         nbytes = wbytes + kv_bytes(backend, ctx)
         tok_s = 1.0 / s
-        how = "host" if flush is not None else decode_loop(backend, loop)
-        row = {"model": name, "backend": bname, "ctx": ctx, "loop": how, "tok_s": round(tok_s, 2),
+        row = {"model": name, "backend": bname, "ctx": ctx, "loop": decode_loop(backend, loop, flush),
+               "tok_s": round(tok_s, 2),
                "ms_per_token": round(s * 1e3, 4), "bytes_per_token": int(nbytes),
                "mbu": round(nbytes * tok_s / (doc["hbm_read_GBps"] * 1e9), 4)}
         doc["results"].append(row)

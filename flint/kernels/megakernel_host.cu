@@ -296,7 +296,6 @@ extern "C" int flint_mk_forward(void* hv, int M, const long long* tokens_dev, in
   return launch((Handle*)hv, M, start, tokens_dev, 0, (cudaStream_t)stream);
 }
 
-// M = 1 greedy step: token by value, argmax back through pinned memory; one stream sync.
 // Greedy decoding of n tokens with no host round trip between them: step i > 0 reads its input token from
 // hist[i - 1], where the argmax of step i - 1 was copied on the device, so the n launches queue back to back
 // on the stream. hist: n int64 in device memory, zeroed by the caller (each copy fills the low 4 bytes of one
@@ -320,6 +319,7 @@ extern "C" int flint_mk_greedy_run(void* hv, int token, int pos, int n, long lon
   return 0;
 }
 
+// M = 1 greedy step: token by value, argmax back through pinned memory; one stream sync.
 extern "C" int flint_mk_greedy(void* hv, int token, int pos, void* stream, int* out) {
   Handle* h = (Handle*)hv;
   cudaStream_t s = (cudaStream_t)stream;
