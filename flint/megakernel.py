@@ -36,7 +36,14 @@ def load_library(traced: bool = False):
         return _libs[traced]
     from .kernels.build import build
 
-    lib = ctypes.CDLL(str(build(traced=traced)))
+    lib = bind_library(ctypes.CDLL(str(build(traced=traced))))
+    _libs[traced] = lib
+    return lib
+
+
+def bind_library(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Set the ctypes signatures of a loaded libflint_mk.so (also used by bench/mk_ab1.py, which loads
+    several variants' libraries into one process)."""
     c_ll_p, c_d_p, vp = ctypes.POINTER(ctypes.c_longlong), ctypes.POINTER(ctypes.c_double), ctypes.c_void_p
     lib.flint_mk_create.argtypes = [c_ll_p, ctypes.c_int, c_d_p, ctypes.c_int, ctypes.POINTER(vp)]
     lib.flint_mk_create.restype = ctypes.c_int
@@ -54,7 +61,6 @@ def load_library(traced: bool = False):
     lib.flint_mk_smem_info.restype = ctypes.c_int
     lib.flint_mk_last_error.argtypes = []
     lib.flint_mk_last_error.restype = ctypes.c_char_p
-    _libs[traced] = lib
     return lib
 
 

@@ -34,6 +34,11 @@
 #ifndef MK_IDOT
 #define MK_IDOT 0
 #endif
+// MK_BAR_SMEM (session 13; on with MK_IDOT, whose M = 1 kernel otherwise spills the 64-bit barrier base): the grid
+// barrier's base count kept in shared memory for the waiting thread instead of a register pair across the kernel.
+#ifndef MK_BAR_SMEM
+#define MK_BAR_SMEM MK_IDOT
+#endif
 template <int M>
 constexpr bool kIdot = MK_IDOT && M <= 4;  // this kernel stages int8 x and runs the integer dot
 // MK_DIAG (DIAGNOSTIC ONLY, wrong answers, off): what a part of the attention stage costs, by removing it
@@ -1823,8 +1828,16 @@ __global__ void __launch_bounds__(NT, 1)
 #if MK_FXRES  // the barriers per launch depend on M: count from the base the previous launch left in p.epoch[1]
   // (it replaces the epoch as the one 64-bit value held across the kernel: the end re-reads the epoch; a static
   // __shared__ copy does not fit next to the dynamic shared memory)
+#if MK_BAR_SMEM  // the base in shared memory, read by the one thread that waits: no 64-bit value held across the kernel
+  if (threadIdx.x == 0) misc->bar0 = __ldcg(p.epoch + 1);
+  auto gsync = [&]() {
+    ++nbar;
+    grid_barrier(p, threadIdx.x == 0 ? misc->bar0 + (unsigned long long)p.nblocks * nbar : 0ull);
+  };
+#else
   const unsigned long long bar0 = __ldcg(p.epoch + 1);
   auto gsync = [&]() { ++nbar; grid_barrier(p, bar0 + (unsigned long long)p.nblocks * nbar); };
+#endif
 #else
   const unsigned long long S = (5ull - (MK_DIAG == 4 || MK_QTAG ? 1 : 0) - (MK_ATAG ? 1 : 0)) * p.L;
   auto gsync = [&]() { ++nbar; grid_barrier(p, (unsigned long long)p.nblocks * (epoch * S + nbar)); };
@@ -1989,7 +2002,11 @@ __global__ void __launch_bounds__(NT, 1)
     *p.done_count = 0;
 #if MK_FXRES
     *p.epoch = __ldcg(p.epoch) + 1;  // every block read the epoch before its first barrier
+#if MK_BAR_SMEM
+    p.epoch[1] = misc->bar0 + (unsigned long long)p.nblocks * nbar;  // (every block has passed all nbar barriers)
+#else
     p.epoch[1] = bar0 + (unsigned long long)p.nblocks * nbar;  // (every block has passed all nbar barriers)
+#endif
 #else
     *p.epoch = epoch + 1;  // every block read the epoch before its first barrier
 #endif

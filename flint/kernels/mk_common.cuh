@@ -109,6 +109,7 @@ struct MiscSmem {
   int tile0[NMAT], tile1[NMAT];  // this block's tiles [tile0, tile1) of each matrix (block_tiles, once per launch)
   int flag;
   uint8_t gbound[NMAT][16];  // K-group bound of part p of each matrix (ng * p / S, p <= S; once per launch)
+  unsigned long long bar0;   // MK_BAR_SMEM: the grid barrier counter's base for this launch (read by thread 0 only)
 };
 
 }  // namespace mk
