@@ -34,10 +34,11 @@
 #ifndef MK_IDOT
 #define MK_IDOT 0
 #endif
-// MK_BAR_SMEM (session 13; on with MK_IDOT, whose M = 1 kernel otherwise spills the 64-bit barrier base): the grid
-// barrier's base count kept in shared memory for the waiting thread instead of a register pair across the kernel.
+// MK_BAR_SMEM (on since v14, session 13): the grid barrier's base count (MK_FXRES) kept in shared memory for the one
+// thread that waits, instead of a 64-bit register pair held across the kernel (MK_IDOT's M = 1 kernel spilled it).
+// bench/mk_ab1.py, M = 1: -0.7 to -0.8% in two calls (25/30 and 28/30 rounds faster); M = 2 unchanged.
 #ifndef MK_BAR_SMEM
-#define MK_BAR_SMEM MK_IDOT
+#define MK_BAR_SMEM 1
 #endif
 template <int M>
 constexpr bool kIdot = MK_IDOT && M <= 4;  // this kernel stages int8 x and runs the integer dot
@@ -47,6 +48,16 @@ constexpr bool kIdot = MK_IDOT && M <= 4;  // this kernel stages int8 x and runs
 // loads and merge kept, its arithmetic skipped; 4: no grid barrier between qkv and attention.
 #ifndef MK_DIAG
 #define MK_DIAG 0
+#endif
+// MK_DS_EPI (EXPERIMENT, off; session 13: with MK_DOT_M1 -0.4 to -0.6% at M = 1 (bench/mk_ab1.py), but the two change the
+// rounding and the real-SmolLM2 256-token greedy test then diverged at token 127 of one prompt: docs 13c): the down-slice tiles' epilogue at M = 1 with MK_FXRES in fewer instructions
+// (session 12's MK_DIAG2 = 2: the down-slice dot and its adds cost up to 3.3 us per layer, about twice the mainline
+// dot's cost per code, and half of a tile's ~66 instructions are its epilogue): the hi and lo columns summed before
+// the (scale, min) (the lo mma's zero accumulators were added too), the min term's two columns summed once per call,
+// the residual multiplier folded with 2^32 (a power of two: the same bits), one 64-bit address per tile (the row
+// g + 8 word at +64 bytes).
+#ifndef MK_DS_EPI
+#define MK_DS_EPI 0
 #endif
 // MK_DIAG2 (DIAGNOSTIC ONLY, wrong answers, off; session 12), a bit mask: what a part of the FFN costs at M = 1 with
 // MK_FXRES, by removing it. 1: the down partials written with a plain 64-bit store instead of red.add (the L2's atomic
@@ -1144,6 +1155,52 @@ __device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int
     if constexpr (kFx<M> && MK_FXRES == 2) return i + rot < n ? i + rot : i + rot - n;
     return i;
   };
+#if MK_FX1 && MK_DS_EPI
+  if constexpr (kFx<M> && !I8) {  // M = 1, fixed point: lanes t == 0 hold columns 0 (hi) and 1 (lo) of rows g, g + 8
+    const float effs = eff.x + eff.y, kfx = rm * FX_SCALE;
+    unsigned long long* const dq0 = reinterpret_cast<unsigned long long*>(dp0);  // row g of the chunk's tile 0
+    for (int i = i0; i < n; i += 2 * NCW) {
+      const bool two = i + NCW < n;
+      uint32_t wa[2][WPL], wb[2][WPL], hs[2][2];
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const uint32_t tile = sb + (uint32_t)tix(u && two ? i + NCW : i) * tb;
+        mma_lds_words<WPL>(tile + ra + (uint32_t)(t * WPL * 4), wa[u]);
+        mma_lds_words<WPL>(tile + rb + (uint32_t)(t * WPL * 4), wb[u]);
+        hs[u][0] = lds32(tile + ra + (uint32_t)(kseg >> 1));
+        hs[u][1] = lds32(tile + rb + (uint32_t)(kseg >> 1));
+      }
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        if (u && !two) break;
+        float d0[4] = {__uint_as_float(off.x), __uint_as_float(off.y), __uint_as_float(off.z), __uint_as_float(off.w)};
+        float d1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int c = 0; c < WPL; ++c) {
+          const uint32_t a_lo = wa[u][c], b_lo = wb[u][c];
+          const uint32_t a_hi = a_lo >> 8, b_hi = b_lo >> 8;
+          mma_16816(d0, mma_nib<0x000F000Fu>(a_lo, magic), mma_nib<0x000F000Fu>(b_lo, magic),
+                    mma_nib<0x00F000F0u>(a_lo, magic), mma_nib<0x00F000F0u>(b_lo, magic), xh[c].x, xh[c].y);
+          mma_16816(d1, mma_nib<0x000F000Fu>(a_hi, magic), mma_nib<0x000F000Fu>(b_hi, magic),
+                    mma_nib<0x00F000F0u>(a_hi, magic), mma_nib<0x00F000F0u>(b_hi, magic), xh[c].z, xh[c].w);
+        }
+        if (t == 0) {
+          const float2 fa = __half22float2(*reinterpret_cast<const __half2*>(&hs[u][0]));
+          const float2 fb = __half22float2(*reinterpret_cast<const __half2*>(&hs[u][1]));
+          const float cg = (d0[0] + d1[0]) + (d0[1] + d1[1]), cg8 = (d0[2] + d1[2]) + (d0[3] + d1[3]);
+          unsigned long long* const dq = dq0 + (uint32_t)tix(u ? i + NCW : i) * (uint32_t)TILE_ROWS;
+          const float v0 = fmaf(fa.x, cg, fa.y * effs) * kfx, v1 = fmaf(fb.x, cg8, fb.y * effs) * kfx;
+          asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(dq), "l"((unsigned long long)__float2ll_rn(v0))
+                       : "memory");
+          asm volatile("red.relaxed.gpu.global.add.u64 [%0+64], %1;" ::"l"(dq),
+                       "l"((unsigned long long)__float2ll_rn(v1))
+                       : "memory");
+        }
+      }
+    }
+    return;
+  }
+#endif
   for (int i = i0; i < n; i += 2 * NCW) {
     const bool two = i + NCW < n;
     uint32_t wa[2][WPL], wb[2][WPL], hs[2][2];
@@ -1413,6 +1470,16 @@ __device__ __forceinline__ float tm_weights(float* wt, int t, int nsplit) {
   return den;
 }
 
+// MK_TM_FAST (on since v14, session 13; session 11's two calls, -2.3% and +0.6% at M = 1, could not resolve it, and the
+// traced tail after the (m, l) pairs stayed 0.92 us: docs 11h; bench/mk_ab1.py: -0.6%, 24/30 rounds faster: docs 13b): the MK_TMERGE merger's tail shortened. Session 11's trace of the merging
+// block (bench/results/mk_warps_session11_v13_2026-11-30.log): every split's o words seen at 5.1 us after entry, the
+// (m, l) pairs in shared memory at 5.76 (two dependent tagged loads: two round trips), the output written at 6.72 (a
+// serial pass of R threads over the splits' weights, then a block barrier). Here each (m, l) pair is one 16-byte
+// load, and every output thread computes its row's weights itself, unrolled (the same arithmetic in the same order:
+// bitwise the same output).
+#ifndef MK_TM_FAST
+#define MK_TM_FAST 1
+#endif
 // Work item = (kv head, contiguous split of the context). All query heads of the group and all M
 // tokens are processed together so K/V are read once. Sub-tiles of ATT_T keys are double-buffered
 // with cp.async; online softmax in fp32. Splits are merged by the last block to finish (counter).
@@ -1634,14 +1701,47 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
             lv = ms->att_l[rr];
           } else {
             const uint32_t* e = tk + 2 * (((size_t)s2 * R + rr) * (D + 2));
-            mv = ld_tagged(e, qtag);
-            lv = ld_tagged(e + 2, qtag);
+            if (MK_TM_FAST) {  // (m, tag), (l, tag): one 16-byte load (16-byte aligned: rows of D + 2 = 66 words)
+              uint4 u;
+              do {
+                asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                             : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "l"(e) : "memory");
+              } while (u.y != qtag || u.w != qtag);
+              mv = __uint_as_float(u.x);
+              lv = __uint_as_float(u.z);
+            } else {
+              mv = ld_tagged(e, qtag);
+              lv = ld_tagged(e + 2, qtag);
+            }
           }
           wt[2 * (rr * TM_MAX_SPLITS + s2)] = mv;
           wt[2 * (rr * TM_MAX_SPLITS + s2) + 1] = lv;
         }
         cbar();
         warp_stamp(p, layer, WS_A_COUNT);  // (MK_TMERGE merger: every (m, l) in shared memory)
+        if (MK_TM_FAST) {
+          // every output thread weighs its row's splits itself (the same operations in the same order as tm_weights,
+          // so the same bits), unrolled so the shared loads and the exponentials overlap: no serial pass on R
+          // threads and no block barrier after it
+          if (t < R * D) {
+            const float* wr = wt + 2 * r * TM_MAX_SPLITS;
+            float mx = -INFINITY;
+#pragma unroll
+            for (int s2 = 0; s2 < TM_MAX_SPLITS; ++s2)
+              if (s2 < nsplit) mx = fmaxf(mx, wr[2 * s2]);
+            float num = 0.f, den = 0.f;
+#pragma unroll
+            for (int s2 = 0; s2 < TM_MAX_SPLITS; ++s2)
+              if (s2 < nsplit) {
+                const float m2 = wr[2 * s2];
+                const float w2 = m2 == -INFINITY ? 0.f : expf(m2 - mx);
+                den = fmaf(w2, wr[2 * s2 + 1], den);
+                num = fmaf(w2, ov[s2], num);
+              }
+            const int hq = kvh * g + r / M, m = r % M;
+            attn_out(p, m, hq * D + d, num / den, qtag);
+          }
+        } else {
         if (t < R) ms->att_alpha[t] = tm_weights(wt, t, nsplit);
         cbar();
         if (t < R * D) {
@@ -1651,6 +1751,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
             if (s2 < nsplit) num = fmaf(wt[2 * (r * TM_MAX_SPLITS + s2)], ov[s2], num);
           const int hq = kvh * g + r / M, m = r % M;
           attn_out(p, m, hq * D + d, num / ms->att_alpha[r], qtag);
+        }
         }
       }
     } else {

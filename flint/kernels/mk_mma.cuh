@@ -63,6 +63,10 @@
 
 #include "mk_ptx.cuh"
 
+#ifndef MK_DOT_M1  // (set in mk_common.cuh: the M = 1 group sums, session 12's experiment)
+#define MK_DOT_M1 0
+#endif
+
 namespace mkmma {
 
 constexpr int MMA_MAX_TOKENS = 8;
@@ -173,10 +177,16 @@ __device__ __forceinline__ void mma_tile_dot(uint32_t tile, int srb, int kseg, i
     const uint32_t hsa = mk::lds32(sm_a + (uint32_t)(gi * 4)), hsb = mk::lds32(sm_b + (uint32_t)(gi * 4));
     const float2 fa = __half22float2(*reinterpret_cast<const __half2*>(&hsa));  // (scale, min) row g
     const float2 fb = __half22float2(*reinterpret_cast<const __half2*>(&hsb));  // row g + 8
-    acc[0] = fmaf(fa.x, (d0[0] + d1[0]) + (e0[0] + e1[0]), fmaf(fa.y, eff.x, acc[0]));
-    acc[1] = fmaf(fa.x, (d0[1] + d1[1]) + (e0[1] + e1[1]), fmaf(fa.y, eff.y, acc[1]));
-    acc[2] = fmaf(fb.x, (d0[2] + d1[2]) + (e0[2] + e1[2]), fmaf(fb.y, eff.x, acc[2]));
-    acc[3] = fmaf(fb.x, (d0[3] + d1[3]) + (e0[3] + e1[3]), fmaf(fb.y, eff.y, acc[3]));
+    if constexpr (M == 1 && MK_DOT_M1) {  // columns 0 (hi) and 1 (lo) of the one token, summed before the scale
+      const float effs = eff.x + eff.y;
+      acc[0] = fmaf(fa.x, (d0[0] + d1[0]) + (d0[1] + d1[1]), fmaf(fa.y, effs, acc[0]));
+      acc[2] = fmaf(fb.x, (d0[2] + d1[2]) + (d0[3] + d1[3]), fmaf(fb.y, effs, acc[2]));
+    } else {
+      acc[0] = fmaf(fa.x, (d0[0] + d1[0]) + (e0[0] + e1[0]), fmaf(fa.y, eff.x, acc[0]));
+      acc[1] = fmaf(fa.x, (d0[1] + d1[1]) + (e0[1] + e1[1]), fmaf(fa.y, eff.y, acc[1]));
+      acc[2] = fmaf(fb.x, (d0[2] + d1[2]) + (e0[2] + e1[2]), fmaf(fb.y, eff.x, acc[2]));
+      acc[3] = fmaf(fb.x, (d0[3] + d1[3]) + (e0[3] + e1[3]), fmaf(fb.y, eff.y, acc[3]));
+    }
   }
   if constexpr (PACKED) {  // token m = column m (hi) + column LB + m (lo)
     if constexpr (M == 1) {
