@@ -47,16 +47,21 @@ print(json.dumps(dict(us=statistics.median(ts))))
 """
 
 
-def main() -> None:
+def ab_parser(rounds: int, iters: int) -> argparse.ArgumentParser:
+    """The options of the A/B scripts (this one and bench/mk_ab1.py): variants, shape, rounds, steps per round, M."""
     ap = argparse.ArgumentParser()
     ap.add_argument("variants", nargs="+")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--model", default="granite-4.1-3b")
     ap.add_argument("--group", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--iters", type=int, default=60)
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--iters", type=int, default=iters)
     ap.add_argument("--m", default="1", help="tokens per step, comma-separated for several (verify steps: M > 1)")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = ab_parser(rounds=2, iters=60).parse_args()
     root = Path(__file__).resolve().parents[1]
     ms = [int(x) for x in args.m.split(",")]
     for m in ms:

@@ -17,7 +17,6 @@ should be the working tree's (it is the one the backend loads).
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 import importlib.util
 import json
@@ -27,6 +26,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from mk_ab import ab_parser  # noqa: E402  (the shared options)
 
 
 def variant_library(name: str) -> Path:
@@ -44,14 +45,7 @@ def variant_library(name: str) -> Path:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("variants", nargs="+")
-    ap.add_argument("--ctx", type=int, default=512)
-    ap.add_argument("--model", default="granite-4.1-3b")
-    ap.add_argument("--group", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--m", default="1", help="tokens per step, comma-separated for several")
+    ap = ab_parser(rounds=15, iters=20)
     ap.add_argument("--json", default=None, help="write every round's figures here")
     args = ap.parse_args()
 

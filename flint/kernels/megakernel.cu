@@ -1155,6 +1155,17 @@ __device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int
     if constexpr (kFx<M> && MK_FXRES == 2) return i + rot < n ? i + rot : i + rot - n;
     return i;
   };
+  // the iteration's tiles i and (two) i + NCW: lane (g, t)'s code words of rows g and g + 8, and their (scale, min)
+  auto load_pair = [&](int i, bool two, uint32_t (&wa)[2][WPL], uint32_t (&wb)[2][WPL], uint32_t (&hs)[2][2]) {
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const uint32_t tile = sb + (uint32_t)tix(u && two ? i + NCW : i) * tb;
+      mma_lds_words<WPL>(tile + ra + (uint32_t)(t * WPL * 4), wa[u]);
+      mma_lds_words<WPL>(tile + rb + (uint32_t)(t * WPL * 4), wb[u]);
+      hs[u][0] = lds32(tile + ra + (uint32_t)(kseg >> 1));
+      hs[u][1] = lds32(tile + rb + (uint32_t)(kseg >> 1));
+    }
+  };
 #if MK_FX1 && MK_DS_EPI
   if constexpr (kFx<M> && !I8) {  // M = 1, fixed point: lanes t == 0 hold columns 0 (hi) and 1 (lo) of rows g, g + 8
     const float effs = eff.x + eff.y, kfx = rm * FX_SCALE;
@@ -1162,14 +1173,7 @@ __device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int
     for (int i = i0; i < n; i += 2 * NCW) {
       const bool two = i + NCW < n;
       uint32_t wa[2][WPL], wb[2][WPL], hs[2][2];
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        const uint32_t tile = sb + (uint32_t)tix(u && two ? i + NCW : i) * tb;
-        mma_lds_words<WPL>(tile + ra + (uint32_t)(t * WPL * 4), wa[u]);
-        mma_lds_words<WPL>(tile + rb + (uint32_t)(t * WPL * 4), wb[u]);
-        hs[u][0] = lds32(tile + ra + (uint32_t)(kseg >> 1));
-        hs[u][1] = lds32(tile + rb + (uint32_t)(kseg >> 1));
-      }
+      load_pair(i, two, wa, wb, hs);
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
         if (u && !two) break;
@@ -1204,14 +1208,7 @@ __device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int
   for (int i = i0; i < n; i += 2 * NCW) {
     const bool two = i + NCW < n;
     uint32_t wa[2][WPL], wb[2][WPL], hs[2][2];
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const uint32_t tile = sb + (uint32_t)tix(u && two ? i + NCW : i) * tb;
-      mma_lds_words<WPL>(tile + ra + (uint32_t)(t * WPL * 4), wa[u]);
-      mma_lds_words<WPL>(tile + rb + (uint32_t)(t * WPL * 4), wb[u]);
-      hs[u][0] = lds32(tile + ra + (uint32_t)(kseg >> 1));
-      hs[u][1] = lds32(tile + rb + (uint32_t)(kseg >> 1));
-    }
+    load_pair(i, two, wa, wb, hs);
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       if (u && !two) break;
