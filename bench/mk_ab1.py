@@ -47,6 +47,8 @@ def variant_library(name: str) -> Path:
 def main() -> None:
     ap = ab_parser(rounds=15, iters=20)
     ap.add_argument("--json", default=None, help="write every round's figures here")
+    ap.add_argument("--check", action="store_true",
+                    help="before timing, each variant's logits against the first's on the same input (rel. diff, bitwise?)")
     args = ap.parse_args()
 
     import torch
@@ -91,6 +93,21 @@ def main() -> None:
             for _ in range(5):
                 step(v, tok, pos)
         torch.cuda.synchronize()
+        if args.check:  # the same token at the same position from the same caches: identical arithmetic, identical bits
+            ref = None
+            for v in args.variants:
+                mk._lib, mk._h = handles[v]
+                try:
+                    out = mk.forward(tok, pos).float().clone()
+                finally:
+                    mk._lib, mk._h = own
+                if ref is None:
+                    ref = out
+                    continue
+                rd = float((out - ref).norm() / ref.norm())
+                print(f"check M={m} {v:12s} vs {args.variants[0]}: rel {rd:.3e}  max|d| {float((out - ref).abs().max()):.3e}"
+                      f"  {'bitwise equal' if torch.equal(out, ref) else 'differs'}"
+                      f"  argmax {int(out[-1].argmax())} vs {int(ref[-1].argmax())}")
         per: dict[str, list[float]] = {v: [] for v in args.variants}
         for r in range(args.rounds):
             order = args.variants[r % len(args.variants):] + args.variants[:r % len(args.variants)]

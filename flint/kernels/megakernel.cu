@@ -40,8 +40,20 @@
 #ifndef MK_BAR_SMEM
 #define MK_BAR_SMEM 1
 #endif
+// MK_IDOT_MASK (EXPERIMENT, session 14): the integer dot and its int8 staging per matrix, bit mi (MAT_* order: 1 q|k|v,
+// 2 o, 4 gate|up, 16 lm_head, 32 the down slices; MAT_D's stage follows bit 8); MK_IDOT = 1 means every matrix.
+// Session 14's first A/B: the integer dot removes 3x less time than the fp16 dot from gate|up (its dot is that much
+// cheaper there), yet the all-IDOT kernel is no faster: something else in it costs as much.
+#ifndef MK_IDOT_MASK
+#define MK_IDOT_MASK 0
+#endif
+constexpr int kIdotMask = MK_IDOT ? 0x3F : MK_IDOT_MASK;
 template <int M>
-constexpr bool kIdot = MK_IDOT && M <= 4;  // this kernel stages int8 x and runs the integer dot
+constexpr bool kIdot = kIdotMask != 0 && M <= 4;  // some stage of this kernel stages int8 x and runs the integer dot
+template <int M>
+__host__ __device__ constexpr bool kI8(int mi) { return ((kIdotMask >> mi) & 1) && M <= 4; }
+// a mixed mask: the fp16 staging also clears the lo columns' entries of xsum that an integer staging wrote
+constexpr bool kIdotMixed = kIdotMask != 0 && kIdotMask != 0x3F;
 // MK_DIAG (DIAGNOSTIC ONLY, wrong answers, off): what a part of the attention stage costs, by removing it
 // (session 6, bench/results/mk_ab_session6_2026-11-29.log). 1: no merge of the context splits (each split
 // writes its partial and leaves: no counter, no merge); 2: the attention stage skipped; 3: attention's
@@ -297,6 +309,13 @@ __device__ __forceinline__ void inflight_cap(const Ring& ring, int slot, uint32_
 // Barriers per launch then depend on M: the barrier target counts from a base kept in p.epoch[1].
 // 2 (EXPERIMENT; session 11: +0.5% against 1, noise): also the tiles inside a chunk start at tile f mod n (the hoisted
 // slice dot), so the ~26 blocks working on one chunk at a time add to different rows.
+// MK_DS_RED4 (EXPERIMENT, session 14, off): at M = 1 with MK_FXRES (the default down-slice loop, not MK_DS_EPI's), the
+// down partials of an iteration's two tiles as ONE 32-lane red.add (lane (g, t): tile t >> 1, row g + 8 (t & 1); the
+// four values come from lane (g, 0) by shuffles) instead of four 8-lane ones: 4x fewer write instructions, the same
+// adds (integer: the same bits). Session 12's 12e: the down phase's write side alone costs ~2.7 us per layer.
+#ifndef MK_DS_RED4
+#define MK_DS_RED4 0
+#endif
 #ifndef MK_FXRES
 #define MK_FXRES 1
 #endif
@@ -335,6 +354,7 @@ constexpr bool kFx = MK_FX1 && M == 1;
 #ifndef MK_OHEAD
 #define MK_OHEAD 0
 #endif
+static_assert(!kIdotMixed || (!MK_OHEAD && !MK_ATAG), "MK_IDOT_MASK: a mixed mask with MK_OHEAD / MK_ATAG (their stagings) is not written");
 static_assert(!MK_OHEAD || MK_FXRES, "MK_OHEAD needs MK_FXRES (its fixed-point adds)");
 #if MK_OHEAD && MK_FX1
 #define MK_OH1 1
@@ -608,7 +628,7 @@ __device__ void compute_rstd(const Params& p, const float* const* src, float mul
 // (zeroed at kernel start).
 // SMEM_SRC: src rows are in shared memory (generic loads); TAGGED (MK_ATAG): the source is tagged
 // words instead, token m's row at tw + 2 m tstride (a separate instantiation: the polls' registers)
-template <int M, bool SMEM_SRC = false, bool TAGGED = false, bool FX = false>
+template <int M, bool SMEM_SRC = false, bool TAGGED = false, bool FX = false, bool I8 = kIdot<M>>
 __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, const float* norm_w, int k0, int kst,
                         int G, int gshift, const uint32_t* tw = nullptr, int tstride = 0, uint32_t tag = 0) {
   const int t = threadIdx.x;
@@ -730,7 +750,7 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
           rp[1] = v[u][1];
         }
       }
-      if constexpr (kIdot<M>) {  // the integer dot's x: two int8 terms per token and group
+      if constexpr (I8) {  // the integer dot's x: two int8 terms per token and group
         float xv[8], amax = 0.f;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -818,6 +838,11 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
           asm volatile("st.shared.f32 [%0], %1;" ::"r"(a_off), "f"(off) : "memory");
           asm volatile("st.shared.f32 [%0], %1;" ::"r"(a_off + 8u), "f"(off) : "memory");
           asm volatile("st.shared.f32 [%0], %1;" ::"r"(xa + (uint32_t)(4 * (16 + m))), "f"(s_eff) : "memory");
+          if constexpr (kIdotMixed && 2 * M <= 8) {  // the lo column's entry an integer staging may have written
+            constexpr int LB = M == 1 ? 1 : M == 2 ? 2 : 4;
+            const int n = LB + m;
+            asm volatile("st.shared.f32 [%0], %1;" ::"r"(xa + 4u * (4 * (n >> 1) + (n & 1))), "f"(0.f) : "memory");
+          }
         }
       }
       }  // fp16 terms
@@ -831,10 +856,10 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
 
 // =====================================================================[5] matvec stage + epilogues
 // The tile dot of this kernel's x staging: fp16 hi + lo terms, or with MK_IDOT (M <= 4) the integer dot
-template <int M>
+template <int M, bool I8 = kIdot<M>>
 __device__ __forceinline__ void tile_dot(int G, uint32_t tile, int srb, int kseg, int gi0, int gi1, uint32_t xs,
                                          int xstride, uint32_t xlo, uint32_t xsum, int lane, float (&acc)[4]) {
-  if constexpr (kIdot<M>)
+  if constexpr (I8)
     mkmma::imma_tile_dot_g<M>(G, tile, srb, kseg, gi0, gi1, xs, xstride, xsum, lane, acc);
   else
     mkmma::mma_tile_dot_g<M>(G, tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, lane, acc);
@@ -1003,7 +1028,7 @@ __device__ void tile_epilogue(Ctx<M>& c, int mi, int layer, int tl, int tl_local
 // reduces (the slot's parts mbarrier) and runs the epilogue. Every warp waits for every chunk in order
 // and all its lanes arrive on its empty barrier after their use of the slot (and of its partial area):
 // the mbarrier parity waits are only valid within one phase, so no warp may skip a chunk (4g).
-template <int M>
+template <int M, bool I8 = kIdot<M>>
 __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* src, float mult, const float* norm_w) {
   const Params& p = *c.p;
   const Mat& mt = p.mat[mi];
@@ -1029,7 +1054,7 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
     if (s == 0 || !xall) {
       if (s > 0) cbar();  // every warp is done with segment s-1's x before it is overwritten
       if (MK_ATAG && mi == MAT_O)
-        stage_x<M, false, true>(c, src, mult, norm_w, xall ? 0 : s * mt.kseg, xall ? mt.K : mt.kseg, mt.G, mt.gshift,
+        stage_x<M, false, true, false, I8>(c, src, mult, norm_w, xall ? 0 : s * mt.kseg, xall ? mt.K : mt.kseg, mt.G, mt.gshift,
                                 attn_word(p, 0, 0), p.nh * p.D, c.tag0 + (uint32_t)layer);
       else {
 #if MK_WS_ALL
@@ -1037,11 +1062,11 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
 #endif
 #if MK_FX1
         if (kFx<M> && c.fx)
-          stage_x<M, false, false, true>(c, src, mult, norm_w, xall ? 0 : s * mt.kseg, xall ? mt.K : mt.kseg, mt.G,
+          stage_x<M, false, false, true, I8>(c, src, mult, norm_w, xall ? 0 : s * mt.kseg, xall ? mt.K : mt.kseg, mt.G,
                                          mt.gshift);
         else
 #endif
-        stage_x<M>(c, src, mult, norm_w, xall ? 0 : s * mt.kseg, xall ? mt.K : mt.kseg, mt.G, mt.gshift);
+        stage_x<M, false, false, false, I8>(c, src, mult, norm_w, xall ? 0 : s * mt.kseg, xall ? mt.K : mt.kseg, mt.G, mt.gshift);
 #if MK_WS_ALL
         c.wsl = -1;
 #endif
@@ -1049,7 +1074,7 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
       if (s == 0 && mi != MAT_LM) trace_stamp(p, layer, 16 + 4 * mi);
       if (ws) warp_stamp(p, layer, WS_O_STAGED);
     }
-    const uint32_t xs = c.xs + (xall ? (uint32_t)(s * mt.kseg * (kIdot<M> ? 1 : 2)) : 0u);  // int8 / fp16 x
+    const uint32_t xs = c.xs + (xall ? (uint32_t)(s * mt.kseg * (I8 ? 1 : 2)) : 0u);  // int8 / fp16 x
     const uint32_t xsum = c.xsum + (xall ? (uint32_t)(s * ng * mkmma::MMA_XSUM_FLOATS * 4) : 0u);
     for (int j = 0; j < nt; ++j) {
       const int slot = c.slot;
@@ -1065,7 +1090,7 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         const int gi0 = __shfl_sync(0xffffffffu, gtab, part), gi1 = __shfl_sync(0xffffffffu, gtab, part + 1);
         if (!(p.dbg & 1) && !((MK_DIAG2 >> 6) & (1 << mi))) {
-          tile_dot<M>(mt.G, ring0 + (uint32_t)(slot * c.ring.slot_bytes), mt.srb, mt.kseg, gi0, gi1, xs, xstride, xlo,
+          tile_dot<M, I8>(mt.G, ring0 + (uint32_t)(slot * c.ring.slot_bytes), mt.srb, mt.kseg, gi0, gi1, xs, xstride, xlo,
                       xsum, lane, acc);
         }
         if (!MK_WS_ALL && ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j + 1);
@@ -1209,6 +1234,7 @@ __device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int
     const bool two = i + NCW < n;
     uint32_t wa[2][WPL], wb[2][WPL], hs[2][2];
     load_pair(i, two, wa, wb, hs);
+    [[maybe_unused]] float keep[2][2] = {{0.f, 0.f}, {0.f, 0.f}};  // MK_DS_RED4: lane (g, 0)'s rows g, g + 8 per tile
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       if (u && !two) break;
@@ -1264,7 +1290,10 @@ __device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int
         }
       }
 #if MK_FX1  // kFx: dp0 is the fixed-point residual's row g of the chunk's first tile (tstride 16, mstride: Hp)
-      if constexpr (kFx<M>) {
+      if constexpr (kFx<M> && M == 1 && MK_DS_RED4) {
+        keep[u][0] = rm * acc[0];
+        keep[u][1] = rm * acc[2];
+      } else if constexpr (kFx<M>) {
       unsigned long long* dq = reinterpret_cast<unsigned long long*>(dp0) + (size_t)tix(u ? i + NCW : i) * tstride;
       if (2 * t < M) { fx_red(dq + 2 * t * mstride, rm * acc[0]); fx_red(dq + 2 * t * mstride + 8, rm * acc[2]); }
       if (2 * t + 1 < M) {
@@ -1279,6 +1308,20 @@ __device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int
       if (2 * t + 1 < M) { dp[(2 * t + 1) * mstride] = acc[1]; dp[(2 * t + 1) * mstride + 8] = acc[3]; }
       }
     }
+#if MK_FX1
+    if constexpr (kFx<M> && M == 1 && MK_DS_RED4) {  // one 32-lane add: lane (g, t) takes tile t >> 1, row g + 8 (t & 1)
+      const int src = lane & ~3;
+      const float v00 = __shfl_sync(0xffffffffu, keep[0][0], src), v01 = __shfl_sync(0xffffffffu, keep[0][1], src);
+      const float v10 = __shfl_sync(0xffffffffu, keep[1][0], src), v11 = __shfl_sync(0xffffffffu, keep[1][1], src);
+      const int u = t >> 1;
+      if (u == 0 || two) {
+        const float v = t == 0 ? v00 : t == 1 ? v01 : t == 2 ? v10 : v11;
+        unsigned long long* dq =
+            reinterpret_cast<unsigned long long*>(dp0) + (size_t)tix(u ? i + NCW : i) * tstride + 8 * (t & 1);
+        fx_red(dq, v);
+      }
+    }
+#endif
   }
 }
 
@@ -1303,7 +1346,7 @@ __device__ void ffn_down_partial(Ctx<M>& c, int layer) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int f = blockIdx.x;
   DP_STAMP(0);
-  stage_x<M, true>(c, c.misc->rows[ROW_ACTB], 1.f, nullptr, 0, mt.K, mt.G, mt.gshift);  // ends with a block barrier
+  stage_x<M, true, false, false, kI8<M>(MAT_DS)>(c, c.misc->rows[ROW_ACTB], 1.f, nullptr, 0, mt.K, mt.G, mt.gshift);  // ends with a block barrier
   DP_STAMP(1);
   const int cpt = c.sl->ds_cpt, ng = mt.kseg >> mt.gshift;
   const int xstride = c.sl->xstride;
@@ -1349,7 +1392,7 @@ __device__ void ffn_down_partial(Ctx<M>& c, int layer) {
       const size_t ts = (size_t)p.nffn_pad * TILE_ROWS, ms = mstride;
 #endif
       if constexpr (M <= 2) {
-        constexpr bool I8 = MK_IDOT != 0;
+        constexpr bool I8 = kI8<M>(MAT_DS);
         if (mt.G == 64)
           ds_tiles_one_group<2, M, I8>(sb, tb, mt.srb, mt.kseg, n, i0, c.xs, xstride, xlo, c.xsum, lane, dp0, ts,
                                        ms, p.res_mult, kFx<M> ? f % n : 0);
@@ -1360,7 +1403,7 @@ __device__ void ffn_down_partial(Ctx<M>& c, int layer) {
     } else
     for (int i = i0; i < n; i += NCW) {
       float acc[4];
-      tile_dot<M>(mt.G, sb + (uint32_t)i * tb, mt.srb, mt.kseg, 0, ng, c.xs, xstride, xlo, c.xsum, lane, acc);
+      tile_dot<M, kI8<M>(MAT_DS)>(mt.G, sb + (uint32_t)i * tb, mt.srb, mt.kseg, 0, ng, c.xs, xstride, xlo, c.xsum, lane, acc);
 #if MK_FX1
       if constexpr (kFx<M>) {
       unsigned long long* dq = fxr + (size_t)i * TILE_ROWS;
@@ -1992,7 +2035,7 @@ __global__ void __launch_bounds__(NT, 1)
       c.fx = oh ? fx_code(FXB_Y + (par ^ 1), FXB_D + (par ^ 1), FXB_X + par) : fx_code(FXB_X, FXB_NONE, FXB_NONE);
     }
 #endif
-    matvec_stage<M>(c, MAT_QKV, l, xsrc, mult, an);
+    matvec_stage<M, kI8<M>(MAT_QKV)>(c, MAT_QKV, l, xsrc, mult, an);
 #if MK_FX1
     c.fx = 0;
 #endif
@@ -2016,18 +2059,18 @@ __global__ void __launch_bounds__(NT, 1)
         for (int n = n0 + (int)threadIdx.x; n < n1; n += NCT) zo[n] = zd[n] = 0ull;
       }
       c.fx = fx_code(FXB_X + par, FXB_O + par, FXB_Y + par);  // (the owners keep X + O as Y)
-      matvec_stage<M>(c, MAT_GU, l, resid_rows, 1.f, an + p.H);
+      matvec_stage<M, kI8<M>(MAT_GU)>(c, MAT_GU, l, resid_rows, 1.f, an + p.H);
       c.fx = 0;
     } else
 #endif
     {
       if (!MK_ATAG) gsync();
       stamp(l, 5);
-      matvec_stage<M>(c, MAT_O, l, attn_rows, 1.f, nullptr);
+      matvec_stage<M, kI8<M>(MAT_O)>(c, MAT_O, l, attn_rows, 1.f, nullptr);
       stamp(l, 6);
       if (!(kFx<M> && (MK_DIAG2 & 4))) gsync();
       stamp(l, 7);
-      matvec_stage<M>(c, MAT_GU, l, resid_rows, 1.f, an + p.H);
+      matvec_stage<M, kI8<M>(MAT_GU)>(c, MAT_GU, l, resid_rows, 1.f, an + p.H);
     }
     stamp(l, 8);
     if (p.nffn) {  // FFN split-K: down's partials from this block's own act slice, then a reduction
@@ -2044,7 +2087,7 @@ __global__ void __launch_bounds__(NT, 1)
       stamp(l, 9);
       gsync();
       stamp(l, 10);
-      matvec_stage<M>(c, MAT_D, l, act_rows, 1.f, nullptr);
+      matvec_stage<M, kI8<M>(MAT_D)>(c, MAT_D, l, act_rows, 1.f, nullptr);
     }
     stamp(l, 11);
     gsync();
@@ -2056,7 +2099,7 @@ __global__ void __launch_bounds__(NT, 1)
     c.fx = oh ? fx_code(FXB_Y + lp, FXB_D + lp, FXB_NONE) : fx_code(FXB_X, FXB_NONE, FXB_NONE);
   }
 #endif
-  matvec_stage<M>(c, MAT_LM, 0, resid_rows, 1.f, p.final_norm);
+  matvec_stage<M, kI8<M>(MAT_LM)>(c, MAT_LM, 0, resid_rows, 1.f, p.final_norm);
   stamp(p.L - 1, 13);
   // argmax: warps' partials -> block partial (warp order) -> the last block reduces blocks in order
   if (threadIdx.x < M) {
