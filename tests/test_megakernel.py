@@ -76,7 +76,7 @@ def test_build_compiles_without_spills(tmp_path, monkeypatch):
     lib = build.build()
     assert lib.exists()
     funcs = build.parse_ptxas((lib.parent / "ptxas.txt").read_text())
-    assert len(funcs) == len(build.M_VALUES)
+    assert len(funcs) == len(build.M_VALUES) + len(build.EXTRA_OBJECTS)
     assert all(f["spill_stores"] == 0 and f["spill_loads"] == 0 for f in funcs)
 
 
@@ -328,9 +328,50 @@ def _smollm2_path():
     return None
 
 
+# A greedy step where the reference's top two logits are closer than TIE_K times the step's rms logit error of the
+# kernel (||mk - ref|| / sqrt(V)) is a tie: either token is a correct greedy choice within the fp32 reference's own
+# rounding (the kernel sums in another order and keeps K/V in fp16: ||delta|| / ||ref|| ~ 2e-4). Session 13's case:
+# "Once upon a time", step 127, reference top two 1.1e-3 apart on logits of ~23 (4.8e-5 relative).
+TIE_K = 4.0
+MAX_TIES = 3  # per prompt of 256 tokens; more would say the error is larger than measured
+
+
+def greedy_tie_compare(mk, ref, ids, steps):
+    """Teacher-forced from the reference: both decode the reference's token at every step; returns (the reference's
+    tokens, the kernel's argmaxes, the ties as (step, ref token, kernel token, gap, bound)). A mismatch that is not a
+    tie fails here."""
+    toks = torch.tensor(ids)
+    for i in range(0, len(ids), 8):  # prefill in chunks
+        a = mk.forward(toks[i:i + 8], i)
+        b = ref.forward(toks[i:i + 8], i)
+    pos = len(ids)
+    out_ref, out_mk, ties = [], [], []
+    for step in range(steps):
+        lm, lr = a[-1].float(), b[-1].float()
+        assert rel(lm, lr) < 1e-2, f"step {step}: logits ||delta||/||ref|| {rel(lm, lr):.2e}"
+        t_ref, t_mk = int(lr.argmax()), int(lm.argmax())
+        if t_mk != t_ref:
+            gap = float(lr[t_ref] - lr[t_mk])
+            bound = TIE_K * float((lm - lr).norm()) / lm.numel() ** 0.5
+            assert gap <= bound, (f"step {step}: kernel {t_mk} vs reference {t_ref}, reference gap {gap:.3e} > "
+                                  f"{TIE_K} x rms error = {bound:.3e}: not a tie")
+            ties.append((step, t_ref, t_mk, gap, bound))
+        out_ref.append(t_ref)
+        out_mk.append(t_mk)
+        if step + 1 < steps:
+            a = mk.forward(torch.tensor([t_ref]), pos)
+            b = ref.forward(torch.tensor([t_ref]), pos)
+            pos += 1
+    return out_ref, out_mk, ties
+
+
 @gpu
 @needs_sm90
 def test_smollm2_greedy_matches_reference():
+    """Real SmolLM2 (its Q4_1 weights as shipped, g32): 256 greedy tokens for 3 prompts. Every step's argmax, fed the
+    reference's tokens, equals the reference's except at ties (TIE_K); the kernel's own greedy decoding (greedy_next
+    step by step, and greedy_run on the device) gives the reference's tokens up to the first tie, and greedy_run
+    the same tokens as greedy_next throughout."""
     path = _smollm2_path()
     if path is None:
         pytest.skip("SmolLM2 GGUF not found (set FLINT_SMOLLM2_GGUF)")
@@ -347,21 +388,23 @@ def test_smollm2_greedy_matches_reference():
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
     for text in prompts:
         ids = lm.tokenizer.encode(text) if lm.tokenizer is not None else [1, 2, 3]
+        out_ref, _, ties = greedy_tie_compare(mk, ref, ids, 256)
+        assert len(ties) <= MAX_TIES, f"{text!r}: {len(ties)} ties {ties}"
+        if ties:
+            print(f"{text!r}: ties (step, reference, kernel, gap, bound): {ties}")
+        # the kernel's own greedy decoding
         toks = torch.tensor(ids)
-        pos = 0
-        for i in range(0, len(ids), 8):  # prefill in chunks
-            chunk = toks[i:i + 8]
-            a = mk.forward(chunk, i)
-            b = ref.forward(chunk, i)
-            pos = i + len(chunk)
-        t_mk, t_ref = int(a[-1].argmax()), int(b[-1].argmax())
-        out_mk, out_ref = [t_mk], [t_ref]
+        for i in range(0, len(ids), 8):
+            a = mk.forward(toks[i:i + 8], i)
+        pos = len(ids)
+        t_mk = int(a[-1].argmax())
+        out_mk = [t_mk]
         for _ in range(255):
             t_mk = mk.greedy_next(t_mk, pos)
-            t_ref = int(ref.forward(torch.tensor([t_ref]), pos)[0].argmax())
             pos += 1
             out_mk.append(t_mk)
-            out_ref.append(t_ref)
-        assert out_mk == out_ref, f"greedy tokens diverge for {text!r} at {next(i for i, (x, y) in enumerate(zip(out_mk, out_ref)) if x != y)}"
+        n = ties[0][0] + 1 if ties else len(out_ref)  # up to and including the first tie's step
+        same = out_mk[:n] == out_ref[:n] or (ties and out_mk[:n - 1] == out_ref[:n - 1] and out_mk[n - 1] == ties[0][2])
+        assert same, f"greedy tokens diverge for {text!r} at {next(i for i, (x, y) in enumerate(zip(out_mk, out_ref)) if x != y)}"
         # the device loop (the engine's greedy bursts): the same 255 tokens from the same first one
         assert mk.greedy_run(out_mk[0], len(ids), 255) == out_mk[1:], f"greedy_run diverges for {text!r}"

@@ -25,6 +25,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SOURCES = ("mk_common.cuh", "mk_ptx.cuh", "mk_mma.cuh", "megakernel.cu", "megakernel_host.cu")
 M_VALUES = tuple(range(1, 9))
+# more objects of megakernel.cu: (name, its -D flags); m1gu8 = M = 1 with gate|up's integer dot (groups of 128)
+EXTRA_OBJECTS = (("m1gu8", ("-DFLINT_MK_M=1", "-DFLINT_MK_GU8=1")),)
 LIB_NAME = "libflint_mk.so"
 
 NVCC_FLAGS = [
@@ -52,6 +54,7 @@ def source_hash(traced: bool = False) -> str:
         h.update((HERE / name).read_bytes())
     h.update(" ".join(NVCC_FLAGS + LINK_FLAGS).encode())
     h.update(repr(M_VALUES).encode())
+    h.update(repr(EXTRA_OBJECTS).encode())
     if traced:
         h.update(" ".join(TRACE_FLAGS).encode())
     return h.hexdigest()[:16]
@@ -139,6 +142,8 @@ def build(force: bool = False, verbose: bool = False, traced: bool = False) -> P
     try:
         jobs = [(f"m{m}", [nvcc, *flags, f"-DFLINT_MK_M={m}", "-c", str(HERE / "megakernel.cu"),
                            "-o", str(tmp / f"mk_m{m}.o")]) for m in M_VALUES]
+        jobs += [(name, [nvcc, *flags, *defs, "-c", str(HERE / "megakernel.cu"), "-o", str(tmp / f"mk_{name}.o")])
+                 for name, defs in EXTRA_OBJECTS]
         jobs.append(("host", [nvcc, *flags, "-c", str(HERE / "megakernel_host.cu"), "-o",
                               str(tmp / "mk_host.o")]))
         with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 4)) as ex:

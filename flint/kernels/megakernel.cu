@@ -47,11 +47,24 @@
 #ifndef MK_IDOT_MASK
 #define MK_IDOT_MASK 0
 #endif
-constexpr int kIdotMask = MK_IDOT ? 0x3F : MK_IDOT_MASK;
+// FLINT_MK_GU8 (set by flint/kernels/build.py for one more M = 1 object, flint_mk_launch_m1_gu8; v15, session 14):
+// gate|up with the integer dot. The host launches it at M = 1 for models quantized in groups of 128: -1.5% per step
+// on Granite-4.1-3B G128, but +1.3% on SmolLM2's groups of 32, where the integer dot's per-group epilogue is spread
+// over 32 codes only (bench/results/mk_ab1_session14_2026-11-30.md). One kernel with both gate|up paths and a run-time
+// choice spills at M = 1.
+#ifndef FLINT_MK_GU8
+#define FLINT_MK_GU8 0
+#endif
+// MK_IDOT_MAXM: the token counts that use MK_IDOT_MASK (at most 4: the integer dot packs hi and lo as B columns)
+#ifndef MK_IDOT_MAXM
+#define MK_IDOT_MAXM 1
+#endif
+static_assert(MK_IDOT_MAXM >= 1 && MK_IDOT_MAXM <= 4, "MK_IDOT_MAXM: 1..4");
+constexpr int kIdotMask = MK_IDOT ? 0x3F : (MK_IDOT_MASK | (FLINT_MK_GU8 ? 4 : 0));
 template <int M>
-constexpr bool kIdot = kIdotMask != 0 && M <= 4;  // some stage of this kernel stages int8 x and runs the integer dot
+constexpr bool kIdot = kIdotMask != 0 && M <= MK_IDOT_MAXM;  // some stage of this kernel stages int8 x, integer dot
 template <int M>
-__host__ __device__ constexpr bool kI8(int mi) { return ((kIdotMask >> mi) & 1) && M <= 4; }
+__host__ __device__ constexpr bool kI8(int mi) { return ((kIdotMask >> mi) & 1) && M <= MK_IDOT_MAXM; }
 // a mixed mask: the fp16 staging also clears the lo columns' entries of xsum that an integer staging wrote
 constexpr bool kIdotMixed = kIdotMask != 0 && kIdotMask != 0x3F;
 // MK_DIAG (DIAGNOSTIC ONLY, wrong answers, off): what a part of the attention stage costs, by removing it
@@ -110,6 +123,15 @@ static_assert(2 * TM_MAX_SPLITS <= 64, "MK_TM_MAX_SPLITS: the merge's (m, l) tab
 // attention's P.V on three warps per row (a third of the keys each) where
 // 3 R <= 15 warps and D = 64 (M = 1 on Granite and SmolLM2), not one: the P.V phase is 1.1 us of the 3.6 us of a split's
 // own work (bench/results/mk_warps_v9_2026-11-29.log)
+// MK_ATT_W3 (EXPERIMENT, session 14, off): at M = 1, D = 64, a context split of ONE 64-key tile (ctx 512 on Granite:
+// 8 splits of one tile) runs as 3 R warps, warp (r, kc) over a third of the keys of row r: scores (lane = key),
+// softmax statistics and P V (p by shuffle, lane = dim pair) inside the warp, its (m, l, o) partial into the unused K/V
+// buffer 1, and one pass merges the three partials per row in a fixed order (deterministic). Two block barriers
+// after the tile lands instead of five (scores, softmax, PV3's two, the tile's end); the trace (session 11) puts a
+// split's scores + softmax + P V at ~1.9 us for 64 keys.
+#ifndef MK_ATT_W3
+#define MK_ATT_W3 1
+#endif
 #ifndef MK_PV3
 #define MK_PV3 1
 #endif
@@ -314,7 +336,7 @@ __device__ __forceinline__ void inflight_cap(const Ring& ring, int slot, uint32_
 // four values come from lane (g, 0) by shuffles) instead of four 8-lane ones: 4x fewer write instructions, the same
 // adds (integer: the same bits). Session 12's 12e: the down phase's write side alone costs ~2.7 us per layer.
 #ifndef MK_DS_RED4
-#define MK_DS_RED4 0
+#define MK_DS_RED4 1
 #endif
 #ifndef MK_FXRES
 #define MK_FXRES 1
@@ -838,7 +860,7 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
           asm volatile("st.shared.f32 [%0], %1;" ::"r"(a_off), "f"(off) : "memory");
           asm volatile("st.shared.f32 [%0], %1;" ::"r"(a_off + 8u), "f"(off) : "memory");
           asm volatile("st.shared.f32 [%0], %1;" ::"r"(xa + (uint32_t)(4 * (16 + m))), "f"(s_eff) : "memory");
-          if constexpr (kIdotMixed && 2 * M <= 8) {  // the lo column's entry an integer staging may have written
+          if constexpr (kIdotMixed && kIdot<M> && 2 * M <= 8) {  // the lo column's entry an integer staging may have written
             constexpr int LB = M == 1 ? 1 : M == 2 ? 2 : 4;
             const int n = LB + m;
             asm volatile("st.shared.f32 [%0], %1;" ::"r"(xa + 4u * (4 * (n >> 1) + (n & 1))), "f"(0.f) : "memory");
@@ -1586,6 +1608,74 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
     }
     if (t < R) { ms->att_m[t] = -INFINITY; ms->att_l[t] = 0.f; }
     warp_stamp(p, layer, WS_A_Q);
+#if MK_ATT_W3
+    if (M == 1 && D == 64 && 3 * R <= NCW && t1 - t0 == 1) {
+      cp_async_wait<0>();
+      cbar();  // the tile and q_s are in
+      warp_stamp(p, layer, WS_A_TILE);
+      const int nvalid = min(ATT_T, Ltot - t0 * ATT_T);
+      float* scr = reinterpret_cast<float*>(Kb + (size_t)ATT_T * D);  // [3 R][D + 2]: (m, l, o[D]) per warp
+      if (warp < 3 * R) {
+        const int r = warp / 3, kc = warp - 3 * r;
+        const int ja = kc * nvalid / 3, cnt = (kc + 1) * nvalid / 3 - ja;
+        const int j = ja + lane;
+        float sc = -INFINITY;
+        if (lane < cnt && t0 * ATT_T + j <= start) {
+          const float* qr = q_s + r * D;
+          float a0 = 0.f, a1 = 0.f;
+#pragma unroll
+          for (int ch = 0; ch < 8; ++ch) {
+            const uint4 kk = *reinterpret_cast<const uint4*>(Kb + (size_t)j * D + ((ch ^ (j & 7)) * 8));
+            const float4 qa = *reinterpret_cast<const float4*>(qr + ch * 8);
+            const float4 qb = *reinterpret_cast<const float4*>(qr + ch * 8 + 4);
+            const float2 k0 = __half22float2(*reinterpret_cast<const __half2*>(&kk.x));
+            const float2 k1 = __half22float2(*reinterpret_cast<const __half2*>(&kk.y));
+            const float2 k2 = __half22float2(*reinterpret_cast<const __half2*>(&kk.z));
+            const float2 k3 = __half22float2(*reinterpret_cast<const __half2*>(&kk.w));
+            a0 = fmaf(qa.x, k0.x, a0); a1 = fmaf(qa.y, k0.y, a1);
+            a0 = fmaf(qa.z, k1.x, a0); a1 = fmaf(qa.w, k1.y, a1);
+            a0 = fmaf(qb.x, k2.x, a0); a1 = fmaf(qb.y, k2.y, a1);
+            a0 = fmaf(qb.z, k3.x, a0); a1 = fmaf(qb.w, k3.y, a1);
+          }
+          sc = a0 + a1;
+        }
+        const float mx = warp_max(sc);
+        const float pj = mx == -INFINITY ? 0.f : expf(sc - mx);
+        const float ls = warp_sum(pj);
+        float px = 0.f, py = 0.f;  // lane = dim pair
+        for (int jj = 0; jj < cnt; ++jj) {
+          const float pv = __shfl_sync(0xffffffffu, pj, jj);
+          const float2 vv = __half22float2(*reinterpret_cast<const __half2*>(Vb + (size_t)(ja + jj) * D + 2 * lane));
+          px = fmaf(pv, vv.x, px);
+          py = fmaf(pv, vv.y, py);
+        }
+        float* pw = scr + warp * (D + 2);
+        *reinterpret_cast<float2*>(pw + 2 + 2 * lane) = make_float2(px, py);
+        if (lane == 0) { pw[0] = mx; pw[1] = ls; }
+      }
+      cbar();
+      warp_stamp(p, layer, WS_A_SCORES);
+      if (t < R * D) {  // the row's three partials, in order
+        const int r = t / D, d = t - r * D;
+        const float* pr = scr + 3 * r * (D + 2);
+        const float mn = fmaxf(fmaxf(pr[0], pr[D + 2]), pr[2 * (D + 2)]);
+        float o = 0.f, l = 0.f;
+        if (mn != -INFINITY) {
+#pragma unroll
+          for (int kc = 0; kc < 3; ++kc) {
+            const float* pk = pr + kc * (D + 2);
+            const float w = pk[0] == -INFINITY ? 0.f : expf(pk[0] - mn);
+            o = fmaf(w, pk[2 + d], o);
+            l = fmaf(w, pk[1], l);
+          }
+        }
+        o_s[t] = o;
+        if (d == 0) { ms->att_m[r] = mn; ms->att_l[r] = l; }
+      }
+      cbar();
+      warp_stamp(p, layer, WS_A_PV);
+    } else
+#endif
     for (int tile = t0; tile < t1; ++tile) {
       const int buf = (tile - t0) & 1;
       if (tile + 1 < t1) { load_tile(tile + 1, buf ^ 1); cp_async_wait<1>(); }
@@ -2160,7 +2250,12 @@ __global__ void __launch_bounds__(NT, 1)
 // =====================================================================[9] launch entry point
 // One per M: flint_mk_launch_m<M>. The host dispatcher (megakernel_host.cu) picks by M and raises
 // for anything else; there is no fall-through to another M.
-extern "C" int MK_CAT(flint_mk_launch_m, FLINT_MK_M)(const mk::Params* p, const mk::Smem* sl, int start,
+#if FLINT_MK_GU8
+#define MK_SYM(base) MK_CAT(MK_CAT(base, FLINT_MK_M), _gu8)
+#else
+#define MK_SYM(base) MK_CAT(base, FLINT_MK_M)
+#endif
+extern "C" int MK_SYM(flint_mk_launch_m)(const mk::Params* p, const mk::Smem* sl, int start,
                                                        const long long* tokens, int tok0, cudaStream_t stream,
                                                        int set_attr) {
   auto kern = mk::decode_kernel<FLINT_MK_M>;
@@ -2179,7 +2274,7 @@ extern "C" int MK_CAT(flint_mk_launch_m, FLINT_MK_M)(const mk::Params* p, const 
   return (int)e;
 }
 
-extern "C" int MK_CAT(flint_mk_occupancy_m, FLINT_MK_M)(int smem_bytes, int* blocks_per_sm) {
+extern "C" int MK_SYM(flint_mk_occupancy_m)(int smem_bytes, int* blocks_per_sm) {
   auto kern = mk::decode_kernel<FLINT_MK_M>;
   cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (e != cudaSuccess) return (int)e;

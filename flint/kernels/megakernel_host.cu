@@ -13,6 +13,10 @@
 // MK_PARTS_GU (EXPERIMENT, session 8, 0 = the cost model's choice, 5 on Granite): gate|up's K parts per tile fixed,
 // so its tiles are worked on fewer at a time and their ring slots free earlier for the down slices. Measured: 7 and
 // 14 noise, 15 +10% (warp 14 reduces every tile); docs/megakernel.md 8c
+// MK_UNIT_COST: a K part's hand-off in the work-split cost model, in groups (1 until v14; 2 since v15)
+#ifndef MK_UNIT_COST
+#define MK_UNIT_COST 2
+#endif
 #ifndef MK_PARTS_GU
 #define MK_PARTS_GU 0
 #endif
@@ -21,6 +25,9 @@
                                       cudaStream_t, int);                                              \
   extern "C" int flint_mk_occupancy_m##m(int, int*);
 MK_DECL(1) MK_DECL(2) MK_DECL(3) MK_DECL(4) MK_DECL(5) MK_DECL(6) MK_DECL(7) MK_DECL(8)
+// M = 1 with gate|up's integer dot (megakernel.cu FLINT_MK_GU8): launched for models in groups of 128
+extern "C" int flint_mk_launch_m1_gu8(const mk::Params*, const mk::Smem*, int, const long long*, int, cudaStream_t, int);
+extern "C" int flint_mk_occupancy_m1_gu8(int, int*);
 
 typedef int (*launch_fn)(const mk::Params*, const mk::Smem*, int, const long long*, int, cudaStream_t, int);
 typedef int (*occ_fn)(int, int*);
@@ -194,8 +201,10 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
       cap = cap < ng ? cap : ng;
       int best = 1;
       long long best_cost = -1;
+      // cost of a warp's units: its groups plus a unit's hand-off, ~2 groups' dot (v15, session 14: gate|up on
+      // Granite at S = 3 instead of 5 measured -0.6% at M = 1 and -0.8% at M = 2; with 1 the model picked 5)
       for (int S = 1; S <= cap; ++S) {
-        const long long cost = (long long)cdiv(T * S, mk::NCW) * (cdiv(ng, S) + 1);
+        const long long cost = (long long)cdiv(T * S, mk::NCW) * (cdiv(ng, S) + MK_UNIT_COST);
         if (best_cost < 0 || cost < best_cost) { best_cost = cost; best = S; }
       }
 #if MK_PARTS_GU
@@ -278,16 +287,21 @@ static int launch(Handle* h, int M, int start, const long long* tokens, int tok0
              h->p.max_seq);
     return 1;
   }
-  static bool attr_done[mk::MAX_M + 1] = {false};
+  // M = 1 on a model in groups of 128: the object with gate|up's integer dot (v15)
+  const bool gu8 = M == 1 && h->p.mat[mk::MAT_GU].G == 128;
+  const launch_fn lf = gu8 ? flint_mk_launch_m1_gu8 : kLaunch[M];
+  const occ_fn of = gu8 ? flint_mk_occupancy_m1_gu8 : kOcc[M];
+  static bool attr_done[mk::MAX_M + 1] = {false}, attr_done_gu8 = false;
+  bool& done = gu8 ? attr_done_gu8 : attr_done[M];
   int set_attr = 0;
-  if (!attr_done[M]) {
+  if (!done) {
     int bps = 0;
-    int e = kOcc[M](h->smem_optin, &bps);
+    int e = of(h->smem_optin, &bps);
     if (e) return cuda_fail("megakernel occupancy query", e);
     if (bps < 1) return fail("megakernel: kernel cannot be resident with the requested shared memory");
-    attr_done[M] = true;  // the occupancy query raised the kernel's smem limit to the opt-in maximum
+    done = true;  // the occupancy query raised the kernel's smem limit to the opt-in maximum
   }
-  int e = kLaunch[M](&h->p, &h->sl[M], start, tokens, tok0, stream, set_attr);
+  int e = lf(&h->p, &h->sl[M], start, tokens, tok0, stream, set_attr);
   if (e) return cuda_fail("megakernel launch", e);
   return 0;
 }
