@@ -82,7 +82,7 @@ constexpr bool kIdotMixed = kIdotMask != 0 && kIdotMask != 0x3F;
 // the residual multiplier folded with 2^32 (a power of two: the same bits), one 64-bit address per tile (the row
 // g + 8 word at +64 bytes).
 #ifndef MK_DS_EPI
-#define MK_DS_EPI 0
+#define MK_DS_EPI 1
 #endif
 // MK_DIAG2 (DIAGNOSTIC ONLY, wrong answers, off; session 12), a bit mask: what a part of the FFN costs at M = 1 with
 // MK_FXRES, by removing it. 1: the down partials written with a plain 64-bit store instead of red.add (the L2's atomic
@@ -1221,6 +1221,7 @@ __device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int
       const bool two = i + NCW < n;
       uint32_t wa[2][WPL], wb[2][WPL], hs[2][2];
       load_pair(i, two, wa, wb, hs);
+      [[maybe_unused]] float kv[2][2] = {{0.f, 0.f}, {0.f, 0.f}};  // MK_DS_RED4: lane (g, 0)'s values per tile
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
         if (u && !two) break;
@@ -1235,7 +1236,13 @@ __device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int
           mma_16816(d1, mma_nib<0x000F000Fu>(a_hi, magic), mma_nib<0x000F000Fu>(b_hi, magic),
                     mma_nib<0x00F000F0u>(a_hi, magic), mma_nib<0x00F000F0u>(b_hi, magic), xh[c].z, xh[c].w);
         }
-        if (t == 0) {
+        if (MK_DS_RED4) {  // (the four values go out in one 32-lane add below)
+          const float2 fa = __half22float2(*reinterpret_cast<const __half2*>(&hs[u][0]));
+          const float2 fb = __half22float2(*reinterpret_cast<const __half2*>(&hs[u][1]));
+          const float cg = (d0[0] + d1[0]) + (d0[1] + d1[1]), cg8 = (d0[2] + d1[2]) + (d0[3] + d1[3]);
+          kv[u][0] = fmaf(fa.x, cg, fa.y * effs) * kfx;
+          kv[u][1] = fmaf(fb.x, cg8, fb.y * effs) * kfx;
+        } else if (t == 0) {
           const float2 fa = __half22float2(*reinterpret_cast<const __half2*>(&hs[u][0]));
           const float2 fb = __half22float2(*reinterpret_cast<const __half2*>(&hs[u][1]));
           const float cg = (d0[0] + d1[0]) + (d0[1] + d1[1]), cg8 = (d0[2] + d1[2]) + (d0[3] + d1[3]);
@@ -1245,6 +1252,18 @@ __device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int
                        : "memory");
           asm volatile("red.relaxed.gpu.global.add.u64 [%0+64], %1;" ::"l"(dq),
                        "l"((unsigned long long)__float2ll_rn(v1))
+                       : "memory");
+        }
+      }
+      if (MK_DS_RED4) {  // lane (g, t): tile t >> 1, row g + 8 (t & 1), from lane (g, 0)
+        const int src = lane & ~3;
+        const float v00 = __shfl_sync(0xffffffffu, kv[0][0], src), v01 = __shfl_sync(0xffffffffu, kv[0][1], src);
+        const float v10 = __shfl_sync(0xffffffffu, kv[1][0], src), v11 = __shfl_sync(0xffffffffu, kv[1][1], src);
+        const int u = t >> 1;
+        if (u == 0 || two) {
+          const float v = t == 0 ? v00 : t == 1 ? v01 : t == 2 ? v10 : v11;
+          unsigned long long* const dq = dq0 + (uint32_t)tix(u ? i + NCW : i) * (uint32_t)TILE_ROWS + 8 * (t & 1);
+          asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(dq), "l"((unsigned long long)__float2ll_rn(v))
                        : "memory");
         }
       }

@@ -13,7 +13,7 @@
 // 4 FMAs: 11 instructions per group instead of 16); the token's sum is then in acc[0] / acc[2] and acc[1] / acc[3]
 // stay 0. Defined here so bench/mk_variants.py can set it (the dev benches include this file too).
 #ifndef MK_DOT_M1
-#define MK_DOT_M1 0
+#define MK_DOT_M1 1
 #endif
 
 namespace mk {
