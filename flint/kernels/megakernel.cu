@@ -40,10 +40,12 @@
 #ifndef MK_BAR_SMEM
 #define MK_BAR_SMEM 1
 #endif
-// MK_IDOT_MASK (EXPERIMENT, session 14): the integer dot and its int8 staging per matrix, bit mi (MAT_* order: 1 q|k|v,
-// 2 o, 4 gate|up, 16 lm_head, 32 the down slices; MAT_D's stage follows bit 8); MK_IDOT = 1 means every matrix.
-// Session 14's first A/B: the integer dot removes 3x less time than the fp16 dot from gate|up (its dot is that much
-// cheaper there), yet the all-IDOT kernel is no faster: something else in it costs as much.
+// MK_IDOT_MASK (session 14): the integer dot and its int8 staging per matrix, bit mi (MAT_* order: 1 q|k|v, 2 o,
+// 4 gate|up, 16 lm_head, 32 the down slices; MAT_D's stage follows bit 8); MK_IDOT = 1 means every matrix. Session
+// 14's A/Bs (bench/results/mk_ab1_session14_2026-11-30.md, a and b): skipping gate|up's dot saves 113 us per step
+// from the fp16 kernel but 38 us from the all-integer one, and yet the all-integer kernel is no faster; per matrix,
+// gate|up alone is -0.7 to -1.5% at M = 1 (+0.4% at M = 2), the down slices +2.2%, lm_head +0.3%. The default
+// kernels use it through FLINT_MK_GU8 only (below).
 #ifndef MK_IDOT_MASK
 #define MK_IDOT_MASK 0
 #endif
@@ -74,8 +76,10 @@ constexpr bool kIdotMixed = kIdotMask != 0 && kIdotMask != 0x3F;
 #ifndef MK_DIAG
 #define MK_DIAG 0
 #endif
-// MK_DS_EPI (EXPERIMENT, off; session 13: with MK_DOT_M1 -0.4 to -0.6% at M = 1 (bench/mk_ab1.py), but the two change the
-// rounding and the real-SmolLM2 256-token greedy test then diverged at token 127 of one prompt: docs 13c): the down-slice tiles' epilogue at M = 1 with MK_FXRES in fewer instructions
+// MK_DS_EPI (on since v16, session 14: -1.2% against v15 with MK_DOT_M1 off, 28/40 rounds; with MK_DOT_M1, v16, -0.3%;
+// session 13: with MK_DOT_M1 -0.4 to -0.6%, but the changed rounding flipped a near tie of the real-SmolLM2 greedy test
+// at token 127 of one prompt, docs 13e; v16 passes it, and the test now knows ties): the down-slice tiles' epilogue
+// at M = 1 with MK_FXRES in fewer instructions
 // (session 12's MK_DIAG2 = 2: the down-slice dot and its adds cost up to 3.3 us per layer, about twice the mainline
 // dot's cost per code, and half of a tile's ~66 instructions are its epilogue): the hi and lo columns summed before
 // the (scale, min) (the lo mma's zero accumulators were added too), the min term's two columns summed once per call,
@@ -123,7 +127,7 @@ static_assert(2 * TM_MAX_SPLITS <= 64, "MK_TM_MAX_SPLITS: the merge's (m, l) tab
 // attention's P.V on three warps per row (a third of the keys each) where
 // 3 R <= 15 warps and D = 64 (M = 1 on Granite and SmolLM2), not one: the P.V phase is 1.1 us of the 3.6 us of a split's
 // own work (bench/results/mk_warps_v9_2026-11-29.log)
-// MK_ATT_W3 (EXPERIMENT, session 14, off): at M = 1, D = 64, a context split of ONE 64-key tile (ctx 512 on Granite:
+// MK_ATT_W3 (on since v15, session 14: -0.2 to -0.8% on Granite, +0.7% on SmolLM2's 3 rows): at M = 1, D = 64, a context split of ONE 64-key tile (ctx 512 on Granite:
 // 8 splits of one tile) runs as 3 R warps, warp (r, kc) over a third of the keys of row r: scores (lane = key),
 // softmax statistics and P V (p by shuffle, lane = dim pair) inside the warp, its (m, l, o) partial into the unused K/V
 // buffer 1, and one pass merges the three partials per row in a fixed order (deterministic). Two block barriers
@@ -331,7 +335,9 @@ __device__ __forceinline__ void inflight_cap(const Ring& ring, int slot, uint32_
 // Barriers per launch then depend on M: the barrier target counts from a base kept in p.epoch[1].
 // 2 (EXPERIMENT; session 11: +0.5% against 1, noise): also the tiles inside a chunk start at tile f mod n (the hoisted
 // slice dot), so the ~26 blocks working on one chunk at a time add to different rows.
-// MK_DS_RED4 (EXPERIMENT, session 14, off): at M = 1 with MK_FXRES (the default down-slice loop, not MK_DS_EPI's), the
+// Session 14, against v16 in one process: 2 is +0.8% (37/40 rounds slower).
+// MK_DS_RED4 (on since v15, session 14: -0.3 to -0.5%, bitwise the same results; MK_DS_EPI's loop has it too since v16):
+// at M = 1 with MK_FXRES, the
 // down partials of an iteration's two tiles as ONE 32-lane red.add (lane (g, t): tile t >> 1, row g + 8 (t & 1); the
 // four values come from lane (g, 0) by shuffles) instead of four 8-lane ones: 4x fewer write instructions, the same
 // adds (integer: the same bits). Session 12's 12e: the down phase's write side alone costs ~2.7 us per layer.
