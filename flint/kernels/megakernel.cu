@@ -121,6 +121,14 @@ static_assert(MK_TMERGE <= 2, "MK_TMERGE: the merge's registers hold M <= 2");
 #define MK_TM_MAX_SPLITS 12
 #endif
 constexpr int TM_MAX_SPLITS = MK_TM_MAX_SPLITS;
+// MK_TM_CAP (EXPERIMENT, session 14, off): at M <= MK_TMERGE, at most TM_MAX_SPLITS context splits, so the tagged
+// merge runs at every context (Granite ctx 2048: 11 splits of 3 tiles instead of 16 of 2 and the counter merge, which
+// costs 166 us per step there: bench/results/mk_ab1_session14_2026-11-30.md, i). Measured (j): ctx 2048 -0.7% (15/15),
+// ctx 8192 +9.8% (11 tiles per split instead of 8), ctx 512 unchanged; correct (26 GPU tests). The longer splits
+// cost what the merge saves.
+#ifndef MK_TM_CAP
+#define MK_TM_CAP 0
+#endif
 static_assert(TM_MAX_SPLITS <= 12, "MK_TM_MAX_SPLITS > 12 spills the merge at M = 1");
 static_assert(2 * TM_MAX_SPLITS <= 64, "MK_TM_MAX_SPLITS: the merge's (m, l) table lives in s_s (R x ATT_T floats)");
 // MK_PV3 (on since session 8: -2.4% in session 7's A/B, validated in full as bench/results/v10_2026-11-29.md):
@@ -1578,6 +1586,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
   const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
   const int ntiles = (Ltot + ATT_T - 1) / ATT_T;
   int nsplit = min(ntiles, max(1, p.nblocks / p.nkv));
+  if (MK_TM_CAP && M <= MK_TMERGE) nsplit = min(nsplit, TM_MAX_SPLITS);  // (the tagged merge: at most 12 splits)
   const int tps = (ntiles + nsplit - 1) / nsplit;
   nsplit = (ntiles + tps - 1) / tps;
   const int nitems = p.nkv * nsplit;
