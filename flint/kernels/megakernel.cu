@@ -1654,6 +1654,8 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
         const int ja = kc * nvalid / 3, cnt = (kc + 1) * nvalid / 3 - ja;
         const int j = ja + lane;
         float sc = -INFINITY;
+        // (the score loop repeats the general path's below; one shared inline helper gave the same bits but other
+        // schedules, M = 2 0.3% slower in 19/20 rounds: bench/results/mk_ab1_session14_2026-11-30.md, k)
         if (lane < cnt && t0 * ATT_T + j <= start) {
           const float* qr = q_s + r * D;
           float a0 = 0.f, a1 = 0.f;
