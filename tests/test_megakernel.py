@@ -408,3 +408,37 @@ def test_smollm2_greedy_matches_reference():
         assert same, f"greedy tokens diverge for {text!r} at {next(i for i, (x, y) in enumerate(zip(out_mk, out_ref)) if x != y)}"
         # the device loop (the engine's greedy bursts): the same 255 tokens from the same first one
         assert mk.greedy_run(out_mk[0], len(ids), 255) == out_mk[1:], f"greedy_run diverges for {text!r}"
+
+
+def test_greedy_tie_rule_cpu():
+    # the tie rule itself, on the CPU reference: a copy of it with tiny noise on its logits agrees except at ties
+    # (each within the bound), and a copy whose top-1 and top-3 logits are swapped fails as not a tie
+    from flint.model import Transformer
+    from flint.synthetic import synthetic_params
+
+    cfg = _cfg(vocab_size=3000)
+    params = synthetic_params(cfg, seed=0, int4_group_size=64, dtype=torch.float32, device="cpu")
+    ref = Transformer(cfg, params, 128, device="cpu", dtype=torch.float32)
+
+    class Noisy:
+        def __init__(self, scale, swap=False):
+            self.m = Transformer(cfg, params, 128, device="cpu", dtype=torch.float32)
+            self.scale, self.swap = scale, swap
+            self.gen = torch.Generator().manual_seed(1)
+
+        def forward(self, t, p):
+            out = self.m.forward(t, p)
+            out = out + self.scale * torch.randn(out.shape, generator=self.gen)
+            if self.swap:  # a wrong argmax whose reference gap is far above the error: not a tie
+                top = out.topk(3, dim=-1).indices
+                for r in range(out.shape[0]):
+                    a, c = int(top[r, 0]), int(top[r, 2])
+                    out[r, a], out[r, c] = out[r, c].clone(), out[r, a].clone()
+            return out
+
+    same, _, ties = greedy_tie_compare(Noisy(0.0), ref, [1, 2, 3, 4, 5], 40)
+    assert ties == [] and len(same) == 40
+    _, _, ties = greedy_tie_compare(Noisy(1e-3), ref, [1, 2, 3, 4, 5], 40)
+    assert 1 <= len(ties) <= MAX_TIES and all(gap <= bound for _, _, _, gap, bound in ties)  # (2 on this model)
+    with pytest.raises(AssertionError, match="not a tie"):
+        greedy_tie_compare(Noisy(0.0, swap=True), ref, [1, 2, 3, 4, 5], 40)
