@@ -9,6 +9,7 @@ the same int4 weights: logits ||delta|| / ||ref|| < 1e-2 (measured ~3e-4: the fp
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -390,8 +391,8 @@ def test_smollm2_greedy_matches_reference():
         ids = lm.tokenizer.encode(text) if lm.tokenizer is not None else [1, 2, 3]
         out_ref, _, ties = greedy_tie_compare(mk, ref, ids, 256)
         assert len(ties) <= MAX_TIES, f"{text!r}: {len(ties)} ties {ties}"
-        if ties:
-            print(f"{text!r}: ties (step, reference, kernel, gap, bound): {ties}")
+        if ties:  # (a warning: pytest's summary shows it even with -q, so the validation log records every tie)
+            warnings.warn(f"{text!r}: greedy ties (step, reference, kernel, gap, bound): {ties}")
         # the kernel's own greedy decoding
         toks = torch.tensor(ids)
         for i in range(0, len(ids), 8):
