@@ -1335,15 +1335,7 @@ __device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int
         acc[3] = fmaf(fb.x, (d0[3] + d1[3]) + (e0[3] + e1[3]), fmaf(fb.y, eff.y, 0.f));
         if (MK_DIAG2 & 16) acc[0] = acc[1] = acc[2] = acc[3] = 0.f;  // the adds kept, the dot dropped
       }
-      if constexpr (PACKED) {
-        if constexpr (M == 1) {
-          acc[0] += acc[1];
-          acc[2] += acc[3];
-        } else {
-#pragma unroll
-          for (int j = 0; j < 4; ++j) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], LB / 2);
-        }
-      }
+      if constexpr (PACKED) fold_lo_columns<M>(acc);
 #if MK_FX1  // kFx: dp0 is the fixed-point residual's row g of the chunk's first tile (tstride 16, mstride: Hp)
       if constexpr (kFx<M> && M == 1 && MK_DS_RED4) {
         keep[u][0] = rm * acc[0];

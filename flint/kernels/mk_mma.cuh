@@ -123,6 +123,21 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a
 // LB <= n < LB + M: the lo rows, staged rows M..2M-1; the xsum entries of columns >= M are 0), and
 // the token sums are col m + col LB + m (same lane for M = 1, a shuffle for M = 2..4); for M > 4 the
 // lo rows take a second mma per word.
+// Packed hi and lo columns (M <= 4): token m's sum = column m (hi) + column LB + m (lo), LB = 1 / 2 / 4 for M = 1 / 2 /
+// 3..4; in the same lane at M = 1, else in lanes tig and tig ^ (LB / 2) (a shuffle). Every tile dot's last step.
+template <int M>
+__device__ __forceinline__ void fold_lo_columns(float (&acc)[4]) {
+  static_assert(M >= 1 && M <= 4, "packed columns: M <= 4");
+  constexpr int LB = M == 1 ? 1 : M == 2 ? 2 : 4;
+  if constexpr (M == 1) {
+    acc[0] += acc[1];
+    acc[2] += acc[3];
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], LB / 2);
+  }
+}
+
 template <int WPL, int M, int UNROLL>
 __device__ __forceinline__ void mma_tile_dot(uint32_t tile, int srb, int kseg, int gi0, int gi1, uint32_t xs,
                                              int xstride, uint32_t xlo, uint32_t xsum, int lane, float (&acc)[4]) {
@@ -188,16 +203,7 @@ __device__ __forceinline__ void mma_tile_dot(uint32_t tile, int srb, int kseg, i
       acc[3] = fmaf(fb.x, (d0[3] + d1[3]) + (e0[3] + e1[3]), fmaf(fb.y, eff.y, acc[3]));
     }
   }
-  if constexpr (PACKED) {  // token m = column m (hi) + column LB + m (lo)
-    if constexpr (M == 1) {
-      acc[0] += acc[1];
-      acc[2] += acc[3];
-    } else {
-      constexpr int X = LB / 2;  // the lane holding columns LB + 2t, LB + 2t + 1
-#pragma unroll
-      for (int j = 0; j < 4; ++j) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], X);
-    }
-  }
+  if constexpr (PACKED) fold_lo_columns<M>(acc);
 }
 
 // Runtime G dispatch (G in 32/64/128; anything else is refused by the host at create time).
@@ -233,19 +239,33 @@ __device__ __forceinline__ void imma_16832(int (&d)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// A lane's shared-memory addresses in the integer tile dot (group 0): its code words of rows g and g + 8, their
+// (scale, min) words, its x bytes (B column g: hi rows 0..M-1, lo rows in columns LB..LB+M-1) and its xsum entries
+template <int WPL, int M>
+struct ImmaLane {
+  uint32_t code_a, code_b, sm_a, sm_b, xa, xs_c;
+  __device__ __forceinline__ ImmaLane(uint32_t tile, int srb, int kseg, uint32_t xs, int xstride, uint32_t xsum,
+                                      int lane) {
+    constexpr int LB = M == 1 ? 1 : M == 2 ? 2 : 4;
+    const int g = lane >> 2, t = lane & 3;
+    const int row = g < M ? g : (g >= LB && g < LB + M) ? M + g - LB : 0;
+    const uint32_t row_a = tile + (uint32_t)(g * srb), row_b = row_a + (uint32_t)(8 * srb);
+    code_a = row_a + (uint32_t)(t * WPL * 4);
+    code_b = row_b + (uint32_t)(t * WPL * 4);
+    sm_a = row_a + (uint32_t)(kseg >> 1);
+    sm_b = row_b + (uint32_t)(kseg >> 1);
+    xa = xs + (uint32_t)(row * xstride + t * WPL * 8);
+    xs_c = xsum + (uint32_t)(t * 16);
+  }
+};
+
 template <int WPL, int M>
 __device__ __forceinline__ void imma_tile_dot(uint32_t tile, int srb, int kseg, int gi0, int gi1, uint32_t xs,
                                               int xstride, uint32_t xsum, int lane, float (&acc)[4]) {
   static_assert(M >= 1 && M <= 4, "the integer dot packs hi and lo terms as B columns: M <= 4");
   constexpr int G = 32 * WPL;
-  constexpr int LB = M == 1 ? 1 : M == 2 ? 2 : 4;
-  const int g = lane >> 2, t = lane & 3;
-  const int row = g < M ? g : (g >= LB && g < LB + M) ? M + g - LB : 0;
-  const uint32_t row_a = tile + (uint32_t)(g * srb), row_b = row_a + (uint32_t)(8 * srb);
-  const uint32_t code_a = row_a + (uint32_t)(t * WPL * 4), code_b = row_b + (uint32_t)(t * WPL * 4);
-  const uint32_t sm_a = row_a + (uint32_t)(kseg >> 1), sm_b = row_b + (uint32_t)(kseg >> 1);
-  const uint32_t xa = xs + (uint32_t)(row * xstride + t * WPL * 8);
-  const uint32_t xs_c = xsum + (uint32_t)(t * 16);
+  const ImmaLane<WPL, M> ln(tile, srb, kseg, xs, xstride, xsum, lane);
+  const uint32_t code_a = ln.code_a, code_b = ln.code_b, sm_a = ln.sm_a, sm_b = ln.sm_b, xa = ln.xa, xs_c = ln.xs_c;
 #pragma unroll
   for (int j = 0; j < 4; ++j) acc[j] = 0.f;
   for (int gi = gi0; gi < gi1; ++gi) {
@@ -280,14 +300,7 @@ __device__ __forceinline__ void imma_tile_dot(uint32_t tile, int srb, int kseg, 
     acc[2] = fmaf(__int2float_rn(d[2]), fb.x * c0, fmaf(fb.y, m0, acc[2]));
     acc[3] = fmaf(__int2float_rn(d[3]), fb.x * c1, fmaf(fb.y, m1, acc[3]));
   }
-  if constexpr (M == 1) {  // token m = column m (hi) + column LB + m (lo), as in the packed fp16 dot
-    acc[0] += acc[1];
-    acc[2] += acc[3];
-  } else {
-    constexpr int X = LB / 2;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], X);
-  }
+  fold_lo_columns<M>(acc);  // as in the packed fp16 dot
 }
 
 template <int M>

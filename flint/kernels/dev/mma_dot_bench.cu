@@ -304,14 +304,9 @@ template <int M>
 __device__ __forceinline__ void diag_idot2(uint32_t tile, int srb, int kseg, int gi0, int gi1, uint32_t xs, int xstride,
                                            uint32_t xsum, int lane, float (&acc)[4]) {
   using namespace mkmma;
-  constexpr int WPL = 4, G = 128, LB = M == 1 ? 1 : M == 2 ? 2 : 4;
-  const int g = lane >> 2, t = lane & 3;
-  const int row = g < M ? g : (g >= LB && g < LB + M) ? M + g - LB : 0;
-  const uint32_t row_a = tile + (uint32_t)(g * srb), row_b = row_a + (uint32_t)(8 * srb);
-  const uint32_t code_a = row_a + (uint32_t)(t * WPL * 4), code_b = row_b + (uint32_t)(t * WPL * 4);
-  const uint32_t sm_a = row_a + (uint32_t)(kseg >> 1), sm_b = row_b + (uint32_t)(kseg >> 1);
-  const uint32_t xa = xs + (uint32_t)(row * xstride + t * WPL * 8);
-  const uint32_t xs_c = xsum + (uint32_t)(t * 16);
+  constexpr int WPL = 4, G = 128;
+  const ImmaLane<WPL, M> ln(tile, srb, kseg, xs, xstride, xsum, lane);  // (the integer tile dot's lane addresses)
+  const uint32_t code_a = ln.code_a, code_b = ln.code_b, sm_a = ln.sm_a, sm_b = ln.sm_b, xa = ln.xa, xs_c = ln.xs_c;
 #pragma unroll
   for (int j = 0; j < 4; ++j) acc[j] = 0.f;
 #pragma unroll 1
@@ -337,13 +332,7 @@ __device__ __forceinline__ void diag_idot2(uint32_t tile, int srb, int kseg, int
     acc[2] = fmaf(__int2float_rn(16 * de[2] + dd[2]), fb.x * c0, fmaf(fb.y, m0, acc[2]));
     acc[3] = fmaf(__int2float_rn(16 * de[3] + dd[3]), fb.x * c1, fmaf(fb.y, m1, acc[3]));
   }
-  if constexpr (M == 1) {
-    acc[0] += acc[1];
-    acc[2] += acc[3];
-  } else {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], LB / 2);
-  }
+  fold_lo_columns<M>(acc);
 }
 
 // DOT_DIAG = 14 (timing only, session 13; M = 1; WRONG values: the column sums are not staged for it): the fp16 dot
