@@ -121,6 +121,17 @@ static_assert(MK_TMERGE <= 2, "MK_TMERGE: the merge's registers hold M <= 2");
 #define MK_TM_MAX_SPLITS 12
 #endif
 constexpr int TM_MAX_SPLITS = MK_TM_MAX_SPLITS;
+// MK_TM_SEQ (on since v17, session 15): at M <= MK_TMERGE with TM_MAX_SPLITS < splits <= TM_SEQ_SPLITS (Granite
+// ctx 2048 and up: 16 splits), a tagged merge too: split 0's block reads the (m, l) pairs first, then each output
+// thread polls the splits' o words 8 at a time and weighs them in split order (no register array over the splits).
+// Replaces the counter merge there, which costs 4.1 us per layer at ctx 2048 (14k). Session 14: a first form, each
+// split's word polled to its tag before the next (16 round trips in a row), lost: ctx 2048 +6.1%, ctx 8192 +4.0%.
+// This form (8 words in flight, one re-poll per batch), session 15: ctx 2048 -1.9% (16/16 rounds), ctx 8192 -1.7%
+// (10/10), bitwise the counter merge's logits, 26 GPU tests (bench/results/mk_ab1_session15_tmseq_*).
+#ifndef MK_TM_SEQ
+#define MK_TM_SEQ 1
+#endif
+constexpr int TM_SEQ_SPLITS = 32;
 // MK_TM_CAP (EXPERIMENT, session 14, off): at M <= MK_TMERGE, at most TM_MAX_SPLITS context splits, so the tagged
 // merge runs at every context (Granite ctx 2048: 11 splits of 3 tiles instead of 16 of 2 and the counter merge, which
 // costs 166 us per step there: bench/results/mk_ab1_session14_2026-11-30.md, i). Measured (j): ctx 2048 -0.7% (15/15),
@@ -355,16 +366,17 @@ __device__ __forceinline__ void inflight_cap(const Ring& ring, int slot, uint32_
 #ifndef MK_FXRES
 #define MK_FXRES 1
 #endif
-// MK_STAGE_SKIP (EXPERIMENT, session 10, off, 23 GPU tests pass): in stage_x's conversion pass a warp none of whose
+// MK_STAGE_SKIP (on since v17, session 15; session 10's experiment): in stage_x's conversion pass a warp none of whose
 // lanes holds a word skips it (it computed the whole pass on zeros: the break before is block-uniform). Session 10's
 // qkv unit trace: the pass takes 0.55-0.6 us after the rstd, and warps 10-14, which hold no word at M = 1 (320 words),
 // end it at the same time as the others, i.e. the pass looks issue-bound over 15 warps; the FFN's act staging (8 words
 // per block) runs it on 15 warps for one warp's words. Projection: qkv / o / gate|up stagings -0.15 us each, the act
 // staging -0.4 us: -0.5 to -1 us per layer (-1.5 to -3%). Measured (one same-call A/B, 3 rounds; a __all_sync vote, as
 // the plain warp-uniform branch spilled at M = 1): M = 1 +2.5% (rounds 1376-1420 vs 1378-1382), M = 2 -1.7%:
-// unresolved, off (docs/megakernel.md 10g).
+// unresolved (docs/megakernel.md 10g). Session 15, one process (bench/mk_ab1.py, 30 rounds): M = 1 -0.22% (26/30
+// rounds faster), M = 2 -0.56% (30/30), M = 4 -0.20% (26/30); the same arithmetic (a skipped warp held no word).
 #ifndef MK_STAGE_SKIP
-#define MK_STAGE_SKIP 0
+#define MK_STAGE_SKIP 1
 #endif
 // the M = 1 object only (one object per M: FLINT_MK_M); the other M's code is the default's, but for the barrier base
 #if MK_FXRES && defined(FLINT_MK_M) && FLINT_MK_M == 1
@@ -1818,6 +1830,81 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
         const int hq = kvh * g + r / M, m = r % M;
         attn_out(p, m, hq * D + d, o_s[i] / ms->att_l[r], qtag);
       }
+#if MK_TM_SEQ
+    } else if (M <= MK_TMERGE && nsplit > TM_MAX_SPLITS && nsplit <= TM_SEQ_SPLITS && R * D <= NCT &&
+               2 * R * TM_SEQ_SPLITS <= R * ATT_T) {
+      // MK_TM_SEQ: more splits than the register merge holds: the (m, l) pairs first, then every output thread polls
+      // and weighs the splits' o words 8 at a time (in flight together), in split order (deterministic)
+      uint32_t* tk = reinterpret_cast<uint32_t*>(p.part) + 2 * ((size_t)kvh * nsplit * R) * (D + 2);
+      if (sp != 0) {
+        uint32_t* tp = tk + 2 * ((size_t)sp * R) * (D + 2);
+        for (int i = t; i < R * (D + 2); i += NCT) {
+          const int r = i / (D + 2), d = i - r * (D + 2);
+          st_tagged(tp + 2 * i, d == 0 ? ms->att_m[r] : d == 1 ? ms->att_l[r] : o_s[r * D + d - 2], qtag);
+        }
+      } else {
+        float* wt = s_s;  // [R][TM_SEQ_SPLITS] (m, l)
+        for (int i = t; i < R * nsplit; i += NCT) {
+          const int rr = i / nsplit, s2 = i - rr * nsplit;
+          float mv, lv;
+          if (s2 == 0) {
+            mv = ms->att_m[rr];
+            lv = ms->att_l[rr];
+          } else {
+            const uint32_t* e = tk + 2 * (((size_t)s2 * R + rr) * (D + 2));
+            uint4 u;
+            do {
+              asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                           : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "l"(e) : "memory");
+            } while (u.y != qtag || u.w != qtag);
+            mv = __uint_as_float(u.x);
+            lv = __uint_as_float(u.z);
+          }
+          wt[2 * (rr * TM_SEQ_SPLITS + s2)] = mv;
+          wt[2 * (rr * TM_SEQ_SPLITS + s2) + 1] = lv;
+        }
+        cbar();
+        if (t < R * D) {
+          const int r = t / D, d = t - r * D;
+          const float* wr = wt + 2 * r * TM_SEQ_SPLITS;
+          float mx = -INFINITY;
+          for (int s2 = 0; s2 < nsplit; ++s2) mx = fmaxf(mx, wr[2 * s2]);
+          float num = 0.f, den = 0.f;
+          for (int s0 = 0; s0 < nsplit; s0 += 8) {
+            float ov[8];
+            bool ok;
+            do {  // the batch's 8 words in flight together, re-polled until every tag is this layer's
+              uint32_t tg[8];
+#pragma unroll
+              for (int k = 0; k < 8; ++k) {
+                const int s2 = s0 + k;
+                uint32_t v = 0u;
+                tg[k] = qtag;
+                if (s2 > 0 && s2 < nsplit)
+                  asm volatile("ld.relaxed.gpu.global.v2.u32 {%0, %1}, [%2];"
+                               : "=r"(v), "=r"(tg[k]) : "l"(tk + 2 * (((size_t)s2 * R + r) * (D + 2) + 2 + d)) : "memory");
+                ov[k] = s2 == 0 ? o_s[t] : __uint_as_float(v);
+              }
+              ok = true;
+#pragma unroll
+              for (int k = 0; k < 8; ++k) ok = ok && tg[k] == qtag;
+            } while (!ok);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+              const int s2 = s0 + k;
+              if (s2 < nsplit) {
+                const float m2 = wr[2 * s2];
+                const float w2 = m2 == -INFINITY ? 0.f : expf(m2 - mx);
+                den = fmaf(w2, wr[2 * s2 + 1], den);
+                num = fmaf(w2, ov[k], num);
+              }
+            }
+          }
+          const int hq = kvh * g + r / M, m = r % M;
+          attn_out(p, m, hq * D + d, num / den, qtag);
+        }
+      }
+#endif
     } else if (M <= MK_TMERGE && nsplit <= TM_MAX_SPLITS && R * D <= NCT && R * nsplit <= NCT) {
       uint32_t* tk = reinterpret_cast<uint32_t*>(p.part) + 2 * ((size_t)kvh * nsplit * R) * (D + 2);
       if (sp != 0) {  // hand the partial over: one tagged word per value

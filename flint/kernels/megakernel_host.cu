@@ -20,6 +20,14 @@
 #ifndef MK_PARTS_GU
 #define MK_PARTS_GU 0
 #endif
+// MK_PARTS_QKV / MK_PARTS_O (EXPERIMENT, session 15, 0 = the cost model's choice: 7 on Granite, i.e. each of a
+// block's 2 tiles in 7 parts of 3 groups, one unit per warp): q|k|v's and o's K parts per tile fixed
+#ifndef MK_PARTS_QKV
+#define MK_PARTS_QKV 0
+#endif
+#ifndef MK_PARTS_O
+#define MK_PARTS_O 0
+#endif
 #define MK_DECL(m)                                                                                      \
   extern "C" int flint_mk_launch_m##m(const mk::Params*, const mk::Smem*, int, const long long*, int, \
                                       cudaStream_t, int);                                              \
@@ -209,6 +217,12 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
       }
 #if MK_PARTS_GU
       if (m == mk::MAT_GU) best = MK_PARTS_GU < cap ? MK_PARTS_GU : cap;  // EXPERIMENT (session 8): gate|up's parts fixed
+#endif
+#if MK_PARTS_QKV
+      if (m == mk::MAT_QKV) best = MK_PARTS_QKV < cap ? MK_PARTS_QKV : cap;  // EXPERIMENT (session 15)
+#endif
+#if MK_PARTS_O
+      if (m == mk::MAT_O) best = MK_PARTS_O < cap ? MK_PARTS_O : cap;  // EXPERIMENT (session 15)
 #endif
       s.nparts[m] = best;
       max_parts = max_parts > best ? max_parts : best;
