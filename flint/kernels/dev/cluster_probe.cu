@@ -8,7 +8,7 @@
 //   3. the hop's cost: rank 0 of each cluster writes a value into every other block's shared memory, then a cluster
 //      barrier; timed over many rounds with clock64 (SM clocks per round).
 // Build: nvcc -gencode arch=compute_90a,code=sm_90a -O3 -std=c++17 -o build/dev/cluster_probe flint/kernels/dev/cluster_probe.cu
-// Run:   build/dev/cluster_probe            (not yet run: written after session 14's last device call)
+// Run:   build/dev/cluster_probe            (session 15, H200: bench/results/cluster_probe_session15_2026-11-30.log)
 #include <cuda_runtime.h>
 #include <cstdio>
 #include <cstdlib>
