@@ -1492,6 +1492,9 @@ __device__ void ffn_down_partial(Ctx<M>& c, int layer) {
     }
   }
   DP_STAMP(20);
+  // (traced builds only: a block barrier, so that the stamp after this stage is the block's end, not thread 0's warp's;
+  // the grid barrier that follows starts with the same block barrier. Session 15, 15k)
+  if (MK_TRACE) cbar();
 }
 
 // FFN split-K, part 2 (after the grid barrier; replaces the down stage): the block's own residual rows
