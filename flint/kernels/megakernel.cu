@@ -2373,6 +2373,15 @@ __global__ void __launch_bounds__(NT, 1)
 #else
 #define MK_SYM(base) MK_CAT(base, FLINT_MK_M)
 #endif
+// MK_CLUSTER (EXPERIMENT, session 15, 1 = off; written after the last device call, builds, NOT run): the cooperative
+// launch with a cluster dimension (cudaLaunchKernelEx, attributes ClusterDimension + Cooperative), the step before a
+// pair of FFN blocks can exchange through distributed shared memory (docs/megakernel.md, session 15, next 2).
+// flint/kernels/dev/cluster_probe.cu measured that such a launch is accepted with this block shape and that clusters
+// of 2 keep all 132 blocks co-resident (4 and 8: 120). The kernel itself does not use the cluster: an A/B of this
+// launch alone prices the pairs' placement. The grid must be whole clusters (else cudaErrorNotSupported).
+#ifndef MK_CLUSTER
+#define MK_CLUSTER 1
+#endif
 extern "C" int MK_SYM(flint_mk_launch_m)(const mk::Params* p, const mk::Smem* sl, int start,
                                                        const long long* tokens, int tok0, cudaStream_t stream,
                                                        int set_attr) {
@@ -2387,8 +2396,27 @@ extern "C" int MK_SYM(flint_mk_launch_m)(const mk::Params* p, const mk::Smem* sl
   mk::Params pp = *p;
   mk::Smem ss = *sl;
   void* args[] = {(void*)&pp, (void*)&ss, (void*)&start, (void*)&tokens, (void*)&tok0};
+#if MK_CLUSTER > 1
+  if (p->nblocks % MK_CLUSTER) return (int)cudaErrorNotSupported;
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = MK_CLUSTER;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeCooperative;
+  attr[1].val.cooperative = 1;
+  cfg.gridDim = dim3(p->nblocks);
+  cfg.blockDim = dim3(mk::NT);
+  cfg.dynamicSmemBytes = (size_t)sl->total;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 2;
+  e = cudaLaunchKernelExC(&cfg, (const void*)kern, args);
+#else
   e = cudaLaunchCooperativeKernel((const void*)kern, dim3(p->nblocks), dim3(mk::NT), args, (size_t)sl->total,
                                   stream);
+#endif
   return (int)e;
 }
 
