@@ -2400,12 +2400,7 @@ extern "C" int MK_SYM(flint_mk_launch_m)(const mk::Params* p, const mk::Smem* sl
   if (p->nblocks % MK_CLUSTER) return (int)cudaErrorNotSupported;
   cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = MK_CLUSTER;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  attr[1].id = cudaLaunchAttributeCooperative;
-  attr[1].val.cooperative = 1;
+  mk::coop_cluster_attrs(attr, MK_CLUSTER);
   cfg.gridDim = dim3(p->nblocks);
   cfg.blockDim = dim3(mk::NT);
   cfg.dynamicSmemBytes = (size_t)sl->total;

@@ -65,4 +65,15 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
+// (host) the two launch attributes of a cooperative launch in clusters of `cluster` blocks along x
+// (cudaLaunchKernelEx): the megakernel's MK_CLUSTER launch and flint/kernels/dev/cluster_probe.cu
+inline void coop_cluster_attrs(cudaLaunchAttribute (&attr)[2], unsigned cluster) {
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = cluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeCooperative;
+  attr[1].val.cooperative = 1;
+}
+
 }  // namespace mk

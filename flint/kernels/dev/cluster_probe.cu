@@ -14,6 +14,8 @@
 #include <cstdlib>
 #include <vector>
 
+#include "../mk_ptx.cuh"
+
 #define CK(x)                                                                                  \
   do {                                                                                         \
     cudaError_t e_ = (x);                                                                      \
@@ -92,12 +94,7 @@ int main() {
   for (int cs : {1, 2, 4, 8, 16}) {
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr[2];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = cs;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    attr[1].id = cudaLaunchAttributeCooperative;
-    attr[1].val.cooperative = 1;
+    mk::coop_cluster_attrs(attr, (unsigned)cs);
     cfg.blockDim = dim3(NT);
     cfg.dynamicSmemBytes = optin;
     cfg.attrs = attr;
