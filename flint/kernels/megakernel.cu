@@ -324,6 +324,24 @@ __device__ __forceinline__ void inflight_cap(const Ring& ring, int slot, uint32_
   }
   mbar_wait(&ring.full[s2], l2 & 1);
 }
+// MK_QKV_EARLY (EXPERIMENT, session 15, off; written after the last device call: builds, NOT run on a GPU): at M = 1
+// with the FFN split-K, the producer streams layer l + 1's q|k|v tiles right after layer l's gate|up tiles, before
+// its down slice's chunks, and the consumers take those slots after the chunks (the q|k|v stage steps the ring back
+// to them, then forward again). Session 15 (15l): bar4 runs ~1 us longer than bar2 / bar3 under the stream of the
+// next layer's q|k|v copies, which the ring's order puts behind the 5 down chunks; holding them back moved their cost
+// into the q|k|v stage. Here they land during the down phase, and nothing streams at bar4 (the next copy, gate|up's
+// first tile, waits for a deferred slot). Deadlock-free iff the deferred tiles plus the chunks fit the ring
+// (flint/kernels/dev/ring_model.py "early", tests/test_ring_protocol.py): else the default order.
+#ifndef MK_QKV_EARLY
+#define MK_QKV_EARLY 0
+#endif
+// this block's q|k|v ring units per layer (nq) and down-slice chunks (nch); the early order applies iff it returns true
+__device__ __forceinline__ bool qkv_early(const Params& p, const Smem& sl, const MiscSmem* misc, int nslots, int& nq,
+                                         int& nch) {
+  nq = (misc->tile1[MAT_QKV] - misc->tile0[MAT_QKV]) * p.mat[MAT_QKV].nseg;
+  nch = sl.ds_cpt > 0 ? (misc->tile1[MAT_DS] + sl.ds_cpt - 1) / sl.ds_cpt : 0;
+  return MK_QKV_EARLY && p.nffn && nq + nch <= nslots;
+}
 // MK_DS_RR (on since session 9): the FFN split-K's down-slice tiles round robin over the whole slice (tile t + i of
 // chunk t to warp (t + i) mod 15), not per chunk: with per-chunk assignment a chunk of 34 tiles gave warps 0..3 a
 // third tile, i.e. a second two-tile iteration, in every chunk (15 tiles and 10 iterations vs 11 and 5-6).
@@ -404,6 +422,7 @@ constexpr bool kFx = MK_FX1 && M == 1;
 #endif
 static_assert(!kIdotMixed || (!MK_OHEAD && !MK_ATAG), "MK_IDOT_MASK: a mixed mask with MK_OHEAD / MK_ATAG (their stagings) is not written");
 static_assert(!MK_OHEAD || MK_FXRES, "MK_OHEAD needs MK_FXRES (its fixed-point adds)");
+static_assert(!(MK_QKV_EARLY && MK_OHEAD), "MK_QKV_EARLY: the ring order of the default o stage only");
 #if MK_OHEAD && MK_FX1
 #define MK_OH1 1
 #else
@@ -541,11 +560,18 @@ __device__ void producer(const Params& p, const Smem& sl, const Ring& ring, cons
 #if MK_WS_RING
   int rseq = -1;
 #endif
+#if MK_QKV_EARLY
+  int nq, nch;
+  const bool early = fxrot && qkv_early(p, sl, misc, ring.nslots, nq, nch);  // (fxrot: this M runs MK_FXRES)
+#else
+  constexpr bool early = false;
+#endif
   for (int l = 0; l < p.L; ++l) {
 #if MK_WS_RING
     if (l == p.L / 2) rseq = 0;
 #endif
     for (int m = MAT_QKV; m <= MAT_GU; ++m) {
+      if (early && m == MAT_QKV && l > 0) continue;  // MK_QKV_EARLY: streamed during the layer before
 #if MK_OH1
       if (m == MAT_O && oh) {
         produce_oslices(p, l, ring, slot, lap, pol RING_PASS);
@@ -554,6 +580,8 @@ __device__ void producer(const Params& p, const Smem& sl, const Ring& ring, cons
 #endif
       produce_matrix(p.mat[m], misc->tile0[m], misc->tile1[m], l, ring, slot, lap, pol RING_PASS);
     }
+    if (early && l + 1 < p.L)  // MK_QKV_EARLY: the next layer's q|k|v before this layer's down chunks
+      produce_matrix(p.mat[MAT_QKV], misc->tile0[MAT_QKV], misc->tile1[MAT_QKV], l + 1, ring, slot, lap, pol RING_PASS);
     if (p.nffn) produce_slice(p.mat[MAT_DS], misc->tile1[MAT_DS], sl.ds_cpt, l, ring, slot, lap, pol, fxrot RING_PASS);
     else produce_matrix(p.mat[MAT_D], misc->tile0[MAT_D], misc->tile1[MAT_D], l, ring, slot, lap, pol RING_PASS);
   }
@@ -627,6 +655,20 @@ struct Ctx {
   int fx;              // MK_FXRES: the next matvec stage's input is the fixed-point residual (0: not; else fx_code)
 #endif
 };
+
+// MK_QKV_EARLY: move the consumers' ring position n units forward (n > 0) or back (n < 0), |n| <= nslots
+template <int M>
+__device__ __forceinline__ void ring_step(Ctx<M>& c, int n) {
+  int s = c.slot + n;
+  if (s >= c.ring.nslots) {
+    s -= c.ring.nslots;
+    c.phase ^= 1u;
+  } else if (s < 0) {
+    s += c.ring.nslots;
+    c.phase ^= 1u;
+  }
+  c.slot = s;
+}
 
 // rstd per token from the per-warp sums of squares in misc->red[warp][m] (fixed order), then a cbar.
 template <int M>
@@ -2243,7 +2285,19 @@ __global__ void __launch_bounds__(NT, 1)
       c.fx = oh ? fx_code(FXB_Y + (par ^ 1), FXB_D + (par ^ 1), FXB_X + par) : fx_code(FXB_X, FXB_NONE, FXB_NONE);
     }
 #endif
+#if MK_QKV_EARLY
+    {  // back to the slots streamed before the last layer's down chunks (the stage then steps over its nq units)
+      int eq, ech;
+      if (kFx<M> && l > 0 && qkv_early(p, sl, misc, c.ring.nslots, eq, ech)) ring_step(c, -(eq + ech));
+    }
+#endif
     matvec_stage<M, kI8<M>(MAT_QKV)>(c, MAT_QKV, l, xsrc, mult, an);
+#if MK_QKV_EARLY
+    {  // ... and forward again over those chunks, which were taken before
+      int eq, ech;
+      if (kFx<M> && l > 0 && qkv_early(p, sl, misc, c.ring.nslots, eq, ech)) ring_step(c, ech);
+    }
+#endif
 #if MK_FX1
     c.fx = 0;
 #endif
@@ -2282,6 +2336,12 @@ __global__ void __launch_bounds__(NT, 1)
     }
     stamp(l, 8);
     if (p.nffn) {  // FFN split-K: down's partials from this block's own act slice, then a reduction
+#if MK_QKV_EARLY
+      {  // the next layer's q|k|v slots come first: taken after bar4
+        int eq, ech;
+        if (kFx<M> && l + 1 < p.L && qkv_early(p, sl, misc, c.ring.nslots, eq, ech)) ring_step(c, eq);
+      }
+#endif
       ffn_down_partial<M>(c, l);
       stamp(l, 9);
       gsync();

@@ -31,6 +31,10 @@ Protocols (megakernel.cu, [5] matvec_stage and the FFN split-K's ffn_down_partia
 ``"flat_badcount"`` as "flat", the reducer arriving for one warp too few (must be caught);
 ``"rotate"`` as "all", the part that reduces unit i of a stage being S - 1 - (i mod S) (MK_RED_ROT, session 9; lost
              +1.2% in session 10, same patch).
+``"early"``  as "all", the producer streaming layer l + 1's q|k|v tiles right after layer l's gate|up, before its down
+             slices, and the consumers taking them after those slices (MK_QKV_EARLY, session 15: written, not run on a
+             GPU): a consumer order that is not the ring's order. Deadlock-free iff the deferred units plus the slice
+             chunks after them fit the ring (nq + nch <= slots); ``"early_toomany"`` breaks that bound (must deadlock).
 
 Checked per run: every part reads the lap it expects, the reducer sees every part of its unit, no
 arrival lands in another lap's phase, and everything finishes (no deadlock).
@@ -116,10 +120,43 @@ def flat_groups(nt: int, ng: int, rounds: int, w: int, j: int) -> tuple[int, int
     return max(k * n // c, u0) - u0, min((k + 1) * n // c, u1) - u0
 
 
-def run(protocol: str, stages: list[tuple], nslots: int, seed: int, inflight: int = 2) -> None:
+def early_schedule(rng: random.Random, nslots: int, too_many: bool = False) -> tuple[list[tuple], list[int]]:
+    """MK_QKV_EARLY's ring: per layer q|k|v (nq tiles), o, gate|up, then the NEXT layer's q|k|v, then the down slice's
+    nch chunks (S = 0); the last layer is followed by an lm_head stage. Returns the stages in the producer's order and
+    the consumers' order of the units (layer l + 1's q|k|v after layer l's chunks). nq + nch <= nslots unless too_many."""
+    nlayers = rng.randint(2, 4)
+    nq = rng.randint(1, 3)
+    nch = rng.randint(nslots - nq + 1, nslots + 2) if too_many else rng.randint(0, nslots - nq)
+    qkv, o, gu = (nq, rng.randint(1, NCW)), (rng.randint(1, 2), rng.randint(1, NCW)), (rng.randint(1, 8), rng.randint(1, 5))
+    stages, cons = [qkv], [0]  # cons: the stage indices in the consumers' order
+    for lay in range(nlayers):
+        stages += [o, gu]
+        cons += [len(stages) - 2, len(stages) - 1]
+        nxt = None
+        if lay + 1 < nlayers:
+            stages.append(qkv)
+            nxt = len(stages) - 1
+        if nch:
+            stages.append((nch, 0))
+            cons.append(len(stages) - 1)
+        if nxt is not None:
+            cons.append(nxt)
+    stages.append((rng.randint(1, 6), rng.randint(1, NCW)))
+    cons.append(len(stages) - 1)
+    first = [0]
+    for st in stages:
+        first.append(first[-1] + st[0])
+    order = [u for st in cons for u in range(first[st], first[st + 1])]
+    assert sorted(order) == list(range(first[-1]))
+    return stages, order
+
+
+def run(protocol: str, stages: list[tuple], nslots: int, seed: int, inflight: int = 2,
+        order: list[int] | None = None) -> None:
     rng = random.Random(seed)
-    mainline = protocol in ("all", "flat", "flat_badcount", "rotate")  # the mainline's units (+ flat ones)
+    mainline = protocol in ("all", "flat", "flat_badcount", "rotate", "early", "early_toomany")  # (+ flat ones)
     us = units(stages)
+    seq = order if order is not None else list(range(len(us)))  # the consumers' order of the units
     slots = [Slot() for _ in range(nslots)]
     landing: list[tuple[int, int]] = []  # (slot, lap) copies in flight
     where: dict = {}  # actor -> what it waits on (the deadlock report)
@@ -161,7 +198,8 @@ def run(protocol: str, stages: list[tuple], nslots: int, seed: int, inflight: in
 
     def warp(w: int):
         part, stage, j = w, -1, 0
-        for u, (st, S) in enumerate(us):
+        for u in seq:
+            st, S = us[u]
             s, lap = u % nslots, u // nslots
             sl = slots[s]
             if st != stage:  # every matvec stage starts its part rotation at the warp's index
@@ -273,17 +311,21 @@ def check(protocol: str, runs: int, seed: int = 0, inflight: int = 2) -> list[st
     rng = random.Random(seed)
     fails = []
     for r in range(runs):
-        stages = random_stages(rng, slices=protocol in ("all", "slice_noparts", "flat", "flat_badcount", "rotate"),
-                               flat=protocol in ("flat", "flat_badcount"))
         nslots = rng.randint(3, 8)
+        order = None
+        if protocol in ("early", "early_toomany"):
+            stages, order = early_schedule(rng, nslots, too_many=protocol == "early_toomany")
+        else:
+            stages = random_stages(rng, slices=protocol in ("all", "slice_noparts", "flat", "flat_badcount", "rotate"),
+                                   flat=protocol in ("flat", "flat_badcount"))
         try:
-            run(protocol, stages, nslots, seed=rng.randrange(1 << 30), inflight=inflight)
+            run(protocol, stages, nslots, seed=rng.randrange(1 << 30), inflight=inflight, order=order)
         except ProtocolError as e:
             fails.append(f"run {r} (stages {stages}, {nslots} slots): {e}")
     return fails
 
 
 if __name__ == "__main__":
-    for proto in ("all", "skip", "skip2", "slice_noparts", "flat", "flat_badcount", "rotate"):
+    for proto in ("all", "skip", "skip2", "slice_noparts", "flat", "flat_badcount", "rotate", "early", "early_toomany"):
         f = check(proto, 2000)
         print(f"{proto:6s}: {len(f)} of 2000 random schedules failed" + (f"; first: {f[0]}" if f else ""))
