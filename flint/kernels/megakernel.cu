@@ -92,7 +92,10 @@ constexpr bool kIdotMixed = kIdotMask != 0 && kIdotMask != 0x3F;
 // MK_FXRES, by removing it. 1: the down partials written with a plain 64-bit store instead of red.add (the L2's atomic
 // work); 2: the down-slice dot and its adds skipped (the ring waits and arrivals kept); 4: no grid barrier between
 // o and gate|up (bar3); 8: the down-slice dot computed, its adds dropped; 16: the adds of zeros, the dot dropped;
-// 64 << mi: matrix mi's tile dot skipped in matvec_stage (its sums 0; 64: q|k|v, 128: o, 256: gate|up, 1024: lm_head).
+// 64 << mi: matrix mi's tile dot skipped in matvec_stage (its sums 0; 64: q|k|v, 128: o, 256: gate|up, 1024: lm_head);
+// 4096 (session 15, not yet run): each FFN block's down adds aimed at its own private rows (20 KB per block in p.dpart,
+// which M = 1 does not use otherwise) instead of the shared residual: with 16, whether the adds-only phase is the L2's
+// same-line serialization across blocks (then it shortens) or the SM's own write path (docs/megakernel.md, 15k).
 #ifndef MK_DIAG2
 #define MK_DIAG2 0
 #endif
@@ -1468,6 +1471,8 @@ __device__ void ffn_down_partial(Ctx<M>& c, int layer) {
     int i0 = warp >= t % NCW ? warp - t % NCW : warp - t % NCW + NCW;  // tile t + i to warp (t + i) mod 15
     // (MK_OHEAD: D[layer & 1]; else the residual X itself)
     unsigned long long* fxr = fx_buf(p, MK_OH1 && p.ohead ? FXB_D + (layer & 1) : FXB_X) + (size_t)t * TILE_ROWS + gq;
+    if (MK_DIAG2 & 4096)  // DIAGNOSTIC: private rows per block (wrong answers)
+      fxr = reinterpret_cast<unsigned long long*>(p.dpart) + (size_t)f * fx_stride(p) + (size_t)t * TILE_ROWS + gq;
     const size_t fxs = (size_t)fx_stride(p);
 #else
   for (int t = 0; t < nt; t += cpt) {
