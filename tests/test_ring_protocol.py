@@ -120,3 +120,55 @@ def test_qkv_early_order():
     assert len(fails) == 100 and any("deadlock" in f for f in fails)
     stages2, order2 = early_schedule(random.Random(8), 8)
     assert sorted(order2) == list(range(sum(st[0] for st in stages2)))
+
+
+def test_qkv_early_kernel_positions_match_the_model():
+    # megakernel.cu's MK_QKV_EARLY bookkeeping, step by step: the consumers' (slot, phase) as the kernel moves them
+    # (ring_step back by nq + nch before the q|k|v stage of layer l > 0, forward by nch after it, forward by nq before
+    # the down chunks of layer l < L - 1) must name, for every unit, the slot and lap parity the producer filled it in
+    # (unit u of the producer's order: slot u mod nslots, parity (u // nslots) & 1), in the model's consumer order.
+    import random
+
+    from flint.kernels.dev.ring_model import early_schedule
+
+    def kernel_positions(nq, no, ngu, nch, nlm, layers, nslots):
+        slot, phase, seen = 0, 0, []
+
+        def step(n):
+            nonlocal slot, phase
+            s = slot + n
+            if s >= nslots:
+                s, phase = s - nslots, phase ^ 1
+            elif s < 0:
+                s, phase = s + nslots, phase ^ 1
+            slot = s
+
+        def take(n):
+            for _ in range(n):
+                seen.append((slot, phase))
+                step(1)
+
+        for lay in range(layers):
+            if lay > 0:
+                step(-(nq + nch))
+            take(nq)
+            if lay > 0:
+                step(nch)
+            take(no)
+            take(ngu)
+            if lay + 1 < layers:
+                step(nq)
+            take(nch)
+        take(nlm)
+        return seen
+
+    rng = random.Random(9)
+    for _ in range(300):
+        nslots = rng.randint(3, 8)
+        stages, order = early_schedule(rng, nslots)
+        nq, no, ngu = stages[0][0], stages[1][0], stages[2][0]
+        nch = stages[4][0] if len(stages) > 4 and stages[4][1] == 0 else 0
+        layers = (len(stages) - 1) // (3 + (1 if nch else 0))  # q|k|v, then per layer o, gate|up, next q|k|v, chunks
+        got = kernel_positions(nq, no, ngu, nch, stages[-1][0], layers, nslots)
+        want = [(u % nslots, (u // nslots) & 1) for u in order]
+        assert got == want, (stages, nslots)
