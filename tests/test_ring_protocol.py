@@ -124,8 +124,8 @@ def test_qkv_early_order():
 
 def test_qkv_early_kernel_positions_match_the_model():
     # megakernel.cu's MK_QKV_EARLY bookkeeping, step by step: the consumers' (slot, phase) as the kernel moves them
-    # (ring_step back by nq + nch before the q|k|v stage of layer l > 0, forward by nch after it, forward by nq before
-    # the down chunks of layer l < L - 1) must name, for every unit, the slot and lap parity the producer filled it in
+    # (early_ring_step: back by nq + nch before the q|k|v stage of layer l > 0, forward by nch after it, forward by
+    # nq before the down chunks of layer l < L - 1) must name, for every unit, the slot and lap parity the producer filled it in
     # (unit u of the producer's order: slot u mod nslots, parity (u // nslots) & 1), in the model's consumer order.
     import random
 

@@ -659,9 +659,16 @@ struct Ctx {
 #endif
 };
 
-// MK_QKV_EARLY: move the consumers' ring position n units forward (n > 0) or back (n < 0), |n| <= nslots
+// MK_QKV_EARLY: the consumers' ring position moved where the early order needs it (no-op otherwise): before layer
+// l > 0's q|k|v stage back over the down chunks and the q|k|v units (nq + nch), after it forward over the chunks (nch),
+// before layer l < L - 1's down chunks forward over the next layer's q|k|v units (nq); |n| <= nslots by qkv_early
+enum { EARLY_BEFORE_QKV, EARLY_AFTER_QKV, EARLY_BEFORE_DOWN };
 template <int M>
-__device__ __forceinline__ void ring_step(Ctx<M>& c, int n) {
+__device__ __forceinline__ void early_ring_step(Ctx<M>& c, int where) {
+#if MK_QKV_EARLY
+  int nq, nch;
+  if (!kFx<M> || !qkv_early(*c.p, *c.sl, c.misc, c.ring.nslots, nq, nch)) return;
+  const int n = where == EARLY_BEFORE_QKV ? -(nq + nch) : where == EARLY_AFTER_QKV ? nch : nq;
   int s = c.slot + n;
   if (s >= c.ring.nslots) {
     s -= c.ring.nslots;
@@ -671,6 +678,7 @@ __device__ __forceinline__ void ring_step(Ctx<M>& c, int n) {
     c.phase ^= 1u;
   }
   c.slot = s;
+#endif
 }
 
 // rstd per token from the per-warp sums of squares in misc->red[warp][m] (fixed order), then a cbar.
@@ -1884,7 +1892,9 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
     } else if (M <= MK_TMERGE && nsplit > TM_MAX_SPLITS && nsplit <= TM_SEQ_SPLITS && R * D <= NCT &&
                2 * R * TM_SEQ_SPLITS <= R * ATT_T) {
       // MK_TM_SEQ: more splits than the register merge holds: the (m, l) pairs first, then every output thread polls
-      // and weighs the splits' o words 8 at a time (in flight together), in split order (deterministic)
+      // and weighs the splits' o words 8 at a time (in flight together), in split order (deterministic). Its hand-over
+      // loop and its 16-byte (m, l) poll repeat MK_TMERGE's below: as shared inline helpers they compile to other
+      // register assignments in the validated v17 kernel (session 15's review), so they wait for the next validation
       uint32_t* tk = reinterpret_cast<uint32_t*>(p.part) + 2 * ((size_t)kvh * nsplit * R) * (D + 2);
       if (sp != 0) {
         uint32_t* tp = tk + 2 * ((size_t)sp * R) * (D + 2);
@@ -2290,19 +2300,9 @@ __global__ void __launch_bounds__(NT, 1)
       c.fx = oh ? fx_code(FXB_Y + (par ^ 1), FXB_D + (par ^ 1), FXB_X + par) : fx_code(FXB_X, FXB_NONE, FXB_NONE);
     }
 #endif
-#if MK_QKV_EARLY
-    {  // back to the slots streamed before the last layer's down chunks (the stage then steps over its nq units)
-      int eq, ech;
-      if (kFx<M> && l > 0 && qkv_early(p, sl, misc, c.ring.nslots, eq, ech)) ring_step(c, -(eq + ech));
-    }
-#endif
+    if (l > 0) early_ring_step(c, EARLY_BEFORE_QKV);  // (MK_QKV_EARLY)
     matvec_stage<M, kI8<M>(MAT_QKV)>(c, MAT_QKV, l, xsrc, mult, an);
-#if MK_QKV_EARLY
-    {  // ... and forward again over those chunks, which were taken before
-      int eq, ech;
-      if (kFx<M> && l > 0 && qkv_early(p, sl, misc, c.ring.nslots, eq, ech)) ring_step(c, ech);
-    }
-#endif
+    if (l > 0) early_ring_step(c, EARLY_AFTER_QKV);
 #if MK_FX1
     c.fx = 0;
 #endif
@@ -2341,12 +2341,7 @@ __global__ void __launch_bounds__(NT, 1)
     }
     stamp(l, 8);
     if (p.nffn) {  // FFN split-K: down's partials from this block's own act slice, then a reduction
-#if MK_QKV_EARLY
-      {  // the next layer's q|k|v slots come first: taken after bar4
-        int eq, ech;
-        if (kFx<M> && l + 1 < p.L && qkv_early(p, sl, misc, c.ring.nslots, eq, ech)) ring_step(c, eq);
-      }
-#endif
+      if (l + 1 < p.L) early_ring_step(c, EARLY_BEFORE_DOWN);  // (MK_QKV_EARLY)
       ffn_down_partial<M>(c, l);
       stamp(l, 9);
       gsync();
