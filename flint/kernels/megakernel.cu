@@ -99,6 +99,14 @@ constexpr bool kIdotMixed = kIdotMask != 0 && kIdotMask != 0x3F;
 #ifndef MK_DIAG2
 #define MK_DIAG2 0
 #endif
+// MK_BAR_RELAXED (session 16, a DIAGNOSTIC: wrong by the memory model, never a default): the grid barriers named by the
+// bits (1: bar2 attention -> o, 2: bar3 o -> gate|up, 4: bar4 down -> next q|k|v) arrive with a relaxed reduction and
+// poll with relaxed loads, i.e. WITHOUT the release fence (MEMBAR.ALL.GPU). hop_bench --sync (session 16) measured that
+// fence at 0.42 us with no copies in flight and 1.25 us with 2 x 16 KB in flight per SM (it waits for the producer's
+// bulk copies): this prices what fence-free hops could give the step, before one is designed.
+#ifndef MK_BAR_RELAXED
+#define MK_BAR_RELAXED 0
+#endif
 // MK_QTAG (on since session 7; session 6: -3.1% per step at M = 1; validated in full: bench/results/v8_2026-11-29.md,
 // v9_2026-11-29.md): no grid barrier between qkv and attention. The qkv
 // epilogues also write this step's q, k and v rows as (fp32 bits, tag) pairs (p.qkvt, one 8-byte store
@@ -209,15 +217,23 @@ __device__ __forceinline__ float warp_max(float v) {
 // =====================================================================[2] grid barrier
 // Consumers of every block arrive once per barrier; thread 0 spins on an acquire load. The counter
 // only grows: barrier b of launch e (seq = e * S + b + 1, S = barriers per launch) completes at nblocks * seq.
+template <bool RELAXED = false>
 __device__ __forceinline__ void grid_barrier(const Params& p, unsigned long long target) {
   cbar();
   if (threadIdx.x == 0) {
-    // release (cumulative over the block's writes ordered before it by cbar); no return value to wait for
-    asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p.bar_counter), "l"(1ull) : "memory");
     unsigned long long v;
-    do {
-      asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p.bar_counter) : "memory");
-    } while (v < target);
+    if constexpr (RELAXED) {  // MK_BAR_RELAXED: a timing diagnostic only (no release, no acquire)
+      asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(p.bar_counter), "l"(1ull) : "memory");
+      do {
+        asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p.bar_counter) : "memory");
+      } while (v < target);
+    } else {
+      // release (cumulative over the block's writes ordered before it by cbar); no return value to wait for
+      asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p.bar_counter), "l"(1ull) : "memory");
+      do {
+        asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p.bar_counter) : "memory");
+      } while (v < target);
+    }
   }
   cbar();
 }
@@ -431,6 +447,31 @@ static_assert(!(MK_QKV_EARLY && MK_OHEAD), "MK_QKV_EARLY: the ring order of the 
 #else
 #define MK_OH1 0
 #endif
+// MK_NOFENCE (session 16, M = 1 with MK_FXRES; bits): the grid barriers after attention (1), o (2) and the down
+// partials (4) without their release fence. hop_bench --sync measured that fence (MEMBAR.ALL.GPU) waiting for the
+// block's bulk copies in flight: 0.42 us with none, 1.25 us with two 16 KB copies per SM; MK_BAR_RELAXED = 7 (the
+// three barriers relaxed, a diagnostic) took 6.7% off the step. The barrier stays as a relaxed counter (a hint: every
+// block has arrived) and the data carry their own proof:
+//   1: the attention output as (fp32, tag) words (MK_ATAG's), the o staging re-polls a word whose tag is stale;
+//   2, 4 (the counted residual, either bit): two fixed-point residual buffers X[0], X[1]; layer l reads X[l & 1] (P)
+//      at its q|k|v staging; its o owners turn BOTH buffers into fx(x + o), by one add each (fx(x + o) minus the value
+//      the owner last saw or set there); the gate|up staging reads P; the FFN blocks add their down partials into
+//      X[(l + 1) & 1] (Q), which the next layer reads. Every add carries 2^56: bits 56..63 of a word count its adds
+//      (mod 256), the low 56 bits are the value (two's complement: |x| < 2^23). A staging re-polls a word until its
+//      count is the one every block computes for that buffer and layer (a missing add leaves the word 2^56 away from
+//      it: detected, never read as a value). Adds commute, so no add needs an order against another; layer 0 STORES
+//      both buffers (count 0) behind its o barrier, which keeps its fence. A buffer's next adds come causally after
+//      every block's staging read of it (a layer's o needs every block's q|k|v, its down adds every block's
+//      gate|up), so no read can see a later add.
+//   4 alone (one buffer, the o barrier fenced): the owners STORE fx(x + o) into X with count 0 before that barrier, the
+//      FFN blocks' adds carry the count, and the next staging re-polls a word until it shows nffn adds (nffn < 256,
+//      the host checks). A stale word cannot show nffn: the store it replaced is ordered before every reader by the
+//      fenced o barrier, and a layer's stores come after the owner's own staging saw every add of the layer before.
+// (MK_NOFENCE itself is defined in mk_common.cuh: the host's shared-memory layout needs it too)
+#define MK_NF (MK_FX1 ? MK_NOFENCE : 0)  // (this object's: the M = 1 object only)
+static_assert(!MK_NOFENCE || (MK_FXRES && MK_BAR_SMEM && !MK_OHEAD && !MK_ATAG && !MK_BAR_RELAXED && !MK_QKV_EARLY),
+              "MK_NOFENCE: the fixed-point residual, the barrier base in shared memory, no MK_OHEAD / MK_ATAG / MK_BAR_RELAXED");
+constexpr unsigned long long FX_CNT = (MK_NF & 6) ? (1ull << 56) : 0ull;  // what every add into X carries
 // the fixed-point buffers of MK_FXRES / MK_OHEAD (M = 1): X[0..1], O[0..1], D[0..1], Y[0..1] (MK_FXRES alone: X[0]);
 // a stage_x source code: the two buffers to add (b: 15 = none) and the one the rows' owners write the sum to
 enum { FXB_X = 0, FXB_O = 2, FXB_D = 4, FXB_Y = 6, FXB_NONE = 15 };
@@ -439,6 +480,16 @@ __host__ __device__ constexpr int fx_code(int a, int b, int w) { return 1 << 12 
 constexpr float FX_SCALE = 4294967296.f, FX_INV = 1.f / 4294967296.f;
 __device__ __forceinline__ unsigned long long fx_of(float v) { return (unsigned long long)__float2ll_rn(v * FX_SCALE); }
 __device__ __forceinline__ float fx_val(long long x) { return __ll2float_rn(x) * FX_INV; }
+// MK_NOFENCE: two residual words, re-read from L2 on every poll; a word holds the expected count e56 = E << 56 when
+// its value w - e56 is within 2^55 of 0 (a missing add leaves it 2^56 away: |value| < 2^55 is the format's bound)
+__device__ __forceinline__ longlong2 ld_fx2(const longlong2* a) {
+  long long x, y;
+  asm volatile("ld.relaxed.gpu.global.v2.s64 {%0, %1}, [%2];" : "=l"(x), "=l"(y) : "l"(a) : "memory");
+  return make_longlong2(x, y);
+}
+__device__ __forceinline__ bool fx_counted(long long w, unsigned long long e56) {
+  return ((unsigned long long)w - e56 + (1ull << 55)) < (1ull << 56);
+}
 __device__ __forceinline__ void fx_red(unsigned long long* a, float v) {
   if (MK_DIAG2 & 1) {
     asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(a), "l"(fx_of(v)) : "memory");
@@ -448,7 +499,7 @@ __device__ __forceinline__ void fx_red(unsigned long long* a, float v) {
     if (v == 1.2345e-30f) asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(a), "l"(fx_of(v)) : "memory");
     return;
   }
-  asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(a), "l"(fx_of(v)) : "memory");
+  asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(a), "l"(fx_of(v) + FX_CNT) : "memory");
 }
 // the fixed-point residual: token m's row at fx_base(p) + m * fx_stride(p) (the padded rows of the down tiles), after
 // the partial sums in p.dpart (not over them: the slices f >= nffn there must stay 0 for the other M's reduction)
@@ -622,8 +673,9 @@ __device__ __forceinline__ uint32_t* attn_word(const Params& p, int m, int i) {
 }
 __device__ __forceinline__ void attn_out(const Params& p, int m, int i, float v, uint32_t tag) {
   p.attn[(size_t)m * p.nh * p.D + i] = v;
-  if (MK_ATAG || (MK_OH1 && p.ohead)) st_tagged(attn_word(p, m, i), v, tag);  // (MK_OHEAD: the o blocks poll it)
+  if (MK_ATAG || (MK_OH1 && p.ohead) || (MK_NF & 1)) st_tagged(attn_word(p, m, i), v, tag);  // (MK_OHEAD: the o blocks poll it)
 }
+
 __device__ __forceinline__ float ld_tagged(const uint32_t* w, uint32_t tag) {  // spins until the tag is this one
   uint32_t v, tg;
   do {
@@ -659,6 +711,14 @@ struct Ctx {
 #endif
 };
 
+#if MK_NF & 2
+// MK_NOFENCE: this block's rows' value in X[b] as it last read or set it ([2][o rows of the block][M] in shared memory)
+template <int M>
+__device__ __forceinline__ long long* own_fx(const Ctx<M>& c, int b) {
+  return reinterpret_cast<long long*>(mk_smem + c.misc->ownfx) +
+         b * (c.misc->tile1[MAT_O] - c.misc->tile0[MAT_O]) * TILE_ROWS * M;
+}
+#endif
 // MK_QKV_EARLY: the consumers' ring position moved where the early order needs it (no-op otherwise): before layer
 // l > 0's q|k|v stage back over the down chunks and the q|k|v units (nq + nch), after it forward over the chunks (nch),
 // before layer l < L - 1's down chunks forward over the next layer's q|k|v units (nq); |n| <= nslots by qkv_early
@@ -739,8 +799,9 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
   const int total = M * wpr;
   const int L = G >> 3;             // lanes per (token, group)
   const int wshift = gshift - 5;
-  // words in flight per thread (more raises register pressure for the whole kernel; FX: one, its loads are 4x wider)
-  constexpr int U = FX ? 1 : 2;
+  // words in flight per thread (more raises register pressure for the whole kernel; FX: one, its loads are 4x wider;
+  // TAGGED with MK_NOFENCE: one, the gate|up staging's integer x spilled 36 bytes with two)
+  constexpr int U = (FX || (TAGGED && (MK_NF & 1))) ? 1 : 2;  // (MK_NOFENCE: its tagged o staging with two spilled)
   // RMSNorm: when the whole row is one round of loads (decode on Granite and SmolLM2), the rstd comes
   // from the same loads (no separate pass, one L2 round trip less); else from compute_rstd first
   const bool fused = norm_w != nullptr && k0 == 0 && kst == c.p->H && total <= U * NCT;
@@ -754,7 +815,7 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
       const int wi = c0 + u * NCT + t;
       const bool ok = wi < total;
       const int m = (M == 1 || !ok) ? 0 : wi / wpr, kw = wi - m * wpr;
-      constexpr bool tagged = (MK_ATAG || MK_OH1) && !SMEM_SRC && TAGGED;
+      constexpr bool tagged = (MK_ATAG || MK_OH1 || (MK_NF & 1)) && !SMEM_SRC && TAGGED;
       if (tagged) {
         v[u][0] = v[u][1] = make_float4(0.f, 0.f, 0.f, 0.f);
         if (ok) ld_tagged8(tw + 2 * ((size_t)m * tstride + k0 + 8 * kw), tag, v[u][0], v[u][1]);
@@ -767,13 +828,52 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
           const int b = (c.fx >> (4 * bi)) & 15;
           if (b == FXB_NONE) break;
           const longlong2* fp = reinterpret_cast<const longlong2*>(fx_buf(*c.p, b + m) + k0) + 4 * kw;
+#if MK_NF & 6  // counted words: all four loads in flight, re-polled together until every count is the layer's
+          longlong2 q[4];
+#pragma unroll
+          for (int h = 0; h < 4; ++h) q[h] = ok ? ld_fx2(fp + h) : make_longlong2(0, 0);
+          // (bit 2: the count this buffer has reached; bit 4 alone: X is stored with count 0 behind the fenced o
+          // barrier, and every FFN block adds once)
+          const unsigned long long e56 =
+              (unsigned long long)(((MK_NF & 2) ? c.misc->fxc[b & 1] : (unsigned)c.p->nffn) & 255u) << 56;
+          {
+            auto done = [&]() {
+              bool d = true;
+#pragma unroll
+              for (int h = 0; h < 4; ++h) d = d && fx_counted(q[h].x, e56) && fx_counted(q[h].y, e56);
+              return d;
+            };
+            // (a count that never comes is a bug: after 2^24 polls, seconds, the launch fails instead of hanging)
+            for (uint32_t spins = 0; ok && !done(); ++spins) {
+              if (spins == (1u << 24)) __trap();
+#pragma unroll
+              for (int h = 0; h < 4; ++h) q[h] = ld_fx2(fp + h);
+            }
+          }
+#pragma unroll
+          for (int h = 0; h < 4; ++h) {
+            sx[2 * h] += (long long)((unsigned long long)q[h].x - e56);
+            sx[2 * h + 1] += (long long)((unsigned long long)q[h].y - e56);
+          }
+#else
 #pragma unroll
           for (int h = 0; h < 4; ++h) {
             const longlong2 q = ok ? __ldcg(fp + h) : make_longlong2(0, 0);
             sx[2 * h] += q.x;
             sx[2 * h + 1] += q.y;
           }
+#endif
         }
+#if MK_NF & 2
+        if (ok) {  // the owner's rows: the value its o epilogue turns into fx(x + o) with one add
+          const int k = k0 + 8 * kw, n0 = c.misc->tile0[MAT_O] * TILE_ROWS;
+          if (k >= n0 && k < min(c.misc->tile1[MAT_O] * TILE_ROWS, c.p->H)) {
+            long long* ow = own_fx(c, c.fx & 1);  // (X[b]: fx code b = FXB_X + b)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) ow[(k + j - n0) * M + m] = sx[j];
+          }
+        }
+#endif
         const int wb = (c.fx >> 8) & 15;  // the rows' owners keep the sum (MK_OHEAD: Y, the next layer's X)
         if (wb != FXB_NONE && ok) {
           const int k = k0 + 8 * kw, n0 = c.misc->tile0[MAT_O] * TILE_ROWS;
@@ -1025,9 +1125,31 @@ __device__ __forceinline__ void pair_epilogue(Ctx<M>& c, int mi, int layer, int 
       ow[M] = r1;
       *reinterpret_cast<float2*>(p.resid + (size_t)mm * p.H + n0) = make_float2(r0, r1);
 #if MK_FX1
-      if (kFx<M> && p.nffn && mi == MAT_O)  // the fixed-point residual the FFN blocks add their down partials into
+      if (kFx<M> && p.nffn && mi == MAT_O) {  // the fixed-point residual the FFN blocks add their down partials into
+#if MK_NF & 2
+        // (X[0] and X[1] both become fx(x + o) at the owner's rows: layer 0 stores, later layers add the difference to
+        // what the owner last saw or set there; the down adds go to X[(layer + 1) & 1] on top)
+        const unsigned long long f0 = fx_of(r0), f1 = fx_of(r1);
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+          unsigned long long* xw = fx_buf(p, FXB_X + b) + (size_t)mm * fx_stride(p) + n0;
+          long long* pv = own_fx(c, b) + own_row * M + mm;
+          if (layer > 0) {
+            asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(xw),
+                         "l"(FX_CNT + f0 - (unsigned long long)pv[0]) : "memory");
+            asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(xw + 1),
+                         "l"(FX_CNT + f1 - (unsigned long long)pv[M]) : "memory");
+          } else {
+            *reinterpret_cast<longlong2*>(xw) = make_longlong2((long long)f0, (long long)f1);
+          }
+          pv[0] = (long long)f0;
+          pv[M] = (long long)f1;
+        }
+#else
         *reinterpret_cast<longlong2*>(fx_base(p) + (size_t)mm * fx_stride(p) + n0) =
             make_longlong2((long long)fx_of(r0), (long long)fx_of(r1));
+#endif
+      }
 #endif
     }
   } else if (mi == MAT_GU) {  // rows interleaved gate_j, up_j
@@ -1154,7 +1276,7 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
   for (int s = 0; s < mt.nseg; ++s) {
     if (s == 0 || !xall) {
       if (s > 0) cbar();  // every warp is done with segment s-1's x before it is overwritten
-      if (MK_ATAG && mi == MAT_O)
+      if ((MK_ATAG || (kFx<M> && (MK_NF & 1))) && mi == MAT_O)
         stage_x<M, false, true, false, I8>(c, src, mult, norm_w, xall ? 0 : s * mt.kseg, xall ? mt.K : mt.kseg, mt.G, mt.gshift,
                                 attn_word(p, 0, 0), p.nh * p.D, c.tag0 + (uint32_t)layer);
       else {
@@ -1327,10 +1449,11 @@ __device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int
           const float cg = (d0[0] + d1[0]) + (d0[1] + d1[1]), cg8 = (d0[2] + d1[2]) + (d0[3] + d1[3]);
           unsigned long long* const dq = dq0 + (uint32_t)tix(u ? i + NCW : i) * (uint32_t)TILE_ROWS;
           const float v0 = fmaf(fa.x, cg, fa.y * effs) * kfx, v1 = fmaf(fb.x, cg8, fb.y * effs) * kfx;
-          asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(dq), "l"((unsigned long long)__float2ll_rn(v0))
+          asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(dq),
+                       "l"((unsigned long long)__float2ll_rn(v0) + FX_CNT)
                        : "memory");
           asm volatile("red.relaxed.gpu.global.add.u64 [%0+64], %1;" ::"l"(dq),
-                       "l"((unsigned long long)__float2ll_rn(v1))
+                       "l"((unsigned long long)__float2ll_rn(v1) + FX_CNT)
                        : "memory");
         }
       }
@@ -1342,7 +1465,8 @@ __device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int
         if (u == 0 || two) {
           const float v = t == 0 ? v00 : t == 1 ? v01 : t == 2 ? v10 : v11;
           unsigned long long* const dq = dq0 + (uint32_t)tix(u ? i + NCW : i) * (uint32_t)TILE_ROWS + 8 * (t & 1);
-          asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(dq), "l"((unsigned long long)__float2ll_rn(v))
+          asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(dq),
+                       "l"((unsigned long long)__float2ll_rn(v) + FX_CNT)
                        : "memory");
         }
       }
@@ -1478,7 +1602,9 @@ __device__ void ffn_down_partial(Ctx<M>& c, int layer) {
     const int t = (ci + ch0 < nch ? ci + ch0 : ci + ch0 - nch) * cpt;
     int i0 = warp >= t % NCW ? warp - t % NCW : warp - t % NCW + NCW;  // tile t + i to warp (t + i) mod 15
     // (MK_OHEAD: D[layer & 1]; else the residual X itself)
-    unsigned long long* fxr = fx_buf(p, MK_OH1 && p.ohead ? FXB_D + (layer & 1) : FXB_X) + (size_t)t * TILE_ROWS + gq;
+    // (MK_NOFENCE: X[(layer + 1) & 1], the next layer's input)
+    unsigned long long* fxr = fx_buf(p, MK_OH1 && p.ohead ? FXB_D + (layer & 1) : (MK_NF & 2) ? FXB_X + ((layer + 1) & 1) : FXB_X) +
+                              (size_t)t * TILE_ROWS + gq;
     if (MK_DIAG2 & 4096)  // DIAGNOSTIC: private rows per block (wrong answers)
       fxr = reinterpret_cast<unsigned long long*>(p.dpart) + (size_t)f * fx_stride(p) + (size_t)t * TILE_ROWS + gq;
     const size_t fxs = (size_t)fx_stride(p);
@@ -2170,6 +2296,13 @@ __global__ void __launch_bounds__(NT, 1)
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   if (threadIdx.x < MAX_ACC_TILES) misc->seg_count[threadIdx.x] = 0;
+#if MK_NOFENCE
+  if (threadIdx.x < 2) misc->fxc[threadIdx.x] = 0u;
+  if (threadIdx.x == 0) {  // (the host's layout: Smem::own's rows, 128-byte aligned, then these)
+    const int own_tiles = (p.mat[MAT_O].ntiles + p.nblocks - 1) / p.nblocks;
+    misc->ownfx = sl.own + ((own_tiles * TILE_ROWS * M * 4 + 127) & ~127);
+  }
+#endif
   if (threadIdx.x < NMAT * 16) {  // the K-group bounds of the S parts of each matrix, once
     const int m = threadIdx.x >> 4, pt = threadIdx.x & 15, S = sl.nparts[m];
     const int ng = p.mat[m].kseg >> p.mat[m].gshift;
@@ -2211,6 +2344,7 @@ __global__ void __launch_bounds__(NT, 1)
   c.misc = misc;
   c.acc = reinterpret_cast<float*>(smem + sl.acc);
   c.own = reinterpret_cast<float*>(smem + sl.own);
+
   c.rope = reinterpret_cast<float*>(smem + sl.rope);
   c.actb = reinterpret_cast<float*>(smem + sl.actb);
   c.parts = reinterpret_cast<float*>(smem + sl.parts);
@@ -2240,6 +2374,16 @@ __global__ void __launch_bounds__(NT, 1)
     ++nbar;
     grid_barrier(p, threadIdx.x == 0 ? misc->bar0 + (unsigned long long)p.nblocks * nbar : 0ull);
   };
+#if MK_BAR_RELAXED || MK_NF
+  auto gsync_if = [&](bool relaxed) {  // (MK_BAR_RELAXED, MK_NOFENCE: a barrier without its release fence)
+    ++nbar;
+    const unsigned long long tg = threadIdx.x == 0 ? misc->bar0 + (unsigned long long)p.nblocks * nbar : 0ull;
+    if (relaxed) grid_barrier<true>(p, tg); else grid_barrier(p, tg);
+  };
+#define MK_GSYNC(bit, nf_ok) gsync_if((MK_BAR_RELAXED & (bit)) || ((MK_NF & (bit)) && (nf_ok)))
+#else
+#define MK_GSYNC(bit, nf_ok) gsync()
+#endif
 #else
   const unsigned long long bar0 = __ldcg(p.epoch + 1);
   auto gsync = [&]() { ++nbar; grid_barrier(p, bar0 + (unsigned long long)p.nblocks * nbar); };
@@ -2247,6 +2391,9 @@ __global__ void __launch_bounds__(NT, 1)
 #else
   const unsigned long long S = (5ull - (MK_DIAG == 4 || MK_QTAG ? 1 : 0) - (MK_ATAG ? 1 : 0)) * p.L;
   auto gsync = [&]() { ++nbar; grid_barrier(p, (unsigned long long)p.nblocks * (epoch * S + nbar)); };
+#endif
+#ifndef MK_GSYNC  // (MK_BAR_RELAXED needs MK_FXRES and MK_BAR_SMEM)
+#define MK_GSYNC(bit, nf_ok) gsync()
 #endif
 
   enum { ROW_TOK = 0, ROW_RESID, ROW_ATTN, ROW_ACT };
@@ -2298,6 +2445,9 @@ __global__ void __launch_bounds__(NT, 1)
     if (kFx<M> && p.nffn && l > 0) {  // MK_OHEAD: Y + D of the last layer, the owners keep it as this layer's X
       const int par = l & 1;
       c.fx = oh ? fx_code(FXB_Y + (par ^ 1), FXB_D + (par ^ 1), FXB_X + par) : fx_code(FXB_X, FXB_NONE, FXB_NONE);
+#if MK_NF & 2  // the counted residual: this layer's input is X[l & 1]
+      c.fx = fx_code(FXB_X + (l & 1), FXB_NONE, FXB_NONE);
+#endif
     }
 #endif
     if (l > 0) early_ring_step(c, EARLY_BEFORE_QKV);  // (MK_QKV_EARLY)
@@ -2331,20 +2481,35 @@ __global__ void __launch_bounds__(NT, 1)
     } else
 #endif
     {
-      if (!MK_ATAG) gsync();
+      if (!MK_ATAG) MK_GSYNC(1, true);
       stamp(l, 5);
       matvec_stage<M, kI8<M>(MAT_O)>(c, MAT_O, l, attn_rows, 1.f, nullptr);
+#if MK_NF & 2
+      if (kFx<M> && p.nffn && l > 0 && threadIdx.x == 0) {  // the owners' adds: one into each buffer (read after the
+        ++misc->fxc[0];                                        // next barrier's block barrier)
+        ++misc->fxc[1];
+      }
+#endif
       stamp(l, 6);
-      if (!(kFx<M> && (MK_DIAG2 & 4))) gsync();
+      if (!(kFx<M> && (MK_DIAG2 & 4))) MK_GSYNC(2, l > 0 && p.nffn);  // (MK_NOFENCE: layer 0's X is stored, not added)
       stamp(l, 7);
+#if MK_NF & 2
+      if (kFx<M> && p.nffn) c.fx = fx_code(FXB_X + (l & 1), FXB_NONE, FXB_NONE);  // the counted residual: x + o
+#endif
       matvec_stage<M, kI8<M>(MAT_GU)>(c, MAT_GU, l, resid_rows, 1.f, an + p.H);
+#if MK_NF & 2
+      c.fx = 0;
+#endif
     }
     stamp(l, 8);
     if (p.nffn) {  // FFN split-K: down's partials from this block's own act slice, then a reduction
       if (l + 1 < p.L) early_ring_step(c, EARLY_BEFORE_DOWN);  // (MK_QKV_EARLY)
       ffn_down_partial<M>(c, l);
+#if MK_NF & 2
+      if (kFx<M> && threadIdx.x == 0) misc->fxc[(l + 1) & 1] += (uint32_t)p.nffn;  // (every FFN block adds once per row)
+#endif
       stamp(l, 9);
-      gsync();
+      MK_GSYNC(4, true);
       stamp(l, 10);
       if (kFx<M>) {  // the partials were added into the fixed-point residual: the next stage reads it
         stamp(l, 11);
@@ -2365,6 +2530,9 @@ __global__ void __launch_bounds__(NT, 1)
   if (kFx<M> && p.nffn) {
     const int lp = (p.L - 1) & 1;
     c.fx = oh ? fx_code(FXB_Y + lp, FXB_D + lp, FXB_NONE) : fx_code(FXB_X, FXB_NONE, FXB_NONE);
+#if MK_NF & 2
+    c.fx = fx_code(FXB_X + (p.L & 1), FXB_NONE, FXB_NONE);
+#endif
   }
 #endif
   matvec_stage<M, kI8<M>(MAT_LM)>(c, MAT_LM, 0, resid_rows, 1.f, p.final_norm);

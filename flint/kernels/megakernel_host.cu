@@ -235,6 +235,7 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
     s.misc = off; off += al((int)sizeof(mk::MiscSmem));
     s.acc = off; off += al(acc_tiles * mk::TILE_ROWS * M * 4);
     s.own = off; off += al(own_tiles * mk::TILE_ROWS * M * 4);
+    off += MK_NOFENCE ? al(2 * own_tiles * mk::TILE_ROWS * M * 8) : 0;  // (MK_NOFENCE: MiscSmem::ownfx, right after)
     s.rope = off; off += al(2 * M * (p.D / 2) * 4);
     s.actb = off; off += p.nffn ? al(M * p.mat[mk::MAT_DS].K * 4) : 0;
     s.xsum = off; off += al(ngx * mkmma::MMA_XSUM_FLOATS * 4);
@@ -258,6 +259,10 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
     s.nslots = ns;
     s.total = off + ns * slot;
     if (R <= mk::MAX_ROWS_ATT && ns >= 3 && s.total <= optin && max_acc_tiles <= mk::MAX_ACC_TILES) h->ready[M] = true;
+  }
+  if (MK_NOFENCE && p.nffn >= 256) {  // (the counted residual's count field: mod 256)
+    delete h;
+    return fail("flint_mk_create: MK_NOFENCE counts at most 255 FFN blocks");
   }
   if (!h->ready[1]) { delete h; return fail("flint_mk_create: this shape does not fit shared memory even at M=1"); }
   if ((e = cudaMallocHost((void**)&h->h_argmax, mk::MAX_M * sizeof(int)))) { delete h; return cuda_fail("cudaMallocHost", e); }

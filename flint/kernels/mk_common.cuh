@@ -85,6 +85,12 @@ struct Params {
 };
 
 // Shared-memory layout (byte offsets) and per-matrix work split, computed on the host per M.
+// MK_NOFENCE (session 16, bits; megakernel.cu says what they do): grid barriers without their release fence, the data
+// validated by tags and counted fixed-point words. Here because the host's shared-memory layout depends on it.
+#ifndef MK_NOFENCE
+#define MK_NOFENCE 4
+#endif
+
 struct Smem {
   int bars;    // 3 * MAX_SLOTS mbarriers (full, empty, parts)
   int misc;    // MiscSmem: rstd, reductions, argmax, flags, tile ranges and part bounds per matrix
@@ -116,6 +122,12 @@ struct MiscSmem {
   const float* rows[5][MAX_M]; // per token: embedding row, residual, attention output, act, act slice in smem (kept here, not in registers)
   int tile0[NMAT], tile1[NMAT];  // this block's tiles [tile0, tile1) of each matrix (block_tiles, once per launch)
   int flag;
+#if MK_NOFENCE
+  unsigned fxc[2];  // MK_NOFENCE: the adds X[0], X[1] have had in this launch (written by thread 0 between stages)
+  int ownfx;        // MK_NOFENCE: shared-memory offset of [2][o-proj tiles per block][16][M] int64 (after Smem::own's
+                    // fp32 rows: the host makes that region larger; not a Smem field, which would move the kernel's
+                    // later parameters in every build)
+#endif
   uint8_t gbound[NMAT][16];  // K-group bound of part p of each matrix (ng * p / S, p <= S; once per launch)
   unsigned long long bar0;   // MK_BAR_SMEM: the grid barrier counter's base for this launch (read by thread 0 only)
 };

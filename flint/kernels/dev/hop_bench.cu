@@ -9,6 +9,9 @@
 // new copy while its block's consumers are in a hop (from the barrier arrival until the loads are
 // done), the schedule docs/megakernel.md proposes. The achieved stream bandwidth is reported, so the
 // trade between cheaper hops and a slower stream is measured, not guessed.
+// `--sync 1`: the arrival as fence.acq_rel.gpu + a relaxed reduction, the fence's own stall timed in SM clocks
+// (session 16: does the release wait for the producer warp's bulk copies in flight?); `--sync 2`: a relaxed
+// reduction and a relaxed poll, no ordering of the slice's stores at all (a timing diagnostic, not a barrier).
 //
 // Per iteration and block (%globaltimer, ns): arrive = before the barrier's arrival, exit = after
 // the barrier (poll + block barrier), loaded = after the loads and a block barrier. Reported:
@@ -18,7 +21,7 @@
 // Build (here): nvcc -gencode arch=compute_90a,code=sm_90a -O3 -std=c++17 -lineinfo \
 //                 -o build/dev/hop_bench flint/kernels/dev/hop_bench.cu
 // Run (device): ./build/dev/hop_bench [--iters 200] [--n 2560] [--stream 0|1] [--inflight 8] [--gib 2]
-//                                    [--work 0] [--policy 0|1]
+//                                    [--work 0] [--policy 0|1] [--sync 0|1|2]
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
@@ -51,8 +54,9 @@ struct Args {
   int* stop;
   float* sink;                   // [nblocks] checksums (keeps the loads alive)
   unsigned long long* copies;    // [nblocks] bulk copies completed by each producer
-  int n, iters, stream, inflight, work_ns, policy;
+  int n, iters, stream, inflight, work_ns, policy, sync;
 };
+constexpr int NST = 6;  // stamps per (iteration, block): start, arrive, released, exit, loaded, release clocks
 
 __device__ __forceinline__ unsigned long long now() {
   unsigned long long t;
@@ -116,13 +120,32 @@ __global__ void __launch_bounds__(NT, 1) hop_kernel(Args a) {
     for (int i = b * per + t; i < min(a.n, (b + 1) * per); i += NCT) v[i] = (float)(it * 7 + i);
     cbar();
     const unsigned long long t_arrive = now();
+    unsigned long long t_rel = t_arrive;
+    long long rel_clk = 0;
     if (t == 0) {
       in_hop = 1;
-      asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(a.counter), "l"(1ull) : "memory");
+      // --sync 0: the mainline arrival (red.release: the fence is part of the reduction);
+      //        1: fence.acq_rel.gpu then a relaxed reduction (the fence's own stall is timed in SM clocks);
+      //        2: a relaxed reduction and a relaxed poll: NO ordering of the slice's stores (a timing diagnostic)
+      const long long c0 = clock64();
+      if (a.sync == 0) {
+        asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(a.counter), "l"(1ull) : "memory");
+      } else if (a.sync == 1) {
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
+        rel_clk = clock64() - c0;
+        asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(a.counter), "l"(1ull) : "memory");
+      } else {
+        asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(a.counter), "l"(1ull) : "memory");
+      }
+      if (a.sync != 1) rel_clk = clock64() - c0;
+      t_rel = now();
       const unsigned long long target = (unsigned long long)nb * (it + 1);
       unsigned long long c;
       do {
-        asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(c) : "l"(a.counter) : "memory");
+        if (a.sync == 2)
+          asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(c) : "l"(a.counter) : "memory");
+        else
+          asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(c) : "l"(a.counter) : "memory");
       } while (c < target);
     }
     cbar();
@@ -142,11 +165,13 @@ __global__ void __launch_bounds__(NT, 1) hop_kernel(Args a) {
       float bs = 0.f;
       for (int w = 0; w < NCW; ++w) bs += red[w];
       acc += bs;
-      unsigned long long* st = a.stamps + ((size_t)it * nb + b) * 4;
+      unsigned long long* st = a.stamps + ((size_t)it * nb + b) * NST;
       st[0] = t0;
       st[1] = t_arrive;
-      st[2] = t_exit;
-      st[3] = t_loaded;
+      st[2] = t_rel;
+      st[3] = t_exit;
+      st[4] = t_loaded;
+      st[5] = (unsigned long long)rel_clk;
     }
     cbar();
   }
@@ -170,7 +195,7 @@ static double pct(std::vector<double> v, double p) {
 }
 
 int main(int argc, char** argv) {
-  int iters = 200, n = 2560, stream = 0, inflight = 8, work_ns = 0, policy = 0;
+  int iters = 200, n = 2560, stream = 0, inflight = 8, work_ns = 0, policy = 0, sync = 0;
   double gib = 2.0;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!strcmp(argv[i], "--iters")) iters = atoi(argv[i + 1]);
@@ -180,10 +205,11 @@ int main(int argc, char** argv) {
     else if (!strcmp(argv[i], "--gib")) gib = atof(argv[i + 1]);
     else if (!strcmp(argv[i], "--work")) work_ns = atoi(argv[i + 1]);
     else if (!strcmp(argv[i], "--policy")) policy = atoi(argv[i + 1]);
+    else if (!strcmp(argv[i], "--sync")) sync = atoi(argv[i + 1]);
     else { fprintf(stderr, "unknown argument %s\n", argv[i]); return 2; }
   }
-  if (n % 4 || n <= 0 || iters <= 0 || inflight <= 0 || work_ns < 0 || (policy != 0 && policy != 1)) {
-    fprintf(stderr, "bad --n/--iters/--inflight/--work/--policy\n");
+  if (n % 4 || n <= 0 || iters <= 0 || inflight <= 0 || work_ns < 0 || (policy != 0 && policy != 1) || sync < 0 || sync > 2) {
+    fprintf(stderr, "bad --n/--iters/--inflight/--work/--policy/--sync\n");
     return 2;
   }
   int dev = 0, nsm = 0;
@@ -192,12 +218,12 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, dev));
   Args a{};
-  a.n = n; a.iters = iters; a.stream = stream; a.inflight = inflight; a.work_ns = work_ns; a.policy = policy;
+  a.n = n; a.iters = iters; a.stream = stream; a.inflight = inflight; a.work_ns = work_ns; a.policy = policy; a.sync = sync;
   a.big_bytes = stream ? (long long)(gib * (1ll << 30)) / SLOT_BYTES * SLOT_BYTES : SLOT_BYTES;
   CK(cudaMalloc(&a.vec, 2 * (size_t)n * sizeof(float)));
   CK(cudaMalloc(&a.counter, sizeof(unsigned long long)));
   CK(cudaMemset(a.counter, 0, sizeof(unsigned long long)));
-  CK(cudaMalloc(&a.stamps, (size_t)iters * nsm * 4 * sizeof(unsigned long long)));
+  CK(cudaMalloc(&a.stamps, (size_t)iters * nsm * NST * sizeof(unsigned long long)));
   CK(cudaMalloc((void**)&a.big, (size_t)a.big_bytes));
   CK(cudaMemset((void*)a.big, 1, (size_t)a.big_bytes));
   CK(cudaMalloc(&a.stop, sizeof(int)));
@@ -218,21 +244,23 @@ int main(int argc, char** argv) {
   CK(cudaDeviceSynchronize());
   float ms = 0;
   CK(cudaEventElapsedTime(&ms, e0, e1));
-  std::vector<unsigned long long> st((size_t)iters * nsm * 4);
+  std::vector<unsigned long long> st((size_t)iters * nsm * NST);
   CK(cudaMemcpy(st.data(), a.stamps, st.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
-  std::vector<double> bar, load, step;
+  std::vector<double> bar, load, step, rel, relclk;
   for (int it = 10; it < iters; ++it) {  // skip the first iterations (warm-up)
     unsigned long long last_arrive = 0, first_start = ~0ull, last_loaded = 0;
     for (int b = 0; b < nsm; ++b) {
-      const unsigned long long* s = &st[((size_t)it * nsm + b) * 4];
+      const unsigned long long* s = &st[((size_t)it * nsm + b) * NST];
       last_arrive = std::max(last_arrive, s[1]);
       first_start = std::min(first_start, s[0]);
-      last_loaded = std::max(last_loaded, s[3]);
+      last_loaded = std::max(last_loaded, s[4]);
     }
     for (int b = 0; b < nsm; ++b) {
-      const unsigned long long* s = &st[((size_t)it * nsm + b) * 4];
-      bar.push_back((double)(s[2] - last_arrive));
-      load.push_back((double)(s[3] - s[2]));
+      const unsigned long long* s = &st[((size_t)it * nsm + b) * NST];
+      bar.push_back((double)(s[3] - last_arrive));
+      load.push_back((double)(s[4] - s[3]));
+      rel.push_back((double)(s[2] - s[1]));
+      relclk.push_back((double)s[5]);
     }
     step.push_back((double)(last_loaded - first_start));
   }
@@ -241,11 +269,13 @@ int main(int argc, char** argv) {
   double bytes = 0;
   for (int b = 0; b < nsm; ++b) bytes += (double)copies[b] * SLOT_BYTES;
   printf("%s, %d SMs, n = %d floats, %d iterations, work %d ns, stream %s (in flight <= %d x %d KB per SM, policy %d), "
-         "kernel %.2f ms, stream %.0f GB/s\n",
+         "sync %d, kernel %.2f ms, stream %.0f GB/s\n",
          prop.name, nsm, n, iters, work_ns, stream ? "on" : "off", std::min(inflight, SLOTS), SLOT_BYTES / 1024,
-         policy, ms, bytes / (ms * 1e-3) / 1e9);
+         policy, sync, ms, bytes / (ms * 1e-3) / 1e9);
   printf("  barrier: exit - last arrival   median %6.0f ns  p90 %6.0f  max %6.0f\n", pct(bar, 0.5), pct(bar, 0.9),
          pct(bar, 1.0));
+  printf("  arrival instruction(s) stall   median %6.0f ns  p90 %6.0f  max %6.0f   (SM clocks: median %.0f p90 %.0f)\n",
+         pct(rel, 0.5), pct(rel, 0.9), pct(rel, 1.0), pct(relclk, 0.5), pct(relclk, 0.9));
   printf("  load whole vector + block bar  median %6.0f ns  p90 %6.0f  max %6.0f\n", pct(load, 0.5), pct(load, 0.9),
          pct(load, 1.0));
   printf("  iteration (write, barrier, load) median %6.0f ns\n", pct(step, 0.5));

@@ -1,0 +1,63 @@
+"""MK_NOFENCE's counted fixed-point residual words (flint/kernels/megakernel.cu, `fx_counted` and the staging's decode),
+emulated in 64-bit wrap-around arithmetic: a word is the sum of its adds, each carrying 2^56 plus a two's-complement
+fixed-point value; a reader expecting E adds accepts the word only when it is within 2^55 of E * 2^56, and then reads the
+value as word - E * 2^56. Checked: every complete word decodes to the exact sum; a word missing any number of adds
+(1..nffn) is refused, whatever the adds' values and order; a value near the format's bound still decodes."""
+import random
+
+MASK = (1 << 64) - 1
+FX_SCALE = 1 << 32
+
+
+def fx_of(v: float) -> int:  # __float2ll_rn(v * 2^32) as an unsigned 64-bit pattern
+    return int(round(v * FX_SCALE)) & MASK
+
+
+def fx_counted(w: int, e: int) -> bool:  # the kernel's test, e = expected count (mod 256)
+    return ((w - ((e & 255) << 56) + (1 << 55)) & MASK) < (1 << 56)
+
+
+def decode(w: int, e: int) -> int:
+    d = (w - ((e & 255) << 56)) & MASK
+    return d - (1 << 64) if d >> 63 else d
+
+
+def word(store: float, adds: list[float]) -> int:
+    w = fx_of(store)  # the owner's store: count 0
+    for a in adds:
+        w = (w + (1 << 56) + fx_of(a)) & MASK
+    return w
+
+
+def test_complete_words_decode_exactly():
+    rng = random.Random(1)
+    for nffn in (1, 2, 7, 96, 128, 132, 255):
+        for _ in range(200):
+            store = rng.uniform(-300.0, 300.0)
+            adds = [rng.uniform(-4.0, 4.0) for _ in range(nffn)]
+            w = word(store, adds)
+            assert fx_counted(w, nffn)
+            exact = sum((round(a * FX_SCALE) for a in adds), round(store * FX_SCALE))
+            assert decode(w, nffn) == exact
+
+
+def test_a_missing_add_is_refused():
+    rng = random.Random(2)
+    for nffn in (1, 3, 128, 132, 255):
+        for _ in range(200):
+            store = rng.uniform(-300.0, 300.0)
+            adds = [rng.uniform(-4.0, 4.0) for _ in range(nffn)]
+            rng.shuffle(adds)
+            k = rng.randint(1, nffn)  # adds not landed yet
+            assert not fx_counted(word(store, adds[: nffn - k]), nffn)
+
+
+def test_the_value_range_of_the_format():
+    # |value| < 2^55 / 2^32 = 2^23 decodes; the residuals flint runs are orders of magnitude below it
+    big = float(2 ** 22)
+    for nffn in (1, 128, 255):
+        w = word(big, [1.0] * nffn)
+        assert fx_counted(w, nffn) and decode(w, nffn) == round((big + nffn) * FX_SCALE)
+        w = word(-big, [-1.0] * nffn)
+        assert fx_counted(w, nffn) and decode(w, nffn) == round((-big - nffn) * FX_SCALE)
+        assert not fx_counted(word(big, [1.0] * (nffn - 1)), nffn)
