@@ -266,8 +266,9 @@ class MegakernelBackend:
             self.resid = torch.zeros((MAX_M, H), **f32)
             self.q = torch.zeros((MAX_M, nh * d), **f32)
             # (fp32 bits, tag) words: this step's q|k|v rows (MK_QTAG), then the attention output (MK_ATAG);
-            # tags restart with the epoch
-            self.qkv_tag = torch.zeros((MAX_M * (2 * nh + 2 * nkv) * d * 2,), dtype=torch.int32)
+            # then (24-bit value, 8-bit tag) words of the attention output and of x + o (MK_NOFENCE bit 8); tags restart
+            # with the epoch
+            self.qkv_tag = torch.zeros((MAX_M * ((2 * nh + 2 * nkv) * d * 2 + nh * d + H),), dtype=torch.int32)
             self.attn = torch.zeros((MAX_M, nh * d), **f32)
             self.act = torch.zeros((MAX_M, I), **f32)
             # attention partials; twice the floats: MK_TMERGE writes them as (fp32 bits, tag) pairs

@@ -5,6 +5,8 @@ value as word - E * 2^56. Checked: every complete word decodes to the exact sum;
 (1..nffn) is refused, whatever the adds' values and order; a value near the format's bound still decodes."""
 import random
 
+import numpy as np
+
 MASK = (1 << 64) - 1
 FX_SCALE = 1 << 32
 
@@ -61,3 +63,33 @@ def test_the_value_range_of_the_format():
         w = word(-big, [-1.0] * nffn)
         assert fx_counted(w, nffn) and decode(w, nffn) == round((-big - nffn) * FX_SCALE)
         assert not fx_counted(word(big, [1.0] * (nffn - 1)), nffn)
+
+
+# MK_NOFENCE bit 8's 32-bit tagged words (megakernel.cu `tw24_word`, `ld_tw24x8`): the fp32 value's top 3 bytes and the
+# tag's low byte; a reader accepts a word whose low byte is its tag's, and reads the value with that byte cleared.
+def tw24_word(v: float, tag: int) -> int:
+    bits = int(np.float32(v).view(np.uint32))
+    return (bits & 0xFFFFFF00) | (tag & 0xFF)
+
+
+def tw24_value(w: int) -> float:
+    return float(np.uint32(w & 0xFFFFFF00).view(np.float32))
+
+
+def test_tagged_words_keep_16_significant_bits():
+    rng = np.random.default_rng(3)
+    v = np.concatenate([rng.standard_normal(4000) * s for s in (1e-3, 1.0, 30.0, 3e3)]).astype(np.float32)
+    for x in v:
+        y = tw24_value(tw24_word(float(x), 77))
+        assert abs(y - float(x)) <= abs(float(x)) * 2.0 ** -15
+        assert np.sign(y) == np.sign(x) or y == 0.0
+
+
+def test_a_stale_word_is_refused():
+    # every word is rewritten each layer and the tag grows by one per layer: this layer's tag never matches the last's
+    for tag in range(1, 3 * 256 + 2):
+        stale = tw24_word(1.5, tag - 1)
+        assert (stale & 0xFF) != (tag & 0xFF)
+        assert (tw24_word(1.5, tag) & 0xFF) == (tag & 0xFF)
+    # a zeroed buffer (the first launch) holds tag 0; the first layer's tag is 1
+    assert (0 & 0xFF) != (1 & 0xFF)

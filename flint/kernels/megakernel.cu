@@ -467,11 +467,20 @@ static_assert(!(MK_QKV_EARLY && MK_OHEAD), "MK_QKV_EARLY: the ring order of the 
 //      FFN blocks' adds carry the count, and the next staging re-polls a word until it shows nffn adds (nffn < 256,
 //      the host checks). A stale word cannot show nffn: the store it replaced is ordered before every reader by the
 //      fenced o barrier, and a layer's stores come after the owner's own staging saw every add of the layer before.
+//   8 (with 4; session 16): bars 2 and 3 relaxed too, their data as 32-bit words (the fp32 value truncated to its top
+//      24 bits: 16 significant bits; then the tag's low 8 bits): the merge output for the o staging and x + o (the o
+//      owners' rows) for the gate|up staging: the bytes of today's fp32 rows, the stagings re-poll stale words (a word
+//      is rewritten every layer and the tag grows by one per layer, so 8 bits tell this layer's from any earlier one). The o owners ADD fx(x + o) - (the value they read at the q|k|v staging) into
+//      the one buffer X (count + 1: adds commute with the FFN blocks'; layer 0 stores behind its fenced o barrier), so
+//      the next staging expects nffn + l (nffn + 1) adds after layer l. The two stagings' inputs keep 16 significant
+//      bits (truncated: relative error < 2^-15; the stagings convert to fp16 hi + lo, 22 bits, or two int8 terms, ~15
+//      bits). v19 = bits 4 + 8 (session 16: -2.9% per step against v18, logits within 2.1e-4 of v18's).
 // (MK_NOFENCE itself is defined in mk_common.cuh: the host's shared-memory layout needs it too)
 #define MK_NF (MK_FX1 ? MK_NOFENCE : 0)  // (this object's: the M = 1 object only)
 static_assert(!MK_NOFENCE || (MK_FXRES && MK_BAR_SMEM && !MK_OHEAD && !MK_ATAG && !MK_BAR_RELAXED && !MK_QKV_EARLY),
               "MK_NOFENCE: the fixed-point residual, the barrier base in shared memory, no MK_OHEAD / MK_ATAG / MK_BAR_RELAXED");
-constexpr unsigned long long FX_CNT = (MK_NF & 6) ? (1ull << 56) : 0ull;  // what every add into X carries
+constexpr unsigned long long FX_CNT = (MK_NF & 14) ? (1ull << 56) : 0ull;  // what every add into X carries
+static_assert(!(MK_NOFENCE & 8) || ((MK_NOFENCE & 4) && !(MK_NOFENCE & 3)), "MK_NOFENCE: bit 8 with 4, without 1 and 2");
 // the fixed-point buffers of MK_FXRES / MK_OHEAD (M = 1): X[0..1], O[0..1], D[0..1], Y[0..1] (MK_FXRES alone: X[0]);
 // a stage_x source code: the two buffers to add (b: 15 = none) and the one the rows' owners write the sum to
 enum { FXB_X = 0, FXB_O = 2, FXB_D = 4, FXB_Y = 6, FXB_NONE = 15 };
@@ -667,6 +676,39 @@ __device__ __forceinline__ void ld_tagged8(const uint32_t* w, uint32_t tag, floa
   a = make_float4(__uint_as_float(u[0].x), __uint_as_float(u[0].z), __uint_as_float(u[1].x), __uint_as_float(u[1].z));
   b = make_float4(__uint_as_float(u[2].x), __uint_as_float(u[2].z), __uint_as_float(u[3].x), __uint_as_float(u[3].z));
 }
+// MK_NOFENCE bit 8: 32-bit words (fp32 value truncated to 24 bits, low 8 bits of the tag), after the q|k|v and attention words of MAX_M
+// tokens: the attention output [MAX_M][nh D], then x + o [MAX_M][H] (word offsets into p.qkvt)
+__device__ __forceinline__ size_t tw24_attn(const Params& p, int m, int i) {
+  return (size_t)2 * MAX_M * (2 * p.nh + 2 * p.nkv) * p.D + (size_t)m * p.nh * p.D + i;
+}
+__device__ __forceinline__ size_t tw24_resid(const Params& p, int m, int n) {
+  return (size_t)2 * MAX_M * (2 * p.nh + 2 * p.nkv) * p.D + (size_t)MAX_M * p.nh * p.D + (size_t)m * p.H + n;
+}
+__device__ __forceinline__ uint32_t tw24_word(float v, uint32_t tag) {  // (the value's top 3 bytes, the tag's low byte)
+  return __byte_perm(__float_as_uint(v), tag, 0x3214);
+}
+__device__ __forceinline__ void st_tw24(uint32_t* w, float v, uint32_t tag) {
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(w), "r"(tw24_word(v, tag)) : "memory");
+}
+// 8 consecutive words (two 16-byte loads in flight), re-polled until every tag is this one's low 8 bits
+__device__ __forceinline__ void ld_tw24x8(const uint32_t* w, uint32_t tag, float4& a, float4& b) {
+  uint4 u[2];
+  const uint32_t t8 = tag & 0xffu;
+  for (uint32_t spins = 0;; ++spins) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+      asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(u[e].x), "=r"(u[e].y), "=r"(u[e].z), "=r"(u[e].w) : "l"(w + 4 * e) : "memory");
+    // the 8 tag bytes as two words, against the tag byte repeated
+    const uint32_t g0 = __byte_perm(__byte_perm(u[0].x, u[0].y, 0x0040), __byte_perm(u[0].z, u[0].w, 0x0040), 0x5410);
+    const uint32_t g1 = __byte_perm(__byte_perm(u[1].x, u[1].y, 0x0040), __byte_perm(u[1].z, u[1].w, 0x0040), 0x5410);
+    if (g0 == t8 * 0x01010101u && g1 == t8 * 0x01010101u) break;
+    if (spins == (1u << 24)) __trap();  // (a tag that never comes is a bug: the launch fails instead of hanging)
+  }
+  auto h = [](uint32_t x) { return __uint_as_float(__byte_perm(x, 0u, 0x3214)); };  // (the tag byte cleared)
+  a = make_float4(h(u[0].x), h(u[0].y), h(u[0].z), h(u[0].w));
+  b = make_float4(h(u[1].x), h(u[1].y), h(u[1].z), h(u[1].w));
+}
 // MK_ATAG: the word of attention output element i (head-major) of token m, after the q|k|v words of MAX_M tokens
 __device__ __forceinline__ uint32_t* attn_word(const Params& p, int m, int i) {
   return p.qkvt + 2 * ((size_t)MAX_M * (p.nh + 2 * p.nkv) * p.D + (size_t)m * p.nh * p.D + i);
@@ -674,6 +716,9 @@ __device__ __forceinline__ uint32_t* attn_word(const Params& p, int m, int i) {
 __device__ __forceinline__ void attn_out(const Params& p, int m, int i, float v, uint32_t tag) {
   p.attn[(size_t)m * p.nh * p.D + i] = v;
   if (MK_ATAG || (MK_OH1 && p.ohead) || (MK_NF & 1)) st_tagged(attn_word(p, m, i), v, tag);  // (MK_OHEAD: the o blocks poll it)
+#if MK_NF & 8
+  st_tw24(p.qkvt + tw24_attn(p, m, i), v, tag);
+#endif
 }
 
 __device__ __forceinline__ float ld_tagged(const uint32_t* w, uint32_t tag) {  // spins until the tag is this one
@@ -711,7 +756,7 @@ struct Ctx {
 #endif
 };
 
-#if MK_NF & 2
+#if MK_NF & 10
 // MK_NOFENCE: this block's rows' value in X[b] as it last read or set it ([2][o rows of the block][M] in shared memory)
 template <int M>
 __device__ __forceinline__ long long* own_fx(const Ctx<M>& c, int b) {
@@ -789,7 +834,7 @@ __device__ void compute_rstd(const Params& p, const float* const* src, float mul
 // (zeroed at kernel start).
 // SMEM_SRC: src rows are in shared memory (generic loads); TAGGED (MK_ATAG): the source is tagged
 // words instead, token m's row at tw + 2 m tstride (a separate instantiation: the polls' registers)
-template <int M, bool SMEM_SRC = false, bool TAGGED = false, bool FX = false, bool I8 = kIdot<M>>
+template <int M, bool SMEM_SRC = false, bool TAGGED = false, bool FX = false, bool I8 = kIdot<M>, bool T24 = false>
 __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, const float* norm_w, int k0, int kst,
                         int G, int gshift, const uint32_t* tw = nullptr, int tstride = 0, uint32_t tag = 0) {
   const int t = threadIdx.x;
@@ -801,7 +846,7 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
   const int wshift = gshift - 5;
   // words in flight per thread (more raises register pressure for the whole kernel; FX: one, its loads are 4x wider;
   // TAGGED with MK_NOFENCE: one, the gate|up staging's integer x spilled 36 bytes with two)
-  constexpr int U = (FX || (TAGGED && (MK_NF & 1))) ? 1 : 2;  // (MK_NOFENCE: its tagged o staging with two spilled)
+  constexpr int U = (FX || T24 || (TAGGED && (MK_NF & 1))) ? 1 : 2;  // (MK_NOFENCE: its tagged stagings with two spilled)
   // RMSNorm: when the whole row is one round of loads (decode on Granite and SmolLM2), the rstd comes
   // from the same loads (no separate pass, one L2 round trip less); else from compute_rstd first
   const bool fused = norm_w != nullptr && k0 == 0 && kst == c.p->H && total <= U * NCT;
@@ -820,6 +865,10 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
         v[u][0] = v[u][1] = make_float4(0.f, 0.f, 0.f, 0.f);
         if (ok) ld_tagged8(tw + 2 * ((size_t)m * tstride + k0 + 8 * kw), tag, v[u][0], v[u][1]);
       }
+      if constexpr (T24) {  // MK_NOFENCE bit 8: (24-bit value, 8-bit tag) words
+        v[u][0] = v[u][1] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (ok) ld_tw24x8(tw + (size_t)m * tstride + k0 + 8 * kw, tag, v[u][0], v[u][1]);
+      }
 #if MK_FX1
       if constexpr (FX) {  // the fixed-point residual: the sum of c.fx's buffers, 8 words of 8 bytes each
         long long sx[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -835,7 +884,7 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
           // (bit 2: the count this buffer has reached; bit 4 alone: X is stored with count 0 behind the fenced o
           // barrier, and every FFN block adds once)
           const unsigned long long e56 =
-              (unsigned long long)(((MK_NF & 2) ? c.misc->fxc[b & 1] : (unsigned)c.p->nffn) & 255u) << 56;
+              (unsigned long long)(((MK_NF & 10) ? c.misc->fxc[b & 1] : (unsigned)c.p->nffn) & 255u) << 56;
           {
             auto done = [&]() {
               bool d = true;
@@ -864,7 +913,7 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
           }
 #endif
         }
-#if MK_NF & 2
+#if MK_NF & 10
         if (ok) {  // the owner's rows: the value its o epilogue turns into fx(x + o) with one add
           const int k = k0 + 8 * kw, n0 = c.misc->tile0[MAT_O] * TILE_ROWS;
           if (k >= n0 && k < min(c.misc->tile1[MAT_O] * TILE_ROWS, c.p->H)) {
@@ -890,7 +939,7 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float4* sp = reinterpret_cast<const float4*>(src[m] + k0) + 2 * kw + h;
-        if (!tagged && !FX) v[u][h] = !ok ? make_float4(0.f, 0.f, 0.f, 0.f) : SMEM_SRC ? *sp : __ldcg(sp);
+        if (!tagged && !FX && !T24) v[u][h] = !ok ? make_float4(0.f, 0.f, 0.f, 0.f) : SMEM_SRC ? *sp : __ldcg(sp);
         wv[u][h] = (norm_w && ok) ? __ldg(reinterpret_cast<const float4*>(norm_w + k0) + 2 * kw + h)
                                   : make_float4(1.f, 1.f, 1.f, 1.f);
       }
@@ -1126,7 +1175,23 @@ __device__ __forceinline__ void pair_epilogue(Ctx<M>& c, int mi, int layer, int 
       *reinterpret_cast<float2*>(p.resid + (size_t)mm * p.H + n0) = make_float2(r0, r1);
 #if MK_FX1
       if (kFx<M> && p.nffn && mi == MAT_O) {  // the fixed-point residual the FFN blocks add their down partials into
-#if MK_NF & 2
+#if MK_NF & 8
+        {  // X becomes fx(x + o) at the owner's rows: layer 0 stores (count 0), later layers add the difference
+          unsigned long long* xw = fx_base(p) + (size_t)mm * fx_stride(p) + n0;
+          const long long* pv = own_fx(c, 0) + own_row * M + mm;
+          if (layer > 0) {
+            asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(xw),
+                         "l"(FX_CNT + fx_of(r0) - (unsigned long long)pv[0]) : "memory");
+            asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(xw + 1),
+                         "l"(FX_CNT + fx_of(r1) - (unsigned long long)pv[M]) : "memory");
+          } else {
+            *reinterpret_cast<longlong2*>(xw) = make_longlong2((long long)fx_of(r0), (long long)fx_of(r1));
+          }
+          const uint32_t tg = c.tag0 + (uint32_t)layer;  // x + o for the gate|up staging, tagged
+          asm volatile("st.relaxed.gpu.global.v2.u32 [%0], {%1, %2};" ::"l"(p.qkvt + tw24_resid(p, mm, n0)),
+                       "r"(tw24_word(r0, tg)), "r"(tw24_word(r1, tg)) : "memory");
+        }
+#elif MK_NF & 2
         // (X[0] and X[1] both become fx(x + o) at the owner's rows: layer 0 stores, later layers add the difference to
         // what the owner last saw or set there; the down adds go to X[(layer + 1) & 1] on top)
         const unsigned long long f0 = fx_of(r0), f1 = fx_of(r1);
@@ -1276,6 +1341,13 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
   for (int s = 0; s < mt.nseg; ++s) {
     if (s == 0 || !xall) {
       if (s > 0) cbar();  // every warp is done with segment s-1's x before it is overwritten
+#if MK_NF & 8
+      if (kFx<M> && p.nffn && (mi == MAT_O || mi == MAT_GU))  // MK_NOFENCE bit 8: the tagged 24-bit words
+        stage_x<M, false, false, false, I8, true>(c, src, mult, norm_w, xall ? 0 : s * mt.kseg, xall ? mt.K : mt.kseg, mt.G,
+                                               mt.gshift, p.qkvt + (mi == MAT_O ? tw24_attn(p, 0, 0) : tw24_resid(p, 0, 0)),
+                                               mi == MAT_O ? p.nh * p.D : p.H, c.tag0 + (uint32_t)layer);
+      else
+#endif
       if ((MK_ATAG || (kFx<M> && (MK_NF & 1))) && mi == MAT_O)
         stage_x<M, false, true, false, I8>(c, src, mult, norm_w, xall ? 0 : s * mt.kseg, xall ? mt.K : mt.kseg, mt.G, mt.gshift,
                                 attn_word(p, 0, 0), p.nh * p.D, c.tag0 + (uint32_t)layer);
@@ -2380,7 +2452,7 @@ __global__ void __launch_bounds__(NT, 1)
     const unsigned long long tg = threadIdx.x == 0 ? misc->bar0 + (unsigned long long)p.nblocks * nbar : 0ull;
     if (relaxed) grid_barrier<true>(p, tg); else grid_barrier(p, tg);
   };
-#define MK_GSYNC(bit, nf_ok) gsync_if((MK_BAR_RELAXED & (bit)) || ((MK_NF & (bit)) && (nf_ok)))
+#define MK_GSYNC(bit, nf_ok) gsync_if((MK_BAR_RELAXED & (bit)) || (((MK_NF | ((MK_NF & 8) ? 3 : 0)) & (bit)) && (nf_ok)))
 #else
 #define MK_GSYNC(bit, nf_ok) gsync()
 #endif
@@ -2481,7 +2553,7 @@ __global__ void __launch_bounds__(NT, 1)
     } else
 #endif
     {
-      if (!MK_ATAG) MK_GSYNC(1, true);
+      if (!MK_ATAG) MK_GSYNC(1, p.nffn);  // (MK_NOFENCE bit 8: the tagged words with the FFN split only)
       stamp(l, 5);
       matvec_stage<M, kI8<M>(MAT_O)>(c, MAT_O, l, attn_rows, 1.f, nullptr);
 #if MK_NF & 2
@@ -2489,6 +2561,8 @@ __global__ void __launch_bounds__(NT, 1)
         ++misc->fxc[0];                                        // next barrier's block barrier)
         ++misc->fxc[1];
       }
+#elif MK_NF & 8
+      if (kFx<M> && p.nffn && l > 0 && threadIdx.x == 0) ++misc->fxc[0];  // the owners' adds
 #endif
       stamp(l, 6);
       if (!(kFx<M> && (MK_DIAG2 & 4))) MK_GSYNC(2, l > 0 && p.nffn);  // (MK_NOFENCE: layer 0's X is stored, not added)
@@ -2507,6 +2581,8 @@ __global__ void __launch_bounds__(NT, 1)
       ffn_down_partial<M>(c, l);
 #if MK_NF & 2
       if (kFx<M> && threadIdx.x == 0) misc->fxc[(l + 1) & 1] += (uint32_t)p.nffn;  // (every FFN block adds once per row)
+#elif MK_NF & 8
+      if (kFx<M> && threadIdx.x == 0) misc->fxc[0] += (uint32_t)p.nffn;
 #endif
       stamp(l, 9);
       MK_GSYNC(4, true);
