@@ -447,31 +447,22 @@ static_assert(!(MK_QKV_EARLY && MK_OHEAD), "MK_QKV_EARLY: the ring order of the 
 #else
 #define MK_OH1 0
 #endif
-// MK_NOFENCE (session 16, M = 1 with MK_FXRES; bits): the grid barriers after attention (1), o (2) and the down
-// partials (4) without their release fence. hop_bench --sync measured that fence (MEMBAR.ALL.GPU) waiting for the
+// MK_NOFENCE (session 16, M = 1 with MK_FXRES; bits): the grid barriers after the down partials (4), and after
+// attention and o (8), without their release fence. hop_bench --sync measured that fence (MEMBAR.ALL.GPU) waiting for the
 // block's bulk copies in flight: 0.42 us with none, 1.25 us with two 16 KB copies per SM; MK_BAR_RELAXED = 7 (the
 // three barriers relaxed, a diagnostic) took 6.7% off the step. The barrier stays as a relaxed counter (a hint: every
 // block has arrived) and the data carry their own proof:
-//   1: the attention output as (fp32, tag) words (MK_ATAG's), the o staging re-polls a word whose tag is stale;
-//   2, 4 (the counted residual, either bit): two fixed-point residual buffers X[0], X[1]; layer l reads X[l & 1] (P)
-//      at its q|k|v staging; its o owners turn BOTH buffers into fx(x + o), by one add each (fx(x + o) minus the value
-//      the owner last saw or set there); the gate|up staging reads P; the FFN blocks add their down partials into
-//      X[(l + 1) & 1] (Q), which the next layer reads. Every add carries 2^56: bits 56..63 of a word count its adds
-//      (mod 256), the low 56 bits are the value (two's complement: |x| < 2^23). A staging re-polls a word until its
-//      count is the one every block computes for that buffer and layer (a missing add leaves the word 2^56 away from
-//      it: detected, never read as a value). Adds commute, so no add needs an order against another; layer 0 STORES
-//      both buffers (count 0) behind its o barrier, which keeps its fence. A buffer's next adds come causally after
-//      every block's staging read of it (a layer's o needs every block's q|k|v, its down adds every block's
-//      gate|up), so no read can see a later add.
-//   4 alone (one buffer, the o barrier fenced): the owners STORE fx(x + o) into X with count 0 before that barrier, the
-//      FFN blocks' adds carry the count, and the next staging re-polls a word until it shows nffn adds (nffn < 256,
+//   (1 and 2, measured and lost in session 16 (+0.9%, +3.5%): 8-byte proofs, the attention output as (fp32, tag)
+//   words and two counted residual buffers: flint/kernels/dev/experiments/16_nofence_bits12.patch)
+//   4 (one counted buffer X; alone, with the o barrier fenced): the owners STORE fx(x + o) into X with count 0 before
+//      that barrier, the FFN blocks' adds carry the count, and the next staging re-polls a word until it shows nffn adds (nffn < 256,
 //      the host checks). A stale word cannot show nffn: the store it replaced is ordered before every reader by the
 //      fenced o barrier, and a layer's stores come after the owner's own staging saw every add of the layer before.
 //   8 (with 4; session 16): bars 2 and 3 relaxed too, their data as 32-bit words (the fp32 value truncated to its top
 //      24 bits: 16 significant bits; then the tag's low 8 bits): the merge output for the o staging and x + o (the o
 //      owners' rows) for the gate|up staging: the bytes of today's fp32 rows, the stagings re-poll stale words (a word
-//      is rewritten every layer and the tag grows by one per layer, so 8 bits tell this layer's from any earlier one). The o owners ADD fx(x + o) - (the value they read at the q|k|v staging) into
-//      the one buffer X (count + 1: adds commute with the FFN blocks'; layer 0 stores behind its fenced o barrier), so
+//      is rewritten every layer and the tag grows by one per layer, so 8 bits tell this layer's from any earlier one).
+//      The o owners ADD fx(x + o) - (the value they read at the q|k|v staging) into the one buffer X (count + 1: adds commute with the FFN blocks'; layer 0 stores behind its fenced o barrier), so
 //      the next staging expects nffn + l (nffn + 1) adds after layer l. The two stagings' inputs keep 16 significant
 //      bits (truncated: relative error < 2^-15; the stagings convert to fp16 hi + lo, 22 bits, or two int8 terms, ~15
 //      bits). v19 = bits 4 + 8 (session 16: -2.9% per step against v18, logits within 2.1e-4 of v18's).
@@ -482,8 +473,9 @@ static_assert(!(MK_QKV_EARLY && MK_OHEAD), "MK_QKV_EARLY: the ring order of the 
 #define MK_NF (MK_FX1 ? MK_NOFENCE : 0)  // (this object's: the M = 1 object only)
 static_assert(!MK_NOFENCE || (MK_FXRES && MK_BAR_SMEM && !MK_OHEAD && !MK_ATAG && !MK_BAR_RELAXED && !MK_QKV_EARLY),
               "MK_NOFENCE: the fixed-point residual, the barrier base in shared memory, no MK_OHEAD / MK_ATAG / MK_BAR_RELAXED");
-constexpr unsigned long long FX_CNT = (MK_NF & 14) ? (1ull << 56) : 0ull;  // what every add into X carries
-static_assert(!(MK_NOFENCE & 8) || ((MK_NOFENCE & 4) && !(MK_NOFENCE & 3)), "MK_NOFENCE: bit 8 with 4, without 1 and 2");
+constexpr unsigned long long FX_CNT = (MK_NF & 12) ? (1ull << 56) : 0ull;  // what every add into X carries
+static_assert(!(MK_NOFENCE & 3), "MK_NOFENCE: bits 1 and 2 are experiments/16_nofence_bits12.patch");
+static_assert(!(MK_NOFENCE & 8) || (MK_NOFENCE & 4), "MK_NOFENCE: bit 8 with 4");
 static_assert(!(MK_NOFENCE & 16) || (MK_NOFENCE & 8), "MK_NOFENCE: bit 16 with 8");
 // the fixed-point buffers of MK_FXRES / MK_OHEAD (M = 1): X[0..1], O[0..1], D[0..1], Y[0..1] (MK_FXRES alone: X[0]);
 // a stage_x source code: the two buffers to add (b: 15 = none) and the one the rows' owners write the sum to
@@ -720,7 +712,7 @@ __device__ __forceinline__ uint32_t* attn_word(const Params& p, int m, int i) {
 }
 __device__ __forceinline__ void attn_out(const Params& p, int m, int i, float v, uint32_t tag) {
   p.attn[(size_t)m * p.nh * p.D + i] = v;
-  if (MK_ATAG || (MK_OH1 && p.ohead) || (MK_NF & 1)) st_tagged(attn_word(p, m, i), v, tag);  // (MK_OHEAD: the o blocks poll it)
+  if (MK_ATAG || (MK_OH1 && p.ohead)) st_tagged(attn_word(p, m, i), v, tag);  // (MK_OHEAD: the o blocks poll it)
 #if MK_NF & 8
   st_tw24(p.qkvt + tw24_attn(p, m, i), v, tag);
 #endif
@@ -761,7 +753,7 @@ struct Ctx {
 #endif
 };
 
-#if MK_NF & 10
+#if MK_NF & 8
 // MK_NOFENCE: this block's rows' value in X[b] as it last read or set it ([2][o rows of the block][M] in shared memory)
 template <int M>
 __device__ __forceinline__ long long* own_fx(const Ctx<M>& c, int b) {
@@ -851,7 +843,7 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
   const int wshift = gshift - 5;
   // words in flight per thread (more raises register pressure for the whole kernel; FX: one, its loads are 4x wider;
   // TAGGED with MK_NOFENCE: one, the gate|up staging's integer x spilled 36 bytes with two)
-  constexpr int U = (FX || T24 || (TAGGED && (MK_NF & 1))) ? 1 : 2;  // (MK_NOFENCE: its tagged stagings with two spilled)
+  constexpr int U = (FX || T24) ? 1 : 2;  // (T24, MK_NOFENCE bit 8: with two, the gate|up integer object spilled)
   // RMSNorm: when the whole row is one round of loads (decode on Granite and SmolLM2), the rstd comes
   // from the same loads (no separate pass, one L2 round trip less); else from compute_rstd first
   const bool fused = norm_w != nullptr && k0 == 0 && kst == c.p->H && total <= U * NCT;
@@ -865,7 +857,7 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
       const int wi = c0 + u * NCT + t;
       const bool ok = wi < total;
       const int m = (M == 1 || !ok) ? 0 : wi / wpr, kw = wi - m * wpr;
-      constexpr bool tagged = (MK_ATAG || MK_OH1 || (MK_NF & 1)) && !SMEM_SRC && TAGGED;
+      constexpr bool tagged = (MK_ATAG || MK_OH1) && !SMEM_SRC && TAGGED;
       if (tagged) {
         v[u][0] = v[u][1] = make_float4(0.f, 0.f, 0.f, 0.f);
         if (ok) ld_tagged8(tw + 2 * ((size_t)m * tstride + k0 + 8 * kw), tag, v[u][0], v[u][1]);
@@ -882,14 +874,14 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
           const int b = (c.fx >> (4 * bi)) & 15;
           if (b == FXB_NONE) break;
           const longlong2* fp = reinterpret_cast<const longlong2*>(fx_buf(*c.p, b + m) + k0) + 4 * kw;
-#if MK_NF & 6  // counted words: all four loads in flight, re-polled together until every count is the layer's
+#if MK_NF & 4  // counted words: all four loads in flight, re-polled together until every count is the layer's
           longlong2 q[4];
 #pragma unroll
           for (int h = 0; h < 4; ++h) q[h] = ok ? ld_fx2(fp + h) : make_longlong2(0, 0);
-          // (bit 2: the count this buffer has reached; bit 4 alone: X is stored with count 0 behind the fenced o
+          // (bit 8: the count X has reached in this launch; bit 4 alone: X is stored with count 0 behind the fenced o
           // barrier, and every FFN block adds once)
           const unsigned long long e56 =
-              (unsigned long long)(((MK_NF & 10) ? c.misc->fxc[b & 1] : (unsigned)c.p->nffn) & 255u) << 56;
+              (unsigned long long)(((MK_NF & 8) ? c.misc->fxc[b & 1] : (unsigned)c.p->nffn) & 255u) << 56;
           {
             auto done = [&]() {
               bool d = true;
@@ -918,7 +910,7 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
           }
 #endif
         }
-#if MK_NF & 10
+#if MK_NF & 8
         if (ok) {  // the owner's rows: the value its o epilogue turns into fx(x + o) with one add
           const int k = k0 + 8 * kw, n0 = c.misc->tile0[MAT_O] * TILE_ROWS;
           if (k >= n0 && k < min(c.misc->tile1[MAT_O] * TILE_ROWS, c.p->H)) {
@@ -1196,25 +1188,6 @@ __device__ __forceinline__ void pair_epilogue(Ctx<M>& c, int mi, int layer, int 
           asm volatile("st.relaxed.gpu.global.v2.u32 [%0], {%1, %2};" ::"l"(p.qkvt + tw24_resid(p, mm, n0)),
                        "r"(tw24_word(r0, tg)), "r"(tw24_word(r1, tg)) : "memory");
         }
-#elif MK_NF & 2
-        // (X[0] and X[1] both become fx(x + o) at the owner's rows: layer 0 stores, later layers add the difference to
-        // what the owner last saw or set there; the down adds go to X[(layer + 1) & 1] on top)
-        const unsigned long long f0 = fx_of(r0), f1 = fx_of(r1);
-#pragma unroll
-        for (int b = 0; b < 2; ++b) {
-          unsigned long long* xw = fx_buf(p, FXB_X + b) + (size_t)mm * fx_stride(p) + n0;
-          long long* pv = own_fx(c, b) + own_row * M + mm;
-          if (layer > 0) {
-            asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(xw),
-                         "l"(FX_CNT + f0 - (unsigned long long)pv[0]) : "memory");
-            asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(xw + 1),
-                         "l"(FX_CNT + f1 - (unsigned long long)pv[M]) : "memory");
-          } else {
-            *reinterpret_cast<longlong2*>(xw) = make_longlong2((long long)f0, (long long)f1);
-          }
-          pv[0] = (long long)f0;
-          pv[M] = (long long)f1;
-        }
 #else
         *reinterpret_cast<longlong2*>(fx_base(p) + (size_t)mm * fx_stride(p) + n0) =
             make_longlong2((long long)fx_of(r0), (long long)fx_of(r1));
@@ -1353,7 +1326,7 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
                                                mi == MAT_O ? p.nh * p.D : p.H, c.tag0 + (uint32_t)layer);
       else
 #endif
-      if ((MK_ATAG || (kFx<M> && (MK_NF & 1))) && mi == MAT_O)
+      if (MK_ATAG && mi == MAT_O)
         stage_x<M, false, true, false, I8>(c, src, mult, norm_w, xall ? 0 : s * mt.kseg, xall ? mt.K : mt.kseg, mt.G, mt.gshift,
                                 attn_word(p, 0, 0), p.nh * p.D, c.tag0 + (uint32_t)layer);
       else {
@@ -1680,7 +1653,7 @@ __device__ void ffn_down_partial(Ctx<M>& c, int layer) {
     int i0 = warp >= t % NCW ? warp - t % NCW : warp - t % NCW + NCW;  // tile t + i to warp (t + i) mod 15
     // (MK_OHEAD: D[layer & 1]; else the residual X itself)
     // (MK_NOFENCE: X[(layer + 1) & 1], the next layer's input)
-    unsigned long long* fxr = fx_buf(p, MK_OH1 && p.ohead ? FXB_D + (layer & 1) : (MK_NF & 2) ? FXB_X + ((layer + 1) & 1) : FXB_X) +
+    unsigned long long* fxr = fx_buf(p, MK_OH1 && p.ohead ? FXB_D + (layer & 1) : FXB_X) +
                               (size_t)t * TILE_ROWS + gq;
     if (MK_DIAG2 & 4096)  // DIAGNOSTIC: private rows per block (wrong answers)
       fxr = reinterpret_cast<unsigned long long*>(p.dpart) + (size_t)f * fx_stride(p) + (size_t)t * TILE_ROWS + gq;
@@ -2522,9 +2495,6 @@ __global__ void __launch_bounds__(NT, 1)
     if (kFx<M> && p.nffn && l > 0) {  // MK_OHEAD: Y + D of the last layer, the owners keep it as this layer's X
       const int par = l & 1;
       c.fx = oh ? fx_code(FXB_Y + (par ^ 1), FXB_D + (par ^ 1), FXB_X + par) : fx_code(FXB_X, FXB_NONE, FXB_NONE);
-#if MK_NF & 2  // the counted residual: this layer's input is X[l & 1]
-      c.fx = fx_code(FXB_X + (l & 1), FXB_NONE, FXB_NONE);
-#endif
     }
 #endif
     if (l > 0) early_ring_step(c, EARLY_BEFORE_QKV);  // (MK_QKV_EARLY)
@@ -2561,13 +2531,8 @@ __global__ void __launch_bounds__(NT, 1)
       if (!MK_ATAG) MK_GSYNC(1, p.nffn);  // (MK_NOFENCE bit 8: the tagged words with the FFN split only)
       stamp(l, 5);
       matvec_stage<M, kI8<M>(MAT_O)>(c, MAT_O, l, attn_rows, 1.f, nullptr);
-#if MK_NF & 2
-      if (kFx<M> && p.nffn && l > 0 && threadIdx.x == 0) {  // the owners' adds: one into each buffer (read after the
-        ++misc->fxc[0];                                        // next barrier's block barrier)
-        ++misc->fxc[1];
-      }
-#elif MK_NF & 8
-      if (kFx<M> && p.nffn && l > 0 && threadIdx.x == 0) ++misc->fxc[0];  // the owners' adds
+#if MK_NF & 8
+      if (kFx<M> && p.nffn && l > 0 && threadIdx.x == 0) ++misc->fxc[0];  // the owners' adds (read after a block barrier)
 #endif
       stamp(l, 6);
       if ((MK_NF & 16) && l > 0 && p.nffn) {
@@ -2576,22 +2541,14 @@ __global__ void __launch_bounds__(NT, 1)
         MK_GSYNC(2, l > 0 && p.nffn);  // (MK_NOFENCE: layer 0's X is stored, not added)
       }
       stamp(l, 7);
-#if MK_NF & 2
-      if (kFx<M> && p.nffn) c.fx = fx_code(FXB_X + (l & 1), FXB_NONE, FXB_NONE);  // the counted residual: x + o
-#endif
       matvec_stage<M, kI8<M>(MAT_GU)>(c, MAT_GU, l, resid_rows, 1.f, an + p.H);
-#if MK_NF & 2
-      c.fx = 0;
-#endif
     }
     stamp(l, 8);
     if (p.nffn) {  // FFN split-K: down's partials from this block's own act slice, then a reduction
       if (l + 1 < p.L) early_ring_step(c, EARLY_BEFORE_DOWN);  // (MK_QKV_EARLY)
       ffn_down_partial<M>(c, l);
-#if MK_NF & 2
-      if (kFx<M> && threadIdx.x == 0) misc->fxc[(l + 1) & 1] += (uint32_t)p.nffn;  // (every FFN block adds once per row)
-#elif MK_NF & 8
-      if (kFx<M> && threadIdx.x == 0) misc->fxc[0] += (uint32_t)p.nffn;
+#if MK_NF & 8
+      if (kFx<M> && threadIdx.x == 0) misc->fxc[0] += (uint32_t)p.nffn;  // (every FFN block adds once per row)
 #endif
       stamp(l, 9);
       MK_GSYNC(4, true);
@@ -2615,9 +2572,6 @@ __global__ void __launch_bounds__(NT, 1)
   if (kFx<M> && p.nffn) {
     const int lp = (p.L - 1) & 1;
     c.fx = oh ? fx_code(FXB_Y + lp, FXB_D + lp, FXB_NONE) : fx_code(FXB_X, FXB_NONE, FXB_NONE);
-#if MK_NF & 2
-    c.fx = fx_code(FXB_X + (p.L & 1), FXB_NONE, FXB_NONE);
-#endif
   }
 #endif
   matvec_stage<M, kI8<M>(MAT_LM)>(c, MAT_LM, 0, resid_rows, 1.f, p.final_norm);
