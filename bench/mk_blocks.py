@@ -39,3 +39,11 @@ for rep in range(2):
         d = t[:, b] - t[:, a]
         q = torch.quantile(d, torch.tensor([0.0, 0.5, 0.9, 1.0], dtype=torch.float64))
         print(f"  duration {n:8s} min {q[0]:.2f} median {q[1]:.2f} p90 {q[2]:.2f} max {q[3]:.2f}")
+    if rep == 1:  # the down partials' duration per block against the SM it ran on (slow blocks: where?)
+        sm = mk.block_smids()
+        d = t[:, 9] - t[:, 8]
+        order = torch.argsort(d, descending=True).tolist()
+        print("  down partials, slowest 16 blocks (block:sm:us):",
+              " ".join(f"{b}:{int(sm[b])}:{d[b]:.2f}" for b in order[:16]))
+        print("  down partials, fastest 8 blocks (block:sm:us):",
+              " ".join(f"{b}:{int(sm[b])}:{d[b]:.2f}" for b in order[-12:-4]))

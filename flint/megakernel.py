@@ -441,7 +441,7 @@ class MegakernelBackend:
         if self.trace is None:
             raise RuntimeError("stage_times needs FLINT_MK_TRACE=1 at construction")
         L = self.cfg.num_layers
-        t = self.trace.view(2, L, 32)[block].cpu().double()
+        t = self.trace[:2 * L * 32].view(2, L, 32)[block].cpu().double()  # (the per-block and per-warp stamps follow)
         out = {}
         for i, n in enumerate(self.STAGES[:-1]):
             out[n] = float((t[:, i + 1] - t[:, i]).mean()) / 1e3
@@ -455,6 +455,14 @@ class MegakernelBackend:
 
     # "gu_tiles": gate|up's tiles and epilogues done; "gate_up": with FFN split-K also down's partials
     BLOCK_STAMPS = ("start", "rstd1", "qkv", "bar1", "attn", "bar2", "o", "bar3", "gu_tiles", "gate_up", "bar4", "down")
+
+    def block_smids(self) -> torch.Tensor:
+        """[nblocks] the SM each block ran on in the last traced launch (%smid; FLINT_MK_TRACE=1 builds record it in
+        the block's unused 16th stamp slot)."""
+        if self.trace is None:
+            raise RuntimeError("block_smids needs FLINT_MK_TRACE=1 at construction")
+        base = 2 * self.cfg.num_layers * 32
+        return self.trace[base:base + self.nblocks * 16].view(self.nblocks, 16)[:, 15].cpu()
 
     def block_stamps(self) -> torch.Tensor:
         """Every block's stage-end times in the middle layer of the last launch (needs FLINT_MK_TRACE=1):

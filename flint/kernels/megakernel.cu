@@ -2485,6 +2485,11 @@ __global__ void __launch_bounds__(NT, 1)
   }
   uint8_t* uni = smem + sl.uni;
   auto stamp = [&](int l, int k) { trace_stamp(p, l, k); };
+  if (MK_TRACE && p.trace != nullptr && threadIdx.x == 0) {  // (traced builds: the block's SM, in its unused 16th slot)
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    p.trace[(size_t)2 * p.L * 32 + blockIdx.x * 16 + 15] = smid;
+  }
   for (int l = 0; l < p.L; ++l) {
     stamp(l, 0);
     const float* const* xsrc = l == 0 ? tok_src : resid_rows;
