@@ -107,6 +107,11 @@ constexpr bool kIdotMixed = kIdotMask != 0 && kIdotMask != 0x3F;
 #ifndef MK_BAR_RELAXED
 #define MK_BAR_RELAXED 0
 #endif
+// MK_DS_ROT (session 16, a DIAGNOSTIC of the down phase's imbalance; 1 = the default): 0 starts every FFN block's
+// down chunks at chunk 0 (no rotation by block), in the producer and the consumers alike (same arithmetic, other order)
+#ifndef MK_DS_ROT
+#define MK_DS_ROT 1
+#endif
 // MK_QTAG (on since session 7; session 6: -3.1% per step at M = 1; validated in full: bench/results/v8_2026-11-29.md,
 // v9_2026-11-29.md): no grid barrier between qkv and attention. The qkv
 // epilogues also write this step's q, k and v rows as (fp32 bits, tag) pairs (p.qkvt, one 8-byte store
@@ -579,7 +584,7 @@ __device__ void produce_slice(const Mat& mt, int ntl, int cpt, int layer, const 
   const uint32_t tb = (uint32_t)(TILE_ROWS * mt.srb);
   const uint8_t* src = mt.base + (long long)layer * mt.layer_stride + (long long)blockIdx.x * mt.seg_stride;
 #if MK_FX1  // (kFx: chunks from chunk (f mod chunks) on: ffn_down_partial's order)
-  const int nch = (ntl + cpt - 1) / cpt, ch0 = fxrot ? (int)blockIdx.x % nch : 0;
+  const int nch = (ntl + cpt - 1) / cpt, ch0 = fxrot && MK_DS_ROT ? (int)blockIdx.x % nch : 0;
   for (int ci = 0; ci < nch; ++ci) {
     const int t = (ci + ch0 < nch ? ci + ch0 : ci + ch0 - nch) * cpt;
     const uint8_t* cs = src + (size_t)t * tb;
@@ -1647,7 +1652,7 @@ __device__ void ffn_down_partial(Ctx<M>& c, int layer) {
   int rot = 0;
 #endif
 #if MK_FX1
-  const int nch = (nt + cpt - 1) / cpt, ch0 = kFx<M> ? f % nch : 0;  // (the producer's order: produce_slice)
+  const int nch = (nt + cpt - 1) / cpt, ch0 = kFx<M> && MK_DS_ROT ? f % nch : 0;  // (the producer's order: produce_slice)
   for (int ci = 0; ci < nch; ++ci) {
     const int t = (ci + ch0 < nch ? ci + ch0 : ci + ch0 - nch) * cpt;
     int i0 = warp >= t % NCW ? warp - t % NCW : warp - t % NCW + NCW;  // tile t + i to warp (t + i) mod 15
