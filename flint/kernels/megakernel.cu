@@ -460,15 +460,15 @@ static_assert(!(MK_QKV_EARLY && MK_OHEAD), "MK_QKV_EARLY: the ring order of the 
 //   (1 and 2, measured and lost in session 16 (+0.9%, +3.5%): 8-byte proofs, the attention output as (fp32, tag)
 //   words and two counted residual buffers: flint/kernels/dev/experiments/16_nofence_bits12.patch)
 //   4 (one counted buffer X; alone, with the o barrier fenced): the owners STORE fx(x + o) into X with count 0 before
-//      that barrier, the FFN blocks' adds carry the count, and the next staging re-polls a word until it shows nffn adds (nffn < 256,
-//      the host checks). A stale word cannot show nffn: the store it replaced is ordered before every reader by the
+//      that barrier, the FFN blocks' adds carry the count, and the next staging re-polls a word until it shows nffn
+//      adds (nffn < 256, the host checks). A stale word cannot show nffn: the store it replaced is ordered before every reader by the
 //      fenced o barrier, and a layer's stores come after the owner's own staging saw every add of the layer before.
 //   8 (with 4; session 16): bars 2 and 3 relaxed too, their data as 32-bit words (the fp32 value truncated to its top
 //      24 bits: 16 significant bits; then the tag's low 8 bits): the merge output for the o staging and x + o (the o
 //      owners' rows) for the gate|up staging: the bytes of today's fp32 rows, the stagings re-poll stale words (a word
 //      is rewritten every layer and the tag grows by one per layer, so 8 bits tell this layer's from any earlier one).
-//      The o owners ADD fx(x + o) - (the value they read at the q|k|v staging) into the one buffer X (count + 1: adds commute with the FFN blocks'; layer 0 stores behind its fenced o barrier), so
-//      the next staging expects nffn + l (nffn + 1) adds after layer l. The two stagings' inputs keep 16 significant
+//      The o owners ADD fx(x + o) - (the value they read at the q|k|v staging) into the one buffer X (count + 1: adds
+//      commute with the FFN blocks'; layer 0 stores behind its fenced o barrier), so the next staging expects nffn + l (nffn + 1) adds after layer l. The two stagings' inputs keep 16 significant
 //      bits (truncated: relative error < 2^-15; the stagings convert to fp16 hi + lo, 22 bits, or two int8 terms, ~15
 //      bits). v19 = bits 4 + 8 (session 16: -2.9% per step against v18, logits within 2.1e-4 of v18's).
 //   16 (with 8; session 16, EXPERIMENT): no counter at all at the barrier after o for layers > 0: the gate|up staging
@@ -677,8 +677,8 @@ __device__ __forceinline__ void ld_tagged8(const uint32_t* w, uint32_t tag, floa
   a = make_float4(__uint_as_float(u[0].x), __uint_as_float(u[0].z), __uint_as_float(u[1].x), __uint_as_float(u[1].z));
   b = make_float4(__uint_as_float(u[2].x), __uint_as_float(u[2].z), __uint_as_float(u[3].x), __uint_as_float(u[3].z));
 }
-// MK_NOFENCE bit 8: 32-bit words (fp32 value truncated to 24 bits, low 8 bits of the tag), after the q|k|v and attention words of MAX_M
-// tokens: the attention output [MAX_M][nh D], then x + o [MAX_M][H] (word offsets into p.qkvt)
+// MK_NOFENCE bit 8: 32-bit words (fp32 value truncated to 24 bits, low 8 bits of the tag), after the q|k|v and
+// attention words of MAX_M tokens: the attention output [MAX_M][nh D], then x + o [MAX_M][H] (word offsets into p.qkvt)
 __device__ __forceinline__ size_t tw24_attn(const Params& p, int m, int i) {
   return (size_t)2 * MAX_M * (2 * p.nh + 2 * p.nkv) * p.D + (size_t)m * p.nh * p.D + i;
 }
@@ -722,7 +722,6 @@ __device__ __forceinline__ void attn_out(const Params& p, int m, int i, float v,
   st_tw24(p.qkvt + tw24_attn(p, m, i), v, tag);
 #endif
 }
-
 __device__ __forceinline__ float ld_tagged(const uint32_t* w, uint32_t tag) {  // spins until the tag is this one
   uint32_t v, tg;
   do {
@@ -1657,9 +1656,7 @@ __device__ void ffn_down_partial(Ctx<M>& c, int layer) {
     const int t = (ci + ch0 < nch ? ci + ch0 : ci + ch0 - nch) * cpt;
     int i0 = warp >= t % NCW ? warp - t % NCW : warp - t % NCW + NCW;  // tile t + i to warp (t + i) mod 15
     // (MK_OHEAD: D[layer & 1]; else the residual X itself)
-    // (MK_NOFENCE: X[(layer + 1) & 1], the next layer's input)
-    unsigned long long* fxr = fx_buf(p, MK_OH1 && p.ohead ? FXB_D + (layer & 1) : FXB_X) +
-                              (size_t)t * TILE_ROWS + gq;
+    unsigned long long* fxr = fx_buf(p, MK_OH1 && p.ohead ? FXB_D + (layer & 1) : FXB_X) + (size_t)t * TILE_ROWS + gq;
     if (MK_DIAG2 & 4096)  // DIAGNOSTIC: private rows per block (wrong answers)
       fxr = reinterpret_cast<unsigned long long*>(p.dpart) + (size_t)f * fx_stride(p) + (size_t)t * TILE_ROWS + gq;
     const size_t fxs = (size_t)fx_stride(p);
@@ -2399,7 +2396,6 @@ __global__ void __launch_bounds__(NT, 1)
   c.misc = misc;
   c.acc = reinterpret_cast<float*>(smem + sl.acc);
   c.own = reinterpret_cast<float*>(smem + sl.own);
-
   c.rope = reinterpret_cast<float*>(smem + sl.rope);
   c.actb = reinterpret_cast<float*>(smem + sl.actb);
   c.parts = reinterpret_cast<float*>(smem + sl.parts);
@@ -2435,7 +2431,9 @@ __global__ void __launch_bounds__(NT, 1)
     const unsigned long long tg = threadIdx.x == 0 ? misc->bar0 + (unsigned long long)p.nblocks * nbar : 0ull;
     if (relaxed) grid_barrier<true>(p, tg); else grid_barrier(p, tg);
   };
-#define MK_GSYNC(bit, nf_ok) gsync_if((MK_BAR_RELAXED & (bit)) || (((MK_NF | ((MK_NF & 8) ? 3 : 0)) & (bit)) && (nf_ok)))
+  // the barriers without a fence: bit 1 after attention, 2 after o, 4 after the down partials (MK_NOFENCE's bit 8 is 1 | 2)
+  constexpr int kFenceFree = (MK_NF & 4) | ((MK_NF & 8) ? 3 : 0);
+#define MK_GSYNC(bit, nf_ok) gsync_if((MK_BAR_RELAXED & (bit)) || ((kFenceFree & (bit)) && (nf_ok)))
 #else
 #define MK_GSYNC(bit, nf_ok) gsync()
 #endif
