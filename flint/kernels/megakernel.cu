@@ -759,6 +759,8 @@ struct Ctx {
 
 #if MK_NF & 8
 // MK_NOFENCE: this block's rows' value in X[b] as it last read or set it ([2][o rows of the block][M] in shared memory)
+// (only b = 0 since the two-buffer form left for a patch; the index by c.fx, fxc[2] and the host's two buffers stay
+// until the next validation: folding them changes the validated v19 SASS)
 template <int M>
 __device__ __forceinline__ long long* own_fx(const Ctx<M>& c, int b) {
   return reinterpret_cast<long long*>(mk_smem + c.misc->ownfx) +
