@@ -42,8 +42,9 @@ for rep in range(2):
     if rep == 1:  # the down partials' duration per block against the SM it ran on (slow blocks: where?)
         sm = mk.block_smids()
         d = t[:, 9] - t[:, 8]
-        order = torch.argsort(d, descending=True).tolist()
-        print("  down partials, slowest 16 blocks (block:sm:us):",
+        nffn = mk.ffn_plan["nffn"] if mk.ffn_plan else len(d)  # (blocks >= nffn have no down partials)
+        order = [b for b in torch.argsort(d, descending=True).tolist() if b < nffn]
+        print("  down partials, slowest 16 FFN blocks (block:sm:us):",
               " ".join(f"{b}:{int(sm[b])}:{d[b]:.2f}" for b in order[:16]))
-        print("  down partials, fastest 8 blocks (block:sm:us):",
-              " ".join(f"{b}:{int(sm[b])}:{d[b]:.2f}" for b in order[-12:-4]))
+        print("  down partials, fastest 8 FFN blocks (block:sm:us):",
+              " ".join(f"{b}:{int(sm[b])}:{d[b]:.2f}" for b in order[-8:]))
