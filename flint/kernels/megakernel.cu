@@ -129,6 +129,23 @@ constexpr bool kIdotMixed = kIdotMask != 0 && kIdotMask != 0x3F;
 #define MK_TMERGE 1
 #endif
 static_assert(MK_TMERGE <= 2, "MK_TMERGE: the merge's registers hold M <= 2");
+// MK_RSTD_REG (EXPERIMENT, session 17, off): at M = 1 the fused RMSNorm's rstd is summed from the warps' partials by
+// every thread itself (15 broadcast shared loads, the same order: the same bits) instead of by thread 0 followed by a
+// second block barrier: one block barrier and one serial step less in the q|k|v and gate|up stagings
+#ifndef MK_RSTD_REG
+#define MK_RSTD_REG 0
+#endif
+// MK_W3_PV4 (EXPERIMENT, session 17, off): MK_ATT_W3's P.V loop over the warp's keys unrolled by 4 (the same adds in
+// the same order: the loads and shuffles of four keys in flight together instead of one key's round trip at a time)
+#ifndef MK_W3_PV4
+#define MK_W3_PV4 0
+#endif
+// MK_TM_W1 (EXPERIMENT, session 17, off): the tagged merge's split weights exp(m_s - max m) once per (row, split)
+// instead of in each of the row's D output threads (9 expf each at ctx 512; the merger's count-to-merge span was
+// 1.0-1.3 us in session 17's trace), one block barrier more
+#ifndef MK_TM_W1
+#define MK_TM_W1 0
+#endif
 // MK_TM_MAX_SPLITS: the most context splits MK_TMERGE merges (registers: one o value and tag per split and
 // thread; more than 12 spills at M = 1). 12 covers Granite to ctx 768; beyond, the counter merge runs. Session 8
 // measured a two-phase merge that fits 16 (MK_TM2, from 0a332c7): no gain at ctx 2048 (+0.7%, inside that
@@ -336,9 +353,47 @@ struct Ring {
 #ifndef MK_INFLIGHT
 #define MK_INFLIGHT 2
 #endif
+// MK_PASS_SKIP (EXPERIMENT, session 17, off): in a matrix stage a warp waits only for the ring units it holds a K part
+// of, instead of passing every unit in order (session 17's trace: a pass of a landed unit costs a warp 0.2-0.3 us, and
+// in gate|up a warp passes 4 units between its two parts). The reducer arrives on the slot's empty barrier for the
+// warps that skip it, after its epilogue. Why a skipped unit cannot confuse the parity waits: the producer issues copy
+// q only after copy q - cap has landed (MK_INFLIGHT) and after its slot's previous lap (copy q - nslots) was consumed,
+// so a warp that saw copy w land knows every copy <= w - cap has landed; waiting for copy q needs copy q - nslots
+// landed (else the parity names the phase before), hence a warp may wait for q iff q - w <= nslots - cap (= D). A
+// stage skips iff that holds for every warp (its first part after the last unit every warp waited for, the gaps
+// between its parts, its tail before the next stage), from per-matrix figures computed once per launch; Ctx::lag
+// carries the distance bound across stages. A skipped unit is never waited for, so no warp can fall a phase behind.
+#if MK_PASS_SKIP && MK_QKV_EARLY  // (MK_PASS_SKIP is defined in mk_common.cuh: MiscSmem holds its figures)
+#error "MK_PASS_SKIP assumes the ring's units in the producer's order (MK_QKV_EARLY steps back over them)"
+#endif
+// MK_WARP_ORDER (EXPERIMENT, session 17, off): the K parts of a matrix stage fill the four schedulers evenly. Warp w
+// issues on scheduler w mod 4, and the dots are bound by each scheduler's issue (13a: ~220 SM clocks per group at
+// 3.75 warps, 295 for a lone warp); part p of item j went to warp (j S + p) mod 15, so with 15 warps the second round
+// starts on scheduler 0 again: gate|up's 24 parts (8 tiles x 3) gave the schedulers 7 / 6 / 6 / 5 parts. With the
+// order 3, 0, 1, 2, 7, 4, 5, 6, 11, 8, 9, 10, 12, 13, 14 (scheduler 3, which has three consumer warps, first in every
+// round of four) they get 6 / 6 / 6 / 6. Warp w holds position pos(w) of that order: part (pos(w) - j S) mod 15.
+#ifndef MK_WARP_ORDER
+#define MK_WARP_ORDER 0
+#endif
+__device__ __forceinline__ int warp_pos(int w) {
+  static_assert(NCW == 15, "MK_WARP_ORDER's order is for 15 consumer warps");
+  return MK_WARP_ORDER && w < 12 ? (w & ~3) + ((w + 1) & 3) : w;
+}
+// MK_DS_INFLIGHT (EXPERIMENT, session 17; default MK_INFLIGHT): the cap for the FFN split-K's down-slice chunks alone
+// (the down phase has no hop to slow down but its own adds, and its chunks may land at the cap's rate)
+#ifndef MK_DS_INFLIGHT
+#define MK_DS_INFLIGHT MK_INFLIGHT
+#endif
+// MK_LM_INFLIGHT (EXPERIMENT, session 17; default MK_INFLIGHT): the cap for the lm_head's copies (the step's last
+// stage: 128 MB at M = 1 on Granite, ~38 us traced against ~29 us of bytes at the read bandwidth; no hop follows
+// but the argmax's)
+#ifndef MK_LM_INFLIGHT
+#define MK_LM_INFLIGHT MK_INFLIGHT
+#endif
+template <int CAP = MK_INFLIGHT>
 __device__ __forceinline__ void inflight_cap(const Ring& ring, int slot, uint32_t lap) {
-  if (!MK_INFLIGHT) return;
-  const int cap = MK_INFLIGHT < ring.nslots ? MK_INFLIGHT : ring.nslots - 1;
+  if (!CAP) return;
+  const int cap = CAP < ring.nslots ? CAP : ring.nslots - 1;
   int s2 = slot - cap;
   uint32_t l2 = lap;
   if (s2 < 0) {
@@ -553,10 +608,11 @@ __device__ __forceinline__ void ring_stamp(const Params& p, int& rseq) {
 #endif
 // One bulk copy into the next ring slot (chunk q: slot q mod nslots on lap q / nslots): once the slot's previous lap
 // is consumed and at most MK_INFLIGHT copies are in flight
+template <int CAP = MK_INFLIGHT>
 __device__ __forceinline__ void ring_copy(const Ring& ring, int& slot, uint32_t& lap, const uint8_t* src,
                                           uint32_t bytes, uint64_t pol RING_ARGS) {
   if (lap > 0) mbar_wait(&ring.empty[slot], (lap - 1) & 1);
-  inflight_cap(ring, slot, lap);
+  inflight_cap<CAP>(ring, slot, lap);
   RING_STAMP();
   mbar_expect_tx(&ring.full[slot], bytes);
   bulk_g2s(ring.slots + (size_t)slot * ring.slot_bytes, src, bytes, &ring.full[slot], pol);
@@ -565,6 +621,7 @@ __device__ __forceinline__ void ring_copy(const Ring& ring, int& slot, uint32_t&
 // One ring slot per tile-segment (16 row-segments), in the consumers' order: segment-major, tiles
 // in order within a segment. Chunk q goes to slot q mod nslots on lap q / nslots, kept as (slot, lap)
 // and stepped (no division per copy: the one producer lane issues every copy of the block).
+template <int CAP = MK_INFLIGHT>
 __device__ void produce_matrix(const Mat& mt, int t0, int t1, int layer, const Ring& ring, int& slot, uint32_t& lap,
                                uint64_t pol RING_ARGS) {
   const uint32_t bytes = (uint32_t)(TILE_ROWS * mt.srb);
@@ -572,7 +629,7 @@ __device__ void produce_matrix(const Mat& mt, int t0, int t1, int layer, const R
   for (int s = 0; s < mt.nseg; ++s) {
     const uint8_t* src = lbase + (long long)s * mt.seg_stride + (long long)t0 * bytes;
     for (int tl = t0; tl < t1; ++tl, src += bytes) {
-      ring_copy(ring, slot, lap, src, bytes, pol RING_PASS);
+      ring_copy<CAP>(ring, slot, lap, src, bytes, pol RING_PASS);
     }
   }
 }
@@ -593,7 +650,7 @@ __device__ void produce_slice(const Mat& mt, int ntl, int cpt, int layer, const 
     const uint8_t* cs = src;
 #endif
     const uint32_t bytes = (uint32_t)min(cpt, ntl - t) * tb;
-    ring_copy(ring, slot, lap, cs, bytes, pol RING_PASS);
+    ring_copy<MK_DS_INFLIGHT>(ring, slot, lap, cs, bytes, pol RING_PASS);
   }
 }
 
@@ -649,7 +706,8 @@ __device__ void producer(const Params& p, const Smem& sl, const Ring& ring, cons
     if (p.nffn) produce_slice(p.mat[MAT_DS], misc->tile1[MAT_DS], sl.ds_cpt, l, ring, slot, lap, pol, fxrot RING_PASS);
     else produce_matrix(p.mat[MAT_D], misc->tile0[MAT_D], misc->tile1[MAT_D], l, ring, slot, lap, pol RING_PASS);
   }
-  produce_matrix(p.mat[MAT_LM], misc->tile0[MAT_LM], misc->tile1[MAT_LM], 0, ring, slot, lap, pol RING_PASS);
+  produce_matrix<MK_LM_INFLIGHT>(p.mat[MAT_LM], misc->tile0[MAT_LM], misc->tile1[MAT_LM], 0, ring, slot, lap,
+                                 pol RING_PASS);
 }
 
 // =====================================================================[4] x staging
@@ -691,10 +749,48 @@ __device__ __forceinline__ uint32_t tw24_word(float v, uint32_t tag) {  // (the 
 __device__ __forceinline__ void st_tw24(uint32_t* w, float v, uint32_t tag) {
   asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(w), "r"(tw24_word(v, tag)) : "memory");
 }
+// MK_POLL2 (EXPERIMENT, session 17; 0 = off, else a stagger in ns): the tagged polls of the o and gate|up stagings
+// (ld_tw24x8) and attention's q poll (ld_tagged) keep two polls in flight, the second issued MK_POLL2 ns after the
+// first, and each failed poll re-issued at once: a poll every ~RTT / 2 instead of every RTT, so a word that lands is
+// seen ~RTT / 4 sooner on average (a blocking poll sees it RTT / 2 + RTT after it lands)
+#ifndef MK_POLL2
+#define MK_POLL2 0
+#endif
+__device__ __forceinline__ void ld_v4x2(const uint32_t* w, uint4 (&u)[2]) {
+#pragma unroll
+  for (int e = 0; e < 2; ++e)
+    asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(u[e].x), "=r"(u[e].y), "=r"(u[e].z), "=r"(u[e].w) : "l"(w + 4 * e) : "memory");
+}
+__device__ __forceinline__ bool tw24_tags_ok(const uint4 (&u)[2], uint32_t t8) {  // the 8 tag bytes, both words
+  const uint32_t g0 = __byte_perm(__byte_perm(u[0].x, u[0].y, 0x0040), __byte_perm(u[0].z, u[0].w, 0x0040), 0x5410);
+  const uint32_t g1 = __byte_perm(__byte_perm(u[1].x, u[1].y, 0x0040), __byte_perm(u[1].z, u[1].w, 0x0040), 0x5410);
+  return g0 == t8 * 0x01010101u && g1 == t8 * 0x01010101u;
+}
 // 8 consecutive words (two 16-byte loads in flight), re-polled until every tag is this one's low 8 bits
 __device__ __forceinline__ void ld_tw24x8(const uint32_t* w, uint32_t tag, float4& a, float4& b) {
   uint4 u[2];
   const uint32_t t8 = tag & 0xffu;
+#if MK_POLL2
+  {
+    uint4 v[2];
+    ld_v4x2(w, u);
+    __nanosleep(MK_POLL2);
+    for (uint32_t spins = 0;; ++spins) {
+      ld_v4x2(w, v);
+      if (tw24_tags_ok(u, t8)) break;
+      ld_v4x2(w, u);
+      if (tw24_tags_ok(v, t8)) {
+        u[0] = v[0];
+        u[1] = v[1];
+        break;
+      }
+      if (spins == (1u << 24)) __trap();
+    }
+  }
+  if (true) {
+  } else
+#endif
   for (uint32_t spins = 0;; ++spins) {
 #pragma unroll
     for (int e = 0; e < 2; ++e)
@@ -724,6 +820,19 @@ __device__ __forceinline__ void attn_out(const Params& p, int m, int i, float v,
 }
 __device__ __forceinline__ float ld_tagged(const uint32_t* w, uint32_t tag) {  // spins until the tag is this one
   uint32_t v, tg;
+#if MK_POLL2
+  {
+    uint32_t v2, tg2;
+    asm volatile("ld.relaxed.gpu.global.v2.u32 {%0, %1}, [%2];" : "=r"(v), "=r"(tg) : "l"(w) : "memory");
+    __nanosleep(MK_POLL2);
+    for (;;) {
+      asm volatile("ld.relaxed.gpu.global.v2.u32 {%0, %1}, [%2];" : "=r"(v2), "=r"(tg2) : "l"(w) : "memory");
+      if (tg == tag) return __uint_as_float(v);
+      asm volatile("ld.relaxed.gpu.global.v2.u32 {%0, %1}, [%2];" : "=r"(v), "=r"(tg) : "l"(w) : "memory");
+      if (tg2 == tag) return __uint_as_float(v2);
+    }
+  }
+#endif
   do {
     asm volatile("ld.relaxed.gpu.global.v2.u32 {%0, %1}, [%2];" : "=r"(v), "=r"(tg) : "l"(w) : "memory");
   } while (tg != tag);
@@ -751,6 +860,10 @@ struct Ctx {
   uint32_t tag0;       // MK_QTAG: the tag of layer 0 in this launch (epoch * L + 1)
 #if MK_WS_ALL
   int wsl;             // MK_WS_ALL: the layer whose stage_x stamps slots 26-28 (-1: none)
+#endif
+#if MK_PASS_SKIP
+  int lag;             // MK_PASS_SKIP: units from any warp's last full wait to the next unit, at most (block-uniform)
+  int skipd;           // MK_PASS_SKIP: D = nslots - the producer's cap (0: no skipping)
 #endif
 #if MK_FX1
   int fx;              // MK_FXRES: the next matvec stage's input is the fixed-point residual (0: not; else fx_code)
@@ -856,6 +969,7 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
   // (FX: whole rows in one round, so its rstd is always fused: the launch refuses H > 8 NCT with MK_FXRES)
   if constexpr (!FX)
     if (norm_w != nullptr && !fused) compute_rstd<M>(*c.p, src, mult, c.misc);
+  float rstd1 = 0.f;  // MK_RSTD_REG (M = 1, fused): this thread's copy of the rstd
   for (int c0 = 0; c0 < total; c0 += NCT * U) {
     float4 v[U][2], wv[U][2];
 #pragma unroll
@@ -974,7 +1088,14 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
       if (M <= 2 && c.wsl >= 0) warp_stamp_raw(*c.p, c.wsl, 26);  // this warp's loads landed and its squares are summed
 #endif
       cbar();
-      finish_rstd<M>(*c.p, c.misc);
+      if (M == 1 && MK_RSTD_REG) {  // every thread sums the warps' partials itself (the same order: the same bits)
+        float s = 0.f;
+#pragma unroll
+        for (int i = 0; i < NCW; ++i) s += c.misc->red[i][0];
+        rstd1 = rsqrtf(s / (float)c.p->H + c.p->eps);
+      } else {
+        finish_rstd<M>(*c.p, c.misc);
+      }
 #if MK_WS_ALL
       if (M <= 2 && c.wsl >= 0) warp_stamp_raw(*c.p, c.wsl, 27);  // the block's rstd is known
 #endif
@@ -991,7 +1112,7 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
       const float x[8] = {v[u][0].x, v[u][0].y, v[u][0].z, v[u][0].w, v[u][1].x, v[u][1].y, v[u][1].z, v[u][1].w};
       const float wx[8] = {wv[u][0].x, wv[u][0].y, wv[u][0].z, wv[u][0].w,
                            wv[u][1].x, wv[u][1].y, wv[u][1].z, wv[u][1].w};
-      const float r = norm_w ? mult * c.misc->rstd[m] : 1.f;
+      const float r = norm_w ? mult * (M == 1 && MK_RSTD_REG && fused ? rstd1 : c.misc->rstd[m]) : 1.f;
       if constexpr (FX) {  // the block's own rows (the o tiling) for the o epilogue, and the fp32 hidden state
         const int k = k0 + 8 * kw, n0 = c.misc->tile0[MAT_O] * TILE_ROWS;
         const int n1 = min(c.misc->tile1[MAT_O] * TILE_ROWS, c.p->H);
@@ -1319,8 +1440,17 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
   // per-unit bookkeeping without integer division (it cost ~0.3 us per unit and warp, bench/mk_units.py):
   // part p of item i runs on warp (i S + p) mod 15, i.e. this warp holds part (warp - i S) mod 15,
   // stepped per item; the K groups of part p are [gtab(p), gtab(p + 1)), one division per lane and stage
-  int part = warp;
+  int part = warp_pos(warp);
   const int gtab = lane < 16 ? c.misc->gbound[mi][lane] : ng;  // ng * lane / S, computed once per launch
+#if MK_PASS_SKIP
+  // skip iff every warp's waits stay within D units of its last one (see MK_PASS_SKIP); block-uniform
+  const int U = nt * mt.nseg, *sk = c.misc->skp[mi];
+  const int lag_out = max(sk[2], sk[3] ? c.lag + U : 0);
+  const bool skip = U > 0 && c.skipd > 0 && sk[1] <= c.skipd && c.lag + sk[0] <= c.skipd && lag_out <= c.skipd;
+  c.lag = skip ? lag_out : U > 0 ? 1 : c.lag;
+#else
+  constexpr bool skip = false;
+#endif
   if (ws) warp_stamp(p, layer, WS_O_ENTER);
   for (int s = 0; s < mt.nseg; ++s) {
     if (s == 0 || !xall) {
@@ -1358,7 +1488,7 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
     for (int j = 0; j < nt; ++j) {
       const int slot = c.slot;
       const uint32_t phase = c.phase;
-      mbar_wait(&c.ring.full[slot], phase);
+      if (!skip || part < S) mbar_wait(&c.ring.full[slot], phase);
 #if MK_WS_ALL
       const int wu = s * nt + j;  // the unit's stamps: 2 + 3 wu (ready), + 1 (part done), + 2 (epilogue done)
       const bool wsu = ws && wu < 8;
@@ -1389,15 +1519,17 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
           if (!MK_WS_ALL && ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j + 2);
           tile_epilogue<M>(c, mi, layer, t0 + j, j, s, pp, S, lane, warp);
           __syncwarp();
+          if (skip) ring_arrive_n(&c.ring.empty[slot], (uint32_t)(1 + NCW - S), lane);  // (its own and the skippers')
           if (!MK_WS_ALL && ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j + 3);
 #if MK_WS_ALL
           if (wsu) warp_stamp_raw(p, layer, 4 + 3 * wu);
 #endif
         } else {
           ring_arrive(&c.ring.parts[slot], lane);
+          if (skip) ring_arrive(&c.ring.empty[slot], lane);
         }
       }
-      ring_arrive(&c.ring.empty[slot], lane);  // (NCT arrivals per phase)
+      if (!skip) ring_arrive(&c.ring.empty[slot], lane);  // (NCT arrivals per phase)
       if (++c.slot == c.ring.nslots) {
         c.slot = 0;
         c.phase ^= 1u;
@@ -1726,6 +1858,9 @@ __device__ void ffn_down_partial(Ctx<M>& c, int layer) {
       c.phase ^= 1u;
     }
   }
+#if MK_PASS_SKIP
+  c.lag = 1;  // (every warp waited for every chunk; nt > 0 here)
+#endif
   DP_STAMP(20);
   // (traced builds only: a block barrier, so that the stamp after this stage is the block's end, not thread 0's warp's;
   // the grid barrier that follows starts with the same block barrier. Session 15, 15k)
@@ -1921,6 +2056,9 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
         const float pj = mx == -INFINITY ? 0.f : expf(sc - mx);
         const float ls = warp_sum(pj);
         float px = 0.f, py = 0.f;  // lane = dim pair
+#if MK_W3_PV4
+#pragma unroll 4
+#endif
         for (int jj = 0; jj < cnt; ++jj) {
           const float pv = __shfl_sync(0xffffffffu, pj, jj);
           const float2 vv = __half22float2(*reinterpret_cast<const __half2*>(Vb + (size_t)(ja + jj) * D + 2 * lane));
@@ -2104,11 +2242,25 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
           wt[2 * (rr * TM_SEQ_SPLITS + s2) + 1] = lv;
         }
         cbar();
+#if MK_TM_W1  // the split weights once per (row, split), in q_s (free after the scores): the same bits as below
+        float* w1 = q_s;  // [R][TM_SEQ_SPLITS]
+        for (int i = t; i < R * nsplit; i += NCT) {
+          const int rr = i / nsplit, s2 = i - rr * nsplit;
+          const float* wr = wt + 2 * rr * TM_SEQ_SPLITS;
+          float mx = -INFINITY;
+          for (int k = 0; k < nsplit; ++k) mx = fmaxf(mx, wr[2 * k]);
+          const float m2 = wr[2 * s2];
+          w1[rr * TM_SEQ_SPLITS + s2] = m2 == -INFINITY ? 0.f : expf(m2 - mx);
+        }
+        cbar();
+#endif
         if (t < R * D) {
           const int r = t / D, d = t - r * D;
           const float* wr = wt + 2 * r * TM_SEQ_SPLITS;
+#if !MK_TM_W1
           float mx = -INFINITY;
           for (int s2 = 0; s2 < nsplit; ++s2) mx = fmaxf(mx, wr[2 * s2]);
+#endif
           float num = 0.f, den = 0.f;
           for (int s0 = 0; s0 < nsplit; s0 += 8) {
             float ov[8];
@@ -2133,8 +2285,12 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
             for (int k = 0; k < 8; ++k) {
               const int s2 = s0 + k;
               if (s2 < nsplit) {
+#if MK_TM_W1
+                const float w2 = w1[r * TM_SEQ_SPLITS + s2];
+#else
                 const float m2 = wr[2 * s2];
                 const float w2 = m2 == -INFINITY ? 0.f : expf(m2 - mx);
+#endif
                 den = fmaf(w2, wr[2 * s2 + 1], den);
                 num = fmaf(w2, ov[k], num);
               }
@@ -2204,7 +2360,36 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
         }
         cbar();
         warp_stamp(p, layer, WS_A_COUNT);  // (MK_TMERGE merger: every (m, l) in shared memory)
-        if (MK_TM_FAST) {
+        if (MK_TM_FAST && MK_TM_W1) {
+          // MK_TM_W1: each split's weight once per row (R x nsplit threads), then the output threads only sum: the
+          // same operations in the same order as below, so the same bits
+          float* w1 = wt + 2 * R * TM_MAX_SPLITS;  // [R][TM_MAX_SPLITS] (s_s holds R x ATT_T floats)
+          if (t < R * nsplit) {
+            const int rr = t / nsplit, s2 = t - rr * nsplit;
+            const float* wr = wt + 2 * rr * TM_MAX_SPLITS;
+            float mx = -INFINITY;
+#pragma unroll
+            for (int k = 0; k < TM_MAX_SPLITS; ++k)
+              if (k < nsplit) mx = fmaxf(mx, wr[2 * k]);
+            const float m2 = wr[2 * s2];
+            w1[rr * TM_MAX_SPLITS + s2] = m2 == -INFINITY ? 0.f : expf(m2 - mx);
+          }
+          cbar();
+          if (t < R * D) {
+            const float* wr = wt + 2 * r * TM_MAX_SPLITS;
+            const float* wv = w1 + r * TM_MAX_SPLITS;
+            float num = 0.f, den = 0.f;
+#pragma unroll
+            for (int s2 = 0; s2 < TM_MAX_SPLITS; ++s2)
+              if (s2 < nsplit) {
+                const float w2 = wv[s2];
+                den = fmaf(w2, wr[2 * s2 + 1], den);
+                num = fmaf(w2, ov[s2], num);
+              }
+            const int hq = kvh * g + r / M, m = r % M;
+            attn_out(p, m, hq * D + d, num / den, qtag);
+          }
+        } else if (MK_TM_FAST) {
           // every output thread weighs its row's splits itself (the same operations in the same order as tm_weights,
           // so the same bits), unrolled so the shared loads and the exponentials overlap: no serial pass on R
           // threads and no block barrier after it
@@ -2319,6 +2504,9 @@ __device__ void o_head_stage(Ctx<M>& c, int layer, const float* const* attn_rows
       c.phase ^= 1u;
     }
   }
+#if MK_PASS_SKIP
+  c.lag = 1;  // (every warp waited for every unit; gq > 0)
+#endif
   if (warp < T && tq == 0) {  // M = 1: lanes tq = 0 hold token 0's rows gr and gr + 8
     unsigned long long* o = fx_buf(p, FXB_O + (layer & 1)) + (size_t)(j * T + warp) * TILE_ROWS + gr;
     fx_red(o, p.res_mult * racc[0]);
@@ -2357,6 +2545,9 @@ __global__ void __launch_bounds__(NT, 1)
     misc->ownfx = sl.own + ((own_tiles * TILE_ROWS * M * 4 + 127) & ~127);
   }
 #endif
+#if MK_PASS_SKIP
+  if (threadIdx.x < NMAT * 4) misc->skp[threadIdx.x >> 2][threadIdx.x & 3] = 0;
+#endif
   if (threadIdx.x < NMAT * 16) {  // the K-group bounds of the S parts of each matrix, once
     const int m = threadIdx.x >> 4, pt = threadIdx.x & 15, S = sl.nparts[m];
     const int ng = p.mat[m].kseg >> p.mat[m].gshift;
@@ -2386,8 +2577,40 @@ __global__ void __launch_bounds__(NT, 1)
     if (threadIdx.x == NCT) producer(p, sl, ring, misc, kFx<M>, MK_OH1 && kFx<M> && p.ohead > 0);
     return;
   }
+#if MK_PASS_SKIP
+  if (threadIdx.x < NMAT * NCW) {  // MK_PASS_SKIP: warp w's parts of matrix m's units, as matvec_stage assigns them
+    const int m = threadIdx.x / NCW, w = threadIdx.x - m * NCW, S = sl.nparts[m];
+    const int U = (misc->tile1[m] - misc->tile0[m]) * p.mat[m].nseg;
+    int part = warp_pos(w), last = -1, first = -1, gap = 0;
+    for (int u = 0; u < U; ++u) {
+      if (part < S) {
+        if (first < 0) first = u;
+        else gap = max(gap, u - last);
+        last = u;
+      }
+      part = part >= S ? part - S : part - S + NCW;
+    }
+    if (U > 0) {
+      if (first < 0) {
+        atomicMax(&misc->skp[m][3], 1);
+      } else {
+        atomicMax(&misc->skp[m][0], first);
+        atomicMax(&misc->skp[m][1], gap);
+        atomicMax(&misc->skp[m][2], U - last);
+      }
+    }
+  }
+  cbar();  // (consumers only: the producer has left)
+#endif
   Ctx<M> c;
   c.p = &p;
+#if MK_PASS_SKIP
+  {
+    const int cap = max(max(MK_INFLIGHT, MK_DS_INFLIGHT), MK_LM_INFLIGHT);
+    c.skipd = MK_INFLIGHT && MK_DS_INFLIGHT && MK_LM_INFLIGHT ? ring.nslots - min(cap, ring.nslots - 1) : 0;
+    c.lag = 1;  // (a virtual wait at unit -1: the first lap needs none)
+  }
+#endif
 #if MK_WS_ALL
   c.wsl = -1;
 #endif
@@ -2615,6 +2838,9 @@ __global__ void __launch_bounds__(NT, 1)
       if (v > bv || (v == bv && ix < bi)) { bv = v; bi = ix; }
     }
     p.argmax[threadIdx.x] = bi;
+#if MK_ARGMAX_OUT
+    if (p.argmax_out != nullptr) p.argmax_out[threadIdx.x] = bi;
+#endif
   }
 #if MK_OH1
   if (oh && c.misc->flag) {  // every block is done: the last layer's O and D to zero for the next launch

@@ -344,10 +344,18 @@ extern "C" int flint_mk_greedy_run(void* hv, int token, int pos, int n, long lon
     return 1;
   }
   for (int i = 0; i < n; ++i) {
+#if MK_ARGMAX_OUT
+    h->p.argmax_out = hist + i;  // (the launch copies the parameters: each launch writes its own entry)
+#endif
     int e = i == 0 ? launch(h, 1, pos, nullptr, token, s) : launch(h, 1, pos + i, hist + (i - 1), 0, s);
+#if MK_ARGMAX_OUT
+    h->p.argmax_out = nullptr;
+#endif
     if (e) return e;
+#if !MK_ARGMAX_OUT
     if ((e = cudaMemcpyAsync(hist + i, h->p.argmax, sizeof(int), cudaMemcpyDeviceToDevice, s)))
       return cuda_fail("megakernel greedy_run argmax copy", e);
+#endif
   }
   return 0;
 }

@@ -50,6 +50,11 @@ struct Mat {
   int ntiles;              // N / TILE_ROWS
 };
 
+// MK_ARGMAX_OUT (session 17): greedy_run's launches write their argmax into the history themselves (Params::argmax_out)
+// instead of a 4-byte device-to-device copy queued between every two launches
+#ifndef MK_ARGMAX_OUT
+#define MK_ARGMAX_OUT 0
+#endif
 struct Params {
   Mat mat[NMAT];
   int H, I, nh, nkv, D, L, V, max_seq, use_rope, nblocks, dbg;  // dbg bit 0: skip dot (timing)
@@ -82,6 +87,9 @@ struct Params {
   // MK_OHEAD (M = 1, FFN split-K): blocks per kv head of the o projection by head (0: off); mat[MAT_D] then holds
   // o's per-q-head column slices [L][nh][H tiles x 16][srb] (repack_down_slices' layout)
   int ohead;
+#if MK_ARGMAX_OUT
+  long long* argmax_out;  // greedy_run (M = 1): where this launch also writes its argmax (as int64), or nullptr
+#endif
 };
 
 // Shared-memory layout (byte offsets) and per-matrix work split, computed on the host per M.
@@ -90,6 +98,10 @@ struct Params {
 // v18: 4 (the barrier after the down partials); v19: 12 (also the barriers after attention and after o).
 #ifndef MK_NOFENCE
 #define MK_NOFENCE 12
+#endif
+// MK_PASS_SKIP (session 17, experiment; megakernel.cu says what it does): warps skip the ring units they hold no part of
+#ifndef MK_PASS_SKIP
+#define MK_PASS_SKIP 0
 #endif
 
 struct Smem {
@@ -130,6 +142,10 @@ struct MiscSmem {
                     // later parameters in every build)
 #endif
   uint8_t gbound[NMAT][16];  // K-group bound of part p of each matrix (ng * p / S, p <= S; once per launch)
+#if MK_PASS_SKIP
+  int skp[NMAT][4];  // MK_PASS_SKIP, per matrix over the warps (once per launch): the latest first part, the widest gap
+                     // between parts, the widest tail after the last part (units), 1 if a warp holds no part
+#endif
   unsigned long long bar0;   // MK_BAR_SMEM: the grid barrier counter's base for this launch (read by thread 0 only)
 };
 
