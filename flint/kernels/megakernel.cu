@@ -140,11 +140,12 @@ static_assert(MK_TMERGE <= 2, "MK_TMERGE: the merge's registers hold M <= 2");
 #ifndef MK_W3_PV4
 #define MK_W3_PV4 0
 #endif
-// MK_TM_W1 (EXPERIMENT, session 17, off): the tagged merge's split weights exp(m_s - max m) once per (row, split)
-// instead of in each of the row's D output threads (9 expf each at ctx 512; the merger's count-to-merge span was
-// 1.0-1.3 us in session 17's trace), one block barrier more
+// MK_TM_W1 (session 17, on since v20): the tagged merges' split weights exp(m_s - max m) once per (row, split)
+// instead of in each of the row's D output threads (9 expf each at ctx 512, 16 at 2048; the merger's count-to-merge
+// span was 1.0-1.3 us in session 17's trace), one block barrier more; same-call A/Bs: -1.1 to -1.2% per step at ctx
+// 512, -2.4% at ctx 2048, bitwise equal
 #ifndef MK_TM_W1
-#define MK_TM_W1 0
+#define MK_TM_W1 1
 #endif
 // MK_TM_MAX_SPLITS: the most context splits MK_TMERGE merges (registers: one o value and tag per split and
 // thread; more than 12 spills at M = 1). 12 covers Granite to ctx 768; beyond, the counter merge runs. Session 8
