@@ -27,14 +27,16 @@ REASONS = ["barrier", "branch_resolving", "dispatch", "drain", "imc", "lg", "lon
            "misc", "no_inst", "not_selected", "selected", "short_sb", "sleep", "tex", "wait"]
 
 
-def line_table(m: int) -> list[tuple[str, int]]:
-    """(file, line) of every instruction of decode_kernel<m>, in address order."""
+def line_table(m: int, gu8: bool = False) -> list[tuple[str, int]]:
+    """(file, line) of every instruction of decode_kernel<m> (gu8: the M = 1 object with gate|up's integer dot, which
+    the backend launches for models in groups of 128), in address order."""
     src = ROOT / "flint" / "kernels" / "megakernel.cu"
     with tempfile.TemporaryDirectory() as td:
         cub = Path(td) / "mk.cubin"
         flags = [f for f in NVCC_FLAGS if f not in ("-c",)]
-        subprocess.run([find_nvcc(), *flags, f"-DFLINT_MK_M={m}", "-cubin", str(src), "-o", str(cub)], check=True,
-                       capture_output=True)
+        extra = ["-DFLINT_MK_GU8=1"] if gu8 else []
+        subprocess.run([find_nvcc(), *flags, f"-DFLINT_MK_M={m}", *extra, "-cubin", str(src), "-o", str(cub)],
+                       check=True, capture_output=True)
         text = subprocess.run(["nvdisasm", "-g", "-c", str(cub)], check=True, capture_output=True, text=True).stdout
     out, cur, inside = [], ("?", 0), False
     for ln in text.splitlines():
@@ -58,13 +60,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("csv")
     ap.add_argument("--m", type=int, default=1)
+    ap.add_argument("--gu8", action="store_true", help="the M = 1 object with gate|up's integer dot (G128 models)")
     ap.add_argument("--top", type=int, default=40)
     a = ap.parse_args()
     rows = list(csv.reader(open(a.csv)))
     hdr = rows[1]
     col = {h: i for i, h in enumerate(hdr)}
     ins = [r for r in rows[2:] if len(r) == len(hdr) and r[0].startswith("0x")]
-    table = line_table(a.m)
+    table = line_table(a.m, a.gu8)
     if len(table) != len(ins):
         sys.exit(f"mk_stalls: {a.csv}: {len(ins)} SASS instructions, this source's decode_kernel<{a.m}> has "
                  f"{len(table)}: profile and analyse the same source")
