@@ -54,6 +54,10 @@ static int fail(const char* msg, int code = 1) {
   snprintf(g_err, sizeof(g_err), "%s", msg);
   return code ? code : 1;
 }
+// MK_DS_CPT_EVEN (EXPERIMENT, session 17, off): the FFN split-K's down-slice chunks of equal size (see its use)
+#ifndef MK_DS_CPT_EVEN
+#define MK_DS_CPT_EVEN 0
+#endif
 static int cuda_fail(const char* what, int e) {
   snprintf(g_err, sizeof(g_err), "%s: %s (%d)", what, cudaGetErrorString((cudaError_t)e), e);
   return e ? e : 1;
@@ -229,6 +233,15 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
     }
     s.xstride = mkmma::mma_x_stride_bytes(kx);
     s.ds_cpt = p.nffn ? slot / (mk::TILE_ROWS * p.mat[mk::MAT_DS].srb) : 0;
+#if MK_DS_CPT_EVEN
+    // (session 17) chunks of equal size: a slot holds 34 of Granite's 640-byte slice tiles, so 160 tiles were 4 x 34
+    // + 24 and the blocks that start at the short chunk (f mod 5 = 4) were the down phase's slowest in two traces;
+    // the fewest chunks that fit a slot, split evenly (32 each)
+    if (s.ds_cpt > 0) {
+      const int ntl = p.mat[mk::MAT_DS].ntiles, nch = cdiv(ntl, s.ds_cpt);
+      s.ds_cpt = cdiv(ntl, nch);
+    }
+#endif
     const int own_tiles = cdiv(p.mat[mk::MAT_O].ntiles, p.nblocks);
     int off = 0;
     s.bars = off; off += al(3 * mk::MAX_SLOTS * 8);
