@@ -135,6 +135,11 @@ static_assert(MK_TMERGE <= 2, "MK_TMERGE: the merge's registers hold M <= 2");
 #ifndef MK_RSTD_REG
 #define MK_RSTD_REG 0
 #endif
+// MK_ATT_ROT (DIAGNOSTIC, session 17; 0 = off): attention item i runs on block (i + MK_ATT_ROT) mod grid instead of
+// block i, to tell effects of running attention from effects of the block's id (the down phase's slow first chunk)
+#ifndef MK_ATT_ROT
+#define MK_ATT_ROT 0
+#endif
 // MK_W3_PV4 (EXPERIMENT, session 17, off): MK_ATT_W3's P.V loop over the warp's keys unrolled by 4 (the same adds in
 // the same order: the loads and shuffles of four keys in flight together instead of one key's round trip at a time)
 #ifndef MK_W3_PV4
@@ -1978,7 +1983,12 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
   float* s_s = o_s + R * D;                                 // [R][ATT_T]
   MiscSmem* ms = c.misc;
 
+#if MK_ATT_ROT  // (a diagnostic of session 17: item i runs on block (i + MK_ATT_ROT) mod grid)
+  for (int item = ((int)blockIdx.x + (int)gridDim.x - MK_ATT_ROT % (int)gridDim.x) % (int)gridDim.x; item < nitems;
+       item += gridDim.x) {
+#else
   for (int item = blockIdx.x; item < nitems; item += gridDim.x) {
+#endif
     warp_stamp(p, layer, WS_A_ENTER);
     const int kvh = item / nsplit, sp = item % nsplit;
     const int t0 = sp * tps, t1 = min(ntiles, t0 + tps);
