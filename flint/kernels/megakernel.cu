@@ -18,6 +18,9 @@
 // Measured and removed in session 5 (reproducible from 0117668 with bench/mk_variants.py): MK_SKIP2
 // (warps skip units without a part, made safe by per-slot counters: +1.2%) and MK_RSTD_TREE (rstd
 // by a fixed tree in every staging thread: noise).
+// Measured and removed in session 17 (flint/kernels/dev/experiments/17_skip_order_poll2_rstd.patch restores them,
+// off): MK_PASS_SKIP (+3.2%: a proof-based form of session 5's MK_SKIP2), MK_WARP_ORDER (+0.75%), MK_POLL2 (+2 to
+// +4%), MK_RSTD_REG (+0.9%: session 5's MK_RSTD_TREE in another form).
 // Measured and removed in session 6 (reproducible from 80bb088 with bench/mk_variants.py; numbers in
 // bench/results/mk_ab_session6_2026-11-29.log): MK_DS_PREFETCH (down slices into L2 during attention:
 // +5.5%), MK_PACKED_NOZERO (4 FADD less per group: +1.7%, noise), MK_ATT_PRE (attention's old K/V rows in
@@ -129,12 +132,6 @@ constexpr bool kIdotMixed = kIdotMask != 0 && kIdotMask != 0x3F;
 #define MK_TMERGE 1
 #endif
 static_assert(MK_TMERGE <= 2, "MK_TMERGE: the merge's registers hold M <= 2");
-// MK_RSTD_REG (EXPERIMENT, session 17, off): at M = 1 the fused RMSNorm's rstd is summed from the warps' partials by
-// every thread itself (15 broadcast shared loads, the same order: the same bits) instead of by thread 0 followed by a
-// second block barrier: one block barrier and one serial step less in the q|k|v and gate|up stagings
-#ifndef MK_RSTD_REG
-#define MK_RSTD_REG 0
-#endif
 // MK_ATT_ROT (DIAGNOSTIC, session 17; 0 = off): attention item i runs on block (i + MK_ATT_ROT) mod grid instead of
 // block i, to tell effects of running attention from effects of the block's id (the down phase's slow first chunk)
 #ifndef MK_ATT_ROT
@@ -359,32 +356,6 @@ struct Ring {
 #ifndef MK_INFLIGHT
 #define MK_INFLIGHT 2
 #endif
-// MK_PASS_SKIP (EXPERIMENT, session 17, off): in a matrix stage a warp waits only for the ring units it holds a K part
-// of, instead of passing every unit in order (session 17's trace: a pass of a landed unit costs a warp 0.2-0.3 us, and
-// in gate|up a warp passes 4 units between its two parts). The reducer arrives on the slot's empty barrier for the
-// warps that skip it, after its epilogue. Why a skipped unit cannot confuse the parity waits: the producer issues copy
-// q only after copy q - cap has landed (MK_INFLIGHT) and after its slot's previous lap (copy q - nslots) was consumed,
-// so a warp that saw copy w land knows every copy <= w - cap has landed; waiting for copy q needs copy q - nslots
-// landed (else the parity names the phase before), hence a warp may wait for q iff q - w <= nslots - cap (= D). A
-// stage skips iff that holds for every warp (its first part after the last unit every warp waited for, the gaps
-// between its parts, its tail before the next stage), from per-matrix figures computed once per launch; Ctx::lag
-// carries the distance bound across stages. A skipped unit is never waited for, so no warp can fall a phase behind.
-#if MK_PASS_SKIP && MK_QKV_EARLY  // (MK_PASS_SKIP is defined in mk_common.cuh: MiscSmem holds its figures)
-#error "MK_PASS_SKIP assumes the ring's units in the producer's order (MK_QKV_EARLY steps back over them)"
-#endif
-// MK_WARP_ORDER (EXPERIMENT, session 17, off): the K parts of a matrix stage fill the four schedulers evenly. Warp w
-// issues on scheduler w mod 4, and the dots are bound by each scheduler's issue (13a: ~220 SM clocks per group at
-// 3.75 warps, 295 for a lone warp); part p of item j went to warp (j S + p) mod 15, so with 15 warps the second round
-// starts on scheduler 0 again: gate|up's 24 parts (8 tiles x 3) gave the schedulers 7 / 6 / 6 / 5 parts. With the
-// order 3, 0, 1, 2, 7, 4, 5, 6, 11, 8, 9, 10, 12, 13, 14 (scheduler 3, which has three consumer warps, first in every
-// round of four) they get 6 / 6 / 6 / 6. Warp w holds position pos(w) of that order: part (pos(w) - j S) mod 15.
-#ifndef MK_WARP_ORDER
-#define MK_WARP_ORDER 0
-#endif
-__device__ __forceinline__ int warp_pos(int w) {
-  static_assert(NCW == 15, "MK_WARP_ORDER's order is for 15 consumer warps");
-  return MK_WARP_ORDER && w < 12 ? (w & ~3) + ((w + 1) & 3) : w;
-}
 // MK_DS_INFLIGHT (EXPERIMENT, session 17; default MK_INFLIGHT): the cap for the FFN split-K's down-slice chunks alone
 // (the down phase has no hop to slow down but its own adds, and its chunks may land at the cap's rate)
 #ifndef MK_DS_INFLIGHT
@@ -755,48 +726,10 @@ __device__ __forceinline__ uint32_t tw24_word(float v, uint32_t tag) {  // (the 
 __device__ __forceinline__ void st_tw24(uint32_t* w, float v, uint32_t tag) {
   asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(w), "r"(tw24_word(v, tag)) : "memory");
 }
-// MK_POLL2 (EXPERIMENT, session 17; 0 = off, else a stagger in ns): the tagged polls of the o and gate|up stagings
-// (ld_tw24x8) and attention's q poll (ld_tagged) keep two polls in flight, the second issued MK_POLL2 ns after the
-// first, and each failed poll re-issued at once: a poll every ~RTT / 2 instead of every RTT, so a word that lands is
-// seen ~RTT / 4 sooner on average (a blocking poll sees it RTT / 2 + RTT after it lands)
-#ifndef MK_POLL2
-#define MK_POLL2 0
-#endif
-__device__ __forceinline__ void ld_v4x2(const uint32_t* w, uint4 (&u)[2]) {
-#pragma unroll
-  for (int e = 0; e < 2; ++e)
-    asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(u[e].x), "=r"(u[e].y), "=r"(u[e].z), "=r"(u[e].w) : "l"(w + 4 * e) : "memory");
-}
-__device__ __forceinline__ bool tw24_tags_ok(const uint4 (&u)[2], uint32_t t8) {  // the 8 tag bytes, both words
-  const uint32_t g0 = __byte_perm(__byte_perm(u[0].x, u[0].y, 0x0040), __byte_perm(u[0].z, u[0].w, 0x0040), 0x5410);
-  const uint32_t g1 = __byte_perm(__byte_perm(u[1].x, u[1].y, 0x0040), __byte_perm(u[1].z, u[1].w, 0x0040), 0x5410);
-  return g0 == t8 * 0x01010101u && g1 == t8 * 0x01010101u;
-}
 // 8 consecutive words (two 16-byte loads in flight), re-polled until every tag is this one's low 8 bits
 __device__ __forceinline__ void ld_tw24x8(const uint32_t* w, uint32_t tag, float4& a, float4& b) {
   uint4 u[2];
   const uint32_t t8 = tag & 0xffu;
-#if MK_POLL2
-  {
-    uint4 v[2];
-    ld_v4x2(w, u);
-    __nanosleep(MK_POLL2);
-    for (uint32_t spins = 0;; ++spins) {
-      ld_v4x2(w, v);
-      if (tw24_tags_ok(u, t8)) break;
-      ld_v4x2(w, u);
-      if (tw24_tags_ok(v, t8)) {
-        u[0] = v[0];
-        u[1] = v[1];
-        break;
-      }
-      if (spins == (1u << 24)) __trap();
-    }
-  }
-  if (true) {
-  } else
-#endif
   for (uint32_t spins = 0;; ++spins) {
 #pragma unroll
     for (int e = 0; e < 2; ++e)
@@ -826,19 +759,6 @@ __device__ __forceinline__ void attn_out(const Params& p, int m, int i, float v,
 }
 __device__ __forceinline__ float ld_tagged(const uint32_t* w, uint32_t tag) {  // spins until the tag is this one
   uint32_t v, tg;
-#if MK_POLL2
-  {
-    uint32_t v2, tg2;
-    asm volatile("ld.relaxed.gpu.global.v2.u32 {%0, %1}, [%2];" : "=r"(v), "=r"(tg) : "l"(w) : "memory");
-    __nanosleep(MK_POLL2);
-    for (;;) {
-      asm volatile("ld.relaxed.gpu.global.v2.u32 {%0, %1}, [%2];" : "=r"(v2), "=r"(tg2) : "l"(w) : "memory");
-      if (tg == tag) return __uint_as_float(v);
-      asm volatile("ld.relaxed.gpu.global.v2.u32 {%0, %1}, [%2];" : "=r"(v), "=r"(tg) : "l"(w) : "memory");
-      if (tg2 == tag) return __uint_as_float(v2);
-    }
-  }
-#endif
   do {
     asm volatile("ld.relaxed.gpu.global.v2.u32 {%0, %1}, [%2];" : "=r"(v), "=r"(tg) : "l"(w) : "memory");
   } while (tg != tag);
@@ -866,10 +786,6 @@ struct Ctx {
   uint32_t tag0;       // MK_QTAG: the tag of layer 0 in this launch (epoch * L + 1)
 #if MK_WS_ALL
   int wsl;             // MK_WS_ALL: the layer whose stage_x stamps slots 26-28 (-1: none)
-#endif
-#if MK_PASS_SKIP
-  int lag;             // MK_PASS_SKIP: units from any warp's last full wait to the next unit, at most (block-uniform)
-  int skipd;           // MK_PASS_SKIP: D = nslots - the producer's cap (0: no skipping)
 #endif
 #if MK_FX1
   int fx;              // MK_FXRES: the next matvec stage's input is the fixed-point residual (0: not; else fx_code)
@@ -975,7 +891,6 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
   // (FX: whole rows in one round, so its rstd is always fused: the launch refuses H > 8 NCT with MK_FXRES)
   if constexpr (!FX)
     if (norm_w != nullptr && !fused) compute_rstd<M>(*c.p, src, mult, c.misc);
-  float rstd1 = 0.f;  // MK_RSTD_REG (M = 1, fused): this thread's copy of the rstd
   for (int c0 = 0; c0 < total; c0 += NCT * U) {
     float4 v[U][2], wv[U][2];
 #pragma unroll
@@ -1094,14 +1009,7 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
       if (M <= 2 && c.wsl >= 0) warp_stamp_raw(*c.p, c.wsl, 26);  // this warp's loads landed and its squares are summed
 #endif
       cbar();
-      if (M == 1 && MK_RSTD_REG) {  // every thread sums the warps' partials itself (the same order: the same bits)
-        float s = 0.f;
-#pragma unroll
-        for (int i = 0; i < NCW; ++i) s += c.misc->red[i][0];
-        rstd1 = rsqrtf(s / (float)c.p->H + c.p->eps);
-      } else {
-        finish_rstd<M>(*c.p, c.misc);
-      }
+      finish_rstd<M>(*c.p, c.misc);
 #if MK_WS_ALL
       if (M <= 2 && c.wsl >= 0) warp_stamp_raw(*c.p, c.wsl, 27);  // the block's rstd is known
 #endif
@@ -1118,7 +1026,7 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
       const float x[8] = {v[u][0].x, v[u][0].y, v[u][0].z, v[u][0].w, v[u][1].x, v[u][1].y, v[u][1].z, v[u][1].w};
       const float wx[8] = {wv[u][0].x, wv[u][0].y, wv[u][0].z, wv[u][0].w,
                            wv[u][1].x, wv[u][1].y, wv[u][1].z, wv[u][1].w};
-      const float r = norm_w ? mult * (M == 1 && MK_RSTD_REG && fused ? rstd1 : c.misc->rstd[m]) : 1.f;
+      const float r = norm_w ? mult * c.misc->rstd[m] : 1.f;
       if constexpr (FX) {  // the block's own rows (the o tiling) for the o epilogue, and the fp32 hidden state
         const int k = k0 + 8 * kw, n0 = c.misc->tile0[MAT_O] * TILE_ROWS;
         const int n1 = min(c.misc->tile1[MAT_O] * TILE_ROWS, c.p->H);
@@ -1446,17 +1354,8 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
   // per-unit bookkeeping without integer division (it cost ~0.3 us per unit and warp, bench/mk_units.py):
   // part p of item i runs on warp (i S + p) mod 15, i.e. this warp holds part (warp - i S) mod 15,
   // stepped per item; the K groups of part p are [gtab(p), gtab(p + 1)), one division per lane and stage
-  int part = warp_pos(warp);
+  int part = warp;
   const int gtab = lane < 16 ? c.misc->gbound[mi][lane] : ng;  // ng * lane / S, computed once per launch
-#if MK_PASS_SKIP
-  // skip iff every warp's waits stay within D units of its last one (see MK_PASS_SKIP); block-uniform
-  const int U = nt * mt.nseg, *sk = c.misc->skp[mi];
-  const int lag_out = max(sk[2], sk[3] ? c.lag + U : 0);
-  const bool skip = U > 0 && c.skipd > 0 && sk[1] <= c.skipd && c.lag + sk[0] <= c.skipd && lag_out <= c.skipd;
-  c.lag = skip ? lag_out : U > 0 ? 1 : c.lag;
-#else
-  constexpr bool skip = false;
-#endif
   if (ws) warp_stamp(p, layer, WS_O_ENTER);
   for (int s = 0; s < mt.nseg; ++s) {
     if (s == 0 || !xall) {
@@ -1494,7 +1393,7 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
     for (int j = 0; j < nt; ++j) {
       const int slot = c.slot;
       const uint32_t phase = c.phase;
-      if (!skip || part < S) mbar_wait(&c.ring.full[slot], phase);
+      mbar_wait(&c.ring.full[slot], phase);
 #if MK_WS_ALL
       const int wu = s * nt + j;  // the unit's stamps: 2 + 3 wu (ready), + 1 (part done), + 2 (epilogue done)
       const bool wsu = ws && wu < 8;
@@ -1525,17 +1424,15 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
           if (!MK_WS_ALL && ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j + 2);
           tile_epilogue<M>(c, mi, layer, t0 + j, j, s, pp, S, lane, warp);
           __syncwarp();
-          if (skip) ring_arrive_n(&c.ring.empty[slot], (uint32_t)(1 + NCW - S), lane);  // (its own and the skippers')
           if (!MK_WS_ALL && ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j + 3);
 #if MK_WS_ALL
           if (wsu) warp_stamp_raw(p, layer, 4 + 3 * wu);
 #endif
         } else {
           ring_arrive(&c.ring.parts[slot], lane);
-          if (skip) ring_arrive(&c.ring.empty[slot], lane);
         }
       }
-      if (!skip) ring_arrive(&c.ring.empty[slot], lane);  // (NCT arrivals per phase)
+      ring_arrive(&c.ring.empty[slot], lane);  // (NCT arrivals per phase)
       if (++c.slot == c.ring.nslots) {
         c.slot = 0;
         c.phase ^= 1u;
@@ -1864,9 +1761,6 @@ __device__ void ffn_down_partial(Ctx<M>& c, int layer) {
       c.phase ^= 1u;
     }
   }
-#if MK_PASS_SKIP
-  c.lag = 1;  // (every warp waited for every chunk; nt > 0 here)
-#endif
   DP_STAMP(20);
   // (traced builds only: a block barrier, so that the stamp after this stage is the block's end, not thread 0's warp's;
   // the grid barrier that follows starts with the same block barrier. Session 15, 15k)
@@ -2515,9 +2409,6 @@ __device__ void o_head_stage(Ctx<M>& c, int layer, const float* const* attn_rows
       c.phase ^= 1u;
     }
   }
-#if MK_PASS_SKIP
-  c.lag = 1;  // (every warp waited for every unit; gq > 0)
-#endif
   if (warp < T && tq == 0) {  // M = 1: lanes tq = 0 hold token 0's rows gr and gr + 8
     unsigned long long* o = fx_buf(p, FXB_O + (layer & 1)) + (size_t)(j * T + warp) * TILE_ROWS + gr;
     fx_red(o, p.res_mult * racc[0]);
@@ -2556,9 +2447,6 @@ __global__ void __launch_bounds__(NT, 1)
     misc->ownfx = sl.own + ((own_tiles * TILE_ROWS * M * 4 + 127) & ~127);
   }
 #endif
-#if MK_PASS_SKIP
-  if (threadIdx.x < NMAT * 4) misc->skp[threadIdx.x >> 2][threadIdx.x & 3] = 0;
-#endif
   if (threadIdx.x < NMAT * 16) {  // the K-group bounds of the S parts of each matrix, once
     const int m = threadIdx.x >> 4, pt = threadIdx.x & 15, S = sl.nparts[m];
     const int ng = p.mat[m].kseg >> p.mat[m].gshift;
@@ -2588,40 +2476,8 @@ __global__ void __launch_bounds__(NT, 1)
     if (threadIdx.x == NCT) producer(p, sl, ring, misc, kFx<M>, MK_OH1 && kFx<M> && p.ohead > 0);
     return;
   }
-#if MK_PASS_SKIP
-  if (threadIdx.x < NMAT * NCW) {  // MK_PASS_SKIP: warp w's parts of matrix m's units, as matvec_stage assigns them
-    const int m = threadIdx.x / NCW, w = threadIdx.x - m * NCW, S = sl.nparts[m];
-    const int U = (misc->tile1[m] - misc->tile0[m]) * p.mat[m].nseg;
-    int part = warp_pos(w), last = -1, first = -1, gap = 0;
-    for (int u = 0; u < U; ++u) {
-      if (part < S) {
-        if (first < 0) first = u;
-        else gap = max(gap, u - last);
-        last = u;
-      }
-      part = part >= S ? part - S : part - S + NCW;
-    }
-    if (U > 0) {
-      if (first < 0) {
-        atomicMax(&misc->skp[m][3], 1);
-      } else {
-        atomicMax(&misc->skp[m][0], first);
-        atomicMax(&misc->skp[m][1], gap);
-        atomicMax(&misc->skp[m][2], U - last);
-      }
-    }
-  }
-  cbar();  // (consumers only: the producer has left)
-#endif
   Ctx<M> c;
   c.p = &p;
-#if MK_PASS_SKIP
-  {
-    const int cap = max(max(MK_INFLIGHT, MK_DS_INFLIGHT), MK_LM_INFLIGHT);
-    c.skipd = MK_INFLIGHT && MK_DS_INFLIGHT && MK_LM_INFLIGHT ? ring.nslots - min(cap, ring.nslots - 1) : 0;
-    c.lag = 1;  // (a virtual wait at unit -1: the first lap needs none)
-  }
-#endif
 #if MK_WS_ALL
   c.wsl = -1;
 #endif

@@ -99,10 +99,6 @@ struct Params {
 #ifndef MK_NOFENCE
 #define MK_NOFENCE 12
 #endif
-// MK_PASS_SKIP (session 17, experiment; megakernel.cu says what it does): warps skip the ring units they hold no part of
-#ifndef MK_PASS_SKIP
-#define MK_PASS_SKIP 0
-#endif
 
 struct Smem {
   int bars;    // 3 * MAX_SLOTS mbarriers (full, empty, parts)
@@ -142,10 +138,6 @@ struct MiscSmem {
                     // later parameters in every build)
 #endif
   uint8_t gbound[NMAT][16];  // K-group bound of part p of each matrix (ng * p / S, p <= S; once per launch)
-#if MK_PASS_SKIP
-  int skp[NMAT][4];  // MK_PASS_SKIP, per matrix over the warps (once per launch): the latest first part, the widest gap
-                     // between parts, the widest tail after the last part (units), 1 if a warp holds no part
-#endif
   unsigned long long bar0;   // MK_BAR_SMEM: the grid barrier counter's base for this launch (read by thread 0 only)
 };
 
