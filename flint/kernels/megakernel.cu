@@ -142,13 +142,6 @@ static_assert(MK_TMERGE <= 2, "MK_TMERGE: the merge's registers hold M <= 2");
 #ifndef MK_W3_PV4
 #define MK_W3_PV4 0
 #endif
-// MK_TM_W1 (session 17, on since v20): the tagged merges' split weights exp(m_s - max m) once per (row, split)
-// instead of in each of the row's D output threads (9 expf each at ctx 512, 16 at 2048; the merger's count-to-merge
-// span was 1.0-1.3 us in session 17's trace), one block barrier more; same-call A/Bs: -1.1 to -1.2% per step at ctx
-// 512, -2.4% at ctx 2048, bitwise equal
-#ifndef MK_TM_W1
-#define MK_TM_W1 1
-#endif
 // MK_TM_MAX_SPLITS: the most context splits MK_TMERGE merges (registers: one o value and tag per split and
 // thread; more than 12 spills at M = 1). 12 covers Granite to ctx 768; beyond, the counter merge runs. Session 8
 // measured a two-phase merge that fits 16 (MK_TM2, from 0a332c7): no gain at ctx 2048 (+0.7%, inside that
@@ -2147,7 +2140,8 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
           wt[2 * (rr * TM_SEQ_SPLITS + s2) + 1] = lv;
         }
         cbar();
-#if MK_TM_W1  // the split weights once per (row, split), in q_s (free after the scores): the same bits as below
+        // the split weights once per (row, split), in q_s (free after the scores; since v20, session 17: each output
+        // thread computed all of them before, 16 expf at ctx 2048)
         float* w1 = q_s;  // [R][TM_SEQ_SPLITS]
         for (int i = t; i < R * nsplit; i += NCT) {
           const int rr = i / nsplit, s2 = i - rr * nsplit;
@@ -2158,14 +2152,9 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
           w1[rr * TM_SEQ_SPLITS + s2] = m2 == -INFINITY ? 0.f : expf(m2 - mx);
         }
         cbar();
-#endif
         if (t < R * D) {
           const int r = t / D, d = t - r * D;
           const float* wr = wt + 2 * r * TM_SEQ_SPLITS;
-#if !MK_TM_W1
-          float mx = -INFINITY;
-          for (int s2 = 0; s2 < nsplit; ++s2) mx = fmaxf(mx, wr[2 * s2]);
-#endif
           float num = 0.f, den = 0.f;
           for (int s0 = 0; s0 < nsplit; s0 += 8) {
             float ov[8];
@@ -2190,12 +2179,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
             for (int k = 0; k < 8; ++k) {
               const int s2 = s0 + k;
               if (s2 < nsplit) {
-#if MK_TM_W1
                 const float w2 = w1[r * TM_SEQ_SPLITS + s2];
-#else
-                const float m2 = wr[2 * s2];
-                const float w2 = m2 == -INFINITY ? 0.f : expf(m2 - mx);
-#endif
                 den = fmaf(w2, wr[2 * s2 + 1], den);
                 num = fmaf(w2, ov[k], num);
               }
@@ -2265,9 +2249,9 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
         }
         cbar();
         warp_stamp(p, layer, WS_A_COUNT);  // (MK_TMERGE merger: every (m, l) in shared memory)
-        if (MK_TM_FAST && MK_TM_W1) {
-          // MK_TM_W1: each split's weight once per row (R x nsplit threads), then the output threads only sum: the
-          // same operations in the same order as below, so the same bits
+        if (MK_TM_FAST) {
+          // each split's weight once per (row, split) (R x nsplit threads), then the output threads only sum (since v20,
+          // session 17: before, each of a row's D output threads computed all its weights, 9 expf at ctx 512; -1.1%)
           float* w1 = wt + 2 * R * TM_MAX_SPLITS;  // [R][TM_MAX_SPLITS] (s_s holds R x ATT_T floats)
           if (t < R * nsplit) {
             const int rr = t / nsplit, s2 = t - rr * nsplit;
@@ -2288,28 +2272,6 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
             for (int s2 = 0; s2 < TM_MAX_SPLITS; ++s2)
               if (s2 < nsplit) {
                 const float w2 = wv[s2];
-                den = fmaf(w2, wr[2 * s2 + 1], den);
-                num = fmaf(w2, ov[s2], num);
-              }
-            const int hq = kvh * g + r / M, m = r % M;
-            attn_out(p, m, hq * D + d, num / den, qtag);
-          }
-        } else if (MK_TM_FAST) {
-          // every output thread weighs its row's splits itself (the same operations in the same order as tm_weights,
-          // so the same bits), unrolled so the shared loads and the exponentials overlap: no serial pass on R
-          // threads and no block barrier after it
-          if (t < R * D) {
-            const float* wr = wt + 2 * r * TM_MAX_SPLITS;
-            float mx = -INFINITY;
-#pragma unroll
-            for (int s2 = 0; s2 < TM_MAX_SPLITS; ++s2)
-              if (s2 < nsplit) mx = fmaxf(mx, wr[2 * s2]);
-            float num = 0.f, den = 0.f;
-#pragma unroll
-            for (int s2 = 0; s2 < TM_MAX_SPLITS; ++s2)
-              if (s2 < nsplit) {
-                const float m2 = wr[2 * s2];
-                const float w2 = m2 == -INFINITY ? 0.f : expf(m2 - mx);
                 den = fmaf(w2, wr[2 * s2 + 1], den);
                 num = fmaf(w2, ov[s2], num);
               }
