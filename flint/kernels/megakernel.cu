@@ -2667,9 +2667,7 @@ __global__ void __launch_bounds__(NT, 1)
       if (v > bv || (v == bv && ix < bi)) { bv = v; bi = ix; }
     }
     p.argmax[threadIdx.x] = bi;
-#if MK_ARGMAX_OUT
     if (p.argmax_out != nullptr) p.argmax_out[threadIdx.x] = bi;
-#endif
   }
 #if MK_OH1
   if (oh && c.misc->flag) {  // every block is done: the last layer's O and D to zero for the next launch

@@ -343,10 +343,9 @@ extern "C" int flint_mk_forward(void* hv, int M, const long long* tokens_dev, in
 }
 
 // Greedy decoding of n tokens with no host round trip between them: step i > 0 reads its input token from
-// hist[i - 1], where the argmax of step i - 1 was copied on the device, so the n launches queue back to back
-// on the stream. hist: n int64 in device memory, zeroed by the caller (each copy fills the low 4 bytes of one
-// entry; token ids are non-negative). Nothing is synchronized here: the caller reads hist when it needs the
-// tokens. Positions pos .. pos + n - 1 are checked before anything is launched.
+// hist[i - 1], where launch i - 1 wrote its argmax (Params::argmax_out, as int64), so the n launches queue back to
+// back on the stream with nothing between them. hist: n int64 in device memory. Nothing is synchronized here: the
+// caller reads hist when it needs the tokens. Positions pos .. pos + n - 1 are checked before anything is launched.
 extern "C" int flint_mk_greedy_run(void* hv, int token, int pos, int n, long long* hist, void* stream) {
   Handle* h = (Handle*)hv;
   cudaStream_t s = (cudaStream_t)stream;
@@ -357,18 +356,10 @@ extern "C" int flint_mk_greedy_run(void* hv, int token, int pos, int n, long lon
     return 1;
   }
   for (int i = 0; i < n; ++i) {
-#if MK_ARGMAX_OUT
     h->p.argmax_out = hist + i;  // (the launch copies the parameters: each launch writes its own entry)
-#endif
     int e = i == 0 ? launch(h, 1, pos, nullptr, token, s) : launch(h, 1, pos + i, hist + (i - 1), 0, s);
-#if MK_ARGMAX_OUT
     h->p.argmax_out = nullptr;
-#endif
     if (e) return e;
-#if !MK_ARGMAX_OUT
-    if ((e = cudaMemcpyAsync(hist + i, h->p.argmax, sizeof(int), cudaMemcpyDeviceToDevice, s)))
-      return cuda_fail("megakernel greedy_run argmax copy", e);
-#endif
   }
   return 0;
 }

@@ -50,11 +50,6 @@ struct Mat {
   int ntiles;              // N / TILE_ROWS
 };
 
-// MK_ARGMAX_OUT (session 17): greedy_run's launches write their argmax into the history themselves (Params::argmax_out)
-// instead of a 4-byte device-to-device copy queued between every two launches
-#ifndef MK_ARGMAX_OUT
-#define MK_ARGMAX_OUT 1
-#endif
 struct Params {
   Mat mat[NMAT];
   int H, I, nh, nkv, D, L, V, max_seq, use_rope, nblocks, dbg;  // dbg bit 0: skip dot (timing)
@@ -87,9 +82,9 @@ struct Params {
   // MK_OHEAD (M = 1, FFN split-K): blocks per kv head of the o projection by head (0: off); mat[MAT_D] then holds
   // o's per-q-head column slices [L][nh][H tiles x 16][srb] (repack_down_slices' layout)
   int ohead;
-#if MK_ARGMAX_OUT
-  long long* argmax_out;  // greedy_run (M = 1): where this launch also writes its argmax (as int64), or nullptr
-#endif
+  // greedy_run (M = 1): where this launch also writes its argmax (as int64), or nullptr (since v20: no device-to-device
+  // copy queued between two launches)
+  long long* argmax_out;
 };
 
 // Shared-memory layout (byte offsets) and per-matrix work split, computed on the host per M.
