@@ -39,6 +39,15 @@ for rep in range(2):
         d = t[:, b] - t[:, a]
         q = torch.quantile(d, torch.tensor([0.0, 0.5, 0.9, 1.0], dtype=torch.float64))
         print(f"  duration {n:8s} min {q[0]:.2f} median {q[1]:.2f} p90 {q[2]:.2f} max {q[3]:.2f}")
+    # the down partials' duration on the blocks that ran an attention item (its stage took > 1 us) against the others
+    # (session 17: the slow first down chunk follows attention)
+    da, dd = t[:, 4] - t[:, 3], t[:, 9] - t[:, 8]
+    nf = mk.ffn_plan["nffn"] if mk.ffn_plan else len(dd)
+    for name, sel in (("attention", da[:nf] > 1.0), ("no attention", da[:nf] <= 1.0)):
+        x = dd[:nf][sel]
+        if len(x):
+            print(f"  down partials, {name} FFN blocks ({len(x)}): min {x.min():.2f} median {x.median():.2f} "
+                  f"mean {x.mean():.2f} max {x.max():.2f}")
     if rep == 1:  # the down partials' duration per block against the SM it ran on (slow blocks: where?)
         sm = mk.block_smids()
         d = t[:, 9] - t[:, 8]

@@ -47,6 +47,20 @@ class BuildError(RuntimeError):
 TRACE_FLAGS = ["-DMK_TRACE=1"]
 
 
+def ptxas_extra() -> list[str]:
+    """ptxas options the kernel source asks for, for the extra objects (the M = 1 gate|up-integer object that Granite's
+    G128 decode runs): `#define MK_REG_USAGE_LEVEL N` in megakernel.cu with N in 0..10 adds `--register-usage-level=N`
+    (ptxas's default is 5; -1 = unset; the other objects spill at most levels). A line of the source, so the source hash covers it
+    and bench/mk_variants.py can set it per variant (session 18: the compile itself moves the step by several %)."""
+    m = re.search(r"^#define MK_REG_USAGE_LEVEL (-?\d+)", (HERE / "megakernel.cu").read_text(), re.M)
+    n = int(m.group(1)) if m else -1
+    if n < 0:
+        return []
+    if n > 10:
+        raise BuildError(f"megakernel.cu: MK_REG_USAGE_LEVEL {n}: ptxas takes 0..10 (or -1: unset)")
+    return [f"-Xptxas=--register-usage-level={n}"]
+
+
 def source_hash(traced: bool = False) -> str:
     h = hashlib.sha256()
     for name in SOURCES:
@@ -142,8 +156,8 @@ def build(force: bool = False, verbose: bool = False, traced: bool = False) -> P
     try:
         jobs = [(f"m{m}", [nvcc, *flags, f"-DFLINT_MK_M={m}", "-c", str(HERE / "megakernel.cu"),
                            "-o", str(tmp / f"mk_m{m}.o")]) for m in M_VALUES]
-        jobs += [(name, [nvcc, *flags, *defs, "-c", str(HERE / "megakernel.cu"), "-o", str(tmp / f"mk_{name}.o")])
-                 for name, defs in EXTRA_OBJECTS]
+        jobs += [(name, [nvcc, *flags, *ptxas_extra(), *defs, "-c", str(HERE / "megakernel.cu"), "-o",
+                         str(tmp / f"mk_{name}.o")]) for name, defs in EXTRA_OBJECTS]
         jobs.append(("host", [nvcc, *flags, "-c", str(HERE / "megakernel_host.cu"), "-o",
                               str(tmp / "mk_host.o")]))
         with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 4)) as ex:

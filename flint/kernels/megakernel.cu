@@ -21,6 +21,11 @@
 // Measured and removed in session 17 (flint/kernels/dev/experiments/17_skip_order_poll2_rstd.patch restores them,
 // off): MK_PASS_SKIP (+3.2%: a proof-based form of session 5's MK_SKIP2), MK_WARP_ORDER (+0.75%), MK_POLL2 (+2 to
 // +4%), MK_RSTD_REG (+0.9%: session 5's MK_RSTD_TREE in another form).
+// Measured and removed in session 18 (flint/kernels/dev/experiments/18_att_mma_noinline_prod_compact.patch restores
+// them, off): MK_ATT_MMA (attention's split on the tensor cores: 0.9985 in MK_ATT_W3's place, +2.4 to +3.2% beside it),
+// MK_ATT_NOINLINE (+13%, spills), MK_PROD_COMPACT (the producer's loops rolled: 0.9992). Session 18's lesson: this
+// kernel's compile moves the step by up to 5% when unexecuted code is added (MK_ATT_MMA = 2); a sub-3% A/B of a kernel
+// change measures the change AND a re-roll of ptxas's allocation and schedule for the whole kernel.
 // Measured and removed in session 6 (reproducible from 80bb088 with bench/mk_variants.py; numbers in
 // bench/results/mk_ab_session6_2026-11-29.log): MK_DS_PREFETCH (down slices into L2 during attention:
 // +5.5%), MK_PACKED_NOZERO (4 FADD less per group: +1.7%, noise), MK_ATT_PRE (attention's old K/V rows in
@@ -75,7 +80,8 @@ constexpr bool kIdotMixed = kIdotMask != 0 && kIdotMask != 0x3F;
 // MK_DIAG (DIAGNOSTIC ONLY, wrong answers, off): what a part of the attention stage costs, by removing it
 // (session 6, bench/results/mk_ab_session6_2026-11-29.log). 1: no merge of the context splits (each split
 // writes its partial and leaves: no counter, no merge); 2: the attention stage skipped; 3: attention's
-// loads and merge kept, its arithmetic skipped; 4: no grid barrier between qkv and attention.
+// loads and merge kept, its arithmetic skipped (session 18: MK_ATT_W3's too); 4: no grid barrier between qkv and
+// attention.
 #ifndef MK_DIAG
 #define MK_DIAG 0
 #endif
@@ -141,6 +147,20 @@ static_assert(MK_TMERGE <= 2, "MK_TMERGE: the merge's registers hold M <= 2");
 // the same order: the loads and shuffles of four keys in flight together instead of one key's round trip at a time)
 #ifndef MK_W3_PV4
 #define MK_W3_PV4 0
+#endif
+// MK_REG_USAGE_LEVEL (session 18; -1 = unset): read by flint/kernels/build.py, not by the compiler: ptxas's
+// --register-usage-level for the M = 1 G128 object (m1gu8; 0..10, ptxas default 5)
+#define MK_REG_USAGE_LEVEL -1
+// MK_DIAG_ICBLOB (DIAGNOSTIC, session 18; 0 = off): blocks >= MK_DIAG_ICBLOB_FROM run MK_DIAG_ICBLOB distinct FFMA
+// instructions (MK_DIAG_ICBLOB * 16 bytes of code, two chains) right after the attention stage, where
+// the blocks without an attention item wait anyway. Test of session 17's hypothesis (17r): if the down phase's slow
+// first chunk on the attention blocks is the instruction cache (attention's code evicting the down loop), this code
+// makes the other blocks' first chunk slow too (traced: mk_blocks / mk_ring).
+#ifndef MK_DIAG_ICBLOB
+#define MK_DIAG_ICBLOB 0
+#endif
+#ifndef MK_DIAG_ICBLOB_FROM
+#define MK_DIAG_ICBLOB_FROM 64
 #endif
 // MK_TM_MAX_SPLITS: the most context splits MK_TMERGE merges (registers: one o value and tag per split and
 // thread; more than 12 spills at M = 1). 12 covers Granite to ctx 768; beyond, the counter merge runs. Session 8
@@ -1931,7 +1951,9 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
         float sc = -INFINITY;
         // (the score loop repeats the general path's below; one shared inline helper gave the same bits but other
         // schedules, M = 2 0.3% slower in 19/20 rounds: bench/results/mk_ab1_session14_2026-11-30.md, k)
-        if (lane < cnt && t0 * ATT_T + j <= start) {
+        if (MK_DIAG == 3) {  // (DIAGNOSTIC: W3's arithmetic skipped, its reductions and merge kept)
+          if (lane < cnt && t0 * ATT_T + j <= start) sc = 0.f;
+        } else if (lane < cnt && t0 * ATT_T + j <= start) {
           const float* qr = q_s + r * D;
           float a0 = 0.f, a1 = 0.f;
 #pragma unroll
@@ -1957,7 +1979,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
 #if MK_W3_PV4
 #pragma unroll 4
 #endif
-        for (int jj = 0; jj < cnt; ++jj) {
+        for (int jj = 0; jj < (MK_DIAG == 3 ? 0 : cnt); ++jj) {
           const float pv = __shfl_sync(0xffffffffu, pj, jj);
           const float2 vv = __half22float2(*reinterpret_cast<const __half2*>(Vb + (size_t)(ja + jj) * D + 2 * lane));
           px = fmaf(pv, vv.x, px);
@@ -2569,6 +2591,17 @@ __global__ void __launch_bounds__(NT, 1)
     if (MK_DIAG != 4 && !MK_QTAG) gsync();
     stamp(l, 3);
     if (MK_DIAG != 2) attention_stage<M>(c, l, uni);
+#if MK_DIAG_ICBLOB
+    if ((int)blockIdx.x >= MK_DIAG_ICBLOB_FROM && threadIdx.x < 32) {  // DIAGNOSTIC: code only (see the macro)
+      float v0 = (float)threadIdx.x, v1 = v0 + 1.f;
+#pragma unroll
+      for (int i = 0; i < MK_DIAG_ICBLOB / 2; ++i) {  // (asm volatile: one FFMA each, two registers)
+        asm volatile("fma.rn.f32 %0, %0, 0f3F800347, 0f3F000000;" : "+f"(v0));
+        asm volatile("fma.rn.f32 %0, %0, 0f3F7FF972, 0fBF000000;" : "+f"(v1));
+      }
+      if (v0 + v1 == 1.2345f) p.argmax[1] = 0;  // (never)
+    }
+#endif
     stamp(l, 4);
 #if MK_OH1
     if (oh) {  // the o projection by kv head: its sums added into O[l & 1], no barrier before it
