@@ -19,7 +19,12 @@
 namespace mk {
 
 // ---- block shape: 15 consumer warps + 1 producer warp (4 warps per SM sub-partition: 128 registers each), one block per SM (cooperative launch)
-constexpr int NCW = 15;
+// MK_NCW (session 18; 15 by default): the consumer warps per block. The launch bounds give each thread 65536 / (32
+// (NCW + 1)) registers: 128 at 15, 136 at 14, 144 at 13 (MK_ATT_W3 needs 3 R <= NCW: off for Granite below 15)
+#ifndef MK_NCW
+#define MK_NCW 15
+#endif
+constexpr int NCW = MK_NCW;
 constexpr int NCT = NCW * 32;
 constexpr int NT = NCT + 32;
 constexpr int TILE_ROWS = 16;       // weight rows per tile (one mma.m16n8k16 A operand)
