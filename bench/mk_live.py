@@ -1,0 +1,127 @@
+"""Register pressure of the megakernel, from the compiler's own liveness (no GPU): compiles one object of
+flint/kernels/megakernel.cu to a cubin with the build's flags, disassembles it with `nvdisasm --print-life-ranges`,
+and reports the live 32-bit registers per source region (max, and the floor: the fewest live anywhere in the region)
+and at every grid-barrier arrival (the values that live across stages).
+
+    python3 bench/mk_live.py [--m 1] [--gu8] [-D MACRO=VALUE ...]
+
+Session 18: in v20's M = 1 G128 object 83-90 registers are live at every grid barrier, of the 128 that
+__launch_bounds__(512, 1) allows; the stages' peaks are 120-121 (the tile dot, matvec_stage, attention_stage). A
+change that adds register demand anywhere re-allocates the whole kernel (docs/megakernel.md, session 18).
+Needs nvcc and nvdisasm on the PATH (the pip wheel nvidia-cuda-nvdisasm has it).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from flint.kernels.build import NVCC_FLAGS, find_nvcc  # noqa: E402
+
+HELPERS = {"cta_fence", "cbar", "warp_sum", "warp_max"}
+
+
+def disassemble(m: int, gu8: bool, defines: list[str]) -> list[tuple[str, int, int]]:
+    """[(file, line, live registers)] per instruction of decode_kernel<m>, in address order."""
+    nvdisasm = shutil.which("nvdisasm")
+    if nvdisasm is None:
+        sys.exit("mk_live: nvdisasm not found on the PATH (pip download nvidia-cuda-nvdisasm, or a CUDA toolkit)")
+    src = ROOT / "flint" / "kernels" / "megakernel.cu"
+    with tempfile.TemporaryDirectory() as td:
+        cub = Path(td) / "mk.cubin"
+        flags = [f for f in NVCC_FLAGS if f not in ("-c",) and not f.startswith("-Xptxas")]
+        extra = (["-DFLINT_MK_GU8=1"] if gu8 else []) + [f"-D{d}" for d in defines]
+        r = subprocess.run([find_nvcc(), *flags, f"-DFLINT_MK_M={m}", *extra, "-cubin", str(src), "-o", str(cub)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            sys.exit(f"mk_live: nvcc failed:\n{r.stderr[-3000:]}")
+        # the line table (-g) and the life ranges (-lrm count) come from two listings of the same code
+        lines = subprocess.run([nvdisasm, "-g", "-c", str(cub)], check=True, capture_output=True, text=True).stdout
+        live = subprocess.run([nvdisasm, "-lrm", "count", "-c", str(cub)], check=True, capture_output=True,
+                              text=True).stdout
+
+    def kernel_body(text: str) -> list[str]:
+        out, inside = [], False
+        for ln in text.splitlines():
+            if ln.startswith(".text."):
+                if inside:
+                    break
+                inside = "decode_kernel" in ln
+                continue
+            if inside:
+                out.append(ln)
+        return out
+
+    where, cur = [], ("?", 0)
+    for ln in kernel_body(lines):
+        mm = re.search(r'//## File "([^"]+)", line (\d+)', ln)
+        if mm:
+            cur = (Path(mm.group(1)).name, int(mm.group(2)))
+            continue
+        mm = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(.*?)\s*;", ln)
+        if mm:
+            where.append((int(mm.group(1), 16), cur, mm.group(2).strip()))
+    # (the life-range listing leaves out the padding after the last EXIT: joined by address)
+    count = {}
+    for ln in kernel_body(live):
+        mm = re.match(r"\s+/\*([0-9a-f]+)\*/.*?//\s*\|\s*(\d+)", ln)
+        if mm:
+            count[int(mm.group(1), 16)] = int(mm.group(2))
+    if len(count) < 0.99 * len(where):
+        sys.exit(f"mk_live: life ranges for {len(count)} of {len(where)} instructions")
+    return [(f, ln, count.get(addr, -1), op) for addr, (f, ln), op in where]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--m", type=int, default=1)
+    ap.add_argument("--gu8", action="store_true", help="the M = 1 object with gate|up's integer dot (G128 models)")
+    ap.add_argument("-D", dest="defines", action="append", default=[], help="MACRO=VALUE for the compile")
+    a = ap.parse_args()
+    ins = disassemble(a.m, a.gu8, a.defines)
+    src = (ROOT / "flint" / "kernels" / "megakernel.cu").read_text().splitlines()
+    starts = []
+    for i, t in enumerate(src, 1):
+        mm = re.match(r"(?:__device__|__global__)[^(]*?(\w+)\(", t)
+        if mm:
+            starts.append((i, mm.group(1)))
+        elif t.startswith("    decode_kernel("):
+            starts.append((i, "decode_kernel"))
+
+    def func(ln: int) -> str:
+        name = "?"
+        for st, nm in starts:
+            if st <= ln:
+                name = nm
+        return name
+
+    peak, floor, n = collections.Counter(), {}, collections.Counter()
+    ctx, bars = "decode_kernel", []
+    for f, ln, c, op in ins:
+        if f == "megakernel.cu" and func(ln) not in HELPERS:
+            ctx = func(ln)
+        region = "tile dot (mk_mma.cuh)" if f == "mk_mma.cuh" else ctx
+        if c >= 0:
+            peak[region] = max(peak[region], c)
+            floor[region] = min(floor.get(region, 999), c)
+            n[region] += 1
+        if region == "grid_barrier" and op.startswith("RED") and c >= 0:
+            bars.append(c)
+    total = len(ins)
+    print(f"decode_kernel<{a.m}>{' (gu8)' if a.gu8 else ''}: {total} instructions; live 32-bit registers per region "
+          "(max / floor / instructions)")
+    for r in sorted(peak, key=lambda k: -peak[k]):
+        print(f"  {r:26s} {peak[r]:4d} {floor[r]:4d} {n[r]:7d}")
+    if bars:
+        print(f"at the grid barriers' arrivals: {sorted(bars)} (the registers that live across stages)")
+
+
+if __name__ == "__main__":
+    main()
