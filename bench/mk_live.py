@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from flint.kernels.build import NVCC_FLAGS, find_nvcc  # noqa: E402
 
-HELPERS = {"cta_fence", "cbar", "warp_sum", "warp_max"}
+sys.path.insert(0, str(ROOT / "bench"))
+from mk_stalls import region_names  # noqa: E402
 
 
 def disassemble(m: int, gu8: bool, defines: list[str]) -> list[tuple[str, int, int]]:
@@ -86,28 +87,9 @@ def main() -> None:
     ap.add_argument("-D", dest="defines", action="append", default=[], help="MACRO=VALUE for the compile")
     a = ap.parse_args()
     ins = disassemble(a.m, a.gu8, a.defines)
-    src = (ROOT / "flint" / "kernels" / "megakernel.cu").read_text().splitlines()
-    starts = []
-    for i, t in enumerate(src, 1):
-        mm = re.match(r"(?:__device__|__global__)[^(]*?(\w+)\(", t)
-        if mm:
-            starts.append((i, mm.group(1)))
-        elif t.startswith("    decode_kernel("):
-            starts.append((i, "decode_kernel"))
-
-    def func(ln: int) -> str:
-        name = "?"
-        for st, nm in starts:
-            if st <= ln:
-                name = nm
-        return name
-
     peak, floor, n = collections.Counter(), {}, collections.Counter()
-    ctx, bars = "decode_kernel", []
-    for f, ln, c, op in ins:
-        if f == "megakernel.cu" and func(ln) not in HELPERS:
-            ctx = func(ln)
-        region = "tile dot (mk_mma.cuh)" if f == "mk_mma.cuh" else ctx
+    bars = []
+    for region, (f, ln, c, op) in zip(region_names([(f, ln) for f, ln, _, _ in ins]), ins):
         if c >= 0:
             peak[region] = max(peak[region], c)
             floor[region] = min(floor.get(region, 999), c)

@@ -56,6 +56,34 @@ def line_table(m: int, gu8: bool = False) -> list[tuple[str, int]]:
     return out
 
 
+def region_names(where: list[tuple[str, int]]) -> list[str]:
+    """The region of each instruction, given its (file, line) in address order: the megakernel.cu function it belongs
+    to; inlined helpers (cbar, warp_sum, the PTX helpers, intrinsics) count for the last megakernel.cu line outside
+    them before it (address order: the caller, approximately); the tile dot (mk_mma.cuh) is its own region."""
+    starts = []
+    for i, t in enumerate((ROOT / "flint" / "kernels" / "megakernel.cu").read_text().splitlines(), 1):
+        mm = re.match(r"(?:__device__|__global__)[^(]*?(\w+)\(", t)
+        if mm:
+            starts.append((i, mm.group(1)))
+        elif t.startswith("    decode_kernel("):
+            starts.append((i, "decode_kernel"))
+    helpers = {"cta_fence", "cbar", "warp_sum", "warp_max"}
+
+    def func(ln: int) -> str:
+        name = "?"
+        for st, nm in starts:
+            if st <= ln:
+                name = nm
+        return name
+
+    out, ctx = [], "decode_kernel"
+    for f, ln in where:
+        if f == "megakernel.cu" and func(ln) not in helpers:
+            ctx = func(ln)
+        out.append("tile dot (mk_mma.cuh)" if f == "mk_mma.cuh" else ctx)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("csv")
@@ -86,35 +114,8 @@ def main() -> None:
     src = {}
     for f in ("megakernel.cu", "mk_mma.cuh", "mk_ptx.cuh"):
         src[f] = (ROOT / "flint" / "kernels" / f).read_text().splitlines()
-    # regions: the megakernel.cu function a sample belongs to; inlined helpers (cbar, warp_sum, the
-    # PTX helpers, intrinsics) count for the last megakernel.cu line outside them before it (address
-    # order: the caller, approximately); the tile dot (mk_mma.cuh) is its own region
-    starts = []
-    for i, t in enumerate(src["megakernel.cu"], 1):
-        mm = re.match(r"(?:__device__|__global__)[^(]*?(\w+)\(", t)
-        if mm:
-            starts.append((i, mm.group(1)))
-        elif t.startswith("    decode_kernel("):
-            starts.append((i, "decode_kernel"))
-    helpers = {"cta_fence", "cbar", "warp_sum", "warp_max"}
-
-    def func(ln: int) -> str:
-        name = "?"
-        for st, nm in starts:
-            if st <= ln:
-                name = nm
-        return name
-
     why_region: dict = collections.defaultdict(lambda: collections.Counter())  # region -> reason -> samples
-    ctx = "decode_kernel"
-    for (f, ln), r in zip(table, ins):
-        if f == "megakernel.cu" and func(ln) not in helpers:
-            ctx = func(ln)
-            where = ctx
-        elif f == "mk_mma.cuh":
-            where = "tile dot (mk_mma.cuh)"
-        else:
-            where = ctx
+    for where, r in zip(region_names(table), ins):
         for k in REASONS:
             if f"stall_{k}" in col:
                 why_region[where][k] += int(float(r[col[f"stall_{k}"]] or 0))
