@@ -26,6 +26,7 @@
 // MK_ATT_NOINLINE (+13%, spills), MK_PROD_COMPACT (the producer's loops rolled: 0.9992). Session 18's lesson: this
 // kernel's compile moves the step by up to 5% when unexecuted code is added (MK_ATT_MMA = 2); a sub-3% A/B of a kernel
 // change measures the change AND a re-roll of ptxas's allocation and schedule for the whole kernel.
+// Kept off in the source: MK_TM_INIT (~20 registers freed at every grid barrier: +2.8%), MK_NCW, MK_DIAG_ICBLOB.
 // Measured and removed in session 6 (reproducible from 80bb088 with bench/mk_variants.py; numbers in
 // bench/results/mk_ab_session6_2026-11-29.log): MK_DS_PREFETCH (down slices into L2 during attention:
 // +5.5%), MK_PACKED_NOZERO (4 FADD less per group: +1.7%, noise), MK_ATT_PRE (attention's old K/V rows in
@@ -147,6 +148,12 @@ static_assert(MK_TMERGE <= 2, "MK_TMERGE: the merge's registers hold M <= 2");
 // the same order: the loads and shuffles of four keys in flight together instead of one key's round trip at a time)
 #ifndef MK_W3_PV4
 #define MK_W3_PV4 0
+#endif
+// MK_TM_INIT (EXPERIMENT, session 18; 0 = off): the 12-split register merge's ov[] and tg[] set to 0 before their
+// predicated loads. nvdisasm's life ranges (bench/mk_live.py) show their ~22 registers live at every grid barrier of
+// v20 (a register whose only writes are predicated is live into them, so across the layer loop's back edge)
+#ifndef MK_TM_INIT
+#define MK_TM_INIT 0
 #endif
 // MK_REG_USAGE_LEVEL (session 18; -1 = unset): read by flint/kernels/build.py, not by the compiler: ptxas's
 // --register-usage-level for the M = 1 G128 object (m1gu8; 0..10, ptxas default 5)
@@ -2224,10 +2231,18 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
       } else {  // split 0's block merges: its own partial from shared memory, the others' as they arrive
         const int r = t / D, d = t - r * D;
         float ov[TM_MAX_SPLITS];
+        if (MK_TM_INIT) {  // (see the macro: defined registers before the predicated loads)
+#pragma unroll
+          for (int s2 = 0; s2 < TM_MAX_SPLITS; ++s2) ov[s2] = 0.f;
+        }
         if (t < R * D) {
           bool ok;
           do {  // every split's word in flight at once, re-polled until all carry this layer's tag
             uint32_t tg[TM_MAX_SPLITS];
+            if (MK_TM_INIT) {
+#pragma unroll
+              for (int s2 = 0; s2 < TM_MAX_SPLITS; ++s2) tg[s2] = 0u;
+            }
 #pragma unroll
             for (int s2 = 1; s2 < TM_MAX_SPLITS; ++s2) {
               if (s2 < nsplit) {
