@@ -132,6 +132,9 @@ def main() -> None:
                 rat = [x / y for x, y in zip(per[v], per[a])]
                 line += (f"  ratio {statistics.median(rat):.4f} [{min(rat):.4f}, {max(rat):.4f}]"
                          f" {sum(x < 1 for x in rat)}/{len(rat)} rounds faster")
+                if abs(statistics.median(rat) - 1) < 0.01 and libs[v] != libs[a]:
+                    # session 18 (docs/megakernel.md 18k): code that never runs moved the step by up to 0.9%
+                    line += "  (within the compile's own spread: replicate against a null variant)"
             print(line)
         record[f"m{m}"] = per
     if args.json:
