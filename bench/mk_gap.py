@@ -28,8 +28,8 @@ def gaps(path: str) -> None:
     g = [start[i + 1] - (start[i] + dur[i]) for i in range(len(rows) - 1)]
     period = [start[i + 1] - start[i] for i in range(len(rows) - 1)]
     print(f"{len(rows)} decode launches: duration median {statistics.median(dur) / 1e3:.1f} us, period median "
-          f"{statistics.median(period) / 1e3:.1f} us, gap (next start - this end) median {statistics.median(g) / 1e3:.2f} "
-          f"us, min {min(g) / 1e3:.2f}, max {max(g) / 1e3:.2f}")
+          f"{statistics.median(period) / 1e3:.1f} us, gap (next start - this end) median "
+          f"{statistics.median(g) / 1e3:.2f} us, min {min(g) / 1e3:.2f}, max {max(g) / 1e3:.2f}")
     print(f"the gap is {100 * statistics.median(g) / statistics.median(period):.2f}% of the period")
 
 

@@ -23,57 +23,32 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from flint.kernels.build import NVCC_FLAGS, find_nvcc  # noqa: E402
-
 sys.path.insert(0, str(ROOT / "bench"))
-from mk_stalls import region_names  # noqa: E402
+from mk_stalls import compile_cubin, kernel_listing, region_names  # noqa: E402
 
 
-def disassemble(m: int, gu8: bool, defines: list[str]) -> list[tuple[str, int, int]]:
-    """[(file, line, live registers)] per instruction of decode_kernel<m>, in address order."""
+def disassemble(m: int, gu8: bool, defines: list[str]) -> list[tuple[str, int, int, str]]:
+    """[(file, line, live registers or -1, instruction)] per instruction of decode_kernel<m>, in address order."""
     nvdisasm = shutil.which("nvdisasm")
     if nvdisasm is None:
         sys.exit("mk_live: nvdisasm not found on the PATH (pip download nvidia-cuda-nvdisasm, or a CUDA toolkit)")
-    src = ROOT / "flint" / "kernels" / "megakernel.cu"
     with tempfile.TemporaryDirectory() as td:
         cub = Path(td) / "mk.cubin"
-        flags = [f for f in NVCC_FLAGS if f not in ("-c",) and not f.startswith("-Xptxas")]
-        extra = (["-DFLINT_MK_GU8=1"] if gu8 else []) + [f"-D{d}" for d in defines]
-        r = subprocess.run([find_nvcc(), *flags, f"-DFLINT_MK_M={m}", *extra, "-cubin", str(src), "-o", str(cub)],
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            sys.exit(f"mk_live: nvcc failed:\n{r.stderr[-3000:]}")
+        compile_cubin(m, gu8, cub, tuple(defines))
         # the line table (-g) and the life ranges (-lrm count) come from two listings of the same code
         lines = subprocess.run([nvdisasm, "-g", "-c", str(cub)], check=True, capture_output=True, text=True).stdout
         live = subprocess.run([nvdisasm, "-lrm", "count", "-c", str(cub)], check=True, capture_output=True,
                               text=True).stdout
-
-    def kernel_body(text: str) -> list[str]:
-        out, inside = [], False
-        for ln in text.splitlines():
-            if ln.startswith(".text."):
-                if inside:
-                    break
-                inside = "decode_kernel" in ln
-                continue
-            if inside:
-                out.append(ln)
-        return out
-
-    where, cur = [], ("?", 0)
-    for ln in kernel_body(lines):
-        mm = re.search(r'//## File "([^"]+)", line (\d+)', ln)
-        if mm:
-            cur = (Path(mm.group(1)).name, int(mm.group(2)))
-            continue
-        mm = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(.*?)\s*;", ln)
-        if mm:
-            where.append((int(mm.group(1), 16), cur, mm.group(2).strip()))
+    where = kernel_listing(lines)
     # (the life-range listing leaves out the padding after the last EXIT: joined by address)
-    count = {}
-    for ln in kernel_body(live):
-        mm = re.match(r"\s+/\*([0-9a-f]+)\*/.*?//\s*\|\s*(\d+)", ln)
+    count, inside = {}, False
+    for ln in live.splitlines():
+        if ln.startswith(".text."):
+            if inside:
+                break  # the next function
+            inside = "decode_kernel" in ln
+            continue
+        mm = re.match(r"\s+/\*([0-9a-f]+)\*/.*?//\s*\|\s*(\d+)", ln) if inside else None
         if mm:
             count[int(mm.group(1), 16)] = int(mm.group(2))
     if len(count) < 0.99 * len(where):

@@ -21,23 +21,26 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from flint.kernels.build import NVCC_FLAGS, find_nvcc  # noqa: E402
+from flint.kernels.build import NVCC_FLAGS, find_nvcc, ptxas_extra  # noqa: E402
 
 REASONS = ["barrier", "branch_resolving", "dispatch", "drain", "imc", "lg", "long_sb", "math", "membar", "mio",
            "misc", "no_inst", "not_selected", "selected", "short_sb", "sleep", "tex", "wait"]
 
 
-def line_table(m: int, gu8: bool = False) -> list[tuple[str, int]]:
-    """(file, line) of every instruction of decode_kernel<m> (gu8: the M = 1 object with gate|up's integer dot, which
-    the backend launches for models in groups of 128), in address order."""
+def compile_cubin(m: int, gu8: bool, cubin: Path, defines: tuple[str, ...] = ()) -> None:
+    """decode_kernel<m>'s object as the build makes it (its flags; gu8: the M = 1 object with gate|up's integer dot,
+    which the backend launches for models in groups of 128, with its ptxas options), as a cubin; defines: MACRO=VALUE"""
     src = ROOT / "flint" / "kernels" / "megakernel.cu"
-    with tempfile.TemporaryDirectory() as td:
-        cub = Path(td) / "mk.cubin"
-        flags = [f for f in NVCC_FLAGS if f not in ("-c",)]
-        extra = ["-DFLINT_MK_GU8=1"] if gu8 else []
-        subprocess.run([find_nvcc(), *flags, f"-DFLINT_MK_M={m}", *extra, "-cubin", str(src), "-o", str(cub)],
-                       check=True, capture_output=True)
-        text = subprocess.run(["nvdisasm", "-g", "-c", str(cub)], check=True, capture_output=True, text=True).stdout
+    flags = [f for f in NVCC_FLAGS if f not in ("-c",)] + (ptxas_extra() if gu8 else [])
+    extra = (["-DFLINT_MK_GU8=1"] if gu8 else []) + [f"-D{d}" for d in defines]
+    r = subprocess.run([find_nvcc(), *flags, f"-DFLINT_MK_M={m}", *extra, "-cubin", str(src), "-o", str(cubin)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"nvcc failed:\n{r.stderr[-3000:]}")
+
+
+def kernel_listing(text: str) -> list[tuple[int, tuple[str, int], str]]:
+    """(address, (file, line), instruction) of every instruction of decode_kernel in an `nvdisasm -g` listing"""
     out, cur, inside = [], ("?", 0), False
     for ln in text.splitlines():
         if ln.startswith(".text."):
@@ -51,9 +54,19 @@ def line_table(m: int, gu8: bool = False) -> list[tuple[str, int]]:
         if mm:
             cur = (Path(mm.group(1)).name, int(mm.group(2)))
             continue
-        if re.match(r"\s+/\*[0-9a-f]+\*/", ln):
-            out.append(cur)
+        mm = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(.*?)\s*;", ln)
+        if mm:
+            out.append((int(mm.group(1), 16), cur, mm.group(2).strip()))
     return out
+
+
+def line_table(m: int, gu8: bool = False) -> list[tuple[str, int]]:
+    """(file, line) of every instruction of decode_kernel<m> (gu8: see compile_cubin), in address order."""
+    with tempfile.TemporaryDirectory() as td:
+        cub = Path(td) / "mk.cubin"
+        compile_cubin(m, gu8, cub)
+        text = subprocess.run(["nvdisasm", "-g", "-c", str(cub)], check=True, capture_output=True, text=True).stdout
+    return [where for _, where, _ in kernel_listing(text)]
 
 
 def region_names(where: list[tuple[str, int]]) -> list[str]:

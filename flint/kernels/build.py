@@ -50,8 +50,8 @@ TRACE_FLAGS = ["-DMK_TRACE=1"]
 def ptxas_extra() -> list[str]:
     """ptxas options the kernel source asks for, for the extra objects (the M = 1 gate|up-integer object that Granite's
     G128 decode runs): `#define MK_REG_USAGE_LEVEL N` in megakernel.cu with N in 0..10 adds `--register-usage-level=N`
-    (ptxas's default is 5; -1 = unset; the other objects spill at most levels). A line of the source, so the source hash covers it
-    and bench/mk_variants.py can set it per variant (session 18: the compile itself moves the step by several %)."""
+    (ptxas's default is 5; -1 = unset; the other objects spill at most levels). A line of the source, so the source
+    hash covers it and bench/mk_variants.py can set it per variant (session 18, 18g: no level beat the default)."""
     m = re.search(r"^#define MK_REG_USAGE_LEVEL (-?\d+)", (HERE / "megakernel.cu").read_text(), re.M)
     n = int(m.group(1)) if m else -1
     if n < 0:

@@ -2614,7 +2614,7 @@ __global__ void __launch_bounds__(NT, 1)
         asm volatile("fma.rn.f32 %0, %0, 0f3F800347, 0f3F000000;" : "+f"(v0));
         asm volatile("fma.rn.f32 %0, %0, 0f3F7FF972, 0fBF000000;" : "+f"(v1));
       }
-      if (v0 + v1 == 1.2345f) p.argmax[1] = 0;  // (never)
+      if (v0 + v1 == 1.2345f) p.argmax[0] = 0;  // (never true: keeps the chains)
     }
 #endif
     stamp(l, 4);
