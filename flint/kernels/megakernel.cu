@@ -169,6 +169,15 @@ static_assert(MK_TMERGE <= 2, "MK_TMERGE: the merge's registers hold M <= 2");
 #ifndef MK_DIAG_ICBLOB_FROM
 #define MK_DIAG_ICBLOB_FROM 64
 #endif
+// MK_IDOT_RAW (EXPERIMENT, session 19; 0 = off): the integer gate|up dot at M = 1 on the code bytes as they are.
+// A byte of codes read as u8 is q_even + 16 q_odd, and masked with 0xF0 it is 16 q_odd: mma.m16n8k32.u8.s8 on the raw
+// words with x_even in B columns 0 / 1 (hi / lo terms), plus one on the masked words with -x_even in columns 0 / 1
+// and x_odd in columns 2 / 3, leaves sum q_even x_even in columns 0 / 1 and 16 sum q_odd x_odd in 2 / 3, exactly
+// (integers). One LOP3 per code word instead of LOP3 + SHF + LOP3 (the v20 loop: 24 of its 60 instructions per group
+// of 128 codes are the nibble split). Layout: mk_mma.cuh, imma_raw_tile_dot.
+#ifndef MK_IDOT_RAW
+#define MK_IDOT_RAW 0
+#endif
 // MK_TM_MAX_SPLITS: the most context splits MK_TMERGE merges (registers: one o value and tag per split and
 // thread; more than 12 spills at M = 1). 12 covers Granite to ctx 768; beyond, the counter merge runs. Session 8
 // measured a two-phase merge that fits 16 (MK_TM2, from 0a332c7): no gain at ctx 2048 (+0.7%, inside that
@@ -1087,12 +1096,34 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
         };
         const uint32_t h0 = pack4(hq[0], hq[2], hq[4], hq[6]), h1 = pack4(hq[1], hq[3], hq[5], hq[7]);
         const uint32_t l0 = pack4(lq[0], lq[2], lq[4], lq[6]), l1 = pack4(lq[1], lq[3], lq[5], lq[7]);
-        if (ok) {
+        if (M == 1 && MK_IDOT_RAW && G >= 64) {  // the raw-byte dot's rows (mk_mma.cuh, imma_raw_tile_dot)
+          if (ok) {
+            const int pitch = mkmma::imma_raw_pitch(xstride), wpl = G >> 5;
+            const int k = kw << 3, gi = k >> gshift, wg = (k & (G - 1)) >> 3;
+            const int j = wg & (wpl - 1);  // word j of lane wg / wpl's share
+            const uint32_t a = c.xs + (uint32_t)(gi * G + (wg - j) * 8 + 4 * j), am = a + (uint32_t)(4 * wpl);
+            const uint32_t nh0 = pack4(-hq[0], -hq[2], -hq[4], -hq[6]), nl0 = pack4(-lq[0], -lq[2], -lq[4], -lq[6]);
+            asm volatile("st.shared.u32 [%0], %1;" ::"r"(a), "r"(h0) : "memory");
+            asm volatile("st.shared.u32 [%0], %1;" ::"r"(am), "r"(nh0) : "memory");
+            asm volatile("st.shared.u32 [%0], %1;" ::"r"(a + pitch), "r"(l0) : "memory");
+            asm volatile("st.shared.u32 [%0], %1;" ::"r"(am + pitch), "r"(nl0) : "memory");
+            asm volatile("st.shared.u32 [%0], %1;" ::"r"(a + 2 * pitch), "r"(0u) : "memory");
+            asm volatile("st.shared.u32 [%0], %1;" ::"r"(am + 2 * pitch), "r"(h1) : "memory");
+            asm volatile("st.shared.u32 [%0], %1;" ::"r"(a + 3 * pitch), "r"(0u) : "memory");
+            asm volatile("st.shared.u32 [%0], %1;" ::"r"(am + 3 * pitch), "r"(l1) : "memory");
+            if ((t & (L - 1)) == 0) {  // lane t = 0: (s / 254, X), t = 1: (s / 4064, 0); t = 2, 3 stay 0
+              const uint32_t xa = c.xsum + (uint32_t)(gi * mkmma::MMA_XSUM_FLOATS * 4 + 16);
+              asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(xa), "f"(s * (1.f / 254.f)), "f"(s * sx),
+                           "f"(s * (1.f / 4064.f)), "f"(0.f) : "memory");
+            }
+          }
+        } else if (ok) {
           const int k = kw << 3;  // first code of this word: its byte offset in the staged row
           const int gi = k >> gshift;
           const uint32_t a = c.xs + (uint32_t)(m * xstride + k);
           asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(a), "r"(h0), "r"(h1) : "memory");
-          asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(a + xlo), "r"(l0), "r"(l1) : "memory");
+          const uint32_t alo = a + (M == 1 && MK_I8_XLO ? (uint32_t)mkmma::imma_raw_pitch(xstride) : xlo);
+          asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(alo), "r"(l0), "r"(l1) : "memory");
           if ((t & (L - 1)) == 0) {  // column m (hi): (s, X); column LB + m (lo): (s / 254, 0)
             constexpr int LB = M == 1 ? 1 : M == 2 ? 2 : 4;
             const int n = LB + m;
@@ -1164,13 +1195,21 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
 
 // =====================================================================[5] matvec stage + epilogues
 // The tile dot of this kernel's x staging: fp16 hi + lo terms, or with MK_IDOT (M <= 4) the integer dot
+// (arow: the tile row of the lane's A rows, MK_DOT_PERM; -1: lane / 4, the mma's own row)
 template <int M, bool I8 = kIdot<M>>
 __device__ __forceinline__ void tile_dot(int G, uint32_t tile, int srb, int kseg, int gi0, int gi1, uint32_t xs,
-                                         int xstride, uint32_t xlo, uint32_t xsum, int lane, float (&acc)[4]) {
-  if constexpr (I8)
-    mkmma::imma_tile_dot_g<M>(G, tile, srb, kseg, gi0, gi1, xs, xstride, xsum, lane, acc);
+                                         int xstride, uint32_t xlo, uint32_t xsum, int lane, float (&acc)[4],
+                                         int arow = -1) {
+  if constexpr (I8 && M == 1 && MK_IDOT_RAW) {  // (G = 32: the nibble-split dot; its staging is the one it reads)
+    if (G == 128)
+      mkmma::imma_raw_tile_dot<4>(tile, srb, kseg, gi0, gi1, xs, mkmma::imma_raw_pitch(xstride), xsum, lane, acc, arow);
+    else if (G == 64)
+      mkmma::imma_raw_tile_dot<2>(tile, srb, kseg, gi0, gi1, xs, mkmma::imma_raw_pitch(xstride), xsum, lane, acc, arow);
+    else mkmma::imma_tile_dot<1, M>(tile, srb, kseg, gi0, gi1, xs, xstride, xsum, lane, acc, arow);
+  } else if constexpr (I8)
+    mkmma::imma_tile_dot_g<M>(G, tile, srb, kseg, gi0, gi1, xs, xstride, xsum, lane, acc, arow);
   else
-    mkmma::mma_tile_dot_g<M>(G, tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, lane, acc);
+    mkmma::mma_tile_dot_g<M>(G, tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, lane, acc, arow);
 }
 __device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }
 // Epilogue of one row pair (n0, n0 + 1) of token m (act: m < M; all lanes must call it, the lm_head
@@ -1409,6 +1448,7 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
       if (ws) warp_stamp(p, layer, WS_O_STAGED);
     }
     const uint32_t xs = c.xs + (xall ? (uint32_t)(s * mt.kseg * (I8 ? 1 : 2)) : 0u);  // int8 / fp16 x
+    const int grow = MK_DOT_PERM ? mkmma::dot_perm_row(gq, mt.srb, mt.G) : gq;  // the tile row of this lane's acc[0]
     const uint32_t xsum = c.xsum + (xall ? (uint32_t)(s * ng * mkmma::MMA_XSUM_FLOATS * 4) : 0u);
     for (int j = 0; j < nt; ++j) {
       const int slot = c.slot;
@@ -1425,7 +1465,7 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
         const int gi0 = __shfl_sync(0xffffffffu, gtab, part), gi1 = __shfl_sync(0xffffffffu, gtab, part + 1);
         if (!(p.dbg & 1) && !((MK_DIAG2 >> 6) & (1 << mi))) {
           tile_dot<M, I8>(mt.G, ring0 + (uint32_t)(slot * c.ring.slot_bytes), mt.srb, mt.kseg, gi0, gi1, xs, xstride, xlo,
-                      xsum, lane, acc);
+                      xsum, lane, acc, MK_DOT_PERM ? grow : -1);
         }
         if (!MK_WS_ALL && ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j + 1);
 #if MK_WS_ALL
@@ -1433,8 +1473,8 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
 #endif
         float* pp = c.parts + slot * c.sl->pstride;
         float* pw = pp + part * TILE_ROWS * M;
-        if (2 * tq < M) { pw[gq * M + 2 * tq] = acc[0]; pw[(gq + 8) * M + 2 * tq] = acc[2]; }
-        if (2 * tq + 1 < M) { pw[gq * M + 2 * tq + 1] = acc[1]; pw[(gq + 8) * M + 2 * tq + 1] = acc[3]; }
+        if (2 * tq < M) { pw[grow * M + 2 * tq] = acc[0]; pw[(grow + 8) * M + 2 * tq] = acc[2]; }
+        if (2 * tq + 1 < M) { pw[grow * M + 2 * tq + 1] = acc[1]; pw[(grow + 8) * M + 2 * tq + 1] = acc[3]; }
         // hand-off through the slot's parts mbarrier (NCT arrivals per phase, release/acquire): every
         // lane of the S part warps arrives; the warp of part S-1 adds the missing arrivals, waits,
         // sums the parts in order (deterministic) and runs the tile's epilogue
@@ -1507,7 +1547,13 @@ __device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int
     asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(eff.x), "=f"(eff.y) : "r"(xsum + (uint32_t)(64 + t * 8)));
     asm("mov.b32 %0, 0x64006400;" : "=r"(magic));
   }
-  const uint32_t ra = (uint32_t)(g * srb), rb = ra + (uint32_t)(8 * srb);
+  // MK_DS_PERM (M = 1 fixed point with MK_DS_RED4): the mma's rows g / g + 8 read tile rows pa / pb, so that each
+  // half-warp's 8-byte code loads (rows g = 4h .. 4h + 3, 32 bytes each) cover the 32 banks once: with rows of w words,
+  // w = 2 mod 4 (Granite's slices: 40 bytes), rows r, r + 4, r + 8, r + 12 sit 8 banks apart
+  constexpr bool kPerm = MK_DS_PERM && WPL == 2 && kFx<M> && MK_DS_RED4 && !I8;
+  const bool perm = kPerm && ((srb >> 2) & 3) == 2;
+  const int pa = perm ? (g >> 2) + 4 * (g & 3) : g, pb = perm ? 2 + (g >> 2) + 4 * (g & 3) : g + 8;
+  const uint32_t ra = (uint32_t)((kPerm ? pa : g) * srb), rb = kPerm ? (uint32_t)(pb * srb) : ra + (uint32_t)(8 * srb);
   // the chunk's tile at position i (MK_FXRES = 2 at M = 1: rotated by rot, so the blocks on one chunk add to other
   // rows at a time)
   auto tix = [&](int i) -> int {
@@ -1560,6 +1606,7 @@ __device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int
           const float cg = (d0[0] + d1[0]) + (d0[1] + d1[1]), cg8 = (d0[2] + d1[2]) + (d0[3] + d1[3]);
           unsigned long long* const dq = dq0 + (uint32_t)tix(u ? i + NCW : i) * (uint32_t)TILE_ROWS;
           const float v0 = fmaf(fa.x, cg, fa.y * effs) * kfx, v1 = fmaf(fb.x, cg8, fb.y * effs) * kfx;
+          // (not reached with MK_DS_PERM, which needs MK_DS_RED4: rows g and g + 8)
           asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(dq),
                        "l"((unsigned long long)__float2ll_rn(v0) + FX_CNT)
                        : "memory");
@@ -1568,14 +1615,15 @@ __device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int
                        : "memory");
         }
       }
-      if (MK_DS_RED4) {  // lane (g, t): tile t >> 1, row g + 8 (t & 1), from lane (g, 0)
+      if (MK_DS_RED4) {  // lane (g, t): tile t >> 1, row g + 8 (t & 1) (MK_DS_PERM: pa / pb), from lane (g, 0)
         const int src = lane & ~3;
         const float v00 = __shfl_sync(0xffffffffu, kv[0][0], src), v01 = __shfl_sync(0xffffffffu, kv[0][1], src);
         const float v10 = __shfl_sync(0xffffffffu, kv[1][0], src), v11 = __shfl_sync(0xffffffffu, kv[1][1], src);
         const int u = t >> 1;
         if (u == 0 || two) {
           const float v = t == 0 ? v00 : t == 1 ? v01 : t == 2 ? v10 : v11;
-          unsigned long long* const dq = dq0 + (uint32_t)tix(u ? i + NCW : i) * (uint32_t)TILE_ROWS + 8 * (t & 1);
+          unsigned long long* const dq = dq0 + (uint32_t)tix(u ? i + NCW : i) * (uint32_t)TILE_ROWS +
+                                         (kPerm ? ((t & 1) ? pb : pa) - g : 8 * (t & 1));
           asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(dq),
                        "l"((unsigned long long)__float2ll_rn(v) + FX_CNT)
                        : "memory");

@@ -105,6 +105,25 @@ __device__ __forceinline__ uint32_t mma_nib(uint32_t a, uint32_t magic) {
   return d;
 }
 
+// A 128-bit shared load into v only where p (MK_DOT_XQ: lanes whose B columns are dropped keep stale values; their
+// mma columns are never read)
+__device__ __forceinline__ void lds128_if(uint4& v, uint32_t a, bool p) {
+  asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %4, 0;\n @q ld.shared.v4.u32 {%0, %1, %2, %3}, [%5];\n}"
+               : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w) : "r"((int)p), "r"(a));
+}
+
+// MK_DOT_PERM: the tile row that the mma's A row g (0..7; row g + 8 -> the result + 8) reads, for rows of srb bytes
+// and G = 128 (a lane loads 16 bytes of its row per group: one quarter-warp covers rows g = 2q, 2q + 1, 64 bytes each).
+// Two rows d apart sit (d srb / 4) mod 32 banks apart; the pair (r, r + d) with d srb / 4 = 16 mod 32 takes the
+// quarter's two rows: d = 1 (srb / 4 = 16 mod 32: the identity), 2 (8 mod 16), 4 (4 mod 8). Otherwise the identity.
+__host__ __device__ inline int dot_perm_row(int g, int srb, int G) {
+  const int w = (srb >> 2) & 31;
+  if (G != 128) return g;
+  if ((w & 15) == 8) return ((g >> 1) & 1) | ((g & 1) << 1) | (g & 4);  // pairs (r, r + 2), r in {0, 1, 4, 5}
+  if ((w & 7) == 4) return (g >> 1) | ((g & 1) << 2);                  // pairs (r, r + 4), r in 0..3
+  return g;
+}
+
 __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                           uint32_t b0, uint32_t b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -140,7 +159,8 @@ __device__ __forceinline__ void fold_lo_columns(float (&acc)[4]) {
 
 template <int WPL, int M, int UNROLL>
 __device__ __forceinline__ void mma_tile_dot(uint32_t tile, int srb, int kseg, int gi0, int gi1, uint32_t xs,
-                                             int xstride, uint32_t xlo, uint32_t xsum, int lane, float (&acc)[4]) {
+                                             int xstride, uint32_t xlo, uint32_t xsum, int lane, float (&acc)[4],
+                                             int arow = -1) {
   constexpr int G = 32 * WPL;
   constexpr bool PACKED = 2 * M <= 8;
   const int g = lane >> 2, t = lane & 3;
@@ -149,7 +169,8 @@ __device__ __forceinline__ void mma_tile_dot(uint32_t tile, int srb, int kseg, i
   // or in lanes tig and tig ^ (LB / 2)); other columns read row 0 and are dropped
   constexpr int LB = M == 1 ? 1 : M == 2 ? 2 : 4;
   const int row = !PACKED ? min(g, M - 1) : g < M ? g : (g >= LB && g < LB + M) ? M + g - LB : 0;
-  const uint32_t row_a = tile + (uint32_t)(g * srb);
+  const bool xneed = !MK_DOT_XQ || (!PACKED ? g < M : g < M || (g >= LB && g < LB + M));  // (MK_DOT_XQ)
+  const uint32_t row_a = tile + (uint32_t)((arow < 0 ? g : arow) * srb);
   const uint32_t row_b = row_a + (uint32_t)(8 * srb);
   const uint32_t code_a = row_a + (uint32_t)(t * WPL * 4), code_b = row_b + (uint32_t)(t * WPL * 4);
   const uint32_t sm_a = row_a + (uint32_t)(kseg >> 1), sm_b = row_b + (uint32_t)(kseg >> 1);
@@ -174,7 +195,9 @@ __device__ __forceinline__ void mma_tile_dot(uint32_t tile, int srb, int kseg, i
 #pragma unroll
     for (int c = 0; c < WPL; ++c) {
       const uint32_t xo = xa + (uint32_t)(gi * G * 2 + c * 64);
-      const uint4 xh = mk::lds128(xo);
+      uint4 xh = make_uint4(0u, 0u, 0u, 0u);
+      if constexpr (MK_DOT_XQ) lds128_if(xh, xo, xneed);
+      else xh = mk::lds128(xo);
       const uint32_t a_lo = wa[c], b_lo = wb[c];
       const uint32_t a_hi = a_lo >> 8, b_hi = b_lo >> 8;
       const uint32_t p0 = mma_nib<0x000F000Fu>(a_lo, magic), p1 = mma_nib<0x000F000Fu>(b_lo, magic);
@@ -184,7 +207,9 @@ __device__ __forceinline__ void mma_tile_dot(uint32_t tile, int srb, int kseg, i
       mma_16816(d0, p0, p1, p2, p3, xh.x, xh.y);
       mma_16816(d1, r0, r1, r2, r3, xh.z, xh.w);
       if constexpr (!PACKED) {  // the lo rows in their own mma
-        const uint4 xl = mk::lds128(xo + xlo);
+        uint4 xl = make_uint4(0u, 0u, 0u, 0u);
+        if constexpr (MK_DOT_XQ) lds128_if(xl, xo + xlo, xneed);
+        else xl = mk::lds128(xo + xlo);
         mma_16816(e0, p0, p1, p2, p3, xl.x, xl.y);
         mma_16816(e1, r0, r1, r2, r3, xl.z, xl.w);
       }
@@ -209,8 +234,9 @@ __device__ __forceinline__ void mma_tile_dot(uint32_t tile, int srb, int kseg, i
 // Runtime G dispatch (G in 32/64/128; anything else is refused by the host at create time).
 template <int M, int UNROLL = 1>
 __device__ __forceinline__ void mma_tile_dot_g(int G, uint32_t tile, int srb, int kseg, int gi0, int gi1, uint32_t xs,
-                                               int xstride, uint32_t xlo, uint32_t xsum, int lane, float (&acc)[4]) {
-  if (G == 128) mma_tile_dot<4, M, UNROLL>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, lane, acc);
+                                               int xstride, uint32_t xlo, uint32_t xsum, int lane, float (&acc)[4],
+                                               int arow = -1) {
+  if (G == 128) mma_tile_dot<4, M, UNROLL>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, lane, acc, arow);
   else if (G == 64) mma_tile_dot<2, M, UNROLL>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, lane, acc);
   else mma_tile_dot<1, M, UNROLL>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, lane, acc);
 }
@@ -231,40 +257,55 @@ __device__ __forceinline__ void mma_tile_dot_g(int G, uint32_t tile, int srb, in
 // its WPL words are 8 WPL contiguous bytes. xsum per group: [4t + j] = (cs(2t), cs(2t+1), cm(2t),
 // cm(2t+1)) with column n = token m (hi: cs = s_m, cm = X_m = s_m (sum hi + sum lo / 254)) or LB + m
 // (lo: cs = s_m / 254, cm = 0); absent columns 0. Per group: acc_n += s_w cs_n D_n + m_w cm_n.
+// (U8A: A's bytes unsigned, the raw-byte dot below)
+template <bool U8A = false>
 __device__ __forceinline__ void imma_16832(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                            uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  if constexpr (U8A)
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  else
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+
+// the integer staging's row pitch at M = 1 with MK_I8_XLO or MK_IDOT_RAW from the fp16 staging's xstride (= roundup(2 K, 128) + 64): four rows fit the fp16 hi and lo
+// rows' 2 xstride bytes, and rows 0 / 1 start 16 or 80 bytes apart modulo 128 (conflict-free LDS.128 phases)
+__host__ __device__ constexpr int imma_raw_pitch(int xstride) { return ((xstride - 64) >> 1) + 16; }
 
 // A lane's shared-memory addresses in the integer tile dot (group 0): its code words of rows g and g + 8, their
 // (scale, min) words, its x bytes (B column g: hi rows 0..M-1, lo rows in columns LB..LB+M-1) and its xsum entries
 template <int WPL, int M>
 struct ImmaLane {
   uint32_t code_a, code_b, sm_a, sm_b, xa, xs_c;
+  bool xneed;  // (MK_DOT_XQ) this lane's B column carries a token's hi or lo term
   __device__ __forceinline__ ImmaLane(uint32_t tile, int srb, int kseg, uint32_t xs, int xstride, uint32_t xsum,
-                                      int lane) {
+                                      int lane, int arow = -1) {
     constexpr int LB = M == 1 ? 1 : M == 2 ? 2 : 4;
     const int g = lane >> 2, t = lane & 3;
     const int row = g < M ? g : (g >= LB && g < LB + M) ? M + g - LB : 0;
-    const uint32_t row_a = tile + (uint32_t)(g * srb), row_b = row_a + (uint32_t)(8 * srb);
+    xneed = !MK_DOT_XQ || g < M || (g >= LB && g < LB + M);
+    const uint32_t row_a = tile + (uint32_t)((arow < 0 ? g : arow) * srb), row_b = row_a + (uint32_t)(8 * srb);
     code_a = row_a + (uint32_t)(t * WPL * 4);
     code_b = row_b + (uint32_t)(t * WPL * 4);
     sm_a = row_a + (uint32_t)(kseg >> 1);
     sm_b = row_b + (uint32_t)(kseg >> 1);
-    xa = xs + (uint32_t)(row * xstride + t * WPL * 8);
+    xa = xs + (uint32_t)(row * (M == 1 && MK_I8_XLO ? imma_raw_pitch(xstride) : xstride) + t * WPL * 8);
     xs_c = xsum + (uint32_t)(t * 16);
   }
 };
 
 template <int WPL, int M>
 __device__ __forceinline__ void imma_tile_dot(uint32_t tile, int srb, int kseg, int gi0, int gi1, uint32_t xs,
-                                              int xstride, uint32_t xsum, int lane, float (&acc)[4]) {
+                                              int xstride, uint32_t xsum, int lane, float (&acc)[4], int arow = -1) {
   static_assert(M >= 1 && M <= 4, "the integer dot packs hi and lo terms as B columns: M <= 4");
   constexpr int G = 32 * WPL;
-  const ImmaLane<WPL, M> ln(tile, srb, kseg, xs, xstride, xsum, lane);
+  const ImmaLane<WPL, M> ln(tile, srb, kseg, xs, xstride, xsum, lane, arow);
+  uint4 xq[WPL / 2 > 0 ? WPL / 2 : 1];  // (MK_DOT_XQ: stale in the lanes that do not load)
+#pragma unroll
+  for (int h = 0; h < (WPL / 2 > 0 ? WPL / 2 : 1); ++h) xq[h] = make_uint4(0u, 0u, 0u, 0u);
   const uint32_t code_a = ln.code_a, code_b = ln.code_b, sm_a = ln.sm_a, sm_b = ln.sm_b, xa = ln.xa, xs_c = ln.xs_c;
 #pragma unroll
   for (int j = 0; j < 4; ++j) acc[j] = 0.f;
@@ -278,7 +319,9 @@ __device__ __forceinline__ void imma_tile_dot(uint32_t tile, int srb, int kseg, 
     } else {
 #pragma unroll
       for (int h = 0; h < WPL / 2; ++h) {
-        const uint4 v = mk::lds128(xg + (uint32_t)(16 * h));
+        if constexpr (MK_DOT_XQ) lds128_if(xq[h], xg + (uint32_t)(16 * h), ln.xneed);
+        else xq[h] = mk::lds128(xg + (uint32_t)(16 * h));
+        const uint4 v = xq[h];
         xb[4 * h] = v.x; xb[4 * h + 1] = v.y; xb[4 * h + 2] = v.z; xb[4 * h + 3] = v.w;
       }
     }
@@ -305,10 +348,77 @@ __device__ __forceinline__ void imma_tile_dot(uint32_t tile, int srb, int kseg, 
 
 template <int M>
 __device__ __forceinline__ void imma_tile_dot_g(int G, uint32_t tile, int srb, int kseg, int gi0, int gi1, uint32_t xs,
-                                                int xstride, uint32_t xsum, int lane, float (&acc)[4]) {
-  if (G == 128) imma_tile_dot<4, M>(tile, srb, kseg, gi0, gi1, xs, xstride, xsum, lane, acc);
+                                                int xstride, uint32_t xsum, int lane, float (&acc)[4], int arow = -1) {
+  if (G == 128) imma_tile_dot<4, M>(tile, srb, kseg, gi0, gi1, xs, xstride, xsum, lane, acc, arow);
   else if (G == 64) imma_tile_dot<2, M>(tile, srb, kseg, gi0, gi1, xs, xstride, xsum, lane, acc);
   else imma_tile_dot<1, M>(tile, srb, kseg, gi0, gi1, xs, xstride, xsum, lane, acc);
+}
+
+// ---------------------------------------------------------------- the raw-byte integer tile dot (M = 1)
+// MK_IDOT_RAW (megakernel.cu, session 19). The integer dot above splits each code word into its even and odd nibbles
+// (w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F: LOP3 + SHF + LOP3 per word). Here the words go to mma.m16n8k32.u8.s8 as they
+// are, byte i of word w being r = q(8w + 2i) + 16 q(8w + 2i + 1) (0..255), and once masked, w & 0xF0F0F0F0, byte i
+// being 16 q(8w + 2i + 1): one LOP3 per word. With B columns (M = 1; column n is the x row lane group g = n reads)
+//   raw mma:    col 0 = xh_e, col 1 = xl_e, cols 2, 3 = 0            (x_e = x(8w + 2i), x_o = x(8w + 2i + 1); hi and
+//   masked mma: col 0 = -xh_e, col 1 = -xl_e, col 2 = xh_o, col 3 = xl_o  lo int8 terms of the int8 staging)
+// their sum is, exactly (int32): col 0 = sum q_e xh_e, col 1 = sum q_e xl_e, col 2 = 16 sum q_o xh_o, col 3 = 16 sum
+// q_o xl_o. Lane t = 0 holds columns 0, 1 and lane t = 1 columns 2, 3 (D fragment), so each forms 254 d_hi + d_lo
+// (one IMAD; |.| < 2^29) and applies its own column scale: (s / 254) for t = 0, (s / 4064) for t = 1, 0 for t = 2, 3;
+// the group's min term m_w * X rides on t = 0 only. The two lanes' sums are added once per call (a shuffle).
+// Mma c of a group (WPL / 2 per group) takes words 2c and 2c + 1 of the lane's WPL (a0 / a1: k = 4t .. 4t + 3 of rows
+// g / g + 8, a2 / a3: k = 16 + 4t ..). Staged row n (pitch `pitch` bytes, rows 0..3, lane groups g >= 4 read row 0):
+// per group G bytes, lane t's 8 WPL bytes at gi G + 8 WPL t: first the raw mma's B (4 WPL bytes: word j's 4 bytes at
+// 4 j), then the masked mma's (the same at + 4 WPL). xsum per group: floats [4 + 2t, 5 + 2t] = (column scale, min
+// term) of lane t: (s / 254, X), (s / 4064, 0), then zeros. The staging: megakernel.cu stage_x, MK_IDOT_RAW branch.
+template <int WPL>
+__device__ __forceinline__ void imma_raw_tile_dot(uint32_t tile, int srb, int kseg, int gi0, int gi1, uint32_t xs,
+                                                  int pitch, uint32_t xsum, int lane, float (&acc)[4],
+                                                  int arow = -1) {
+  static_assert(WPL == 2 || WPL == 4, "the raw-byte dot: one mma takes two words per row (G = 64 or 128)");
+  constexpr int G = 32 * WPL;
+  const int g = lane >> 2, t = lane & 3;
+  const bool xneed = !MK_DOT_XQ || g < 4;  // (MK_DOT_XQ: columns 0..3)
+  uint4 xq[WPL / 2];
+#pragma unroll
+  for (int h = 0; h < WPL / 2; ++h) xq[h] = make_uint4(0u, 0u, 0u, 0u);
+  const uint32_t row_a = tile + (uint32_t)((arow < 0 ? g : arow) * srb), row_b = row_a + (uint32_t)(8 * srb);
+  const uint32_t code_a = row_a + (uint32_t)(t * WPL * 4), code_b = row_b + (uint32_t)(t * WPL * 4);
+  const uint32_t sm_a = row_a + (uint32_t)(kseg >> 1), sm_b = row_b + (uint32_t)(kseg >> 1);
+  const uint32_t xa = xs + (uint32_t)((g < 4 ? g : 0) * pitch + t * WPL * 8);
+  const uint32_t xs_c = xsum + (uint32_t)(16 + t * 8);
+  acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
+  for (int gi = gi0; gi < gi1; ++gi) {
+    uint32_t wa[WPL], wb[WPL], xb[2 * WPL];
+    mma_lds_words<WPL>(code_a + (uint32_t)(gi * (G / 2)), wa);
+    mma_lds_words<WPL>(code_b + (uint32_t)(gi * (G / 2)), wb);
+    const uint32_t xg = xa + (uint32_t)(gi * G);
+#pragma unroll
+    for (int h = 0; h < WPL / 2; ++h) {
+      if constexpr (MK_DOT_XQ) lds128_if(xq[h], xg + (uint32_t)(16 * h), xneed);
+      else xq[h] = mk::lds128(xg + (uint32_t)(16 * h));
+      const uint4 v = xq[h];
+      xb[4 * h] = v.x; xb[4 * h + 1] = v.y; xb[4 * h + 2] = v.z; xb[4 * h + 3] = v.w;
+    }
+    float2 cs;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(cs.x), "=f"(cs.y)
+                 : "r"(xs_c + (uint32_t)(gi * MMA_XSUM_FLOATS * 4)));
+    int d[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int c = 0; c < WPL / 2; ++c)  // raw words, x_even
+      imma_16832<true>(d, wa[2 * c], wb[2 * c], wa[2 * c + 1], wb[2 * c + 1], xb[2 * c], xb[2 * c + 1]);
+#pragma unroll
+    for (int c = 0; c < WPL / 2; ++c)  // odd nibbles in place (16 q), -x_even | x_odd
+      imma_16832<true>(d, wa[2 * c] & 0xF0F0F0F0u, wb[2 * c] & 0xF0F0F0F0u, wa[2 * c + 1] & 0xF0F0F0F0u,
+                    wb[2 * c + 1] & 0xF0F0F0F0u, xb[WPL + 2 * c], xb[WPL + 2 * c + 1]);
+    const uint32_t hsa = mk::lds32(sm_a + (uint32_t)(gi * 4)), hsb = mk::lds32(sm_b + (uint32_t)(gi * 4));
+    const float2 fa = __half22float2(*reinterpret_cast<const __half2*>(&hsa));  // (scale, min) row g
+    const float2 fb = __half22float2(*reinterpret_cast<const __half2*>(&hsb));  // row g + 8
+    const int ca = d[0] * 254 + d[1], cb = d[2] * 254 + d[3];
+    acc[0] = fmaf(__int2float_rn(ca), fa.x * cs.x, fmaf(fa.y, cs.y, acc[0]));
+    acc[2] = fmaf(__int2float_rn(cb), fb.x * cs.x, fmaf(fb.y, cs.y, acc[2]));
+  }
+  acc[0] += __shfl_xor_sync(0xffffffffu, acc[0], 1);  // lanes t = 0 and 1: the even and the odd codes
+  acc[2] += __shfl_xor_sync(0xffffffffu, acc[2], 1);
 }
 
 }  // namespace mkmma
