@@ -26,6 +26,10 @@ for S in 0 1; do  # the down stage, then the FFN split-K path (forced on the 1-l
   FLINT_MK_FFN_SPLIT=$S timeout 120 compute-sanitizer --tool memcheck --print-limit 5 python3 bench/mk_debug.py >> $OUT/memcheck.log 2>&1; echo "memcheck split=$S rc=$?"; tail -3 $OUT/memcheck.log
   FLINT_MK_FFN_SPLIT=$S timeout 120 compute-sanitizer --tool racecheck --print-limit 5 python3 bench/mk_debug.py >> $OUT/racecheck.log 2>&1; echo "racecheck split=$S rc=$?"; tail -3 $OUT/racecheck.log
 done
+# groups of 128 (the M = 1 object with gate|up's integer dot, MK_IDOT_RAW since v21), FFN split on
+echo "== group 128" >> $OUT/racecheck.log; echo "== group 128" >> $OUT/memcheck.log
+FLINT_MK_DEBUG_GROUP=128 FLINT_MK_FFN_SPLIT=1 timeout 120 compute-sanitizer --tool racecheck --print-limit 5 python3 bench/mk_debug.py >> $OUT/racecheck.log 2>&1; echo "racecheck group=128 rc=$?"; tail -1 $OUT/racecheck.log
+FLINT_MK_DEBUG_GROUP=128 FLINT_MK_FFN_SPLIT=1 timeout 120 compute-sanitizer --tool memcheck --print-limit 5 python3 bench/mk_debug.py >> $OUT/memcheck.log 2>&1; echo "memcheck group=128 rc=$?"; tail -1 $OUT/memcheck.log
 # head_dim 64 (the default 1-layer shape has 128): the attention paths kept to D = 64 (MK_PV3)
 echo "== head_dim 64" >> $OUT/racecheck.log; echo "== head_dim 64" >> $OUT/memcheck.log
 FLINT_MK_DEBUG_HEAD_DIM=64 timeout 120 compute-sanitizer --tool racecheck --print-limit 5 python3 bench/mk_debug.py >> $OUT/racecheck.log 2>&1; echo "racecheck head_dim=64 rc=$?"; tail -1 $OUT/racecheck.log

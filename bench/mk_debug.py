@@ -4,6 +4,7 @@ step (the Python twin of the kernel's stages). Device-side:
     FLINT_KERNEL_DIR=build/kernels python3 bench/mk_debug.py
     FLINT_MK_FFN_SPLIT=1 ...     # the FFN split-K path (16 FFN blocks on this shape)
     FLINT_MK_DEBUG_HEAD_DIM=64 ...   # head_dim 64 instead of 128 (the paths kept to D = 64, e.g. MK_PV3)
+    FLINT_MK_DEBUG_GROUP=128 ...     # int4 groups of 128 instead of 64: the M = 1 object with gate|up's integer dot
 """
 from __future__ import annotations
 
@@ -38,8 +39,11 @@ def main():
     hd = int(os.environ.get("FLINT_MK_DEBUG_HEAD_DIM", "128"))
     if hd not in (64, 128):
         sys.exit(f"FLINT_MK_DEBUG_HEAD_DIM={hd}: 64 or 128 (4 heads x head_dim must fit the hidden size 256)")
+    gs = int(os.environ.get("FLINT_MK_DEBUG_GROUP", "64"))
+    if gs not in (32, 64, 128):
+        sys.exit(f"FLINT_MK_DEBUG_GROUP={gs}: 32, 64 or 128")
     cfg = small_cfg(num_hidden_layers=1, head_dim=hd)
-    P = synthetic_params(cfg, seed=0, int4_group_size=64, dtype=torch.float32, device="cuda")
+    P = synthetic_params(cfg, seed=0, int4_group_size=gs, dtype=torch.float32, device="cuda")
     mk = MegakernelBackend(cfg, P, 64)
     W = {k: (v.dequantize() if hasattr(v, "dequantize") else v.float()) for k, v in P.items()}
     nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim

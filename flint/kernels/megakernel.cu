@@ -169,14 +169,16 @@ static_assert(MK_TMERGE <= 2, "MK_TMERGE: the merge's registers hold M <= 2");
 #ifndef MK_DIAG_ICBLOB_FROM
 #define MK_DIAG_ICBLOB_FROM 64
 #endif
-// MK_IDOT_RAW (EXPERIMENT, session 19; 0 = off): the integer gate|up dot at M = 1 on the code bytes as they are.
+// MK_IDOT_RAW (on since v21, session 19: with MK_DOT_PERM -1.2 to -1.7% per step at M = 1 against v20, 29-30/30 rounds,
+// -0.5 to -0.8% over MK_DOT_PERM alone; neutral without it, call 1): the integer gate|up dot at M = 1 on the code bytes
+// as they are.
 // A byte of codes read as u8 is q_even + 16 q_odd, and masked with 0xF0 it is 16 q_odd: mma.m16n8k32.u8.s8 on the raw
 // words with x_even in B columns 0 / 1 (hi / lo terms), plus one on the masked words with -x_even in columns 0 / 1
 // and x_odd in columns 2 / 3, leaves sum q_even x_even in columns 0 / 1 and 16 sum q_odd x_odd in 2 / 3, exactly
 // (integers). One LOP3 per code word instead of LOP3 + SHF + LOP3 (the v20 loop: 24 of its 60 instructions per group
 // of 128 codes are the nibble split). Layout: mk_mma.cuh, imma_raw_tile_dot.
 #ifndef MK_IDOT_RAW
-#define MK_IDOT_RAW 0
+#define MK_IDOT_RAW 1
 #endif
 // MK_TM_MAX_SPLITS: the most context splits MK_TMERGE merges (registers: one o value and tag per split and
 // thread; more than 12 spills at M = 1). 12 covers Granite to ctx 768; beyond, the counter merge runs. Session 8

@@ -21,12 +21,13 @@
 #ifndef MK_DOT_XQ
 #define MK_DOT_XQ 0
 #endif
-// MK_DOT_PERM (EXPERIMENT, session 19; 0 = off): matvec_stage's tile dots at G = 128 map the mma's A rows to the tile's
+// MK_DOT_PERM (on since v21, session 19: -0.6 to -0.9% per step at M = 1 in three calls, 23-24/24 rounds, bitwise equal;
+// Nsight Compute: the launch's excess shared-memory wavefronts 15.8 M -> 0.9 M): matvec_stage's tile dots at G = 128 map the mma's A rows to the tile's
 // rows so that the two rows of each quarter-warp's code load fall in opposite halves of the 32 banks (mk_mma.cuh,
 // dot_perm_row). Granite's rows are 1360 bytes (20 words mod 32 apart): rows g and g + 1 overlap in 4 banks, and
 // every 128-bit code load of the dots takes two shared-memory cycles per quarter-warp instead of one.
 #ifndef MK_DOT_PERM
-#define MK_DOT_PERM 0
+#define MK_DOT_PERM 1
 #endif
 // MK_DS_PERM (EXPERIMENT, session 19; 0 = off): the same for the FFN split's down slices (megakernel.cu,
 // ds_tiles_one_group): their 40-byte rows put the 8-byte code loads of rows g and g + 3 of a half-warp in the same banks.
