@@ -384,19 +384,23 @@ struct Ring {
 // middle layer's stream trace (bench/mk_ring.py) showed a copy landing 5 to 7 us after its issue during the FFN,
 // one slot per ~1 us: the copies queue. Capped at 2, a copy lands within ~1.4 us and the step is 0.8-1.6% faster
 // at ctx 512 (three same-call A/Bs; neutral at ctx 2048 / 8192); 1 measured the same as 2, 3 as 2, 5 in between.
+// Since v22 (session 19) 1, with the lm_head's own cap at 2: once v21's dots had become cheaper (MK_DOT_PERM,
+// MK_IDOT_RAW), one copy in flight per block made the hops faster than the stream lost: -1.4% at ctx 512 (28/30
+// rounds), -1.1% at ctx 2048 (12/12) and at M = 2 (28/30), -0.9% at ctx 8192 (8/8); 1 for every stage including the
+// lm_head -0.7%; 3 +1.8% (session 16: 1 and 2 within 0.3%, 3 +1.8%).
 #ifndef MK_INFLIGHT
-#define MK_INFLIGHT 2
+#define MK_INFLIGHT 1
 #endif
 // MK_DS_INFLIGHT (EXPERIMENT, session 17; default MK_INFLIGHT): the cap for the FFN split-K's down-slice chunks alone
 // (the down phase has no hop to slow down but its own adds, and its chunks may land at the cap's rate)
 #ifndef MK_DS_INFLIGHT
 #define MK_DS_INFLIGHT MK_INFLIGHT
 #endif
-// MK_LM_INFLIGHT (EXPERIMENT, session 17; default MK_INFLIGHT): the cap for the lm_head's copies (the step's last
-// stage: 128 MB at M = 1 on Granite, ~38 us traced against ~29 us of bytes at the read bandwidth; no hop follows
-// but the argmax's)
+// MK_LM_INFLIGHT (session 17; 2 since v22): the cap for the lm_head's copies (the step's last stage: 128 MB at M = 1
+// on Granite, ~38 us traced against ~29 us of bytes at the read bandwidth; no hop follows but the argmax's). Session
+// 17 at MK_INFLIGHT = 2: 4 and 6 within 0.1%; session 19 at MK_INFLIGHT = 1: 2 -0.7% against 1
 #ifndef MK_LM_INFLIGHT
-#define MK_LM_INFLIGHT MK_INFLIGHT
+#define MK_LM_INFLIGHT 2
 #endif
 template <int CAP = MK_INFLIGHT>
 __device__ __forceinline__ void inflight_cap(const Ring& ring, int slot, uint32_t lap) {
