@@ -1,7 +1,11 @@
 """Warp-stall samples of the megakernel per source line and per stage region, from an Nsight
 Compute source-page export (bench/mk_ncu.py says how to make it on the device).
 
-    python3 bench/mk_stalls.py mk_sass.csv [--m 1] [--top 40]
+    python3 bench/mk_stalls.py mk_sass.csv [--m 1] [--top 40] [--smem]
+
+--smem: shared-memory wavefronts per source line instead (the SourceCounters columns `L1 Wavefronts Shared` and
+`… Excessive`: an excess is a bank conflict; session 19 found the tile dots' code loads at twice their ideal).
+A .csv.gz is read as is.
 
 The CSV lists SASS instructions with absolute addresses; this compiles the same M's object here
 (the build flags of flint/kernels/build.py, -cubin), reads its line table with `nvdisasm -g` and
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import csv
+import gzip
 import re
 import subprocess
 import sys
@@ -97,14 +102,45 @@ def region_names(where: list[tuple[str, int]]) -> list[str]:
     return out
 
 
+def smem_report(table: list, ins: list, col: dict, top: int) -> None:
+    """Shared-memory wavefronts per source line: all, the excess over the ideal (bank conflicts), and the launch's
+    totals; lines ranked by their excess."""
+    keys = ("L1 Wavefronts Shared", "L1 Wavefronts Shared Excessive", "L1 Wavefronts Shared Ideal")
+    miss = [k for k in keys if k not in col]
+    if miss:
+        sys.exit(f"mk_stalls --smem: the export has no {miss} columns (profile with --section SourceCounters)")
+
+    def num(x: str) -> float:
+        try:
+            return float(x.replace(",", ""))
+        except ValueError:
+            return 0.0
+
+    per = collections.defaultdict(lambda: [0.0, 0.0, 0.0])
+    for where, r in zip(table, ins):
+        for i, k in enumerate(keys):
+            per[where][i] += num(r[col[k]])
+    tw, te, ti = (sum(v[i] for v in per.values()) for i in range(3))
+    print(f"{len(ins)} instructions: {tw / 1e6:.2f} M shared-memory wavefronts, {te / 1e6:.2f} M excess "
+          f"({100 * te / max(tw, 1):.1f}%), {ti / 1e6:.2f} M ideal")
+    src = {f: (ROOT / "flint" / "kernels" / f).read_text().splitlines() for f in ("megakernel.cu", "mk_mma.cuh", "mk_ptx.cuh")}
+    print(f"\ntop {top} source lines by excess wavefronts (excess / all / ideal, M)")
+    for (f, ln), (w, e, i) in sorted(per.items(), key=lambda kv: -kv[1][1])[:top]:
+        if w == 0:
+            break
+        text = src[f][ln - 1].strip()[:70] if f in src and 0 < ln <= len(src[f]) else ""
+        print(f"{e / 1e6:6.2f} {w / 1e6:6.2f} {i / 1e6:6.2f}  {f}:{ln:<4d} {text}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("csv")
     ap.add_argument("--m", type=int, default=1)
     ap.add_argument("--gu8", action="store_true", help="the M = 1 object with gate|up's integer dot (G128 models)")
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--smem", action="store_true", help="shared-memory wavefronts (and their excess) per source line")
     a = ap.parse_args()
-    rows = list(csv.reader(open(a.csv)))
+    rows = list(csv.reader(gzip.open(a.csv, "rt") if a.csv.endswith(".gz") else open(a.csv)))
     hdr = rows[1]
     col = {h: i for i, h in enumerate(hdr)}
     ins = [r for r in rows[2:] if len(r) == len(hdr) and r[0].startswith("0x")]
@@ -112,6 +148,9 @@ def main() -> None:
     if len(table) != len(ins):
         sys.exit(f"mk_stalls: {a.csv}: {len(ins)} SASS instructions, this source's decode_kernel<{a.m}> has "
                  f"{len(table)}: profile and analyse the same source")
+    if a.smem:
+        smem_report(table, ins, col, a.top)
+        return
     by_line: dict = collections.defaultdict(lambda: collections.Counter())
     total = collections.Counter()
     for (f, ln), r in zip(table, ins):
