@@ -102,6 +102,12 @@ def region_names(where: list[tuple[str, int]]) -> list[str]:
     return out
 
 
+def kernel_sources() -> dict:
+    """The kernel's source files' lines, by file name (for quoting a source line)"""
+    names = ("megakernel.cu", "mk_mma.cuh", "mk_ptx.cuh")
+    return {f: (ROOT / "flint" / "kernels" / f).read_text().splitlines() for f in names}
+
+
 def smem_report(table: list, ins: list, col: dict, top: int) -> None:
     """Shared-memory wavefronts per source line: all, the excess over the ideal (bank conflicts), and the launch's
     totals; lines ranked by their excess."""
@@ -123,7 +129,7 @@ def smem_report(table: list, ins: list, col: dict, top: int) -> None:
     tw, te, ti = (sum(v[i] for v in per.values()) for i in range(3))
     print(f"{len(ins)} instructions: {tw / 1e6:.2f} M shared-memory wavefronts, {te / 1e6:.2f} M excess "
           f"({100 * te / max(tw, 1):.1f}%), {ti / 1e6:.2f} M ideal")
-    src = {f: (ROOT / "flint" / "kernels" / f).read_text().splitlines() for f in ("megakernel.cu", "mk_mma.cuh", "mk_ptx.cuh")}
+    src = kernel_sources()
     print(f"\ntop {top} source lines by excess wavefronts (excess / all / ideal, M)")
     for (f, ln), (w, e, i) in sorted(per.items(), key=lambda kv: -kv[1][1])[:top]:
         if w == 0:
@@ -163,9 +169,7 @@ def main() -> None:
     tot = sum(total.values())
     print(f"{len(ins)} instructions, {tot} stall samples: " +
           ", ".join(f"{k} {100 * v / tot:.1f}%" for k, v in total.most_common(8)))
-    src = {}
-    for f in ("megakernel.cu", "mk_mma.cuh", "mk_ptx.cuh"):
-        src[f] = (ROOT / "flint" / "kernels" / f).read_text().splitlines()
+    src = kernel_sources()
     why_region: dict = collections.defaultdict(lambda: collections.Counter())  # region -> reason -> samples
     for where, r in zip(region_names(table), ins):
         for k in REASONS:
