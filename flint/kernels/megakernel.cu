@@ -27,6 +27,12 @@
 // kernel's compile moves the step by up to 5% when unexecuted code is added (MK_ATT_MMA = 2); a sub-3% A/B of a kernel
 // change measures the change AND a re-roll of ptxas's allocation and schedule for the whole kernel.
 // Kept off in the source: MK_TM_INIT (~20 registers freed at every grid barrier: +2.8%), MK_NCW, MK_DIAG_ICBLOB.
+// Session 19 (v21, v22): on, MK_DOT_PERM (conflict-free code loads), MK_IDOT_RAW (gate|up's raw-byte integer dot),
+// MK_INFLIGHT = 1 with MK_LM_INFLIGHT = 2. Measured and removed (flint/kernels/dev/experiments/
+// 19_dot_xq_ds_perm_i8_xlo.patch restores them, off; 19_dot_xq_hoisted.patch applies after it): MK_DOT_XQ (x loaded
+// only by the lanes of live B columns, a predicated LDS: +2.0%, hoisted +2.5%), MK_DS_PERM (the down slices' rows
+// permuted for their code loads' banks: no gain), MK_I8_XLO (the integer staging's lo row off the hi row's banks: no
+// gain). Not built: the raw integer dot in the down slices (19_ds_raw.patch: the M = 1 objects spill 36 bytes).
 // Measured and removed in session 6 (reproducible from 80bb088 with bench/mk_variants.py; numbers in
 // bench/results/mk_ab_session6_2026-11-29.log): MK_DS_PREFETCH (down slices into L2 during attention:
 // +5.5%), MK_PACKED_NOZERO (4 FADD less per group: +1.7%, noise), MK_ATT_PRE (attention's old K/V rows in
@@ -1128,8 +1134,7 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
           const int gi = k >> gshift;
           const uint32_t a = c.xs + (uint32_t)(m * xstride + k);
           asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(a), "r"(h0), "r"(h1) : "memory");
-          const uint32_t alo = a + (M == 1 && MK_I8_XLO ? (uint32_t)mkmma::imma_raw_pitch(xstride) : xlo);
-          asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(alo), "r"(l0), "r"(l1) : "memory");
+          asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(a + xlo), "r"(l0), "r"(l1) : "memory");
           if ((t & (L - 1)) == 0) {  // column m (hi): (s, X); column LB + m (lo): (s / 254, 0)
             constexpr int LB = M == 1 ? 1 : M == 2 ? 2 : 4;
             const int n = LB + m;
@@ -1553,13 +1558,7 @@ __device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int
     asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(eff.x), "=f"(eff.y) : "r"(xsum + (uint32_t)(64 + t * 8)));
     asm("mov.b32 %0, 0x64006400;" : "=r"(magic));
   }
-  // MK_DS_PERM (M = 1 fixed point with MK_DS_RED4): the mma's rows g / g + 8 read tile rows pa / pb, so that each
-  // half-warp's 8-byte code loads (rows g = 4h .. 4h + 3, 32 bytes each) cover the 32 banks once: with rows of w words,
-  // w = 2 mod 4 (Granite's slices: 40 bytes), rows r, r + 4, r + 8, r + 12 sit 8 banks apart
-  constexpr bool kPerm = MK_DS_PERM && WPL == 2 && kFx<M> && MK_DS_RED4 && !I8;
-  const bool perm = kPerm && ((srb >> 2) & 3) == 2;
-  const int pa = perm ? (g >> 2) + 4 * (g & 3) : g, pb = perm ? 2 + (g >> 2) + 4 * (g & 3) : g + 8;
-  const uint32_t ra = (uint32_t)((kPerm ? pa : g) * srb), rb = kPerm ? (uint32_t)(pb * srb) : ra + (uint32_t)(8 * srb);
+  const uint32_t ra = (uint32_t)(g * srb), rb = ra + (uint32_t)(8 * srb);
   // the chunk's tile at position i (MK_FXRES = 2 at M = 1: rotated by rot, so the blocks on one chunk add to other
   // rows at a time)
   auto tix = [&](int i) -> int {
@@ -1612,7 +1611,6 @@ __device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int
           const float cg = (d0[0] + d1[0]) + (d0[1] + d1[1]), cg8 = (d0[2] + d1[2]) + (d0[3] + d1[3]);
           unsigned long long* const dq = dq0 + (uint32_t)tix(u ? i + NCW : i) * (uint32_t)TILE_ROWS;
           const float v0 = fmaf(fa.x, cg, fa.y * effs) * kfx, v1 = fmaf(fb.x, cg8, fb.y * effs) * kfx;
-          // (not reached with MK_DS_PERM, which needs MK_DS_RED4: rows g and g + 8)
           asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(dq),
                        "l"((unsigned long long)__float2ll_rn(v0) + FX_CNT)
                        : "memory");
@@ -1621,15 +1619,14 @@ __device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int
                        : "memory");
         }
       }
-      if (MK_DS_RED4) {  // lane (g, t): tile t >> 1, row g + 8 (t & 1) (MK_DS_PERM: pa / pb), from lane (g, 0)
+      if (MK_DS_RED4) {  // lane (g, t): tile t >> 1, row g + 8 (t & 1), from lane (g, 0)
         const int src = lane & ~3;
         const float v00 = __shfl_sync(0xffffffffu, kv[0][0], src), v01 = __shfl_sync(0xffffffffu, kv[0][1], src);
         const float v10 = __shfl_sync(0xffffffffu, kv[1][0], src), v11 = __shfl_sync(0xffffffffu, kv[1][1], src);
         const int u = t >> 1;
         if (u == 0 || two) {
           const float v = t == 0 ? v00 : t == 1 ? v01 : t == 2 ? v10 : v11;
-          unsigned long long* const dq = dq0 + (uint32_t)tix(u ? i + NCW : i) * (uint32_t)TILE_ROWS +
-                                         (kPerm ? ((t & 1) ? pb : pa) - g : 8 * (t & 1));
+          unsigned long long* const dq = dq0 + (uint32_t)tix(u ? i + NCW : i) * (uint32_t)TILE_ROWS + 8 * (t & 1);
           asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(dq),
                        "l"((unsigned long long)__float2ll_rn(v) + FX_CNT)
                        : "memory");

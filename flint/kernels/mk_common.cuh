@@ -15,12 +15,6 @@
 #ifndef MK_DOT_M1
 #define MK_DOT_M1 1
 #endif
-// MK_DOT_XQ (EXPERIMENT, session 19; 0 = off): in the tile dots (mk_mma.cuh) only the lanes whose B columns carry a
-// token load their staged x (a predicated LDS): at M = 1 one quarter-warp of eight instead of four (shared memory
-// serves a 128-bit load a quarter-warp per cycle), so the x loads cost a quarter of the shared-memory cycles.
-#ifndef MK_DOT_XQ
-#define MK_DOT_XQ 0
-#endif
 // MK_DOT_PERM (on since v21, session 19: -0.6 to -0.9% per step at M = 1 in three calls, 23-24/24 rounds, bitwise equal;
 // Nsight Compute: the launch's excess shared-memory wavefronts 15.8 M -> 0.9 M): matvec_stage's tile dots at G = 128 map the mma's A rows to the tile's
 // rows so that the two rows of each quarter-warp's code load fall in opposite halves of the 32 banks (mk_mma.cuh,
@@ -28,17 +22,6 @@
 // every 128-bit code load of the dots takes two shared-memory cycles per quarter-warp instead of one.
 #ifndef MK_DOT_PERM
 #define MK_DOT_PERM 1
-#endif
-// MK_DS_PERM (EXPERIMENT, session 19; 0 = off): the same for the FFN split's down slices (megakernel.cu,
-// ds_tiles_one_group): their 40-byte rows put the 8-byte code loads of rows g and g + 3 of a half-warp in the same banks.
-#ifndef MK_DS_PERM
-#define MK_DS_PERM 0
-#endif
-// MK_I8_XLO (EXPERIMENT, session 19; 0 = off): at M = 1 the integer staging's lo row starts mkmma::imma_raw_pitch bytes
-// after the hi row (16 or 80 mod 128) instead of xstride (64 mod 128), where the integer dot's 32-byte lane stride put
-// the hi and lo rows of a quarter-warp's x load in the same banks.
-#ifndef MK_I8_XLO
-#define MK_I8_XLO 0
 #endif
 
 namespace mk {

@@ -105,13 +105,6 @@ __device__ __forceinline__ uint32_t mma_nib(uint32_t a, uint32_t magic) {
   return d;
 }
 
-// A 128-bit shared load into v only where p (MK_DOT_XQ: lanes whose B columns are dropped keep stale values; their
-// mma columns are never read)
-__device__ __forceinline__ void lds128_if(uint4& v, uint32_t a, bool p) {
-  asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %4, 0;\n @q ld.shared.v4.u32 {%0, %1, %2, %3}, [%5];\n}"
-               : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w) : "r"((int)p), "r"(a));
-}
-
 // MK_DOT_PERM: the tile row that the mma's A row g (0..7; row g + 8 -> the result + 8) reads, for rows of srb bytes
 // and G = 128 (a lane loads 16 bytes of its row per group: one quarter-warp covers rows g = 2q, 2q + 1, 64 bytes each).
 // Two rows d apart sit (d srb / 4) mod 32 banks apart; the pair (r, r + d) with d srb / 4 = 16 mod 32 takes the
@@ -169,7 +162,6 @@ __device__ __forceinline__ void mma_tile_dot(uint32_t tile, int srb, int kseg, i
   // or in lanes tig and tig ^ (LB / 2)); other columns read row 0 and are dropped
   constexpr int LB = M == 1 ? 1 : M == 2 ? 2 : 4;
   const int row = !PACKED ? min(g, M - 1) : g < M ? g : (g >= LB && g < LB + M) ? M + g - LB : 0;
-  const bool xneed = !MK_DOT_XQ || (!PACKED ? g < M : g < M || (g >= LB && g < LB + M));  // (MK_DOT_XQ)
   const uint32_t row_a = tile + (uint32_t)((arow < 0 ? g : arow) * srb);
   const uint32_t row_b = row_a + (uint32_t)(8 * srb);
   const uint32_t code_a = row_a + (uint32_t)(t * WPL * 4), code_b = row_b + (uint32_t)(t * WPL * 4);
@@ -195,9 +187,7 @@ __device__ __forceinline__ void mma_tile_dot(uint32_t tile, int srb, int kseg, i
 #pragma unroll
     for (int c = 0; c < WPL; ++c) {
       const uint32_t xo = xa + (uint32_t)(gi * G * 2 + c * 64);
-      uint4 xh = make_uint4(0u, 0u, 0u, 0u);
-      if constexpr (MK_DOT_XQ) lds128_if(xh, xo, xneed);
-      else xh = mk::lds128(xo);
+      const uint4 xh = mk::lds128(xo);
       const uint32_t a_lo = wa[c], b_lo = wb[c];
       const uint32_t a_hi = a_lo >> 8, b_hi = b_lo >> 8;
       const uint32_t p0 = mma_nib<0x000F000Fu>(a_lo, magic), p1 = mma_nib<0x000F000Fu>(b_lo, magic);
@@ -207,9 +197,7 @@ __device__ __forceinline__ void mma_tile_dot(uint32_t tile, int srb, int kseg, i
       mma_16816(d0, p0, p1, p2, p3, xh.x, xh.y);
       mma_16816(d1, r0, r1, r2, r3, xh.z, xh.w);
       if constexpr (!PACKED) {  // the lo rows in their own mma
-        uint4 xl = make_uint4(0u, 0u, 0u, 0u);
-        if constexpr (MK_DOT_XQ) lds128_if(xl, xo + xlo, xneed);
-        else xl = mk::lds128(xo + xlo);
+        const uint4 xl = mk::lds128(xo + xlo);
         mma_16816(e0, p0, p1, p2, p3, xl.x, xl.y);
         mma_16816(e1, r0, r1, r2, r3, xl.z, xl.w);
       }
@@ -271,7 +259,7 @@ __device__ __forceinline__ void imma_16832(int (&d)[4], uint32_t a0, uint32_t a1
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// the integer staging's row pitch at M = 1 with MK_I8_XLO or MK_IDOT_RAW from the fp16 staging's xstride (= roundup(2 K, 128) + 64): four rows fit the fp16 hi and lo
+// the raw-byte staging's row pitch (MK_IDOT_RAW) from the fp16 staging's xstride (= roundup(2 K, 128) + 64): four rows fit the fp16 hi and lo
 // rows' 2 xstride bytes, and rows 0 / 1 start 16 or 80 bytes apart modulo 128 (conflict-free LDS.128 phases)
 __host__ __device__ constexpr int imma_raw_pitch(int xstride) { return ((xstride - 64) >> 1) + 16; }
 
@@ -280,19 +268,17 @@ __host__ __device__ constexpr int imma_raw_pitch(int xstride) { return ((xstride
 template <int WPL, int M>
 struct ImmaLane {
   uint32_t code_a, code_b, sm_a, sm_b, xa, xs_c;
-  bool xneed;  // (MK_DOT_XQ) this lane's B column carries a token's hi or lo term
   __device__ __forceinline__ ImmaLane(uint32_t tile, int srb, int kseg, uint32_t xs, int xstride, uint32_t xsum,
                                       int lane, int arow = -1) {
     constexpr int LB = M == 1 ? 1 : M == 2 ? 2 : 4;
     const int g = lane >> 2, t = lane & 3;
     const int row = g < M ? g : (g >= LB && g < LB + M) ? M + g - LB : 0;
-    xneed = !MK_DOT_XQ || g < M || (g >= LB && g < LB + M);
     const uint32_t row_a = tile + (uint32_t)((arow < 0 ? g : arow) * srb), row_b = row_a + (uint32_t)(8 * srb);
     code_a = row_a + (uint32_t)(t * WPL * 4);
     code_b = row_b + (uint32_t)(t * WPL * 4);
     sm_a = row_a + (uint32_t)(kseg >> 1);
     sm_b = row_b + (uint32_t)(kseg >> 1);
-    xa = xs + (uint32_t)(row * (M == 1 && MK_I8_XLO ? imma_raw_pitch(xstride) : xstride) + t * WPL * 8);
+    xa = xs + (uint32_t)(row * xstride + t * WPL * 8);
     xs_c = xsum + (uint32_t)(t * 16);
   }
 };
@@ -303,9 +289,6 @@ __device__ __forceinline__ void imma_tile_dot(uint32_t tile, int srb, int kseg, 
   static_assert(M >= 1 && M <= 4, "the integer dot packs hi and lo terms as B columns: M <= 4");
   constexpr int G = 32 * WPL;
   const ImmaLane<WPL, M> ln(tile, srb, kseg, xs, xstride, xsum, lane, arow);
-  uint4 xq[WPL / 2 > 0 ? WPL / 2 : 1];  // (MK_DOT_XQ: stale in the lanes that do not load)
-#pragma unroll
-  for (int h = 0; h < (WPL / 2 > 0 ? WPL / 2 : 1); ++h) xq[h] = make_uint4(0u, 0u, 0u, 0u);
   const uint32_t code_a = ln.code_a, code_b = ln.code_b, sm_a = ln.sm_a, sm_b = ln.sm_b, xa = ln.xa, xs_c = ln.xs_c;
 #pragma unroll
   for (int j = 0; j < 4; ++j) acc[j] = 0.f;
@@ -319,9 +302,7 @@ __device__ __forceinline__ void imma_tile_dot(uint32_t tile, int srb, int kseg, 
     } else {
 #pragma unroll
       for (int h = 0; h < WPL / 2; ++h) {
-        if constexpr (MK_DOT_XQ) lds128_if(xq[h], xg + (uint32_t)(16 * h), ln.xneed);
-        else xq[h] = mk::lds128(xg + (uint32_t)(16 * h));
-        const uint4 v = xq[h];
+        const uint4 v = mk::lds128(xg + (uint32_t)(16 * h));
         xb[4 * h] = v.x; xb[4 * h + 1] = v.y; xb[4 * h + 2] = v.z; xb[4 * h + 3] = v.w;
       }
     }
@@ -377,7 +358,8 @@ __device__ __forceinline__ void imma_raw_tile_dot(uint32_t tile, int srb, int ks
   static_assert(WPL == 2 || WPL == 4, "the raw-byte dot: one mma takes two words per row (G = 64 or 128)");
   constexpr int G = 32 * WPL;
   const int g = lane >> 2, t = lane & 3;
-  const bool xneed = !MK_DOT_XQ || g < 4;  // (MK_DOT_XQ: columns 0..3)
+  // (x's registers as an array set to zero first: the form v21 and v22 were validated with; without the zeroing
+  // ptxas allocates and schedules the kernel differently, another compile, not measured)
   uint4 xq[WPL / 2];
 #pragma unroll
   for (int h = 0; h < WPL / 2; ++h) xq[h] = make_uint4(0u, 0u, 0u, 0u);
@@ -394,8 +376,7 @@ __device__ __forceinline__ void imma_raw_tile_dot(uint32_t tile, int srb, int ks
     const uint32_t xg = xa + (uint32_t)(gi * G);
 #pragma unroll
     for (int h = 0; h < WPL / 2; ++h) {
-      if constexpr (MK_DOT_XQ) lds128_if(xq[h], xg + (uint32_t)(16 * h), xneed);
-      else xq[h] = mk::lds128(xg + (uint32_t)(16 * h));
+      xq[h] = mk::lds128(xg + (uint32_t)(16 * h));
       const uint4 v = xq[h];
       xb[4 * h] = v.x; xb[4 * h + 1] = v.y; xb[4 * h + 2] = v.z; xb[4 * h + 3] = v.w;
     }
