@@ -39,14 +39,14 @@ def test_a_wrong_byte_order_is_caught():
     assert np.abs(bad - ref).max() > 1e-2 * np.abs(ref).max()
 
 
-@pytest.mark.parametrize("g", [64, 128])
+@pytest.mark.parametrize("g,k", [(64, 640), (128, 2560), (128, 1024)])
 @pytest.mark.parametrize("perm", [False, True])
-def test_raw_byte_dot_matches_the_nibble_split_dot(g, perm):
-    # MK_IDOT_RAW: the raw code bytes (u8) and their 0xF0 halves, -x_even / x_odd in B columns 0..3, one IMAD per lane
-    torch.manual_seed(g)
-    k = 2560 if g == 128 else 640
+def test_raw_byte_dot_matches_the_nibble_split_dot(g, k, perm):
+    # MK_IDOT_RAW: the raw code bytes (u8) and their 0xF0 halves, -x_even / x_odd in B columns 0..3, one IMAD per lane;
+    # with MK_DOT_PERM: K = 2560 (1360-byte rows) pairs rows r, r + 4, K = 1024 (544-byte rows) rows r, r + 2
+    torch.manual_seed(g + k)
     w = quantize_int4(torch.randn(40, k), g)
-    rng = np.random.default_rng(g + perm)
+    rng = np.random.default_rng(g + k + perm)
     x = rng.standard_normal((1, k)) * np.where(rng.random((1, k)) < 0.01, 20.0, 1.0)
     y = emu.matvec_raw(w, x, perm=perm)
     wd = w.dequantize().double().numpy()
