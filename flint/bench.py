@@ -365,6 +365,25 @@ def _bench_backend(doc, save, lm, name, bname, ctxs, n_tokens, repeats, prompt_l
             file=sys.stderr)
 
 
+def ratio_rows(doc: dict) -> list[dict]:
+    """Each backend's decode speed against `compiled` (the int4 torch.compile baseline) at the same model and ctx.
+    A backend named more than once in one run (``--backend compiled,megakernel,compiled,megakernel``: the passes
+    interleave, so slow drift of the card meets both) counts with the median of its rows."""
+    speeds: dict = {}
+    for r in doc["results"]:
+        speeds.setdefault((r["model"], r["ctx"]), {}).setdefault(r["backend"], []).append(r["tok_s"])
+    out = []
+    for (model, ctx), by in speeds.items():
+        if "compiled" not in by:
+            continue
+        base = statistics.median(by["compiled"])
+        for b, v in by.items():
+            if b != "compiled" and base > 0:
+                med = statistics.median(v)
+                out.append({"model": model, "ctx": ctx, "backend": b, "tok_s": med, "x_compiled": med / base})
+    return out
+
+
 def markdown_table(doc: dict) -> str:
     lines = [f"device: {doc['device']} · measured read bandwidth {doc['hbm_read_GBps']:.1f} GB/s", "",
              "| model | backend | ctx | loop | tok/s | ms/token | GB/token | MBU |",
@@ -372,6 +391,11 @@ def markdown_table(doc: dict) -> str:
     for r in doc["results"]:
         lines.append(f"| {r['model']} | {r['backend']} | {r['ctx']} | {r.get('loop', 'host')} | {r['tok_s']:.2f} | "
                      f"{r['ms_per_token']:.3f} | {r['bytes_per_token'] / 1e9:.4f} | {r['mbu']:.1%} |")
+    ratios = ratio_rows(doc)
+    if ratios:
+        lines += ["", "| model | ctx | backend | tok/s | × compiled |", "| --- | ---: | --- | ---: | ---: |"]
+        for r in ratios:
+            lines.append(f"| {r['model']} | {r['ctx']} | {r['backend']} | {r['tok_s']:.2f} | {r['x_compiled']:.3f}× |")
     if doc.get("ttft"):
         lines += ["", "| model | backend | prompt tokens | TTFT ms |", "| --- | --- | ---: | ---: |"]
         for r in doc["ttft"]:

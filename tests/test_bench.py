@@ -87,7 +87,9 @@ def test_table_and_plot(cpu_run, tmp_path):
     doc, _ = cpu_run
     table = markdown_table(doc)
     assert "| model | backend | ctx | loop | tok/s | ms/token | GB/token | MBU |" in table
-    assert table.count("| compiled-bf16 |") == 2 + 1  # two decode rows, one TTFT row
+    assert table.count("| compiled-bf16 |") == 2 + 1 + 2  # two decode rows, one TTFT row, two ratio rows
+    assert "| model | ctx | backend | tok/s | × compiled |" in table  # every other backend against compiled
+    assert table.count("× |") == 2 * 2  # reference and compiled-bf16, two contexts each
     png = tmp_path / "bench.png"
     plot(doc, str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -135,3 +137,14 @@ def test_bench_draft_reports_acceptance_beside_plain():
     assert allrow["identical_to_plain"] == f"{allrow['prompts']}/{allrow['prompts']}"
     assert allrow["spec_tok_s"] > 0 and allrow["plain_tok_s"] > 0
     assert "tokens_per_step" in draft_table(doc)
+
+
+def test_ratio_rows_take_the_median_of_interleaved_runs():
+    from flint.bench import ratio_rows
+    doc = {"results": [{"model": "m", "ctx": 512, "backend": b, "tok_s": v} for b, v in
+                       [("compiled", 429.0), ("megakernel", 864.0), ("compiled", 446.0), ("megakernel", 832.0),
+                        ("compiled", 446.0), ("megakernel", 864.0)]]
+           + [{"model": "m", "ctx": 2048, "backend": "megakernel", "tok_s": 700.0}]}  # no baseline at 2048: no row
+    (r,) = ratio_rows(doc)
+    assert (r["model"], r["ctx"], r["backend"], r["tok_s"]) == ("m", 512, "megakernel", 864.0)
+    assert abs(r["x_compiled"] - 864.0 / 446.0) < 1e-12
