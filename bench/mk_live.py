@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from mk_stalls import compile_cubin, kernel_listing, region_names  # noqa: E402
+from mk_stalls import compile_cubin, decode_kernel_lines, kernel_listing, region_names  # noqa: E402
 
 
 def disassemble(m: int, gu8: bool, defines: list[str]) -> list[tuple[str, int, int, str]]:
@@ -41,14 +41,9 @@ def disassemble(m: int, gu8: bool, defines: list[str]) -> list[tuple[str, int, i
                               text=True).stdout
     where = kernel_listing(lines)
     # (the life-range listing leaves out the padding after the last EXIT: joined by address)
-    count, inside = {}, False
-    for ln in live.splitlines():
-        if ln.startswith(".text."):
-            if inside:
-                break  # the next function
-            inside = "decode_kernel" in ln
-            continue
-        mm = re.match(r"\s+/\*([0-9a-f]+)\*/.*?//\s*\|\s*(\d+)", ln) if inside else None
+    count = {}
+    for ln in decode_kernel_lines(live):
+        mm = re.match(r"\s+/\*([0-9a-f]+)\*/.*?//\s*\|\s*(\d+)", ln)
         if mm:
             count[int(mm.group(1), 16)] = int(mm.group(2))
     if len(count) < 0.99 * len(where):

@@ -44,17 +44,23 @@ def compile_cubin(m: int, gu8: bool, cubin: Path, defines: tuple[str, ...] = ())
         sys.exit(f"nvcc failed:\n{r.stderr[-3000:]}")
 
 
-def kernel_listing(text: str) -> list[tuple[int, tuple[str, int], str]]:
-    """(address, (file, line), instruction) of every instruction of decode_kernel in an `nvdisasm -g` listing"""
-    out, cur, inside = [], ("?", 0), False
+def decode_kernel_lines(text: str):
+    """The lines of an nvdisasm listing that belong to decode_kernel's section (up to the next function's)"""
+    inside = False
     for ln in text.splitlines():
         if ln.startswith(".text."):
             if inside:
-                break  # the next function
+                return  # the next function
             inside = "decode_kernel" in ln
             continue
-        if not inside:
-            continue
+        if inside:
+            yield ln
+
+
+def kernel_listing(text: str) -> list[tuple[int, tuple[str, int], str]]:
+    """(address, (file, line), instruction) of every instruction of decode_kernel in an `nvdisasm -g` listing"""
+    out, cur = [], ("?", 0)
+    for ln in decode_kernel_lines(text):
         mm = re.search(r'//## File "([^"]+)", line (\d+)', ln)
         if mm:
             cur = (Path(mm.group(1)).name, int(mm.group(2)))
