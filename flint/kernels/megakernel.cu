@@ -1476,7 +1476,7 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
         const int gi0 = __shfl_sync(0xffffffffu, gtab, part), gi1 = __shfl_sync(0xffffffffu, gtab, part + 1);
         if (!(p.dbg & 1) && !((MK_DIAG2 >> 6) & (1 << mi))) {
           tile_dot<M, I8>(mt.G, ring0 + (uint32_t)(slot * c.ring.slot_bytes), mt.srb, mt.kseg, gi0, gi1, xs, xstride, xlo,
-                      xsum, lane, acc, MK_DOT_PERM ? grow : -1);
+                      xsum, lane, acc, grow);
         }
         if (!MK_WS_ALL && ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j + 1);
 #if MK_WS_ALL

@@ -15,7 +15,7 @@
 #ifndef MK_DOT_M1
 #define MK_DOT_M1 1
 #endif
-// MK_DOT_PERM (on since v21, session 19: -0.6 to -0.9% per step at M = 1 in three calls, 23-24/24 rounds, bitwise equal;
+// MK_DOT_PERM (on since v21, session 19: -0.4 to -0.9% per step at M = 1 in four calls, 23-28 rounds of 24-30, bitwise equal;
 // Nsight Compute: the launch's excess shared-memory wavefronts 15.8 M -> 0.9 M): matvec_stage's tile dots at G = 128 map the mma's A rows to the tile's
 // rows so that the two rows of each quarter-warp's code load fall in opposite halves of the 32 banks (mk_mma.cuh,
 // dot_perm_row). Granite's rows are 1360 bytes (20 words mod 32 apart): rows g and g + 1 overlap in 4 banks, and
