@@ -4,7 +4,7 @@ Each argument is NAME=SOURCE[+PATCH...][:MACRO=VALUE...]:
   SOURCE  a git revision (HEAD, 5e27073, ...) or "." for the working tree
   PATCH   a patch file applied with `git apply` on top of SOURCE (e.g. the losing variants in
           flint/kernels/dev/experiments/)
-  MACRO   a `#define MACRO value` line of flint/kernels/megakernel.cu (or megakernel_host.cu, mk_common.cuh) rewritten
+  MACRO   a `#define MACRO value` line of flint/kernels/megakernel.cu (or megakernel_host.cu, mk_common.cuh, mk_mma.cuh) rewritten
           to VALUE (the line must exist: a misspelt macro is an error, not a silent no-op); TRACE=1 (or
           any MK_WS_* macro) also builds the variant's traced library (FLINT_MK_TRACE=1 runs need it:
           build.py --traced)
@@ -28,7 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL = Path("flint/kernels/megakernel.cu")
 # the sources a macro may be defined in (the first with a "#define NAME ..." line gets the value)
-SOURCES = (KERNEL, Path("flint/kernels/megakernel_host.cu"), Path("flint/kernels/mk_common.cuh"))
+SOURCES = (KERNEL, Path("flint/kernels/megakernel_host.cu"), Path("flint/kernels/mk_common.cuh"),
+           Path("flint/kernels/mk_mma.cuh"))
 
 
 def parse(spec: str) -> tuple[str, str, list[str], list[tuple[str, str]]]:

@@ -547,6 +547,10 @@ static_assert(!(MK_QKV_EARLY && MK_OHEAD), "MK_QKV_EARLY: the ring order of the 
 //   16 (with 8; session 16, EXPERIMENT): no counter at all at the barrier after o for layers > 0: the gate|up staging
 //      polls the owners' tagged x + o words directly (the causal chain that orders the residual's adds runs through
 //      those words: a block's down adds need every owner's x + o, each owner's o needs every block's q|k|v).
+//   32 (with 8; session 20, EXPERIMENT): no barrier after the down partials at all: the next staging's count polls are
+//      the proof (a word shows the expected count exactly when every add of the layer has landed; the next adds into X,
+//      the o owners' of the next layer, need every block's next q|k|v epilogue through attention, so no word can run
+//      past its count before every block has read it); 64 (with 32): those polls back off 64 ns between rounds.
 // (MK_NOFENCE itself is defined in mk_common.cuh: the host's shared-memory layout needs it too)
 #define MK_NF (MK_FX1 ? MK_NOFENCE : 0)  // (this object's: the M = 1 object only)
 static_assert(!MK_NOFENCE || (MK_FXRES && MK_BAR_SMEM && !MK_OHEAD && !MK_ATAG && !MK_BAR_RELAXED && !MK_QKV_EARLY),
@@ -555,6 +559,8 @@ constexpr unsigned long long FX_CNT = (MK_NF & 12) ? (1ull << 56) : 0ull;  // wh
 static_assert(!(MK_NOFENCE & 3), "MK_NOFENCE: bits 1 and 2 are experiments/16_nofence_bits12.patch");
 static_assert(!(MK_NOFENCE & 8) || (MK_NOFENCE & 4), "MK_NOFENCE: bit 8 with 4");
 static_assert(!(MK_NOFENCE & 16) || (MK_NOFENCE & 8), "MK_NOFENCE: bit 16 with 8");
+static_assert(!(MK_NOFENCE & 32) || (MK_NOFENCE & 8), "MK_NOFENCE: bit 32 with 8");
+static_assert(!(MK_NOFENCE & 64) || (MK_NOFENCE & 32), "MK_NOFENCE: bit 64 with 32");
 // the fixed-point buffers of MK_FXRES / MK_OHEAD (M = 1): X[0..1], O[0..1], D[0..1], Y[0..1] (MK_FXRES alone: X[0]);
 // a stage_x source code: the two buffers to add (b: 15 = none) and the one the rows' owners write the sum to
 enum { FXB_X = 0, FXB_O = 2, FXB_D = 4, FXB_Y = 6, FXB_NONE = 15 };
@@ -974,6 +980,7 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
             // (a count that never comes is a bug: after 2^24 polls, seconds, the launch fails instead of hanging)
             for (uint32_t spins = 0; ok && !done(); ++spins) {
               if (spins == (1u << 24)) __trap();
+              if (MK_NF & 64) __nanosleep(64);  // (bit 64: fewer polls on the lines the adds land on)
 #pragma unroll
               for (int h = 0; h < 4; ++h) q[h] = ld_fx2(fp + h);
             }
@@ -2712,7 +2719,8 @@ __global__ void __launch_bounds__(NT, 1)
       if (kFx<M> && threadIdx.x == 0) misc->fxc[0] += (uint32_t)p.nffn;  // (every FFN block adds once per row)
 #endif
       stamp(l, 9);
-      MK_GSYNC(4, true);
+      if (!((MK_NF & 32) && kFx<M>)) MK_GSYNC(4, true);  // (MK_NOFENCE bit 32: the next staging's count polls only,
+      else cbar();                                        //  after a block barrier)
       stamp(l, 10);
       if (kFx<M>) {  // the partials were added into the fixed-point residual: the next stage reads it
         stamp(l, 11);
