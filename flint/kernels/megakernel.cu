@@ -547,10 +547,13 @@ static_assert(!(MK_QKV_EARLY && MK_OHEAD), "MK_QKV_EARLY: the ring order of the 
 //   16 (with 8; session 16, EXPERIMENT): no counter at all at the barrier after o for layers > 0: the gate|up staging
 //      polls the owners' tagged x + o words directly (the causal chain that orders the residual's adds runs through
 //      those words: a block's down adds need every owner's x + o, each owner's o needs every block's q|k|v).
-//   32 (with 8; session 20, EXPERIMENT): no barrier after the down partials at all: the next staging's count polls are
+//   32 (with 8; session 20, on since v23: -3.0 to -3.2% per step at ctx 512 in two calls (29/30 and 30/30 rounds, its
+//      null compile -3.1%), -2.2% at ctx 2048, -1.6% at ctx 8192; bitwise equal): no barrier after the down partials at all: the next staging's count polls are
 //      the proof (a word shows the expected count exactly when every add of the layer has landed; the next adds into X,
 //      the o owners' of the next layer, need every block's next q|k|v epilogue through attention, so no word can run
 //      past its count before every block has read it); 64 (with 32): those polls back off 64 ns between rounds.
+//   128 (with 8; session 20, EXPERIMENT): no counter after attention either: the o staging polls the merge's tagged
+//      words directly (a block barrier in its place)
 // (MK_NOFENCE itself is defined in mk_common.cuh: the host's shared-memory layout needs it too)
 #define MK_NF (MK_FX1 ? MK_NOFENCE : 0)  // (this object's: the M = 1 object only)
 static_assert(!MK_NOFENCE || (MK_FXRES && MK_BAR_SMEM && !MK_OHEAD && !MK_ATAG && !MK_BAR_RELAXED && !MK_QKV_EARLY),
@@ -561,6 +564,7 @@ static_assert(!(MK_NOFENCE & 8) || (MK_NOFENCE & 4), "MK_NOFENCE: bit 8 with 4")
 static_assert(!(MK_NOFENCE & 16) || (MK_NOFENCE & 8), "MK_NOFENCE: bit 16 with 8");
 static_assert(!(MK_NOFENCE & 32) || (MK_NOFENCE & 8), "MK_NOFENCE: bit 32 with 8");
 static_assert(!(MK_NOFENCE & 64) || (MK_NOFENCE & 32), "MK_NOFENCE: bit 64 with 32");
+static_assert(!(MK_NOFENCE & 128) || (MK_NOFENCE & 8), "MK_NOFENCE: bit 128 with 8");
 // the fixed-point buffers of MK_FXRES / MK_OHEAD (M = 1): X[0..1], O[0..1], D[0..1], Y[0..1] (MK_FXRES alone: X[0]);
 // a stage_x source code: the two buffers to add (b: 15 = none) and the one the rows' owners write the sum to
 enum { FXB_X = 0, FXB_O = 2, FXB_D = 4, FXB_Y = 6, FXB_NONE = 15 };
@@ -2696,7 +2700,8 @@ __global__ void __launch_bounds__(NT, 1)
     } else
 #endif
     {
-      if (!MK_ATAG) MK_GSYNC(1, p.nffn);  // (MK_NOFENCE bit 8: the tagged words with the FFN split only)
+      if ((MK_NF & 128) && kFx<M> && p.nffn) cbar();  // (MK_NOFENCE bit 128: the o staging's polls only)
+      else if (!MK_ATAG) MK_GSYNC(1, p.nffn);  // (MK_NOFENCE bit 8: the tagged words with the FFN split only)
       stamp(l, 5);
       matvec_stage<M, kI8<M>(MAT_O)>(c, MAT_O, l, attn_rows, 1.f, nullptr);
 #if MK_NF & 8

@@ -103,9 +103,10 @@ struct Params {
 // Shared-memory layout (byte offsets) and per-matrix work split, computed on the host per M.
 // MK_NOFENCE (session 16, bits; megakernel.cu says what they do): grid barriers without their release fence, the data
 // validated by tags and counted fixed-point words. Here because the host's shared-memory layout depends on it.
-// v18: 4 (the barrier after the down partials); v19: 12 (also the barriers after attention and after o).
+// v18: 4 (the barrier after the down partials); v19: 12 (also the barriers after attention and after o); v23: 44 (no
+// barrier after the down partials at all: the next staging's count polls are the proof).
 #ifndef MK_NOFENCE
-#define MK_NOFENCE 12
+#define MK_NOFENCE 44
 #endif
 
 struct Smem {
