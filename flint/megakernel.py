@@ -213,8 +213,7 @@ class MegakernelBackend:
         traced = os.environ.get("FLINT_MK_TRACE") == "1"
         lib = load_library(traced)
         dev = self.device
-        nh, nkv, d, L, H, I, V = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers,
-                                  cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size)
+        nh, nkv, d, L, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers, cfg.hidden_size
         self.nblocks = torch.cuda.get_device_properties(dev).multi_processor_count
         self.ffn_plan = self._ffn_plan(ffn_split, params["layers.0.w_down"].group_size)
         # FLINT_MK_OHEAD=1 (EXPERIMENT): the o projection by kv head where the shapes fit it (a kernel built with
@@ -260,49 +259,123 @@ class MegakernelBackend:
             self.rope_cos, self.rope_sin = cos.contiguous(), sin.contiguous()
             self.k_cache = torch.zeros((L, nkv, self.max_seq_len, d), dtype=torch.float16)
             self.v_cache = torch.zeros_like(self.k_cache)
-            g = nh // nkv
-            nsplit = max(1, self.nblocks // nkv)
-            f32 = dict(dtype=torch.float32)
-            self.resid = torch.zeros((MAX_M, H), **f32)
-            self.q = torch.zeros((MAX_M, nh * d), **f32)
-            # (fp32 bits, tag) words: this step's q|k|v rows (MK_QTAG), then the attention output (MK_ATAG);
-            # then (24-bit value, 8-bit tag) words of the attention output and of x + o (MK_NOFENCE bit 8); tags restart
-            # with the epoch
-            self.qkv_tag = torch.zeros((MAX_M * ((2 * nh + 2 * nkv) * d * 2 + nh * d + H),), dtype=torch.int32)
-            self.attn = torch.zeros((MAX_M, nh * d), **f32)
-            self.act = torch.zeros((MAX_M, I), **f32)
-            # attention partials; twice the floats: MK_TMERGE writes them as (fp32 bits, tag) pairs
-            self.part = torch.zeros((2 * nkv * nsplit * g * MAX_M * (d + 2),), **f32)
-            self.att_count = torch.zeros((nkv,), dtype=torch.int32)
-            self.logits = torch.zeros((MAX_M, V), **f32)
-            self.arg_val = torch.zeros((self.nblocks * MAX_M,), **f32)
-            self.arg_idx = torch.zeros((self.nblocks * MAX_M,), dtype=torch.int32)
-            self.argmax = torch.zeros((MAX_M,), dtype=torch.int32)
-            self.done_count = torch.zeros((1,), dtype=torch.int32)
-            self.bar_counter = torch.zeros((1,), dtype=torch.int64)
-            # launches so far; the barrier counter's value at a launch's start (kernels whose barriers per launch
-            # depend on M: MK_FXRES)
-            self.epoch = torch.zeros((2,), dtype=torch.int64)
-            # FFN split-K partial sums [M][H tiles][nffn_pad][16] (f >= nffn stay 0), then room for the kernel's
-            # fixed-point residual [M][H tiles * 16] of 8-byte words (MK_FXRES)
-            hp = -(-H // TILE_ROWS) * TILE_ROWS
-            self.dpart = (torch.zeros((MAX_M * hp * self.ffn_plan["nffn_pad"] + 2 * MAX_M * hp,), **f32)
-                          if self.ffn_plan else None)
+            self._set_scratch(self._alloc_scratch())
             # FLINT_MK_TRACE=1: blocks 0 and nblocks-1 stamp %globaltimer at stage boundaries (stage_times)
             self.trace = (torch.zeros((2 * L * 32 + self.nblocks * 16 + 2 * 16 * 32,), dtype=torch.int64)
                           if traced else None)
         torch.cuda.synchronize(dev)
         self._lib = lib
-        self._h = ctypes.c_void_p()
-        ia, fa = self._pack_args()
-        _check(lib.flint_mk_create((ctypes.c_longlong * len(ia))(*ia), len(ia),
-                                   (ctypes.c_double * len(fa))(*fa), len(fa), ctypes.byref(self._h)), lib)
+        self._h = None
+        self._h = self._create_handle()
         self.max_chunk = lib.flint_mk_max_m(self._h)
+        # FLINT_MK_PLACE (default 6; 0 or 1: off): scratch sets tried for the fastest placement (_place_scratch)
+        tries = os.environ.get("FLINT_MK_PLACE", "6")
+        if not tries.isdigit():
+            raise ValueError(f"megakernel: FLINT_MK_PLACE={tries!r}: expected a count of scratch sets (0 or 1: off)")
+        self.placement = None
+        if int(tries) > 1 and not traced:
+            self._place_scratch(int(tries))
         self.kv_bytes_per_token = 2 * L * nkv * d * 2
         # what one step reads besides K/V: int4 codes + scales/mins of every linear and the head,
         # the fp32 norm weights, one fp32 embedding row (flint bench's bytes-per-token)
         self.weight_bytes_per_token = (sum(params[n].nbytes for n in names_int4(cfg))
                                        + 4 * H * (2 * L + 1) + 4 * H)
+
+    # the step's scratch: every buffer the blocks hand data or counts through (the barrier counter, the tagged words,
+    # the attention partials, the fixed-point residual in dpart's tail), not the weights or the K/V cache
+    SCRATCH = ("resid", "q", "qkv_tag", "attn", "act", "part", "att_count", "logits", "arg_val", "arg_idx", "argmax",
+               "done_count", "bar_counter", "epoch", "dpart")
+
+    def _alloc_scratch(self) -> dict:
+        """Fresh zeroed scratch buffers (a new barrier counter and epoch: a consistent start)."""
+        cfg, dev = self.cfg, self.device
+        nh, nkv, d, H, I, V = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
+                               cfg.intermediate_size, cfg.vocab_size)
+        g = nh // nkv
+        nsplit = max(1, self.nblocks // nkv)
+        f32 = dict(dtype=torch.float32, device=dev)
+        i32 = dict(dtype=torch.int32, device=dev)
+        hp = -(-H // TILE_ROWS) * TILE_ROWS
+        return dict(
+            resid=torch.zeros((MAX_M, H), **f32),
+            q=torch.zeros((MAX_M, nh * d), **f32),
+            # (fp32 bits, tag) words: this step's q|k|v rows (MK_QTAG), then the attention output (MK_ATAG); then
+            # (24-bit value, 8-bit tag) words of the attention output and of x + o (MK_NOFENCE bit 8); tags restart
+            # with the epoch
+            qkv_tag=torch.zeros((MAX_M * ((2 * nh + 2 * nkv) * d * 2 + nh * d + H),), **i32),
+            attn=torch.zeros((MAX_M, nh * d), **f32),
+            act=torch.zeros((MAX_M, I), **f32),
+            # attention partials; twice the floats: MK_TMERGE writes them as (fp32 bits, tag) pairs
+            part=torch.zeros((2 * nkv * nsplit * g * MAX_M * (d + 2),), **f32),
+            att_count=torch.zeros((nkv,), **i32),
+            logits=torch.zeros((MAX_M, V), **f32),
+            arg_val=torch.zeros((self.nblocks * MAX_M,), **f32),
+            arg_idx=torch.zeros((self.nblocks * MAX_M,), **i32),
+            argmax=torch.zeros((MAX_M,), **i32),
+            done_count=torch.zeros((1,), **i32),
+            bar_counter=torch.zeros((1,), dtype=torch.int64, device=dev),
+            # launches so far; the barrier counter's value at a launch's start (kernels whose barriers per launch
+            # depend on M: MK_FXRES)
+            epoch=torch.zeros((2,), dtype=torch.int64, device=dev),
+            # FFN split-K partial sums [M][H tiles][nffn_pad][16] (f >= nffn stay 0), then room for the kernel's
+            # fixed-point residual [M][H tiles * 16] of 8-byte words (MK_FXRES)
+            dpart=(torch.zeros((MAX_M * hp * self.ffn_plan["nffn_pad"] + 2 * MAX_M * hp,), **f32)
+                   if self.ffn_plan else None))
+
+    def _set_scratch(self, bufs: dict) -> None:
+        for n in self.SCRATCH:
+            setattr(self, n, bufs[n])
+
+    def _create_handle(self) -> ctypes.c_void_p:
+        h = ctypes.c_void_p()
+        ia, fa = self._pack_args()
+        _check(self._lib.flint_mk_create((ctypes.c_longlong * len(ia))(*ia), len(ia),
+                                         (ctypes.c_double * len(fa))(*fa), len(fa), ctypes.byref(h)), self._lib)
+        return h
+
+    def _place_scratch(self, tries: int) -> None:  # (no inference_mode: the chosen set's tensors stay ordinary ones)
+        """Session 20 (docs/megakernel.md): the step's time depends on WHERE the scratch lands, by up to 15% at
+        Granite-4.1-3B ctx 512 (bench/mk_place.py: the same weights behind pads of other sizes ran 1135 to 1312 us,
+        each configuration steady over rounds), i.e. on which L2 slices hold the lines every block polls and adds
+        into. The addresses' physical placement is the driver's, so: allocate ``tries`` scratch sets, time a few M = 1
+        steps on each (rounds alternate over the sets), keep the fastest and free the others. ~0.2 s on
+        Granite-4.1-3B; the arithmetic does not depend on the placement (the logits are the same bits)."""
+        pos = min(self.max_seq_len - 1, 256)
+        tok = torch.zeros(1, dtype=torch.int64, device=self.device)
+        sets = [({n: getattr(self, n) for n in self.SCRATCH}, self._h)]
+        for _ in range(tries - 1):
+            bufs = self._alloc_scratch()
+            self._set_scratch(bufs)
+            sets.append((bufs, self._create_handle()))
+        stream = torch.cuda.current_stream(self.device)
+
+        def step(h) -> None:
+            _check(self._lib.flint_mk_forward(h, 1, ctypes.c_void_p(tok.data_ptr()), pos,
+                                              ctypes.c_void_p(stream.cuda_stream)), self._lib)
+
+        times = [[] for _ in sets]
+        try:
+            for r in range(4):  # round 0 warms every set; rounds 1..3 are timed
+                for i in (range(len(sets)) if r % 2 else reversed(range(len(sets)))):
+                    self._set_scratch(sets[i][0])
+                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    step(sets[i][1])
+                    s.record(stream)
+                    for _ in range(6):
+                        step(sets[i][1])
+                    e.record(stream)
+                    e.synchronize()
+                    if r:
+                        times[i].append(s.elapsed_time(e) / 6 * 1e3)
+        finally:
+            med = [sorted(t)[len(t) // 2] if t else float("inf") for t in times]
+            best = min(range(len(sets)), key=lambda i: med[i])
+            for i, (_, h) in enumerate(sets):
+                if i != best:
+                    self._lib.flint_mk_destroy(h)
+            self._set_scratch(sets[best][0])
+            self._h = sets[best][1]
+            self.placement = dict(tries=len(sets), chosen=best, step_us=[round(x, 1) for x in med])
 
     def _ffn_plan(self, mode: str | None, group: int) -> dict | None:
         """FFN split-K or not: ffn_split (or FLINT_MK_FFN_SPLIT) "auto" (default: when the plan's FFN

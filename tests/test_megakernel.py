@@ -288,6 +288,36 @@ def test_greedy_run_matches_step_by_step(split):
 
 @gpu
 @needs_sm90
+def test_scratch_placement_keeps_the_bits(monkeypatch):
+    # FLINT_MK_PLACE (session 20): the backend times several scratch sets and keeps the fastest; where the scratch
+    # lands changes the step's time, never its arithmetic: the same logits, bit for bit, as a backend that kept its
+    # first set, and the chosen set still serves every M
+    from flint.megakernel import MegakernelBackend
+    from flint.synthetic import synthetic_params
+
+    cfg = _granite(2)
+    params = synthetic_params(cfg, seed=3, int4_group_size=128, dtype=torch.float32, device="cuda")
+    monkeypatch.setenv("FLINT_MK_PLACE", "1")
+    one = MegakernelBackend(cfg, params, 300)
+    assert one.placement is None
+    monkeypatch.setenv("FLINT_MK_PLACE", "4")
+    four = MegakernelBackend(cfg, params, 300)
+    assert four.placement["tries"] == 4 and 0 <= four.placement["chosen"] < 4
+    assert len(four.placement["step_us"]) == 4 and all(t > 0 for t in four.placement["step_us"])
+    toks = torch.randint(0, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(5))
+    for mk in (one, four):
+        mk.reset()
+    for i in range(0, 32, 8):  # M = 8 chunks, then M = 1 steps
+        assert torch.equal(one.forward(toks[i:i + 8], i), four.forward(toks[i:i + 8], i))
+    for i in range(32, 40):
+        assert torch.equal(one.forward(toks[i:i + 1], i), four.forward(toks[i:i + 1], i))
+    monkeypatch.setenv("FLINT_MK_PLACE", "x")
+    with pytest.raises(ValueError, match="FLINT_MK_PLACE='x'"):
+        MegakernelBackend(cfg, params, 300)
+
+
+@gpu
+@needs_sm90
 def test_unsupported_shapes_raise():
     from flint.megakernel import MegakernelBackend
     from flint.synthetic import synthetic_params
