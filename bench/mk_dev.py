@@ -72,6 +72,23 @@ def warm_granite(layers: int | None = None, pos: int = 511, warmup: int = 4, m: 
     return mk, step
 
 
+def step_times(mk, tok, pos: int, iters: int) -> list[float]:
+    """``iters`` per-launch steps of ``mk`` (CUDA events around each), microseconds."""
+    ts = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        mk.forward(tok, pos)
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e) * 1e3)
+    return ts
+
+
+def median_step(mk, tok, pos: int, iters: int) -> float:
+    return statistics.median(step_times(mk, tok, pos, iters))
+
+
 def rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
@@ -148,15 +165,8 @@ def time_model(name, ctxs, group=128, iters=50) -> tuple[list[dict], MegakernelB
         for _ in range(5):
             mk.forward(tok, pos)
         torch.cuda.synchronize()
-        ts = []
-        for _ in range(iters):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            mk.forward(tok, pos)
-            e.record()
-            e.synchronize()
-            ts.append(s.elapsed_time(e) / 1e3)
-        t = statistics.median(ts)
+        ts = step_times(mk, tok, pos, iters)
+        t = statistics.median(ts) / 1e6
         # greedy path: host-visible tok/s including launch + sync + python
         for _ in range(5):
             mk.greedy_next(123, pos)
@@ -167,7 +177,7 @@ def time_model(name, ctxs, group=128, iters=50) -> tuple[list[dict], MegakernelB
         kv = mk.kv_bytes_per_token * ctx
         rows.append(dict(model=f"{name} int4 G{group} synthetic", ctx=ctx, step_us=t * 1e6, tok_s=1 / t,
                          greedy_tok_s=1 / tg, weight_bytes=wbytes, kv_bytes=kv, achieved_GBps=(wbytes + kv) / t / 1e9,
-                         min_us=min(ts) * 1e6, max_us=max(ts) * 1e6))
+                         min_us=min(ts), max_us=max(ts)))
         print(rows[-1], flush=True)
     return rows, mk
 

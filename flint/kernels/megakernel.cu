@@ -33,6 +33,11 @@
 // only by the lanes of live B columns, a predicated LDS: +2.0%, hoisted +2.5%), MK_DS_PERM (the down slices' rows
 // permuted for their code loads' banks: no gain), MK_I8_XLO (the integer staging's lo row off the hi row's banks: no
 // gain). Not built: the raw integer dot in the down slices (19_ds_raw.patch: the M = 1 objects spill 36 bytes).
+// Session 20 (v23): on, MK_NOFENCE bit 32 (no barrier after the down partials at M = 1: -3.2%). Measured and removed
+// (flint/kernels/dev/experiments/20_rstd_defer_inflight_caps.patch, 20_dot_xp.patch, 20_dot_ch.patch; each applies on
+// its own): MK_RSTD_DEFER (the rstd in the epilogues: no gain), MK_GU_INFLIGHT = 2 (+3.1%), MK_QKV_INFLIGHT = 2 (no
+// gain), MK_DOT_XP (the x loads predicated with zeroed registers: +1.7 to +2.4%), MK_DOT_CH (shorter mma chains: fp16
+// +1.6%, the raw dot's no gain).
 // Measured and removed in session 6 (reproducible from 80bb088 with bench/mk_variants.py; numbers in
 // bench/results/mk_ab_session6_2026-11-29.log): MK_DS_PREFETCH (down slices into L2 during attention:
 // +5.5%), MK_PACKED_NOZERO (4 FADD less per group: +1.7%, noise), MK_ATT_PRE (attention's old K/V rows in
