@@ -25,7 +25,8 @@ argmax), as a loop that must see each token before the next (sampling on the hos
 
 Prints a llama-bench-style markdown table; ``--json PATH`` writes
 ``{"device", "hbm_read_GBps", "results": [{"model", "backend", "ctx", "loop", "tok_s", "ms_per_token",
-"bytes_per_token", "mbu"}]}`` (plus ``"ttft"`` rows with --prompt-len), rewritten after every
+"bytes_per_token", "mbu"}]}`` (the megakernel's rows also ``"placement"``: its scratch sets' step times at load and
+the one kept), plus ``"ttft"`` rows with --prompt-len, rewritten after every
 result; ``--plot PATH.png`` draws tok/s against context per backend with each backend's
 bandwidth ceiling (bandwidth / bytes per token) dashed.
 
@@ -358,6 +359,8 @@ def _bench_backend(doc, save, lm, name, bname, ctxs, n_tokens, repeats, prompt_l
                "tok_s": round(tok_s, 2),
                "ms_per_token": round(s * 1e3, 4), "bytes_per_token": int(nbytes),
                "mbu": round(nbytes * tok_s / (doc["hbm_read_GBps"] * 1e9), 4)}
+        if getattr(backend, "placement", None):  # the megakernel's scratch sets timed at load (docs/bench.md)
+            row["placement"] = backend.placement
         doc["results"].append(row)
         save()
         log(f"  {name} {bname} ctx {ctx}: {row['tok_s']} tok/s, {row['ms_per_token']} ms/token, "
