@@ -22,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mk_dev import median_step  # noqa: E402  (the per-launch timing shared with bench/mk_dev.py)
 
 
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="granite-4.1-3b")
@@ -84,8 +83,6 @@ def main() -> None:
 def move(args, cfg, params) -> None:
     """One backend; each group of scratch buffers re-allocated (zeroed) args.tries times with the others kept, the
     handle re-created on each, the per-launch step timed: which buffers' placement moves the step."""
-    import statistics
-
     import torch
 
     from flint.megakernel import MegakernelBackend

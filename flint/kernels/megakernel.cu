@@ -556,9 +556,9 @@ static_assert(!(MK_QKV_EARLY && MK_OHEAD), "MK_QKV_EARLY: the ring order of the 
 //      null compile -3.1%), -2.2% at ctx 2048, -1.6% at ctx 8192; bitwise equal): no barrier after the down partials at all: the next staging's count polls are
 //      the proof (a word shows the expected count exactly when every add of the layer has landed; the next adds into X,
 //      the o owners' of the next layer, need every block's next q|k|v epilogue through attention, so no word can run
-//      past its count before every block has read it); 64 (with 32): those polls back off 64 ns between rounds.
-//   128 (with 8; session 20, EXPERIMENT): no counter after attention either: the o staging polls the merge's tagged
-//      words directly (a block barrier in its place)
+//      past its count before every block has read it). Bits 64 (the count polls backing off 64 ns: 0.9703 against
+//      0.9682) and 128 (no counter after attention either: 0.9898 against 0.9697) are
+//      flint/kernels/dev/experiments/20_nofence_bits64_128.patch.
 // (MK_NOFENCE itself is defined in mk_common.cuh: the host's shared-memory layout needs it too)
 #define MK_NF (MK_FX1 ? MK_NOFENCE : 0)  // (this object's: the M = 1 object only)
 static_assert(!MK_NOFENCE || (MK_FXRES && MK_BAR_SMEM && !MK_OHEAD && !MK_ATAG && !MK_BAR_RELAXED && !MK_QKV_EARLY),
@@ -568,8 +568,6 @@ static_assert(!(MK_NOFENCE & 3), "MK_NOFENCE: bits 1 and 2 are experiments/16_no
 static_assert(!(MK_NOFENCE & 8) || (MK_NOFENCE & 4), "MK_NOFENCE: bit 8 with 4");
 static_assert(!(MK_NOFENCE & 16) || (MK_NOFENCE & 8), "MK_NOFENCE: bit 16 with 8");
 static_assert(!(MK_NOFENCE & 32) || (MK_NOFENCE & 8), "MK_NOFENCE: bit 32 with 8");
-static_assert(!(MK_NOFENCE & 64) || (MK_NOFENCE & 32), "MK_NOFENCE: bit 64 with 32");
-static_assert(!(MK_NOFENCE & 128) || (MK_NOFENCE & 8), "MK_NOFENCE: bit 128 with 8");
 // the fixed-point buffers of MK_FXRES / MK_OHEAD (M = 1): X[0..1], O[0..1], D[0..1], Y[0..1] (MK_FXRES alone: X[0]);
 // a stage_x source code: the two buffers to add (b: 15 = none) and the one the rows' owners write the sum to
 enum { FXB_X = 0, FXB_O = 2, FXB_D = 4, FXB_Y = 6, FXB_NONE = 15 };
@@ -989,7 +987,6 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
             // (a count that never comes is a bug: after 2^24 polls, seconds, the launch fails instead of hanging)
             for (uint32_t spins = 0; ok && !done(); ++spins) {
               if (spins == (1u << 24)) __trap();
-              if (MK_NF & 64) __nanosleep(64);  // (bit 64: fewer polls on the lines the adds land on)
 #pragma unroll
               for (int h = 0; h < 4; ++h) q[h] = ld_fx2(fp + h);
             }
@@ -2705,8 +2702,7 @@ __global__ void __launch_bounds__(NT, 1)
     } else
 #endif
     {
-      if ((MK_NF & 128) && kFx<M> && p.nffn) cbar();  // (MK_NOFENCE bit 128: the o staging's polls only)
-      else if (!MK_ATAG) MK_GSYNC(1, p.nffn);  // (MK_NOFENCE bit 8: the tagged words with the FFN split only)
+      if (!MK_ATAG) MK_GSYNC(1, p.nffn);  // (MK_NOFENCE bit 8: the tagged words with the FFN split only)
       stamp(l, 5);
       matvec_stage<M, kI8<M>(MAT_O)>(c, MAT_O, l, attn_rows, 1.f, nullptr);
 #if MK_NF & 8
