@@ -23,7 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("mk_common.cuh", "mk_ptx.cuh", "mk_mma.cuh", "megakernel.cu", "megakernel_host.cu")
+# every source of the library (megakernel.cu includes the mk_*.cuh headers; the host part shares mk_common.cuh)
+SOURCES = ("mk_config.cuh", "mk_common.cuh", "mk_ptx.cuh", "mk_sync.cuh", "mk_trace.cuh", "mk_producer.cuh",
+           "mk_stage.cuh", "mk_mma.cuh", "mk_matvec.cuh", "mk_ffn.cuh", "mk_attention.cuh", "megakernel.cu",
+           "megakernel_host.cu")
 M_VALUES = tuple(range(1, 9))
 # more objects of megakernel.cu: (name, its -D flags); m1gu8 = M = 1 with gate|up's integer dot (groups of 128)
 EXTRA_OBJECTS = (("m1gu8", ("-DFLINT_MK_M=1", "-DFLINT_MK_GU8=1")),)
@@ -43,22 +46,8 @@ class BuildError(RuntimeError):
 
 
 # The traced library (FLINT_MK_TRACE=1) is a separate build: the stamps' runtime checks cost 2.5% per
-# step when compiled into the default one (session 5).
+# step when compiled into the default one (2026-11-29).
 TRACE_FLAGS = ["-DMK_TRACE=1"]
-
-
-def ptxas_extra() -> list[str]:
-    """ptxas options the kernel source asks for, for the extra objects (the M = 1 gate|up-integer object that Granite's
-    G128 decode runs): `#define MK_REG_USAGE_LEVEL N` in megakernel.cu with N in 0..10 adds `--register-usage-level=N`
-    (ptxas's default is 5; -1 = unset; the other objects spill at most levels). A line of the source, so the source
-    hash covers it and bench/mk_variants.py can set it per variant (session 18, 18g: no level beat the default)."""
-    m = re.search(r"^#define MK_REG_USAGE_LEVEL (-?\d+)", (HERE / "megakernel.cu").read_text(), re.M)
-    n = int(m.group(1)) if m else -1
-    if n < 0:
-        return []
-    if n > 10:
-        raise BuildError(f"megakernel.cu: MK_REG_USAGE_LEVEL {n}: ptxas takes 0..10 (or -1: unset)")
-    return [f"-Xptxas=--register-usage-level={n}"]
 
 
 def source_hash(traced: bool = False) -> str:
@@ -156,7 +145,7 @@ def build(force: bool = False, verbose: bool = False, traced: bool = False) -> P
     try:
         jobs = [(f"m{m}", [nvcc, *flags, f"-DFLINT_MK_M={m}", "-c", str(HERE / "megakernel.cu"),
                            "-o", str(tmp / f"mk_m{m}.o")]) for m in M_VALUES]
-        jobs += [(name, [nvcc, *flags, *ptxas_extra(), *defs, "-c", str(HERE / "megakernel.cu"), "-o",
+        jobs += [(name, [nvcc, *flags, *defs, "-c", str(HERE / "megakernel.cu"), "-o",
                          str(tmp / f"mk_{name}.o")]) for name, defs in EXTRA_OBJECTS]
         jobs.append(("host", [nvcc, *flags, "-c", str(HERE / "megakernel_host.cu"), "-o",
                               str(tmp / "mk_host.o")]))

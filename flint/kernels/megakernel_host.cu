@@ -10,24 +10,6 @@
 #include "mk_common.cuh"
 #include "mk_mma.cuh"
 
-// MK_PARTS_GU (EXPERIMENT, session 8, 0 = the cost model's choice, 5 on Granite): gate|up's K parts per tile fixed,
-// so its tiles are worked on fewer at a time and their ring slots free earlier for the down slices. Measured: 7 and
-// 14 noise, 15 +10% (warp 14 reduces every tile); docs/megakernel.md 8c
-// MK_UNIT_COST: a K part's hand-off in the work-split cost model, in groups (1 until v14; 2 since v15)
-#ifndef MK_UNIT_COST
-#define MK_UNIT_COST 2
-#endif
-#ifndef MK_PARTS_GU
-#define MK_PARTS_GU 0
-#endif
-// MK_PARTS_QKV / MK_PARTS_O (EXPERIMENT, session 15, 0 = the cost model's choice: 7 on Granite, i.e. each of a
-// block's 2 tiles in 7 parts of 3 groups, one unit per warp): q|k|v's and o's K parts per tile fixed
-#ifndef MK_PARTS_QKV
-#define MK_PARTS_QKV 0
-#endif
-#ifndef MK_PARTS_O
-#define MK_PARTS_O 0
-#endif
 #define MK_DECL(m)                                                                                      \
   extern "C" int flint_mk_launch_m##m(const mk::Params*, const mk::Smem*, int, const long long*, int, \
                                       cudaStream_t, int);                                              \
@@ -54,10 +36,6 @@ static int fail(const char* msg, int code = 1) {
   snprintf(g_err, sizeof(g_err), "%s", msg);
   return code ? code : 1;
 }
-// MK_DS_CPT_EVEN (EXPERIMENT, session 17, off): the FFN split-K's down-slice chunks of equal size (see its use)
-#ifndef MK_DS_CPT_EVEN
-#define MK_DS_CPT_EVEN 0
-#endif
 static int cuda_fail(const char* what, int e) {
   snprintf(g_err, sizeof(g_err), "%s: %s (%d)", what, cudaGetErrorString((cudaError_t)e), e);
   return e ? e : 1;
@@ -94,7 +72,7 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
   p.dbg = (int)ia[k++];
   p.nffn = (int)ia[k++];
   p.nffn_pad = (int)ia[k++];
-  p.ohead = (int)ia[k++];  // (a request: 1 = the o projection by head if the shapes allow it; set to blocks per head below)
+  p.ohead = (int)ia[k++];  // (a slot of the argument layout: must be 0)
   void** ptrs[] = {(void**)&p.embed, (void**)&p.norms, (void**)&p.final_norm, (void**)&p.rope_cos,
                    (void**)&p.rope_sin, (void**)&p.kcache, (void**)&p.vcache, (void**)&p.resid, (void**)&p.q,
                    (void**)&p.attn, (void**)&p.act, (void**)&p.part, (void**)&p.att_count, (void**)&p.logits,
@@ -109,8 +87,7 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
     mt.N = (int)ia[k++]; mt.K = (int)ia[k++]; mt.G = (int)ia[k++]; mt.nseg = (int)ia[k++];
     mt.kseg = (int)ia[k++]; mt.srb = (int)ia[k++]; mt.nreal = (int)ia[k++];
     // absent: MAT_D with FFN split-K, MAT_DS without (never touched by the kernel then)
-    // (MK_OHEAD: MAT_D holds o's per-head column slices instead)
-    const bool absent = (m == mk::MAT_D && p.nffn > 0 && !p.ohead) || (m == mk::MAT_DS && p.nffn == 0);
+    const bool absent = (m == mk::MAT_D && p.nffn > 0) || (m == mk::MAT_DS && p.nffn == 0);
     if (absent) {
       mt = mk::Mat{};
       mt.G = 32; mt.gshift = 5; mt.nseg = 1;
@@ -119,7 +96,7 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
     mt.gshift = mt.G == 32 ? 5 : mt.G == 64 ? 6 : mt.G == 128 ? 7 : -1;
     mt.ntiles = mt.N / mk::TILE_ROWS;
     // rows at 16 bytes (a slice: at its code loads' width, G / 8 bytes)
-    const int row_align = m == mk::MAT_DS || (m == mk::MAT_D && p.ohead) ? (mt.G >> 3) : 16;
+    const int row_align = m == mk::MAT_DS ? (mt.G >> 3) : 16;
     if (mt.gshift < 0 || mt.N % mk::TILE_ROWS || mt.nreal > mt.N || mt.nreal <= mt.N - mk::TILE_ROWS ||
         mt.kseg % mt.G || mt.kseg > mk::KSEG_MAX || mt.kseg * mt.nseg != mt.K || mt.srb % row_align ||
         mt.srb < mt.kseg / 2 + 4 * (mt.kseg / mt.G) || ((uintptr_t)mt.base % 16) || !mt.base) {
@@ -153,20 +130,7 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
   if ((e = cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev))) { delete h; return cuda_fail("attr", e); }
   if (!coop) { delete h; return fail("flint_mk_create: device does not support cooperative launch"); }
   if (p.nblocks <= 0 || p.nblocks > nsm) p.nblocks = nsm;
-  if (p.ohead) {  // MK_OHEAD (requested): kv head h's o rows over its q heads' columns on blocks [h B, (h + 1) B)
-    const mk::Mat& os = p.mat[mk::MAT_D];
-    const int B = p.nblocks / p.nkv, gq = p.nh / p.nkv;
-    if (!p.nffn || p.D != 64 || os.K != p.D || os.G != p.D || os.nseg != 1 || os.N != p.mat[mk::MAT_O].N ||
-        os.layer_stride != (long long)p.nh * os.seg_stride || B < 1 || p.mat[mk::MAT_O].ntiles % B || gq > 8 ||
-        p.mat[mk::MAT_O].ntiles / B > mk::NCW) {
-      snprintf(g_err, sizeof(g_err), "flint_mk_create: the o projection by head needs the FFN split, head_dim 64, "
-               "o's rows in whole tiles per block of a head, at most 15 (%d tiles, %d blocks per kv head) and <= 8 q "
-               "heads per kv head (%d); its slices: K=%d G=%d", p.mat[mk::MAT_O].ntiles, B, gq, os.K, os.G);
-      delete h;
-      return 1;
-    }
-    p.ohead = B;
-  }
+  if (p.ohead) { delete h; return fail("flint_mk_create: argument ohead must be 0 (no such kernel path)"); }
   if (p.nffn > p.nblocks) {
     snprintf(g_err, sizeof(g_err), "flint_mk_create: FFN split-K needs %d blocks, the grid has %d", p.nffn, p.nblocks);
     delete h;
@@ -187,10 +151,6 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
   int slot = 0;
   for (int m = 0; m < mk::NMAT; ++m) slot = slot > mk::TILE_ROWS * p.mat[m].srb ? slot : mk::TILE_ROWS * p.mat[m].srb;
   slot = al(slot);
-  if (p.ohead && (p.mat[mk::MAT_O].ntiles / p.ohead) * mk::TILE_ROWS * p.mat[mk::MAT_D].srb > slot) {
-    delete h;
-    return fail("flint_mk_create: the o projection by head: a block's o slice does not fit a ring slot");
-  }
   for (int M = 1; M <= mk::MAX_M; ++M) {
     mk::Smem& s = h->sl[M];
     h->ready[M] = false;
@@ -213,42 +173,24 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
       cap = cap < ng ? cap : ng;
       int best = 1;
       long long best_cost = -1;
-      // cost of a warp's units: its groups plus a unit's hand-off, ~2 groups' dot (v15, session 14: gate|up on
-      // Granite at S = 3 instead of 5 measured -0.6% at M = 1 and -0.8% at M = 2; with 1 the model picked 5)
+      // cost of a warp's units: its groups plus a unit's hand-off, ~2 groups' dot (gate|up on Granite at S = 3
+      // instead of 5 measured -0.6% at M = 1 and -0.8% at M = 2; with a hand-off of 1 the model picked 5)
       for (int S = 1; S <= cap; ++S) {
-        const long long cost = (long long)cdiv(T * S, mk::NCW) * (cdiv(ng, S) + MK_UNIT_COST);
+        const long long cost = (long long)cdiv(T * S, mk::NCW) * (cdiv(ng, S) + 2);
         if (best_cost < 0 || cost < best_cost) { best_cost = cost; best = S; }
       }
-#if MK_PARTS_GU
-      if (m == mk::MAT_GU) best = MK_PARTS_GU < cap ? MK_PARTS_GU : cap;  // EXPERIMENT (session 8): gate|up's parts fixed
-#endif
-#if MK_PARTS_QKV
-      if (m == mk::MAT_QKV) best = MK_PARTS_QKV < cap ? MK_PARTS_QKV : cap;  // EXPERIMENT (session 15)
-#endif
-#if MK_PARTS_O
-      if (m == mk::MAT_O) best = MK_PARTS_O < cap ? MK_PARTS_O : cap;  // EXPERIMENT (session 15)
-#endif
       s.nparts[m] = best;
       max_parts = max_parts > best ? max_parts : best;
     }
     s.xstride = mkmma::mma_x_stride_bytes(kx);
     s.ds_cpt = p.nffn ? slot / (mk::TILE_ROWS * p.mat[mk::MAT_DS].srb) : 0;
-#if MK_DS_CPT_EVEN
-    // (session 17) chunks of equal size: a slot holds 34 of Granite's 640-byte slice tiles, so 160 tiles were 4 x 34
-    // + 24 and the blocks that start at the short chunk (f mod 5 = 4) were the down phase's slowest in two traces;
-    // the fewest chunks that fit a slot, split evenly (32 each)
-    if (s.ds_cpt > 0) {
-      const int ntl = p.mat[mk::MAT_DS].ntiles, nch = cdiv(ntl, s.ds_cpt);
-      s.ds_cpt = cdiv(ntl, nch);
-    }
-#endif
     const int own_tiles = cdiv(p.mat[mk::MAT_O].ntiles, p.nblocks);
     int off = 0;
     s.bars = off; off += al(3 * mk::MAX_SLOTS * 8);
     s.misc = off; off += al((int)sizeof(mk::MiscSmem));
     s.acc = off; off += al(acc_tiles * mk::TILE_ROWS * M * 4);
     s.own = off; off += al(own_tiles * mk::TILE_ROWS * M * 4);
-    off += MK_NOFENCE ? al(2 * own_tiles * mk::TILE_ROWS * M * 8) : 0;  // (MK_NOFENCE: MiscSmem::ownfx, right after)
+    off += al(2 * own_tiles * mk::TILE_ROWS * M * 8);  // (MiscSmem::ownfx's int64 rows, right after)
     s.rope = off; off += al(2 * M * (p.D / 2) * 4);
     s.actb = off; off += p.nffn ? al(M * p.mat[mk::MAT_DS].K * 4) : 0;
     s.xsum = off; off += al(ngx * mkmma::MMA_XSUM_FLOATS * 4);
@@ -273,9 +215,9 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
     s.total = off + ns * slot;
     if (R <= mk::MAX_ROWS_ATT && ns >= 3 && s.total <= optin && max_acc_tiles <= mk::MAX_ACC_TILES) h->ready[M] = true;
   }
-  if (MK_NOFENCE && p.nffn >= 256) {  // (the counted residual's count field: mod 256)
+  if (p.nffn >= 256) {  // (the counted residual's count field: mod 256)
     delete h;
-    return fail("flint_mk_create: MK_NOFENCE counts at most 255 FFN blocks");
+    return fail("flint_mk_create: the counted fixed-point residual counts at most 255 FFN blocks");
   }
   if (!h->ready[1]) { delete h; return fail("flint_mk_create: this shape does not fit shared memory even at M=1"); }
   if ((e = cudaMallocHost((void**)&h->h_argmax, mk::MAX_M * sizeof(int)))) { delete h; return cuda_fail("cudaMallocHost", e); }

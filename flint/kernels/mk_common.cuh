@@ -1,6 +1,8 @@
-// flint decode megakernel: shared definitions (Params, smem layout, barriers, bulk copies).
+// flint decode megakernel: the definitions the device code and the host side share: the block shape, the repacked
+// matrix descriptor (Mat), the launch parameters (Params) and the shared-memory layout (Smem, MiscSmem).
 //
-// Included by megakernel.cu (device code, compiled once per token count M) and by the host part.
+// Included by megakernel.cu's headers (device code, compiled once per token count M) and by megakernel_host.cu,
+// which computes the layout per M. Params and Smem are passed by value as __grid_constant__ kernel parameters.
 // Build: `python -m flint.kernels.build` (flags live only in flint/kernels/build.py).
 // Test:  `pytest tests/test_megakernel.py` (GPU tests need an sm_90 device).
 #pragma once
@@ -8,31 +10,13 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
-// MK_DOT_M1 (on since v16, session 14: -0.7% against v15 at M = 1, 27/40 rounds; SmolLM2 -0.9%): mkmma::mma_tile_dot at M = 1 sums the hi and lo columns of each group
-// before its (scale, min) (3 adds and 2 FMAs per row instead of 2 adds, 2 adds of the unused lo mma's zeros and
-// 4 FMAs: 11 instructions per group instead of 16); the token's sum is then in acc[0] / acc[2] and acc[1] / acc[3]
-// stay 0. Defined here so bench/mk_variants.py can set it (the dev benches include this file too).
-#ifndef MK_DOT_M1
-#define MK_DOT_M1 1
-#endif
-// MK_DOT_PERM (on since v21, session 19: -0.4 to -0.9% per step at M = 1 in four calls, 23-28 rounds of 24-30, bitwise equal;
-// Nsight Compute: the launch's excess shared-memory wavefronts 15.8 M -> 0.9 M): matvec_stage's tile dots at G = 128 map the mma's A rows to the tile's
-// rows so that the two rows of each quarter-warp's code load fall in opposite halves of the 32 banks (mk_mma.cuh,
-// dot_perm_row). Granite's rows are 1360 bytes (20 words mod 32 apart): rows g and g + 1 overlap in 4 banks, and
-// every 128-bit code load of the dots takes two shared-memory cycles per quarter-warp instead of one.
-#ifndef MK_DOT_PERM
-#define MK_DOT_PERM 1
-#endif
+#include "mk_config.cuh"
 
 namespace mk {
 
-// ---- block shape: 15 consumer warps + 1 producer warp (4 warps per SM sub-partition: 128 registers each), one block per SM (cooperative launch)
-// MK_NCW (session 18; 15 by default): the consumer warps per block. The launch bounds give each thread 65536 / (32
-// (NCW + 1)) registers: 128 at 15, 136 at 14, 144 at 13 (MK_ATT_W3 needs 3 R <= NCW: off for Granite below 15)
-#ifndef MK_NCW
-#define MK_NCW 15
-#endif
-constexpr int NCW = MK_NCW;
+// ---- block shape: 15 consumer warps + 1 producer warp (4 warps per SM sub-partition), one block per SM (a
+// cooperative launch); the launch bounds give each thread 65536 / 512 = 128 registers
+constexpr int NCW = 15;
 constexpr int NCT = NCW * 32;
 constexpr int NT = NCT + 32;
 constexpr int TILE_ROWS = 16;       // weight rows per tile (one mma.m16n8k16 A operand)
@@ -40,7 +24,8 @@ constexpr int MAX_SLOTS = 16;       // ring slots, one tile-segment (16 row-segm
 constexpr int MAX_PARTS = 15;       // K parts per tile (one warp each; <= NCW so a warp holds at most one)
 constexpr int PART_FLOATS = 32;     // parts * M <= PART_FLOATS (per-slot partial sums, 64 B each per M)
 constexpr int MAX_ACC_TILES = 64;  // tiles per block of a multi-segment matrix
-constexpr int XALL_BYTES = 66560;   // stage the whole K of a multi-segment matrix when it fits this (Granite down: M <= 2; at M = 2 it costs 2 of 8 ring slots and saves 3 stagings: -6% per verify step, session 4)
+constexpr int XALL_BYTES = 66560;   // stage the whole K of a multi-segment matrix when it fits this (Granite down: M <= 2;
+                                    // at M = 2 it costs 2 of 8 ring slots and saves 3 stagings: -6% per verify step)
 constexpr int ATT_T = 64;           // keys per attention sub-tile
 constexpr int MAX_M = 8;
 constexpr int KSEG_MAX = 2560;      // codes per K segment
@@ -77,7 +62,7 @@ struct Params {
   __half* kcache;           // [L][nkv][max_seq][D]
   __half* vcache;
   float* resid;             // [M][H]  residual stream (fp32)
-  float* q;                 // [M][nh*D] roped queries
+  float* q;                 // (unused by the kernel: q travels as tagged words; the validated parameter layout)
   float* attn;              // [M][nh*D] attention output
   float* act;               // [M][I]   silu(gate) * up
   float* part;              // attention partials [nkv][nsplit][rows][D + 2]
@@ -88,26 +73,18 @@ struct Params {
   int* argmax;              // [M]
   int* done_count;          // [1]
   unsigned long long* bar_counter;  // [1] the monotonic grid-barrier counter
-  unsigned long long* epoch;        // [2] launches so far; MK_FXRES: the barrier counter at this launch's start
+  unsigned long long* epoch;        // [2] launches so far; the barrier counter at this launch's start
   float* dpart;             // FFN split-K partial sums [M][H tiles][nffn_pad][16] (nullptr when nffn == 0)
   unsigned long long* trace;        // optional [L * 16] globaltimer stamps of block 0 (nullptr: off)
-  uint32_t* qkvt;           // MK_QTAG: [M][(nh + 2 nkv) D] (fp32 bits, tag) pairs: this step's q, k, v rows
-  // MK_OHEAD (M = 1, FFN split-K): blocks per kv head of the o projection by head (0: off); mat[MAT_D] then holds
-  // o's per-q-head column slices [L][nh][H tiles x 16][srb] (repack_down_slices' layout)
-  int ohead;
-  // greedy_run (M = 1): where this launch also writes its argmax (as int64), or nullptr (since v20: no device-to-device
-  // copy queued between two launches)
+  uint32_t* qkvt;           // tagged words (mk_sync.cuh): [M][(nh + 2 nkv) D] (fp32 bits, tag) pairs of this step's
+                            // q, k, v rows, then the 24-bit words of the attention output and of x + o
+  int ohead;                // always 0 (the host refuses anything else; the validated parameter layout)
+  // greedy_run (M = 1): where this launch also writes its argmax (as int64), or nullptr (no device-to-device copy
+  // queued between two launches)
   long long* argmax_out;
 };
 
 // Shared-memory layout (byte offsets) and per-matrix work split, computed on the host per M.
-// MK_NOFENCE (session 16, bits; megakernel.cu says what they do): grid barriers without their release fence, the data
-// validated by tags and counted fixed-point words. Here because the host's shared-memory layout depends on it.
-// v18: 4 (the barrier after the down partials); v19: 12 (also the barriers after attention and after o); v23: 44 (no
-// barrier after the down partials at all: the next staging's count polls are the proof).
-#ifndef MK_NOFENCE
-#define MK_NOFENCE 44
-#endif
 
 struct Smem {
   int bars;    // 3 * MAX_SLOTS mbarriers (full, empty, parts)
@@ -140,14 +117,12 @@ struct MiscSmem {
   const float* rows[5][MAX_M]; // per token: embedding row, residual, attention output, act, act slice in smem (kept here, not in registers)
   int tile0[NMAT], tile1[NMAT];  // this block's tiles [tile0, tile1) of each matrix (block_tiles, once per launch)
   int flag;
-#if MK_NOFENCE
-  unsigned fxc[2];  // MK_NOFENCE: the adds X[0], X[1] have had in this launch (written by thread 0 between stages)
-  int ownfx;        // MK_NOFENCE: shared-memory offset of [2][o-proj tiles per block][16][M] int64 (after Smem::own's
+  unsigned fxc[2];  // M = 1: the adds X[0], X[1] have had in this launch (written by thread 0 between stages)
+  int ownfx;        // M = 1: shared-memory offset of [2][o-proj tiles per block][16][M] int64 (after Smem::own's
                     // fp32 rows: the host makes that region larger; not a Smem field, which would move the kernel's
                     // later parameters in every build)
-#endif
   uint8_t gbound[NMAT][16];  // K-group bound of part p of each matrix (ng * p / S, p <= S; once per launch)
-  unsigned long long bar0;   // MK_BAR_SMEM: the grid barrier counter's base for this launch (read by thread 0 only)
+  unsigned long long bar0;   // the grid barrier counter's base for this launch (read by thread 0 only)
 };
 
 }  // namespace mk

@@ -2,8 +2,8 @@
 // tensor cores (mma.sync m16n8k16, fp32 accumulation), reading flint's repacked row-segment layout.
 // x is carried as two fp16 terms (hi + lo, ~22 significant bits), so the dot's error is that of the
 // fp32 accumulation, not of fp16 activations. The lane/register mapping below is emulated
-// bit-for-bit (one term) in flint/kernels/dev/mma_dot_emulation.py (pytest tests/test_mma_dot_emulation.py);
-// validated on the H200 by flint/kernels/dev/mma_dot_bench.cu (fp64 host reference: 4.8e-6 relative
+// bit-for-bit (one term) in lab/mma_dot_emulation.py (pytest lab/tests/test_mma_dot_emulation.py);
+// validated on the H200 by lab/cuda/mma_dot_bench.cu (fp64 host reference: 4.8e-6 relative
 // at K = 2560, G = 128, M = 1..4; 1.3e-5 at M = 8) and inside the megakernel by tests/test_megakernel.py.
 //
 // ---- Operand layout (source: PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point
@@ -33,7 +33,7 @@
 //   mma 2c:   a0/a1 = (q0, q4) of rows g / g+8, a2/a3 = (16q1, 16q5)
 //   mma 2c+1: a0/a1 = (q2, q6),                 a2/a3 = (16q3, 16q7)
 //
-// ---- Staged x (fp16; written by the megakernel's stage_x; dev/mma_dot_bench.cu has a plain
+// ---- Staged x (fp16; written by stage_x, mk_stage.cuh; lab/cuda/mma_dot_bench.cu has a plain
 // reference of the same layout): hi row of token m at
 // xs + m * xstride, lo row at xs + (M + m) * xstride; within a row the G codes
 // of group gi occupy fp16 elements [gi*G, gi*G + G) but permuted: lane tig's B fragments for word c
@@ -63,9 +63,6 @@
 
 #include "mk_ptx.cuh"
 
-#ifndef MK_DOT_M1  // (set in mk_common.cuh: the M = 1 group sums, session 12's experiment)
-#define MK_DOT_M1 0
-#endif
 
 namespace mkmma {
 
@@ -105,7 +102,7 @@ __device__ __forceinline__ uint32_t mma_nib(uint32_t a, uint32_t magic) {
   return d;
 }
 
-// MK_DOT_PERM: the tile row that the mma's A row g (0..7; row g + 8 -> the result + 8) reads, for rows of srb bytes
+// dot_perm_row: the tile row that the mma's A row g (0..7; row g + 8 -> the result + 8) reads, for rows of srb bytes
 // and G = 128 (a lane loads 16 bytes of its row per group: one quarter-warp covers rows g = 2q, 2q + 1, 64 bytes each).
 // Two rows d apart sit (d srb / 4) mod 32 banks apart; the pair (r, r + d) with d srb / 4 = 16 mod 32 takes the
 // quarter's two rows: d = 1 (srb / 4 = 16 mod 32: the identity), 2 (8 mod 16), 4 (4 mod 8). Otherwise the identity.
@@ -205,7 +202,7 @@ __device__ __forceinline__ void mma_tile_dot(uint32_t tile, int srb, int kseg, i
     const uint32_t hsa = mk::lds32(sm_a + (uint32_t)(gi * 4)), hsb = mk::lds32(sm_b + (uint32_t)(gi * 4));
     const float2 fa = __half22float2(*reinterpret_cast<const __half2*>(&hsa));  // (scale, min) row g
     const float2 fb = __half22float2(*reinterpret_cast<const __half2*>(&hsb));  // row g + 8
-    if constexpr (M == 1 && MK_DOT_M1) {  // columns 0 (hi) and 1 (lo) of the one token, summed before the scale
+    if constexpr (M == 1) {  // columns 0 (hi) and 1 (lo) of the one token, summed before the scale
       const float effs = eff.x + eff.y;
       acc[0] = fmaf(fa.x, (d0[0] + d1[0]) + (d0[1] + d1[1]), fmaf(fa.y, effs, acc[0]));
       acc[2] = fmaf(fb.x, (d0[2] + d1[2]) + (d0[3] + d1[3]), fmaf(fb.y, effs, acc[2]));
@@ -229,12 +226,13 @@ __device__ __forceinline__ void mma_tile_dot_g(int G, uint32_t tile, int srb, in
   else mma_tile_dot<1, M, UNROLL>(tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, lane, acc);
 }
 
-// ---------------------------------------------------------------- the integer tile dot (EXPERIMENT)
-// MK_IDOT (megakernel.cu; off: correct on the GPU but not faster, session 6; the numerics: flint/kernels/dev/int8_x_study.py, the
-// lane mapping: flint/kernels/dev/imma_dot_emulation.py): mma.m16n8k32.s32.s8.s8.s32 on the codes as
-// bytes, M <= 4 (hi and lo terms as B columns, as in the packed fp16 dot).
+// ---------------------------------------------------------------- the integer tile dot
+// x as two int8 terms per token and group (the numerics: lab/int8_x_study.py; the lane mapping:
+// lab/imma_dot_emulation.py): mma.m16n8k32.s32.s8.s8.s32 on the codes as bytes, M <= 4 (hi and lo terms as B
+// columns, as in the packed fp16 dot). The product runs it at M = 1 only: gate|up in groups of 32 of the integer
+// object (the raw-byte form below takes groups of 64 and 128).
 // Fragments (PTX ISA, m16n8k32 .s8; groupID g = lane >> 2, tig t = lane & 3), as used here and in the
-// emulation (confirmed on the H200 in session 6: the real-SmolLM2 greedy test passes with MK_IDOT=1):
+// emulation (confirmed on the H200: the real-SmolLM2 greedy test passes with every stage on this dot):
 //   A: a0 = A[g][4t .. 4t+3]  a1 = A[g+8][4t .. 4t+3]  a2 = A[g][16+4t .. +3]  a3 = A[g+8][16+4t .. +3]
 //   B: b0 = B[4t .. 4t+3][g]  b1 = B[16+4t .. +3][g]   (byte i of a register = element i)
 //   D: d0, d1 = D[g][2t, 2t+1]  d2, d3 = D[g+8][2t, 2t+1]   (s32)
@@ -259,7 +257,7 @@ __device__ __forceinline__ void imma_16832(int (&d)[4], uint32_t a0, uint32_t a1
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// the raw-byte staging's row pitch (MK_IDOT_RAW) from the fp16 staging's xstride (= roundup(2 K, 128) + 64): four rows fit the fp16 hi and lo
+// the raw-byte staging's row pitch from the fp16 staging's xstride (= roundup(2 K, 128) + 64): four rows fit the fp16 hi and lo
 // rows' 2 xstride bytes, and rows 0 / 1 start 16 or 80 bytes apart modulo 128 (conflict-free LDS.128 phases)
 __host__ __device__ constexpr int imma_raw_pitch(int xstride) { return ((xstride - 64) >> 1) + 16; }
 
@@ -327,16 +325,8 @@ __device__ __forceinline__ void imma_tile_dot(uint32_t tile, int srb, int kseg, 
   fold_lo_columns<M>(acc);  // as in the packed fp16 dot
 }
 
-template <int M>
-__device__ __forceinline__ void imma_tile_dot_g(int G, uint32_t tile, int srb, int kseg, int gi0, int gi1, uint32_t xs,
-                                                int xstride, uint32_t xsum, int lane, float (&acc)[4], int arow = -1) {
-  if (G == 128) imma_tile_dot<4, M>(tile, srb, kseg, gi0, gi1, xs, xstride, xsum, lane, acc, arow);
-  else if (G == 64) imma_tile_dot<2, M>(tile, srb, kseg, gi0, gi1, xs, xstride, xsum, lane, acc);
-  else imma_tile_dot<1, M>(tile, srb, kseg, gi0, gi1, xs, xstride, xsum, lane, acc);
-}
-
 // ---------------------------------------------------------------- the raw-byte integer tile dot (M = 1)
-// MK_IDOT_RAW (megakernel.cu, session 19). The integer dot above splits each code word into its even and odd nibbles
+// The integer dot above splits each code word into its even and odd nibbles
 // (w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F: LOP3 + SHF + LOP3 per word). Here the words go to mma.m16n8k32.u8.s8 as they
 // are, byte i of word w being r = q(8w + 2i) + 16 q(8w + 2i + 1) (0..255), and once masked, w & 0xF0F0F0F0, byte i
 // being 16 q(8w + 2i + 1): one LOP3 per word. With B columns (M = 1; column n is the x row lane group g = n reads)
@@ -350,7 +340,7 @@ __device__ __forceinline__ void imma_tile_dot_g(int G, uint32_t tile, int srb, i
 // g / g + 8, a2 / a3: k = 16 + 4t ..). Staged row n (pitch `pitch` bytes, rows 0..3, lane groups g >= 4 read row 0):
 // per group G bytes, lane t's 8 WPL bytes at gi G + 8 WPL t: first the raw mma's B (4 WPL bytes: word j's 4 bytes at
 // 4 j), then the masked mma's (the same at + 4 WPL). xsum per group: floats [4 + 2t, 5 + 2t] = (column scale, min
-// term) of lane t: (s / 254, X), (s / 4064, 0), then zeros. The staging: megakernel.cu stage_x, MK_IDOT_RAW branch.
+// term) of lane t: (s / 254, X), (s / 4064, 0), then zeros. The staging: stage_x (mk_stage.cuh), its raw-byte branch.
 template <int WPL>
 __device__ __forceinline__ void imma_raw_tile_dot(uint32_t tile, int srb, int kseg, int gi0, int gi1, uint32_t xs,
                                                   int pitch, uint32_t xsum, int lane, float (&acc)[4],

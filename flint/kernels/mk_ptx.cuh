@@ -66,7 +66,7 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // (host) the two launch attributes of a cooperative launch in clusters of `cluster` blocks along x
-// (cudaLaunchKernelEx): the megakernel's MK_CLUSTER launch and flint/kernels/dev/cluster_probe.cu
+// (cudaLaunchKernelEx), for lab/cuda/cluster_probe.cu (the megakernel itself launches without clusters)
 inline void coop_cluster_attrs(cudaLaunchAttribute (&attr)[2], unsigned cluster) {
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = cluster;

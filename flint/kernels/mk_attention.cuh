@@ -1,0 +1,479 @@
+// flint decode megakernel: attention (GQA, online softmax) and the merge of its context splits.
+//
+// Work item = (kv head, contiguous split of the context): all q heads of the group and all M tokens are processed
+// together, so K/V are read once. Items are spread over the grid (item i on block i; the split count follows the
+// grid and the context: min(tiles of 64 keys, nblocks / nkv)). Sub-tiles of ATT_T = 64 keys are double-buffered
+// with cp.async; this step's own K/V rows (and its q rows) come from the tagged words the q|k|v epilogues wrote, so no
+// grid barrier separates the two stages. The splits' (m, l, o) partials are merged:
+//   - at M = 1 with <= kTmMaxSplits splits: by split 0's block, from tagged words, every split's word in flight at
+//     once (registers: one o value and tag per split and thread);
+//   - at M = 1 with <= kTmSeqSplits splits: the same, 8 splits' words at a time, in split order;
+//   - otherwise: the last split to finish (a counter atomic) merges from plain partials.
+// Every merge weighs the splits in split order: deterministic, bitwise repeatable.
+// M = 1, D = 64, a split of one tile (Granite and SmolLM2 at short context): scores, softmax and P V inside 3 R warps
+// (warp (r, kc) over a third of row r's keys), two block barriers instead of five.
+#pragma once
+#include "mk_common.cuh"
+#include "mk_ptx.cuh"
+#include "mk_stage.cuh"
+#include "mk_sync.cuh"
+#include "mk_trace.cuh"
+
+namespace mk {
+namespace {
+
+template <int M>
+__device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
+  const Params& p = *c.p;
+  const int D = p.D, g = p.nh / p.nkv, R = g * M;
+  const int start = c.start, Ltot = start + M;
+  const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
+  const int ntiles = (Ltot + ATT_T - 1) / ATT_T;
+  int nsplit = min(ntiles, max(1, p.nblocks / p.nkv));
+  const int tps = (ntiles + nsplit - 1) / nsplit;
+  nsplit = (ntiles + tps - 1) / tps;
+  const int nitems = p.nkv * nsplit;
+  const uint32_t qtag = c.tag0 + (uint32_t)layer;  // this layer's tag
+  const int cpr = D / 8;  // 16-byte chunks per K/V row
+
+  __half* Kb = reinterpret_cast<__half*>(uni);              // [2][ATT_T][D] (swizzled 16B chunks)
+  __half* Vb = Kb + 2 * ATT_T * D;                          // [2][ATT_T][D]
+  float* q_s = reinterpret_cast<float*>(Vb + 2 * ATT_T * D); // [R][D]
+  float* o_s = q_s + R * D;                                 // [R][D]
+  float* s_s = o_s + R * D;                                 // [R][ATT_T]
+  MiscSmem* ms = c.misc;
+
+  for (int item = blockIdx.x; item < nitems; item += gridDim.x) {
+    warp_stamp(p, layer, WS_A_ENTER);
+    const int kvh = item / nsplit, sp = item % nsplit;
+    const int t0 = sp * tps, t1 = min(ntiles, t0 + tps);
+    const size_t cbase = (((size_t)layer * p.nkv + kvh) * p.max_seq) * D;
+    const __half* Kc = p.kcache + cbase;
+    const __half* Vc = p.vcache + cbase;
+    auto load_tile = [&](int tile, int buf) {
+      const int j0 = tile * ATT_T;
+      for (int i = t; i < ATT_T * cpr * 2; i += NCT) {
+        const int isv = i >= ATT_T * cpr;
+        const int ii = isv ? i - ATT_T * cpr : i;
+        const int j = ii / cpr, ch = ii % cpr;
+        if (j0 + j >= start && j0 + j < Ltot) {  // this step's row: from the tagged words
+          const int m = j0 + j - start;
+          float4 a, b;
+          ld_tagged8(qkv_word(p, m, (p.nh + isv * p.nkv + kvh) * D + ch * 8), qtag, a, b);
+          const __half2 hv[4] = {__floats2half2_rn(a.x, a.y), __floats2half2_rn(a.z, a.w), __floats2half2_rn(b.x, b.y),
+                                 __floats2half2_rn(b.z, b.w)};
+          const uint32_t* h = reinterpret_cast<const uint32_t*>(hv);
+          __half* dst = isv ? Vb + ((size_t)buf * ATT_T + j) * D + ch * 8
+                            : Kb + ((size_t)buf * ATT_T + j) * D + ((ch ^ (j & 7)) * 8);
+          *reinterpret_cast<uint4*>(dst) = make_uint4(h[0], h[1], h[2], h[3]);
+        } else if (j0 + j < Ltot) {
+          if (isv)
+            cp_async16(Vb + ((size_t)buf * ATT_T + j) * D + ch * 8, Vc + (size_t)(j0 + j) * D + ch * 8);
+          else
+            cp_async16(Kb + ((size_t)buf * ATT_T + j) * D + ((ch ^ (j & 7)) * 8), Kc + (size_t)(j0 + j) * D + ch * 8);
+        }
+      }
+      cp_async_commit();
+    };
+    load_tile(t0, 0);
+    for (int i = t; i < R * D; i += NCT) {
+      const int r = i / D, d = i - r * D;
+      const int hq = kvh * g + r / M, m = r % M;
+      q_s[i] = ld_tagged(qkv_word(p, m, hq * D + d), qtag) * p.attn_scale;
+      o_s[i] = 0.f;
+    }
+    if (t < R) { ms->att_m[t] = -INFINITY; ms->att_l[t] = 0.f; }
+    warp_stamp(p, layer, WS_A_Q);
+    if (M == 1 && D == 64 && 3 * R <= NCW && t1 - t0 == 1) {
+      cp_async_wait<0>();
+      cbar();  // the tile and q_s are in
+      warp_stamp(p, layer, WS_A_TILE);
+      const int nvalid = min(ATT_T, Ltot - t0 * ATT_T);
+      float* scr = reinterpret_cast<float*>(Kb + (size_t)ATT_T * D);  // [3 R][D + 2]: (m, l, o[D]) per warp
+      if (warp < 3 * R) {
+        const int r = warp / 3, kc = warp - 3 * r;
+        const int ja = kc * nvalid / 3, cnt = (kc + 1) * nvalid / 3 - ja;
+        const int j = ja + lane;
+        float sc = -INFINITY;
+        // (the score loop repeats the general path's below; one shared inline helper gave the same bits but other
+        // schedules: M = 2 0.3% slower in 19/20 rounds)
+        if (lane < cnt && t0 * ATT_T + j <= start) {
+          const float* qr = q_s + r * D;
+          float a0 = 0.f, a1 = 0.f;
+#pragma unroll
+          for (int ch = 0; ch < 8; ++ch) {
+            const uint4 kk = *reinterpret_cast<const uint4*>(Kb + (size_t)j * D + ((ch ^ (j & 7)) * 8));
+            const float4 qa = *reinterpret_cast<const float4*>(qr + ch * 8);
+            const float4 qb = *reinterpret_cast<const float4*>(qr + ch * 8 + 4);
+            const float2 k0 = __half22float2(*reinterpret_cast<const __half2*>(&kk.x));
+            const float2 k1 = __half22float2(*reinterpret_cast<const __half2*>(&kk.y));
+            const float2 k2 = __half22float2(*reinterpret_cast<const __half2*>(&kk.z));
+            const float2 k3 = __half22float2(*reinterpret_cast<const __half2*>(&kk.w));
+            a0 = fmaf(qa.x, k0.x, a0); a1 = fmaf(qa.y, k0.y, a1);
+            a0 = fmaf(qa.z, k1.x, a0); a1 = fmaf(qa.w, k1.y, a1);
+            a0 = fmaf(qb.x, k2.x, a0); a1 = fmaf(qb.y, k2.y, a1);
+            a0 = fmaf(qb.z, k3.x, a0); a1 = fmaf(qb.w, k3.y, a1);
+          }
+          sc = a0 + a1;
+        }
+        const float mx = warp_max(sc);
+        const float pj = mx == -INFINITY ? 0.f : expf(sc - mx);
+        const float ls = warp_sum(pj);
+        float px = 0.f, py = 0.f;  // lane = dim pair
+        for (int jj = 0; jj < (false ? 0 : cnt); ++jj) {
+          const float pv = __shfl_sync(0xffffffffu, pj, jj);
+          const float2 vv = __half22float2(*reinterpret_cast<const __half2*>(Vb + (size_t)(ja + jj) * D + 2 * lane));
+          px = fmaf(pv, vv.x, px);
+          py = fmaf(pv, vv.y, py);
+        }
+        float* pw = scr + warp * (D + 2);
+        *reinterpret_cast<float2*>(pw + 2 + 2 * lane) = make_float2(px, py);
+        if (lane == 0) { pw[0] = mx; pw[1] = ls; }
+      }
+      cbar();
+      warp_stamp(p, layer, WS_A_SCORES);
+      if (t < R * D) {  // the row's three partials, in order
+        const int r = t / D, d = t - r * D;
+        const float* pr = scr + 3 * r * (D + 2);
+        const float mn = fmaxf(fmaxf(pr[0], pr[D + 2]), pr[2 * (D + 2)]);
+        float o = 0.f, l = 0.f;
+        if (mn != -INFINITY) {
+#pragma unroll
+          for (int kc = 0; kc < 3; ++kc) {
+            const float* pk = pr + kc * (D + 2);
+            const float w = pk[0] == -INFINITY ? 0.f : expf(pk[0] - mn);
+            o = fmaf(w, pk[2 + d], o);
+            l = fmaf(w, pk[1], l);
+          }
+        }
+        o_s[t] = o;
+        if (d == 0) { ms->att_m[r] = mn; ms->att_l[r] = l; }
+      }
+      cbar();
+      warp_stamp(p, layer, WS_A_PV);
+    } else
+    for (int tile = t0; tile < t1; ++tile) {
+      const int buf = (tile - t0) & 1;
+      if (tile + 1 < t1) { load_tile(tile + 1, buf ^ 1); cp_async_wait<1>(); }
+      else cp_async_wait<0>();
+      cbar();
+      warp_stamp(p, layer, WS_A_TILE);
+      const int j0 = tile * ATT_T;
+      const int nvalid = min(ATT_T, Ltot - j0);
+      const __half* Kt = Kb + (size_t)buf * ATT_T * D;
+      const __half* Vt = Vb + (size_t)buf * ATT_T * D;
+      // scores: lanes over keys, warps over (row, key half)
+      for (int task = warp; task < R * 2; task += NCW) {
+        const int r = task >> 1, j = (task & 1) * 32 + lane;
+        const int m = r % M;
+        float s = -INFINITY;
+        if (j < nvalid && j0 + j <= start + m) {
+          const float* qr = q_s + r * D;
+          float a0 = 0.f, a1 = 0.f;
+#pragma unroll 8
+          for (int ch = 0; ch < cpr; ++ch) {
+            const uint4 kk = *reinterpret_cast<const uint4*>(Kt + (size_t)j * D + ((ch ^ (j & 7)) * 8));
+            const float4 qa = *reinterpret_cast<const float4*>(qr + ch * 8);
+            const float4 qb = *reinterpret_cast<const float4*>(qr + ch * 8 + 4);
+            const float2 k0 = __half22float2(*reinterpret_cast<const __half2*>(&kk.x));
+            const float2 k1 = __half22float2(*reinterpret_cast<const __half2*>(&kk.y));
+            const float2 k2 = __half22float2(*reinterpret_cast<const __half2*>(&kk.z));
+            const float2 k3 = __half22float2(*reinterpret_cast<const __half2*>(&kk.w));
+            a0 = fmaf(qa.x, k0.x, a0); a1 = fmaf(qa.y, k0.y, a1);
+            a0 = fmaf(qa.z, k1.x, a0); a1 = fmaf(qa.w, k1.y, a1);
+            a0 = fmaf(qb.x, k2.x, a0); a1 = fmaf(qb.y, k2.y, a1);
+            a0 = fmaf(qb.z, k3.x, a0); a1 = fmaf(qb.w, k3.y, a1);
+          }
+          s = a0 + a1;
+        }
+        s_s[r * ATT_T + j] = s;
+      }
+      cbar();
+      warp_stamp(p, layer, WS_A_SCORES);
+      // online softmax statistics: warp per row
+      for (int r = warp; r < R; r += NCW) {
+        const float v0 = s_s[r * ATT_T + lane], v1 = s_s[r * ATT_T + lane + 32];
+        const float mo = ms->att_m[r];
+        const float mn = fmaxf(mo, warp_max(fmaxf(v0, v1)));
+        float p0 = 0.f, p1 = 0.f, alpha = 1.f;
+        if (mn != -INFINITY) {
+          p0 = expf(v0 - mn);
+          p1 = expf(v1 - mn);
+          alpha = expf(mo - mn);
+        }
+        s_s[r * ATT_T + lane] = p0;
+        s_s[r * ATT_T + lane + 32] = p1;
+        const float ps = warp_sum(p0 + p1);
+        __syncwarp();  // every lane has read att_m[r] before lane 0 overwrites it
+        if (lane == 0) {
+          ms->att_l[r] = ms->att_l[r] * alpha + ps;
+          ms->att_m[r] = mn;
+          ms->att_alpha[r] = alpha;
+        }
+      }
+      cbar();
+      warp_stamp(p, layer, WS_A_SOFTMAX);
+      // o = o * alpha + P V: warp per row, lanes over dim pairs
+      if (M == 1 && 3 * R <= NCW && D == 64) {
+        // three warps per row, each over a third of the keys; their sums join o in a fixed order
+        // (o * alpha + part 0, then + part 1, then + part 2: one block barrier between, deterministic)
+        const int r = warp / 3, kc = warp - 3 * r;
+        const bool act = warp < 3 * R;
+        const int ja = kc * nvalid / 3, jb = (kc + 1) * nvalid / 3;
+        float px = 0.f, py = 0.f;  // lane = dim pair (D = 64)
+        if (act) {
+          const float* pr = s_s + r * ATT_T;
+#pragma unroll 2
+          for (int j = ja; j < jb; ++j) {
+            const float pj = pr[j];
+            const float2 vv = __half22float2(*reinterpret_cast<const __half2*>(Vt + (size_t)j * D + 2 * lane));
+            px = fmaf(pj, vv.x, px);
+            py = fmaf(pj, vv.y, py);
+          }
+        }
+        for (int ph = 0; ph < 3; ++ph) {
+          if (act && kc == ph) {
+            const float alpha = ph == 0 ? ms->att_alpha[r] : 1.f;
+            o_s[r * D + 2 * lane] = fmaf(o_s[r * D + 2 * lane], alpha, px);
+            o_s[r * D + 2 * lane + 1] = fmaf(o_s[r * D + 2 * lane + 1], alpha, py);
+          }
+          if (ph < 2) cbar();
+        }
+      } else
+      for (int r = warp; r < R; r += NCW) {
+        const float alpha = ms->att_alpha[r];
+        const float* pr = s_s + r * ATT_T;
+        for (int d2 = lane; d2 < D / 2; d2 += 32) {
+          float ox = o_s[r * D + 2 * d2] * alpha, oy = o_s[r * D + 2 * d2 + 1] * alpha;
+#pragma unroll 4
+          for (int j = 0; j < nvalid; ++j) {
+            const float pj = pr[j];
+            const float2 vv = __half22float2(*reinterpret_cast<const __half2*>(Vt + (size_t)j * D + 2 * d2));
+            ox = fmaf(pj, vv.x, ox);
+            oy = fmaf(pj, vv.y, oy);
+          }
+          o_s[r * D + 2 * d2] = ox;
+          o_s[r * D + 2 * d2 + 1] = oy;
+        }
+      }
+      cbar();
+      warp_stamp(p, layer, WS_A_PV);
+    }
+    // write the result (one split) or the partial (m, l, o) for the merge
+    if (nsplit == 1) {
+      for (int i = t; i < R * D; i += NCT) {
+        const int r = i / D, d = i - r * D;
+        const int hq = kvh * g + r / M, m = r % M;
+        attn_out(p, m, hq * D + d, o_s[i] / ms->att_l[r], qtag);
+      }
+    } else if (M <= 1 && nsplit > kTmMaxSplits && nsplit <= kTmSeqSplits && R * D <= NCT &&
+               2 * R * kTmSeqSplits <= R * ATT_T) {
+      // more splits than the register merge holds: the (m, l) pairs first, then every output thread polls and weighs
+      // the splits' o words 8 at a time (in flight together), in split order (deterministic). Its hand-over loop and
+      // its 16-byte (m, l) poll repeat the register merge's below: as shared inline helpers they compiled to other
+      // register assignments
+      uint32_t* tk = reinterpret_cast<uint32_t*>(p.part) + 2 * ((size_t)kvh * nsplit * R) * (D + 2);
+      if (sp != 0) {
+        uint32_t* tp = tk + 2 * ((size_t)sp * R) * (D + 2);
+        for (int i = t; i < R * (D + 2); i += NCT) {
+          const int r = i / (D + 2), d = i - r * (D + 2);
+          st_tagged(tp + 2 * i, d == 0 ? ms->att_m[r] : d == 1 ? ms->att_l[r] : o_s[r * D + d - 2], qtag);
+        }
+      } else {
+        float* wt = s_s;  // [R][kTmSeqSplits] (m, l)
+        for (int i = t; i < R * nsplit; i += NCT) {
+          const int rr = i / nsplit, s2 = i - rr * nsplit;
+          float mv, lv;
+          if (s2 == 0) {
+            mv = ms->att_m[rr];
+            lv = ms->att_l[rr];
+          } else {
+            const uint32_t* e = tk + 2 * (((size_t)s2 * R + rr) * (D + 2));
+            uint4 u;
+            do {
+              asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                           : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "l"(e) : "memory");
+            } while (u.y != qtag || u.w != qtag);
+            mv = __uint_as_float(u.x);
+            lv = __uint_as_float(u.z);
+          }
+          wt[2 * (rr * kTmSeqSplits + s2)] = mv;
+          wt[2 * (rr * kTmSeqSplits + s2) + 1] = lv;
+        }
+        cbar();
+        // the split weights once per (row, split), in q_s (free after the scores)
+        float* w1 = q_s;  // [R][kTmSeqSplits]
+        for (int i = t; i < R * nsplit; i += NCT) {
+          const int rr = i / nsplit, s2 = i - rr * nsplit;
+          const float* wr = wt + 2 * rr * kTmSeqSplits;
+          float mx = -INFINITY;
+          for (int k = 0; k < nsplit; ++k) mx = fmaxf(mx, wr[2 * k]);
+          const float m2 = wr[2 * s2];
+          w1[rr * kTmSeqSplits + s2] = m2 == -INFINITY ? 0.f : expf(m2 - mx);
+        }
+        cbar();
+        if (t < R * D) {
+          const int r = t / D, d = t - r * D;
+          const float* wr = wt + 2 * r * kTmSeqSplits;
+          float num = 0.f, den = 0.f;
+          for (int s0 = 0; s0 < nsplit; s0 += 8) {
+            float ov[8];
+            bool ok;
+            do {  // the batch's 8 words in flight together, re-polled until every tag is this layer's
+              uint32_t tg[8];
+#pragma unroll
+              for (int k = 0; k < 8; ++k) {
+                const int s2 = s0 + k;
+                uint32_t v = 0u;
+                tg[k] = qtag;
+                if (s2 > 0 && s2 < nsplit)
+                  asm volatile("ld.relaxed.gpu.global.v2.u32 {%0, %1}, [%2];"
+                               : "=r"(v), "=r"(tg[k]) : "l"(tk + 2 * (((size_t)s2 * R + r) * (D + 2) + 2 + d)) : "memory");
+                ov[k] = s2 == 0 ? o_s[t] : __uint_as_float(v);
+              }
+              ok = true;
+#pragma unroll
+              for (int k = 0; k < 8; ++k) ok = ok && tg[k] == qtag;
+            } while (!ok);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+              const int s2 = s0 + k;
+              if (s2 < nsplit) {
+                const float w2 = w1[r * kTmSeqSplits + s2];
+                den = fmaf(w2, wr[2 * s2 + 1], den);
+                num = fmaf(w2, ov[k], num);
+              }
+            }
+          }
+          const int hq = kvh * g + r / M, m = r % M;
+          attn_out(p, m, hq * D + d, num / den, qtag);
+        }
+      }
+    } else if (M <= 1 && nsplit <= kTmMaxSplits && R * D <= NCT && R * nsplit <= NCT) {
+      uint32_t* tk = reinterpret_cast<uint32_t*>(p.part) + 2 * ((size_t)kvh * nsplit * R) * (D + 2);
+      if (sp != 0) {  // hand the partial over: one tagged word per value
+        uint32_t* tp = tk + 2 * ((size_t)sp * R) * (D + 2);
+        for (int i = t; i < R * (D + 2); i += NCT) {
+          const int r = i / (D + 2), d = i - r * (D + 2);
+          st_tagged(tp + 2 * i, d == 0 ? ms->att_m[r] : d == 1 ? ms->att_l[r] : o_s[r * D + d - 2], qtag);
+        }
+        warp_stamp(p, layer, WS_A_PART);  // (the partial's stores issued)
+      } else {  // split 0's block merges: its own partial from shared memory, the others' as they arrive
+        const int r = t / D, d = t - r * D;
+        float ov[kTmMaxSplits];
+        if (t < R * D) {
+          bool ok;
+          do {  // every split's word in flight at once, re-polled until all carry this layer's tag
+            uint32_t tg[kTmMaxSplits];
+#pragma unroll
+            for (int s2 = 1; s2 < kTmMaxSplits; ++s2) {
+              if (s2 < nsplit) {
+                uint32_t v;
+                asm volatile("ld.relaxed.gpu.global.v2.u32 {%0, %1}, [%2];"
+                             : "=r"(v), "=r"(tg[s2]) : "l"(tk + 2 * (((size_t)s2 * R + r) * (D + 2) + 2 + d)) : "memory");
+                ov[s2] = __uint_as_float(v);
+              }
+            }
+            ok = true;
+#pragma unroll
+            for (int s2 = 1; s2 < kTmMaxSplits; ++s2) ok = ok && (s2 >= nsplit || tg[s2] == qtag);
+          } while (!ok);
+          ov[0] = o_s[t];
+        }
+        warp_stamp(p, layer, WS_A_PART);  // (the merger: every split's o words seen by this warp)
+        float* wt = s_s;  // [R][kTmMaxSplits] (m, l) then (weight, l); s_s (R x ATT_T floats) is free now
+        if (t < R * nsplit) {
+          const int rr = t / nsplit, s2 = t - rr * nsplit;
+          float mv, lv;
+          if (s2 == 0) {
+            mv = ms->att_m[rr];
+            lv = ms->att_l[rr];
+          } else {
+            const uint32_t* e = tk + 2 * (((size_t)s2 * R + rr) * (D + 2));
+            // (m, tag), (l, tag): one 16-byte load (16-byte aligned: rows of D + 2 = 66 words)
+            uint4 u;
+            do {
+              asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                           : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "l"(e) : "memory");
+            } while (u.y != qtag || u.w != qtag);
+            mv = __uint_as_float(u.x);
+            lv = __uint_as_float(u.z);
+          }
+          wt[2 * (rr * kTmMaxSplits + s2)] = mv;
+          wt[2 * (rr * kTmMaxSplits + s2) + 1] = lv;
+        }
+        cbar();
+        warp_stamp(p, layer, WS_A_COUNT);  // (the merger: every (m, l) in shared memory)
+        // each split's weight once per (row, split) (R x nsplit threads), then the output threads only sum (-1.1%
+        // against every output thread computing all its row's weights, 9 expf at ctx 512)
+        float* w1 = wt + 2 * R * kTmMaxSplits;  // [R][kTmMaxSplits] (s_s holds R x ATT_T floats)
+        if (t < R * nsplit) {
+          const int rr = t / nsplit, s2 = t - rr * nsplit;
+          const float* wr = wt + 2 * rr * kTmMaxSplits;
+          float mx = -INFINITY;
+#pragma unroll
+          for (int k = 0; k < kTmMaxSplits; ++k)
+            if (k < nsplit) mx = fmaxf(mx, wr[2 * k]);
+          const float m2 = wr[2 * s2];
+          w1[rr * kTmMaxSplits + s2] = m2 == -INFINITY ? 0.f : expf(m2 - mx);
+        }
+        cbar();
+        if (t < R * D) {
+          const float* wr = wt + 2 * r * kTmMaxSplits;
+          const float* wv = w1 + r * kTmMaxSplits;
+          float num = 0.f, den = 0.f;
+#pragma unroll
+          for (int s2 = 0; s2 < kTmMaxSplits; ++s2)
+            if (s2 < nsplit) {
+              const float w2 = wv[s2];
+              den = fmaf(w2, wr[2 * s2 + 1], den);
+              num = fmaf(w2, ov[s2], num);
+            }
+          const int hq = kvh * g + r / M, m = r % M;
+          attn_out(p, m, hq * D + d, num / den, qtag);
+        }
+      }
+    } else {
+      float* pp = p.part + ((size_t)(kvh * nsplit + sp) * R) * (D + 2);
+      for (int i = t; i < R * (D + 2); i += NCT) {
+        const int r = i / (D + 2), d = i - r * (D + 2);
+        pp[i] = d == 0 ? ms->att_m[r] : d == 1 ? ms->att_l[r] : o_s[r * D + d - 2];
+      }
+      cbar();
+      warp_stamp(p, layer, WS_A_PART);
+      if (t == 0) {
+        __threadfence();
+        const int old = atomicAdd(p.att_count + kvh, 1);
+        ms->flag = (old == nsplit - 1);
+        if (ms->flag) __threadfence();
+      }
+      cbar();
+      warp_stamp(p, layer, WS_A_COUNT);
+      if (ms->flag) {  // last split done: merge all splits of this kv head in split order
+        const float* pk = p.part + ((size_t)kvh * nsplit * R) * (D + 2);
+        for (int i = t; i < R * D; i += NCT) {
+          const int r = i / D, d = i - r * D;
+          float mx = -INFINITY;
+          for (int s2 = 0; s2 < nsplit; ++s2) mx = fmaxf(mx, __ldcg(pk + ((size_t)s2 * R + r) * (D + 2)));
+          float num = 0.f, den = 0.f;
+          for (int s2 = 0; s2 < nsplit; ++s2) {
+            const float* e = pk + ((size_t)s2 * R + r) * (D + 2);
+            const float ms2 = __ldcg(e);
+            const float wgt = ms2 == -INFINITY ? 0.f : expf(ms2 - mx);
+            den = fmaf(wgt, __ldcg(e + 1), den);
+            num = fmaf(wgt, __ldcg(e + 2 + d), num);
+          }
+          const int hq = kvh * g + r / M, m = r % M;
+          attn_out(p, m, hq * D + d, num / den, qtag);
+        }
+        if (t == 0) p.att_count[kvh] = 0;
+      }
+    }
+    warp_stamp(p, layer, WS_A_MERGE);
+    cbar();
+    warp_stamp(p, layer, WS_A_EXIT);
+  }
+}
+
+}  // namespace
+}  // namespace mk

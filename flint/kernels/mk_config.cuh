@@ -1,0 +1,36 @@
+// flint decode megakernel: the knobs that select the code the product runs, in one place.
+//
+// Three come from the build (flint/kernels/build.py sets them per object; nothing else does):
+//   FLINT_MK_M    tokens per launch, 1..8: one object per M (plain decode is M = 1, a verify of k drafts M = k + 1)
+//   FLINT_MK_GU8  1 in the extra M = 1 object that runs gate|up on the integer dot (groups of 128: Granite)
+//   MK_TRACE      1 in the traced library only (FLINT_MK_TRACE=1): stage and warp stamps compiled in
+// The rest are constants of the design, each with the measurement that chose it (docs/megakernel-log.md has
+// every alternative that was tried).
+#pragma once
+
+#ifndef FLINT_MK_M
+#define FLINT_MK_M 1
+#endif
+#ifndef FLINT_MK_GU8
+#define FLINT_MK_GU8 0
+#endif
+#ifndef MK_TRACE
+#define MK_TRACE 0
+#endif
+
+namespace mk {
+
+// The M = 1 object: the FFN split-K adds its down partials into a 64-bit fixed-point residual whose counted words
+// replace the grid barrier after them, and the hops after attention and o are fence-free tagged words (−3.2% and
+// −2.9% per step, docs/megakernel.md "Synchronisation"). Wider M keep the fp32 residual: twice the adds lost there.
+constexpr bool kFx1 = FLINT_MK_M == 1;
+// Bulk copies in flight per block: one (−1.4% at ctx 512 against two once the dots got cheaper; three +1.8%) ...
+constexpr int kInflight = 1;
+// ... and two for the lm_head, the step's last and longest stream, which no hop follows (−0.7% against one).
+constexpr int kLmInflight = 2;
+// Context splits the register merge of attention holds (one o value and tag per split and thread; 13+ spill at
+// M = 1); up to kTmSeqSplits the sequential tagged merge runs, beyond them the counter merge.
+constexpr int kTmMaxSplits = 12;
+constexpr int kTmSeqSplits = 32;
+
+}  // namespace mk
