@@ -4,7 +4,7 @@ These are the gpt-fast-style peers the megakernel is judged against: a static KV
 decode step compiled by inductor (fullgraph) and replayed as ONE CUDA graph per token, int4 weights
 through ``aten._convert_weight_to_int4pack`` / ``aten._weight_int4pack_mm`` (tinygemm) on CUDA.
 ``compiled-bf16`` is the same graph with bf16 weights. Prefill (M > 1) runs the same layer code
-eagerly. Serves the backend API of flint.backend.
+eagerly. Serves the backend API of flint.backend_api.
 
 How it is compiled, and why: the decoder layer is one function compiled once with
 ``torch.compile(fullgraph=True)`` and called for every layer with that layer's weights as
@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .backend import BackendError, check_greedy_run
+from .backend_api import BackendError, check_greedy_run
 from .config import ModelConfig
 from .model import apply_rope, dense, rms_norm, rope_tables
 from .quant import Int4Weight, concat_rows, fit_group_size, quantize_int4

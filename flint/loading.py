@@ -4,6 +4,8 @@ quantized checkpoints, and synthetic random models.
 Every loader returns a ``LoadedModel`` (config, params, tokenizer). ``params`` maps flint names
 ("embed", "layers.{i}.wq", ..., "norm", "lm_head") to float tensors or ``Int4Weight``; a tied head
 is the same object as "embed". Bad input raises ``LoadError`` naming the file and the field.
+LoadedModel, LoadError, expected_shapes and check_params are defined in flint.params and
+importable from here.
 Tests: ``pytest tests/test_loading.py tests/test_gguf.py``.
 """
 from __future__ import annotations
@@ -11,32 +13,20 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from .config import ConfigError, ModelConfig, from_hf_dict
+from .params import LoadedModel, LoadError, check_params, expected_shapes
 from .quant import Int4Weight, dequant_q8_0_blocks, from_q4_0_blocks, from_q4_1_blocks
 
 DEFAULT_MODEL = "embedded:smollm2"
 QUANT_METHOD = "flint-int4-v1"
 
 
-class LoadError(ValueError):
-    """A checkpoint flint cannot load; the message names the file and the tensor or field."""
-
-
-@dataclass
-class LoadedModel:
-    cfg: ModelConfig
-    params: dict
-    tokenizer: object | None  # flint.tokenizer.Tokenizer
-    source: str
-
-
-# ------------------------------------------------------------------ names and shapes
+# ------------------------------------------------------------------ checkpoint names to flint names
 
 _HF_LAYER = {
     "input_layernorm.weight": "attn_norm",
@@ -55,31 +45,6 @@ _GGUF_LAYER = {
     "attn_v.weight": "wv", "attn_output.weight": "wo", "ffn_norm.weight": "ffn_norm",
     "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up", "ffn_down.weight": "w_down",
 }
-
-
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    shapes = {"embed": (cfg.vocab_size, h), "norm": (h,), "lm_head": (cfg.vocab_size, h)}
-    for li in range(cfg.num_layers):
-        p = f"layers.{li}."
-        shapes.update({
-            p + "attn_norm": (h,), p + "ffn_norm": (h,),
-            p + "wq": (cfg.num_heads * d, h), p + "wk": (cfg.num_kv_heads * d, h),
-            p + "wv": (cfg.num_kv_heads * d, h), p + "wo": (h, cfg.num_heads * d),
-            p + "w_gate": (i, h), p + "w_up": (i, h), p + "w_down": (h, i),
-        })
-    return shapes
-
-
-def check_params(cfg: ModelConfig, params: dict, source: str) -> None:
-    want = expected_shapes(cfg)
-    for name, shape in want.items():
-        if name not in params:
-            raise LoadError(f"{source}: tensor {name!r} is missing")
-        t = params[name]
-        got = tuple(t.shape)
-        if got != shape:
-            raise LoadError(f"{source}: tensor {name!r} has shape {list(got)}, config implies {list(shape)}")
 
 
 # ------------------------------------------------------------------ HF directories

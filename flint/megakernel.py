@@ -4,7 +4,7 @@
 codes followed by interleaved (scale, min) pairs, q/k rows paired for RoPE, gate/up rows
 interleaved; codes are copied, never re-rounded), allocates an fp16 KV cache
 [layers, kv_heads, max_seq_len, head_dim] (K and V: 4 * layers * kv_heads * head_dim bytes per
-token) and scratch, and serves the backend API (flint.backend). The library is built by
+token) and scratch, and serves the backend API (flint.backend_api). The library is built by
 flint.kernels.build on first use and bound with ctypes (no torch extension).
 
 Test: ``pytest tests/test_megakernel.py`` (GPU tests need an sm_90 device). Design and measured
@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from .backend import check_greedy_run
+from .backend_api import check_greedy_run
 from .config import ModelConfig
 from .quant import Int4Weight
 
@@ -121,7 +121,7 @@ def repack(ws: list[Int4Weight], name: str, device) -> tuple[torch.Tensor, dict]
 
 
 def ffn_split_plan(intermediate: int, group: int, nblocks: int) -> dict | None:
-    """FFN split-K (docs/megakernel.md, session 5): FFN block f owns gate|up tiles [f T, (f + 1) T) (the
+    """FFN split-K (docs/megakernel.md, "FFN split-K"): FFN block f owns gate|up tiles [f T, (f + 1) T) (the
     rows are interleaved gate_j, up_j, so a tile is 8 act indices) and computes down's partial sums over
     its own kf = 8 T act values. The plan with the most FFN blocks that fit the grid: T a multiple of 4
     (kf a multiple of 32), T dividing the gate|up tiles exactly, kf within one K segment, and the slice
@@ -216,13 +216,6 @@ class MegakernelBackend:
         nh, nkv, d, L, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers, cfg.hidden_size
         self.nblocks = torch.cuda.get_device_properties(dev).multi_processor_count
         self.ffn_plan = self._ffn_plan(ffn_split, params["layers.0.w_down"].group_size)
-        # FLINT_MK_OHEAD=1 (EXPERIMENT): the o projection by kv head where the shapes fit it (a kernel built with
-        # MK_OHEAD uses it at M = 1; other builds ignore it; the library checks the fit again)
-        ob = self.nblocks // nkv
-        self.ohead = (os.environ.get("FLINT_MK_OHEAD", "0") == "1" and self.ffn_plan is not None and d == 64
-                      and nh // nkv <= 8 and ob >= 1 and (-(-H // TILE_ROWS)) % ob == 0
-                      and (-(-H // TILE_ROWS)) // ob <= 15
-                      and params["layers.0.wo"].group_size % d == 0)  # (where it does not fit: the o stage)
         with torch.device(dev):
             mats, descs = {}, {}
             qkv, o, gu, dn = [], [], [], []
@@ -239,8 +232,6 @@ class MegakernelBackend:
                             ("lm_head", [params["lm_head"].to(dev)])):
                 if key == "down" and self.ffn_plan:  # FFN split-K: down as per-FFN-block K slices
                     mats["dslice"], descs["dslice"] = repack_down_slices(ws, self.ffn_plan, dev)
-                    if self.ohead:  # (MK_OHEAD) o's per-q-head column slices take down's place
-                        mats["down"], descs["down"] = repack_down_slices(o, dict(nffn=nh, kf=d, G=d), dev)
                 else:
                     mats[key], descs[key] = repack(ws, key, dev)
             del qkv, o, gu, dn
@@ -334,11 +325,11 @@ class MegakernelBackend:
         return h
 
     def _place_scratch(self, tries: int) -> None:  # (no inference_mode: the chosen set's tensors stay ordinary ones)
-        """Session 20 (docs/megakernel.md): the step's time depends on WHERE the scratch lands, by up to 15% at
-        Granite-4.1-3B ctx 512 (bench/mk_place.py: the same weights behind pads of other sizes ran 1135 to 1312 us,
-        each configuration steady over rounds), i.e. on which L2 slices hold the lines every block polls and adds
-        into. The addresses' physical placement is the driver's, so: allocate ``tries`` scratch sets, time a few M = 1
-        steps on each (rounds alternate over the sets), keep the fastest and free the others. ~0.2 s on
+        """The scratch placement (docs/megakernel.md): the step's time depends on WHERE the scratch lands, by up to
+        15% at Granite-4.1-3B ctx 512 (bench/mk_place.py: the same weights behind pads of other sizes ran 1135 to
+        1312 us, each configuration steady over rounds), i.e. on which L2 slices hold the lines every block polls and
+        adds into. The addresses' physical placement is the driver's, so: allocate ``tries`` scratch sets, time a few
+        M = 1 steps on each (rounds alternate over the sets), keep the fastest and free the others. ~0.2 s on
         Granite-4.1-3B; the arithmetic does not depend on the placement (the logits are the same bits)."""
         pos = min(self.max_seq_len - 1, 256)
         tok = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -419,9 +410,9 @@ class MegakernelBackend:
         c = self.cfg
         ia = [c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers,
               c.vocab_size, self.max_seq_len, int(bool(c.use_rope)), self.nblocks,
-              int(os.environ.get("FLINT_MK_DBG", "0")),  # debug bits for timing experiments only
+              0,  # the dbg slot: always 0
               self.ffn_plan["nffn"] if self.ffn_plan else 0, self.ffn_plan["nffn_pad"] if self.ffn_plan else 0,
-              int(self.ohead)]
+              0]  # the ohead slot: always 0 (the o projection runs as its own stage)
         for t in (self.embed, self.norms, self.final_norm, self.rope_cos, self.rope_sin, self.k_cache,
                   self.v_cache, self.resid, self.q, self.attn, self.act, self.part, self.att_count,
                   self.logits, self.arg_val, self.arg_idx, self.argmax, self.done_count, self.bar_counter,

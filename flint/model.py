@@ -1,7 +1,7 @@
 """The reference decoder: plain PyTorch, the truth every fast path is diffed against.
 
 One class, ``Transformer``, runs Llama-family and Granite models (multipliers from ModelConfig) on
-CPU or CUDA, in fp32 or bf16, with a KV cache. Its step API is the backend API (flint.backend):
+CPU or CUDA, in fp32 or bf16, with a KV cache. Its step API is the backend API (flint.backend_api):
 ``forward(tokens[M], start_pos)`` writes K/V for positions start_pos..start_pos+M-1, attends to
 everything before plus causally within the M tokens, and returns fp32 logits [M, V]. Calling it
 again with a smaller start_pos overwrites the cache there, which is how speculative decoding rolls
@@ -16,9 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
+from .params import LINEAR_NAMES
 from .quant import Int4Weight
-
-LINEAR_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
 def dense(w, dtype, device) -> torch.Tensor:

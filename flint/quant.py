@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .params import LINEAR_NAMES
+
 GROUP_SIZES = (32, 64, 128)
 LAYOUT = "flint-int4-v1"
 
@@ -161,8 +163,6 @@ def quantize_params(params: dict, group_size: int = 128, names=None) -> dict:
     Weights already in int4 (GGUF Q4_0/Q4_1, a flint checkpoint) are kept as they are; float ones
     are quantized round-to-nearest at ``group_size``. "embed" stays a float copy for the lookup.
     """
-    from .model import LINEAR_NAMES
-
     out = dict(params)
     targets = names or [k for k in params if k.rsplit(".", 1)[-1] in LINEAR_NAMES] + ["lm_head"]
     for k in targets:
@@ -173,7 +173,7 @@ def quantize_params(params: dict, group_size: int = 128, names=None) -> dict:
     return out
 
 
-# ---------------------------------------------------------------- helpers (int4 / bench engineer)
+# ---------------------------------------------------------------- helpers (fusing, re-fitting, group sizes)
 
 def concat_rows(weights: list[Int4Weight], name: str = "weight") -> Int4Weight:
     """Stack int4 weights along N (fused q|k|v, gate|up). Exact: rows are independent.
@@ -199,8 +199,6 @@ def requantize_params(params: dict, group_size: int, float_head: bool = False) -
     (fit_group_size). With ``float_head`` the head stays (or becomes) a float tensor.
     "embed" (the lookup copy) is never touched.
     """
-    from .model import LINEAR_NAMES
-
     out = dict(params)
     targets = [k for k in params if k.rsplit(".", 1)[-1] in LINEAR_NAMES]
     if not float_head:

@@ -33,7 +33,7 @@ import torch
 
 from .config import ModelConfig
 from .loading import QUANT_METHOD, LoadedModel, load_model
-from .model import LINEAR_NAMES
+from .params import LINEAR_NAMES
 from .quant import GROUP_SIZES, Int4Weight, check_shape, int4_group_size, quantize_int4
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

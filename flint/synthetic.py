@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .config import SYNTHETIC, ConfigError, ModelConfig, from_hf_dict, load_hf_config
-from .loading import LoadedModel, LoadError
+from .params import LoadedModel, LoadError, expected_shapes
 from .quant import Int4Weight, check_shape, fit_group_size
 
 WEIGHT_STD = 0.02
@@ -59,8 +59,6 @@ def random_int4(n: int, k: int, group_size: int, gen: torch.Generator, device,
 
 def synthetic_params(cfg: ModelConfig, seed: int = 0, int4_group_size: int | None = None,
                      dtype=torch.bfloat16, device="cpu") -> dict:
-    from .loading import expected_shapes
-
     device = torch.device(device)
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)

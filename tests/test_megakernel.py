@@ -220,32 +220,6 @@ def test_logits_match_reference(name, make, group, split):
 
 @gpu
 @needs_sm90
-def test_o_by_head_request_matches_reference(monkeypatch):
-    # FLINT_MK_OHEAD=1 (session 10's MK_OHEAD experiment): on Granite shapes the backend takes the request (o repacked
-    # by q head); a kernel built with MK_OHEAD runs the o projection by kv head at M = 1, others ignore it. Either way:
-    # the reference's logits and hidden state, M = 8 fills between M = 1 steps, and bitwise-repeatable steps
-    monkeypatch.setenv("FLINT_MK_OHEAD", "1")
-    cfg = _granite(3)
-    mk, ref = _pair(cfg, 128, 600)
-    if mk.nblocks == 132:  # (the H200: 8 kv heads x 16 blocks, 10 o row tiles each)
-        assert mk.ohead and mk.ffn_plan is not None
-    toks = torch.randint(0, cfg.vocab_size, (600,), generator=torch.Generator().manual_seed(3))
-    pos = 0
-    for ctx in (1, 17, 511):
-        while pos < ctx - 1:
-            m = min(8, ctx - 1 - pos)
-            mk.forward(toks[pos:pos + m], pos)
-            ref.forward(toks[pos:pos + m], pos)
-            pos += m
-        a, ha = mk.forward(toks[ctx - 1:ctx], ctx - 1, return_hidden=True)
-        b, hb = ref.forward(toks[ctx - 1:ctx], ctx - 1, return_hidden=True)
-        pos = ctx
-        assert rel(a, b) < 1e-2 and rel(ha, hb) < 1e-2, f"ctx {ctx}: rel {rel(a, b):.3e} / hidden {rel(ha, hb):.3e}"
-        assert torch.equal(a, mk.forward(toks[ctx - 1:ctx], ctx - 1)), f"ctx {ctx}: not bitwise repeatable"
-
-
-@gpu
-@needs_sm90
 @pytest.mark.parametrize("split", ["0", "1"])
 @pytest.mark.parametrize("m", range(1, 9))
 def test_verify_shapes_match_reference(m, split):

@@ -1,0 +1,37 @@
+"""The decode-step API every backend serves, and the pieces of it the backends share.
+
+A backend holds the weights and a KV cache for ONE sequence and offers:
+
+    forward(tokens: LongTensor[M], start_pos: int, return_hidden=False)
+        -> float32 logits [M, V] on backend.device  (and the last layer's hidden state [M, H],
+           before the final norm, when return_hidden)
+
+It writes K/V for positions start_pos..start_pos+M-1 and attends to cache positions < start_pos
+plus causally within the M tokens. Positions >= start_pos + M are never read before being written
+again, so rolling back (speculative decoding) or reusing a shared prompt prefix is just calling
+forward with a smaller start_pos. M >= 1 (the verify step uses M = K + 1).
+
+Optional: ``greedy_next(token, pos) -> int`` (a fast M = 1 argmax path), ``greedy_run(token, pos, n)
+-> list[int]`` (n greedy steps, each argmax fed to the next step on the device: one host sync per n
+tokens; the engine decodes greedily in bursts through it, `flint bench` times it), ``max_chunk`` (the
+largest M one call takes; the engine splits longer prefills).
+
+The backends (flint.compiled, flint.megakernel) import from here; the factory that builds one by
+name (flint.backend.make_backend) imports the backends, so this module imports none of them.
+"""
+from __future__ import annotations
+
+
+class BackendError(ValueError):
+    pass
+
+
+def check_greedy_run(backend, token: int, pos: int, n: int) -> None:
+    """The arguments of ``greedy_run(token, pos, n)``, checked before anything is launched (ValueError)."""
+    name = getattr(backend, "name", type(backend).__name__)
+    if not 0 <= int(token) < backend.cfg.vocab_size:
+        raise ValueError(f"{name}: token id {int(token)} is outside the vocabulary (size {backend.cfg.vocab_size})")
+    if n < 1:
+        raise ValueError(f"{name}: greedy_run needs n >= 1, got {n}")
+    if pos < 0 or pos + n > backend.max_seq_len:
+        raise ValueError(f"{name}: positions {pos}..{pos + n - 1} exceed max_seq_len {backend.max_seq_len}")
