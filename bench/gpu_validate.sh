@@ -23,14 +23,14 @@ timeout 150 python3 -m flint bench --model $G --backend megakernel --ctx 512 --d
 [ "${SANITIZE:-1}" = 0 ] && { echo "sanitizers skipped (SANITIZE=0)"; exit 0; }
 for S in 0 1; do  # the down stage, then the FFN split-K path (forced on the 1-layer shape)
   echo "== FLINT_MK_FFN_SPLIT=$S" >> $OUT/memcheck.log; echo "== FLINT_MK_FFN_SPLIT=$S" >> $OUT/racecheck.log
-  FLINT_MK_FFN_SPLIT=$S timeout 120 compute-sanitizer --tool memcheck --print-limit 5 python3 bench/mk_debug.py >> $OUT/memcheck.log 2>&1; echo "memcheck split=$S rc=$?"; tail -3 $OUT/memcheck.log
-  FLINT_MK_FFN_SPLIT=$S timeout 120 compute-sanitizer --tool racecheck --print-limit 5 python3 bench/mk_debug.py >> $OUT/racecheck.log 2>&1; echo "racecheck split=$S rc=$?"; tail -3 $OUT/racecheck.log
+  FLINT_MK_FFN_SPLIT=$S timeout 120 compute-sanitizer --tool memcheck --print-limit 5 python3 bench/sanitize_run.py >> $OUT/memcheck.log 2>&1; echo "memcheck split=$S rc=$?"; tail -3 $OUT/memcheck.log
+  FLINT_MK_FFN_SPLIT=$S timeout 120 compute-sanitizer --tool racecheck --print-limit 5 python3 bench/sanitize_run.py >> $OUT/racecheck.log 2>&1; echo "racecheck split=$S rc=$?"; tail -3 $OUT/racecheck.log
 done
 # groups of 128 (the M = 1 object with gate|up's integer dot, MK_IDOT_RAW since v21), FFN split on
 echo "== group 128" >> $OUT/racecheck.log; echo "== group 128" >> $OUT/memcheck.log
-FLINT_MK_DEBUG_GROUP=128 FLINT_MK_FFN_SPLIT=1 timeout 120 compute-sanitizer --tool racecheck --print-limit 5 python3 bench/mk_debug.py >> $OUT/racecheck.log 2>&1; echo "racecheck group=128 rc=$?"; tail -1 $OUT/racecheck.log
-FLINT_MK_DEBUG_GROUP=128 FLINT_MK_FFN_SPLIT=1 timeout 120 compute-sanitizer --tool memcheck --print-limit 5 python3 bench/mk_debug.py >> $OUT/memcheck.log 2>&1; echo "memcheck group=128 rc=$?"; tail -1 $OUT/memcheck.log
+FLINT_MK_DEBUG_GROUP=128 FLINT_MK_FFN_SPLIT=1 timeout 120 compute-sanitizer --tool racecheck --print-limit 5 python3 bench/sanitize_run.py >> $OUT/racecheck.log 2>&1; echo "racecheck group=128 rc=$?"; tail -1 $OUT/racecheck.log
+FLINT_MK_DEBUG_GROUP=128 FLINT_MK_FFN_SPLIT=1 timeout 120 compute-sanitizer --tool memcheck --print-limit 5 python3 bench/sanitize_run.py >> $OUT/memcheck.log 2>&1; echo "memcheck group=128 rc=$?"; tail -1 $OUT/memcheck.log
 # head_dim 64 (the default 1-layer shape has 128): the attention paths kept to D = 64 (MK_PV3)
 echo "== head_dim 64" >> $OUT/racecheck.log; echo "== head_dim 64" >> $OUT/memcheck.log
-FLINT_MK_DEBUG_HEAD_DIM=64 timeout 120 compute-sanitizer --tool racecheck --print-limit 5 python3 bench/mk_debug.py >> $OUT/racecheck.log 2>&1; echo "racecheck head_dim=64 rc=$?"; tail -1 $OUT/racecheck.log
-FLINT_MK_DEBUG_HEAD_DIM=64 timeout 120 compute-sanitizer --tool memcheck --print-limit 5 python3 bench/mk_debug.py >> $OUT/memcheck.log 2>&1; echo "memcheck head_dim=64 rc=$?"; tail -1 $OUT/memcheck.log
+FLINT_MK_DEBUG_HEAD_DIM=64 timeout 120 compute-sanitizer --tool racecheck --print-limit 5 python3 bench/sanitize_run.py >> $OUT/racecheck.log 2>&1; echo "racecheck head_dim=64 rc=$?"; tail -1 $OUT/racecheck.log
+FLINT_MK_DEBUG_HEAD_DIM=64 timeout 120 compute-sanitizer --tool memcheck --print-limit 5 python3 bench/sanitize_run.py >> $OUT/memcheck.log 2>&1; echo "memcheck head_dim=64 rc=$?"; tail -1 $OUT/memcheck.log

@@ -42,7 +42,7 @@ def load_library(traced: bool = False):
 
 
 def bind_library(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """Set the ctypes signatures of a loaded libflint_mk.so (also used by bench/mk_ab1.py, which loads
+    """Set the ctypes signatures of a loaded libflint_mk.so (also used by lab/mk_ab1.py, which loads
     several variants' libraries into one process)."""
     c_ll_p, c_d_p, vp = ctypes.POINTER(ctypes.c_longlong), ctypes.POINTER(ctypes.c_double), ctypes.c_void_p
     lib.flint_mk_create.argtypes = [c_ll_p, ctypes.c_int, c_d_p, ctypes.c_int, ctypes.POINTER(vp)]
@@ -290,13 +290,13 @@ class MegakernelBackend:
         return dict(
             resid=torch.zeros((MAX_M, H), **f32),
             q=torch.zeros((MAX_M, nh * d), **f32),
-            # (fp32 bits, tag) words: this step's q|k|v rows (MK_QTAG), then the attention output (MK_ATAG); then
-            # (24-bit value, 8-bit tag) words of the attention output and of x + o (MK_NOFENCE bit 8); tags restart
-            # with the epoch
+            # (fp32 bits, tag) words: this step's q|k|v rows, then room for MAX_M attention rows of such words (unused
+            # by the shipped kernel: the layout it was validated with); then the (24-bit value, 8-bit tag) words of
+            # the attention output and of x + o (M = 1); tags restart with the epoch (mk_sync.cuh)
             qkv_tag=torch.zeros((MAX_M * ((2 * nh + 2 * nkv) * d * 2 + nh * d + H),), **i32),
             attn=torch.zeros((MAX_M, nh * d), **f32),
             act=torch.zeros((MAX_M, I), **f32),
-            # attention partials; twice the floats: MK_TMERGE writes them as (fp32 bits, tag) pairs
+            # attention partials; twice the floats: the tagged merge (M = 1) writes them as (fp32 bits, tag) pairs
             part=torch.zeros((2 * nkv * nsplit * g * MAX_M * (d + 2),), **f32),
             att_count=torch.zeros((nkv,), **i32),
             logits=torch.zeros((MAX_M, V), **f32),
@@ -305,11 +305,10 @@ class MegakernelBackend:
             argmax=torch.zeros((MAX_M,), **i32),
             done_count=torch.zeros((1,), **i32),
             bar_counter=torch.zeros((1,), dtype=torch.int64, device=dev),
-            # launches so far; the barrier counter's value at a launch's start (kernels whose barriers per launch
-            # depend on M: MK_FXRES)
+            # launches so far; the barrier counter's value at a launch's start (the barriers per launch depend on M)
             epoch=torch.zeros((2,), dtype=torch.int64, device=dev),
             # FFN split-K partial sums [M][H tiles][nffn_pad][16] (f >= nffn stay 0), then room for the kernel's
-            # fixed-point residual [M][H tiles * 16] of 8-byte words (MK_FXRES)
+            # fixed-point residual [M][H tiles * 16] of 8-byte words (M = 1)
             dpart=(torch.zeros((MAX_M * hp * self.ffn_plan["nffn_pad"] + 2 * MAX_M * hp,), **f32)
                    if self.ffn_plan else None))
 
@@ -326,7 +325,7 @@ class MegakernelBackend:
 
     def _place_scratch(self, tries: int) -> None:  # (no inference_mode: the chosen set's tensors stay ordinary ones)
         """The scratch placement (docs/megakernel.md): the step's time depends on WHERE the scratch lands, by up to
-        15% at Granite-4.1-3B ctx 512 (bench/mk_place.py: the same weights behind pads of other sizes ran 1135 to
+        15% at Granite-4.1-3B ctx 512 (lab/mk_place.py: the same weights behind pads of other sizes ran 1135 to
         1312 us, each configuration steady over rounds), i.e. on which L2 slices hold the lines every block polls and
         adds into. The addresses' physical placement is the driver's, so: allocate ``tries`` scratch sets, time a few
         M = 1 steps on each (rounds alternate over the sets), keep the fastest and free the others. ~0.2 s on
@@ -444,7 +443,7 @@ class MegakernelBackend:
         """Clear the barrier/merge counters (needed only after a failed launch); the cache needs no
         clearing (positions >= start_pos are written before they are read)."""
         for t in (self.bar_counter, self.epoch, self.att_count, self.done_count, self.qkv_tag, self.part, self.dpart):
-            if t is not None:  # (dpart: the FFN split's partials and the fixed-point residual buffers, MK_FXRES)
+            if t is not None:  # (dpart: the FFN split's partials and the fixed-point residual buffers)
                 t.zero_()
         torch.cuda.synchronize(self.device)
 
@@ -560,7 +559,7 @@ class MegakernelBackend:
     def warp_trace(self, block: int = 0, who: str = "warp_trace") -> torch.Tensor:
         """The raw per-warp %clock64 stamps of the last launch (needs FLINT_MK_TRACE=1): [16 warps, 32
         slots] float64 for block 0 or 1 (= the last block), NaN where nothing was stamped. Slots: the
-        WARP_CLOCKS points, or in a MK_WS_ALL build the units of one stage (bench/mk_units.py)."""
+        WARP_CLOCKS points (lab/mk_warps.py reads them)."""
         if self.trace is None:
             raise RuntimeError(f"{who} needs FLINT_MK_TRACE=1 at construction")
         base = 2 * self.cfg.num_layers * 32 + self.nblocks * 16

@@ -80,7 +80,7 @@ class Transformer:
         self.k_cache = torch.zeros(shape, device=dev, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=dev, dtype=dtype)
         # optional f(x) applied to the input of every linear and of the head: numerics studies only
-        # (flint/kernels/dev/int8_x_study.py); None in every product path
+        # (lab/int8_x_study.py); None in every product path
         self.linear_input = None
 
     def reset(self) -> None:

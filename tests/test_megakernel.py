@@ -127,7 +127,7 @@ def test_trace_readers_layout():
     wc = mk.warp_clocks(0)
     assert wc["o.tile0.dot"][3] == 1_860 and wc["attn.q"][0] == 2_000
     assert all(v != v for v in wc["o.tile0.parts"])        # never stamped: NaN
-    wt = mk.warp_trace(0)                                  # the raw slots (bench/mk_units.py reads these)
+    wt = mk.warp_trace(0)                                  # the raw slots (lab/mk_warps.py reads these)
     assert wt.shape == (16, 32) and wt[3, 3] == 1_960 and wt[5, 31] != wt[5, 31]
 
 

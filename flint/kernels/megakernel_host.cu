@@ -215,9 +215,12 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
     s.total = off + ns * slot;
     if (R <= mk::MAX_ROWS_ATT && ns >= 3 && s.total <= optin && max_acc_tiles <= mk::MAX_ACC_TILES) h->ready[M] = true;
   }
-  if (p.nffn >= 256) {  // (the counted residual's count field: mod 256)
+  // The counted residual's count field is 8 bits: a word missing any 1..nffn + 1 adds of its layer (the FFN blocks'
+  // and the o owner's) must not show the expected count mod 256, so nffn + 1 < 256. (A reader never sees a word more
+  // than one layer stale: its own previous staging saw every add of the layer before.)
+  if (p.nffn >= 255) {
     delete h;
-    return fail("flint_mk_create: the counted fixed-point residual counts at most 255 FFN blocks");
+    return fail("flint_mk_create: the counted fixed-point residual counts at most 254 FFN blocks");
   }
   if (!h->ready[1]) { delete h; return fail("flint_mk_create: this shape does not fit shared memory even at M=1"); }
   if ((e = cudaMallocHost((void**)&h->h_argmax, mk::MAX_M * sizeof(int)))) { delete h; return cuda_fail("cudaMallocHost", e); }
