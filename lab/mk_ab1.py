@@ -1,7 +1,7 @@
 """A/B of megakernel variants inside ONE process, on ONE set of weights and buffers.
 
 lab/mk_ab.py runs each variant in its own process; between processes the same library's step time moves by up to
-5% (session 13: base rounds 1351.7 .. 1414.9 us in one call), more than most single changes. Here one
+5% (2026-11-30: base rounds 1351.7 .. 1414.9 us in one call), more than most single changes. Here one
 MegakernelBackend (the working tree's package and library) owns the weights, caches and scratch; every variant's
 library (built by lab/mk_variants.py into build/kernels/<hash>/) is loaded next to it and gets its own handle from
 flint_mk_create on the SAME arguments (the same device pointers), and the variants' launches alternate on one stream,
@@ -133,7 +133,7 @@ def main() -> None:
                 line += (f"  ratio {statistics.median(rat):.4f} [{min(rat):.4f}, {max(rat):.4f}]"
                          f" {sum(x < 1 for x in rat)}/{len(rat)} rounds faster")
                 if abs(statistics.median(rat) - 1) < 0.01 and libs[v] != libs[a]:
-                    # session 18 (docs/megakernel.md 18k): code that never runs moved the step by up to 0.9%
+                    # code that never runs moved the step by up to 0.9% (docs/megakernel-log.md, null compiles)
                     line += "  (within the compile's own spread: replicate against a null variant)"
             print(line)
         record[f"m{m}"] = per

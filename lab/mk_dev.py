@@ -51,7 +51,7 @@ def traced_step_stamps(mk, step):
 def warm_granite(layers: int | None = None, pos: int = 511, warmup: int = 4, m: int = 1, traced: bool = False):
     """The synthetic Granite-4.1-3B int4 G128 backend (max_seq_len 1024), warmed up with `warmup`
     steps of `m` tokens (M = m, a verify step when m > 1) at position `pos`; returns (backend, a
-    function running one more such step). The trace tools (mk_prof, mk_blocks, mk_warps, mk_units) start
+    function running one more such step). The trace tools (mk_prof, mk_blocks, mk_warps) start
     from this; traced=True exits unless FLINT_MK_TRACE=1 (the traced library) is set."""
     if traced and os.environ.get("FLINT_MK_TRACE") != "1":
         sys.exit("set FLINT_MK_TRACE=1 (it loads the traced library: build it with "
