@@ -299,8 +299,13 @@ def resolve_draft_path(path: str | Path) -> Path:
 def load_draft(path: str | Path, target_cfg, target_params: dict | None = None, device=None,
                dtype: torch.dtype | None = None) -> DraftHead:
     """Load a draft directory (or a shipped draft's name) for ``target_cfg``; refuses a draft built
-    for another target. With ``target_params`` the target's embedding/norm/head are attached."""
+    for another target. With ``target_params`` the target's embedding/norm/head are attached.
+    ``ngram``: the draft-free prompt-lookup proposals of flint.ngram (any model, nothing loaded)."""
     from safetensors import safe_open
+
+    if str(path) == "ngram":
+        from .ngram import NgramDraft
+        return NgramDraft(target_cfg.vocab_size)
 
     p = resolve_draft_path(path)
     cj = p / "draft.json"

@@ -9,9 +9,10 @@ norm(max(0, p - q)), and when all K are kept a bonus token is drawn from p — s
 distributed as the target's. Rejected positions need no cleanup: the next forward starts at the
 right start_pos and overwrites them (the backend API's rollback).
 
-The draft is any object with ``propose(context_ids, hidden, k, sp, gen) -> (tokens[k], q[k, V] or
-None)`` (flint.draft.DraftHead; ``hidden`` is the target's last-layer hidden state before
-context_ids[-1]). Acceptance is reported as tokens per verify step = accepted drafts + 1 (the
+The draft is any object with ``propose(context_ids, hidden, k, sp, gen) -> (tokens[j], q[j, V] or
+None)``, j <= k (flint.draft.DraftHead; flint.ngram.NgramDraft, which may propose fewer or none;
+``hidden`` is the target's last-layer hidden state before context_ids[-1]). A step with no proposal
+is a plain M = 1 step. Acceptance is reported as tokens per verify step = accepted drafts + 1 (the
 target's own token is counted), so it lies in [1, K + 1]. Tests: ``pytest tests/test_speculative.py``.
 """
 from __future__ import annotations
@@ -118,8 +119,12 @@ class SpeculativeEngine(Engine):
             k = max(0, min(self.k, remaining - 1, self.max_seq_len - 1 - pos))
             if k:
                 drafts, q = self.draft.propose(ctx, hidden, k, None if greedy else sp, gen)
+                if drafts.shape[0] > k:
+                    raise ValueError(f"speculative decoding: the draft proposed {drafts.shape[0]} tokens, "
+                                     f"at most {k} were asked for")
+                k = int(drafts.shape[0])  # a draft may propose fewer (an n-gram draft with no match: none)
                 drafts = drafts.to(dev)
-            else:
+            if not k:
                 drafts, q = torch.empty(0, dtype=torch.long, device=dev), None
             step = torch.cat((torch.tensor([tok], dtype=torch.long, device=dev), drafts))
             logits, hid = self.backend.forward(step, pos, return_hidden=True)
