@@ -535,7 +535,8 @@ def register(sub) -> None:
                         "per token (default device)")
     p.add_argument("--draft", default=None, metavar="PATH",
                    help="speculative decoding with this draft head (a path or a shipped name, e.g. "
-                        "smollm2-135m): acceptance and tok/s beside plain decoding, on real prompts")
+                        "smollm2-135m; ngram: prompt-lookup proposals, no draft model): acceptance and tok/s "
+                        "beside plain decoding, on real prompts")
     p.add_argument("--draft-k", type=int, default=None, help="draft tokens per verify step (default: the draft's)")
     p.add_argument("--draft-prompts", type=int, default=2, help="held-out prompts per kind (default 2)")
     p.set_defaults(func=_run)

@@ -38,7 +38,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-size", type=int, default=128, choices=(32, 64, 128),
                    help="int4 group size for weights not already int4 (kernel backends)")
     p.add_argument("--draft", default=None,
-                   help="speculative decoding with this draft head (a path, or a shipped name: smollm2-135m)")
+                   help="speculative decoding with this draft: a draft head (a path, or a shipped name: smollm2-135m), "
+                        "or ngram (prompt-lookup proposals, any model, no draft model)")
     p.add_argument("--draft-k", type=int, default=None,
                    help="draft tokens per verify step (default: the draft's own)")
 
