@@ -28,12 +28,9 @@ from flint.synthetic import synthetic_params  # noqa: E402
 OUT = Path(os.environ.get("OUT", "out"))
 
 
-def small_cfg(**kw) -> ModelConfig:
-    d = dict(model_type="llama", vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=1, head_dim=128, rms_norm_eps=1e-5, rope_theta=10000.0,
-             tie_word_embeddings=False, max_position_embeddings=8192)
-    d.update(kw)
-    return from_hf_dict(d, "small")
+# the small llama shape of the sanitizer runs (bench/sanitize_run.py owns it)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from sanitize_run import small_cfg  # noqa: E402
 
 
 def granite_cfg() -> ModelConfig:

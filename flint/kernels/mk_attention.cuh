@@ -120,7 +120,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
         const float pj = mx == -INFINITY ? 0.f : expf(sc - mx);
         const float ls = warp_sum(pj);
         float px = 0.f, py = 0.f;  // lane = dim pair
-        for (int jj = 0; jj < (false ? 0 : cnt); ++jj) {
+        for (int jj = 0; jj < cnt; ++jj) {
           const float pv = __shfl_sync(0xffffffffu, pj, jj);
           const float2 vv = __half22float2(*reinterpret_cast<const __half2*>(Vb + (size_t)(ja + jj) * D + 2 * lane));
           px = fmaf(pv, vv.x, px);

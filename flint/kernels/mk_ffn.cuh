@@ -51,6 +51,8 @@ __device__ __forceinline__ void ds_tiles_one_group(uint32_t sb, uint32_t tb, int
     asm("mov.b32 %0, 0x64006400;" : "=r"(magic));
   }
   const uint32_t ra = (uint32_t)(g * srb), rb = ra + (uint32_t)(8 * srb);
+  // the chunk's tile at position i (an identity, kept as a call: written inline, the M = 1 object compiles to other
+  // machine code)
   auto tix = [&](int i) -> int { return i; };
   // the iteration's tiles i and (two) i + NCW: lane (g, t)'s code words of rows g and g + 8, and their (scale, min)
   auto load_pair = [&](int i, bool two, uint32_t (&wa)[2][WPL], uint32_t (&wb)[2][WPL], uint32_t (&hs)[2][2]) {
