@@ -26,8 +26,9 @@ argmax), as a loop that must see each token before the next (sampling on the hos
 Prints a llama-bench-style markdown table; ``--json PATH`` writes
 ``{"device", "hbm_read_GBps", "results": [{"model", "backend", "ctx", "loop", "tok_s", "ms_per_token",
 "bytes_per_token", "mbu"}]}`` (the megakernel's rows also ``"placement"``: its scratch sets' step times at load and
-the one kept), plus ``"ttft"`` rows with --prompt-len, rewritten after every
-result; ``--plot PATH.png`` draws tok/s against context per backend with each backend's
+the one kept), plus ``"ttft"`` rows with --prompt-len and ``"verify"`` rows with ``--verify 1,2,...,8`` (one forward
+of M tokens at every ctx, a speculative verify step of M - 1 drafts: ``"us_per_step"``, ``"x_m1"`` = × the M = 1
+step: the verify curve), rewritten after every result; ``--plot PATH.png`` draws tok/s against context per backend with each backend's
 bandwidth ceiling (bandwidth / bytes per token) dashed.
 
 Run: ``flint bench --model synthetic:granite-4.1-3b --backend reference,compiled,compiled-bf16
@@ -225,6 +226,32 @@ def time_decode(backend, ctx: int, n_tokens: int, repeats: int, device: torch.de
     return statistics.median(one_pass(timed=True) for _ in range(repeats)) / n_tokens
 
 
+def time_verify(backend, ctx: int, m: int, repeats: int, device: torch.device, gen: torch.Generator,
+                iters: int = 10) -> float:
+    """Median seconds of one forward of m tokens at positions ctx..ctx+m-1 (a speculative verify step of m - 1
+    drafts; the cache assumed filled to ctx): 3 warm-up forwards, then ``repeats`` timed bursts of ``iters``."""
+    toks = torch.randint(0, backend.cfg.vocab_size, (m,), generator=gen)
+    for _ in range(3):
+        backend.forward(toks, ctx)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            _sync(device)
+            a.record()
+            for _ in range(iters):
+                backend.forward(toks, ctx)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3 / iters)
+        else:
+            t = time.perf_counter()
+            for _ in range(iters):
+                backend.forward(toks, ctx)
+            times.append((time.perf_counter() - t) / iters)
+    return statistics.median(times)
+
+
 def time_ttft(backend, prompt_len: int, device: torch.device, gen: torch.Generator, repeats: int = 3) -> float:
     """Median seconds from a prompt of prompt_len random tokens to its first token (cold cache)."""
     chunk = getattr(backend, "max_chunk", None) or prompt_len
@@ -268,8 +295,9 @@ def load_bench_model(spec: str | None, int4_group_size: int | None, device: torc
 def run_bench(models: list[str | None], backends: list[str], ctxs: list[int], n_tokens: int = 32,
               repeats: int = 3, prompt_len: int | None = None, device: str | None = None,
               group_size: int = 128, json_path: str | None = None, bw_bytes: int | None = None,
-              seed: int = 0, log=print, loop: str = "device") -> dict:
-    """Run the benchmark; returns the JSON document (also written to json_path after every row)."""
+              seed: int = 0, log=print, loop: str = "device", verify: list[int] | None = None) -> dict:
+    """Run the benchmark; returns the JSON document (also written to json_path after every row). verify: token
+    counts M of a verify step to time at every ctx (the "verify" rows: µs per step and the ratio to M = 1)."""
     for b in backends:
         if b not in BACKENDS:
             raise BackendError(f"unknown backend {b!r}; choose from {', '.join(BACKENDS)}")
@@ -280,8 +308,13 @@ def run_bench(models: list[str | None], backends: list[str], ctxs: list[int], n_
     if prompt_len is not None and prompt_len < 1:
         raise BenchError("--prompt-len must be >= 1")
     _check_loop(loop)
+    verify = sorted(set(verify or []))
+    if any(m < 1 or m > 64 for m in verify):
+        raise BenchError(f"--verify values must be token counts 1..64, got {verify}")
     dev = torch.device(device or default_device())
     doc = {"device": device_name(dev), "hbm_read_GBps": 0.0, "results": []}
+    if verify:
+        doc["verify"] = []
     if prompt_len:
         doc["ttft"] = []
 
@@ -292,11 +325,11 @@ def run_bench(models: list[str | None], backends: list[str], ctxs: list[int], n_
     gen = torch.Generator().manual_seed(seed)
     int4_needed = any(b in INT4_BACKENDS for b in backends)
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size if dev.type == "cuda" else 0
-    need = max(max(ctxs) + n_tokens, prompt_len or 0)
+    need = max(max(ctxs) + max([n_tokens] + verify), prompt_len or 0)
 
     def check_context(cfg, name):
         if need > cfg.max_position_embeddings:
-            raise BenchError(f"--ctx {max(ctxs)} + --tokens {n_tokens} (or --prompt-len) needs {need} positions; "
+            raise BenchError(f"--ctx {max(ctxs)} + --tokens {n_tokens} (or --verify, --prompt-len) needs {need} positions; "
                              f"model {name} has a context of {cfg.max_position_embeddings}")
 
     from .synthetic import synthetic_config
@@ -313,7 +346,7 @@ def run_bench(models: list[str | None], backends: list[str], ctxs: list[int], n_
         for bname in backends:
             try:
                 _bench_backend(doc, save, lm, name, bname, ctxs, n_tokens, repeats, prompt_len, dev,
-                               need, group_size, gen, l2, log, loop)
+                               need, group_size, gen, l2, log, loop, verify)
             except Exception as e:  # noqa: BLE001
                 # one backend failing (no sm_90 for the megakernel, a compile error) leaves the rest
                 # of the sweep standing; the error is printed and recorded, and the exit code is 1
@@ -335,7 +368,7 @@ _FLUSH: dict = {}  # the L2-flush buffer, made once
 
 
 def _bench_backend(doc, save, lm, name, bname, ctxs, n_tokens, repeats, prompt_len, dev, need,
-                   group_size, gen, l2, log, loop="device") -> None:
+                   group_size, gen, l2, log, loop="device", verify=()) -> None:
     """All rows of one model x backend."""
     backend = make_backend(bname, lm, max_seq_len=need, device=str(dev), group_size=group_size)
     wbytes = weight_bytes_per_token(backend)
@@ -366,6 +399,18 @@ def _bench_backend(doc, save, lm, name, bname, ctxs, n_tokens, repeats, prompt_l
         log(f"  {name} {bname} ctx {ctx}: {row['tok_s']} tok/s, {row['ms_per_token']} ms/token, "
             f"MBU {row['mbu']:.1%}" + (" (L2 flushed before each token)" if flush is not None else ""),
             file=sys.stderr)
+        base = None
+        for m in verify:  # the verify curve: one forward of m tokens (m - 1 drafts) against m = 1
+            limit = getattr(backend, "max_chunk", None)
+            if limit is not None and m > limit:
+                doc["verify"].append({"model": name, "backend": bname, "ctx": ctx, "m": m, "us_per_step": None,
+                                      "note": f"the backend takes at most {limit} tokens per forward"})
+                continue
+            us = time_verify(backend, ctx, m, repeats, dev, gen) * 1e6
+            base = us if m == 1 else base
+            doc["verify"].append({"model": name, "backend": bname, "ctx": ctx, "m": m, "us_per_step": round(us, 1),
+                                  "x_m1": round(us / base, 3) if base else None})
+            save()
 
 
 def ratio_rows(doc: dict) -> list[dict]:
@@ -404,6 +449,27 @@ def markdown_table(doc: dict) -> str:
         for r in doc["ttft"]:
             lines.append(f"| {r['model']} | {r['backend']} | {r['prompt_len']} | {r['ttft_ms']:.2f} |")
     return "\n".join(lines)
+
+
+def verify_table(doc: dict) -> str:
+    """The verify curve: µs per forward of M tokens and its ratio to M = 1, per model, backend and ctx."""
+    rows = doc.get("verify") or []
+    if not rows:
+        return ""
+    ms = sorted({r["m"] for r in rows})
+    keys = list(dict.fromkeys((r["model"], r["backend"], r["ctx"]) for r in rows))
+    out = ["| model | backend | ctx | " + " | ".join(f"M = {m}" for m in ms) + " |",
+           "|---|---|---:|" + "---:|" * len(ms)]
+    for key in keys:
+        cells = []
+        for m in ms:
+            r = next((r for r in rows if (r["model"], r["backend"], r["ctx"]) == key and r["m"] == m), None)
+            if r is None or r["us_per_step"] is None:
+                cells.append("—")
+            else:
+                cells.append(f"{r['us_per_step']:.1f} µs" + (f" ({r['x_m1']:.2f}×)" if r.get("x_m1") else ""))
+        out.append(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n\nverify: one forward of M tokens (M - 1 drafts and the target's token), × its M = 1 step."
 
 
 def plot(doc: dict, path: str) -> None:
@@ -501,8 +567,11 @@ def _run(args) -> int:
         ctxs=_parse_list(args.ctx or ctx_default, "ctx", int),
         n_tokens=args.tokens, repeats=args.repeats, prompt_len=args.prompt_len, device=str(dev),
         group_size=args.group_size, json_path=args.json,
-        bw_bytes=int(args.bw_gib * (1 << 30)) if args.bw_gib else None, seed=args.seed, loop=args.loop)
+        bw_bytes=int(args.bw_gib * (1 << 30)) if args.bw_gib else None, seed=args.seed, loop=args.loop,
+        verify=_parse_list(args.verify, "verify", int) if args.verify else None)
     print(markdown_table(doc))
+    if doc.get("verify"):
+        print("\n" + verify_table(doc))
     if args.plot and doc["results"]:
         plot(doc, args.plot)
     return 1 if doc.get("errors") else 0
@@ -537,6 +606,9 @@ def register(sub) -> None:
                    help="speculative decoding with this draft head (a path or a shipped name, e.g. "
                         "smollm2-135m; ngram: prompt-lookup proposals, no draft model): acceptance and tok/s "
                         "beside plain decoding, on real prompts")
+    p.add_argument("--verify", default=None, metavar="M,...",
+                   help="also time one forward of M tokens (a verify step of M - 1 drafts) at every ctx, e.g. "
+                        "1,2,3,4,5,6,7,8: the verify curve, µs and × the M = 1 step")
     p.add_argument("--draft-k", type=int, default=None, help="draft tokens per verify step (default: the draft's)")
     p.add_argument("--draft-prompts", type=int, default=2, help="held-out prompts per kind (default 2)")
     p.set_defaults(func=_run)

@@ -148,3 +148,20 @@ def test_ratio_rows_take_the_median_of_interleaved_runs():
     (r,) = ratio_rows(doc)
     assert (r["model"], r["ctx"], r["backend"], r["tok_s"]) == ("m", 512, "megakernel", 864.0)
     assert abs(r["x_compiled"] - 864.0 / 446.0) < 1e-12
+
+
+def test_verify_curve_rows_and_table(tiny_spec):
+    from flint.bench import verify_table
+
+    doc = run_bench([tiny_spec], ["reference"], [8, 16], n_tokens=2, repeats=1, device="cpu", log=_quiet,
+                    verify=[4, 1, 2])
+    rows = doc["verify"]
+    assert [(r["ctx"], r["m"]) for r in rows] == [(8, 1), (8, 2), (8, 4), (16, 1), (16, 2), (16, 4)]
+    assert all(r["us_per_step"] > 0 and r["backend"] == "reference" for r in rows)
+    assert [r["x_m1"] for r in rows if r["m"] == 1] == [1.0, 1.0]
+    t = verify_table(doc)
+    assert "| M = 1 | M = 2 | M = 4 |" in t and t.count("\n| ") == 2  # two (model, backend, ctx) rows
+    with pytest.raises(BenchError, match="--verify"):
+        run_bench([tiny_spec], ["reference"], [8], device="cpu", log=_quiet, verify=[0])
+    with pytest.raises(BenchError, match="positions"):  # ctx + the widest verify must fit the context
+        run_bench([tiny_spec], ["reference"], [60], n_tokens=1, device="cpu", log=_quiet, verify=[8])
