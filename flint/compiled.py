@@ -52,13 +52,18 @@ def _inner_k_tiles(k: int, name: str) -> int:
 
 
 def tinygemm_weight(w: Int4Weight, device: torch.device, act_dtype, name: str = "weight") -> tuple:
-    """flint-int4-v1 -> ("int4", packed, scales_and_zeros, group_size) for the tinygemm ops."""
+    """flint-int4-v1 -> ("int4", packed, scales_and_zeros, group_size, N) for the tinygemm ops. tinygemm needs
+    N % 8 == 0 on CUDA (N % 16 on the CPU): other N (a vocabulary of 49159) get zero rows up to the next multiple,
+    read like the others, and `linear` drops their outputs."""
     n, k = w.shape
-    if n % 8:
-        raise BackendError(f"{name}: out_features N={n} is not a multiple of 8, which tinygemm needs")
     codes = w.codes()
     s = w.scales.float()
     zero = w.mins.float() + 8.0 * s  # (q - 8) * s + zero == q * s + min
+    mult = 8 if device.type == "cuda" else 16
+    if n % mult:
+        pad = mult - n % mult
+        codes = torch.cat((codes, codes.new_zeros(pad, k)))
+        s, zero = torch.cat((s, s.new_zeros(pad, s.shape[1]))), torch.cat((zero, zero.new_zeros(pad, zero.shape[1])))
     sz = torch.stack((s, zero), dim=-1).transpose(0, 1).contiguous()  # [K/G, N, 2]
     ikt = _inner_k_tiles(k, name)
     if device.type == "cuda":
@@ -68,7 +73,7 @@ def tinygemm_weight(w: Int4Weight, device: torch.device, act_dtype, name: str = 
     else:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), ikt)
         sz = sz.to(act_dtype)
-    return ("int4", packed, sz, w.group_size)
+    return ("int4", packed, sz, w.group_size, n)
 
 
 def linear(x: torch.Tensor, w: tuple) -> torch.Tensor:
@@ -78,8 +83,10 @@ def linear(x: torch.Tensor, w: tuple) -> torch.Tensor:
         return F.linear(x, w[1])
     if kind == "int4":
         if x.is_cuda:
-            return torch.ops.aten._weight_int4pack_mm(x, w[1], w[3], w[2])
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w[1], w[3], w[2])
+            y = torch.ops.aten._weight_int4pack_mm(x, w[1], w[3], w[2])
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w[1], w[3], w[2])
+        return y if y.shape[-1] == w[4] else y[..., : w[4]]  # (rows padded to a multiple of 8)
     return torch.cat([linear(x, p) for p in w[1]], dim=-1)  # "cat": parts with different group sizes
 
 

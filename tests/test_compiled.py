@@ -69,6 +69,20 @@ def test_matches_reference_cpu(int4, tol):
     _assert_close(be.forward(other, 10), ref.forward(other, 10), tol, "rollback")
 
 
+def test_vocabulary_not_a_multiple_of_8():
+    """tinygemm needs N % 16 == 0 on the CPU: the head (vocab 323, tied) gets zero rows up to 336, their logits dropped."""
+    cfg, params = small_model(vocab_size=323)
+    ref = Transformer(cfg, params, 64)
+    be = CompiledBackend(cfg, params, 64, device="cpu", int4=True, group_size=32)
+    assert be.head[0] == "int4" and be.head[4] == 323  # (the real rows; the packed weight holds 336)
+    prompt = torch.randint(0, cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(7))
+    a, b = ref.forward(prompt, 0), be.forward(prompt, 0)
+    assert b.shape == a.shape == (9, 323)
+    _assert_close(b, a, 2e-4, "logits with a padded head")
+    tok = int(a[-1].argmax())
+    assert be.greedy_next(tok, 9) == int(ref.forward(torch.tensor([tok]), 9)[-1].argmax())
+
+
 def test_prefill_longer_than_a_chunk():
     cfg, params = small_model()
     ref = Transformer(cfg, params, 300)
@@ -195,7 +209,7 @@ def test_real_torch_compile_cpu():
 @cuda
 def test_tinygemm_conversion_gpu():
     g = torch.Generator().manual_seed(5)
-    for n, k, gs in ((256, 512, 128), (192, 576, 64), (64, 256, 32)):
+    for n, k, gs in ((256, 512, 128), (192, 576, 64), (64, 256, 32), (195, 256, 32)):  # (195: padded to 200)
         w = quantize_int4(torch.randn(n, k, generator=g) * 0.02, gs)
         tw = tinygemm_weight(w, torch.device("cuda"), torch.bfloat16)
         x = torch.randn(3, k, generator=g).to("cuda", torch.bfloat16)
