@@ -186,6 +186,17 @@ SYNTHETIC = {
         rms_norm_eps=1e-5, rope_theta=1e7, attention_multiplier=0.015625, embedding_multiplier=12.0,
         residual_multiplier=0.22, logits_scaling=10.0, tie_word_embeddings=True,
         max_position_embeddings=131072, bos_token_id=100257, eos_token_id=100257),
+    "granite-3.3-8b": dict(  # (a vocabulary of 49159: not a multiple of 8)
+        model_type="granite", vocab_size=49159, hidden_size=4096, intermediate_size=12800,
+        num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        rms_norm_eps=1e-5, rope_theta=1e7, attention_multiplier=0.0078125, embedding_multiplier=12.0,
+        residual_multiplier=0.22, logits_scaling=16.0, tie_word_embeddings=True,
+        max_position_embeddings=131072, bos_token_id=0, eos_token_id=0),
+    "llama-3.2-1b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+        rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
+        max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001),
     "smollm2-135m": dict(
         model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
