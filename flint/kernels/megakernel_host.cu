@@ -130,7 +130,7 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
   if ((e = cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev))) { delete h; return cuda_fail("attr", e); }
   if (!coop) { delete h; return fail("flint_mk_create: device does not support cooperative launch"); }
   if (p.nblocks <= 0 || p.nblocks > nsm) p.nblocks = nsm;
-  if (p.ohead) { delete h; return fail("flint_mk_create: argument ohead must be 0 (no such kernel path)"); }
+  if (p.ohead || p.dbg) { delete h; return fail("flint_mk_create: arguments dbg and ohead must be 0 (no such kernel paths)"); }
   if (p.nffn > p.nblocks) {
     snprintf(g_err, sizeof(g_err), "flint_mk_create: FFN split-K needs %d blocks, the grid has %d", p.nffn, p.nblocks);
     delete h;

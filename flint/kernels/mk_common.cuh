@@ -50,7 +50,7 @@ struct Mat {
 
 struct Params {
   Mat mat[NMAT];
-  int H, I, nh, nkv, D, L, V, max_seq, use_rope, nblocks, dbg;  // dbg bit 0: skip dot (timing)
+  int H, I, nh, nkv, D, L, V, max_seq, use_rope, nblocks, dbg;  // dbg: always 0 (the validated parameter layout)
   int nffn;      // FFN split-K: blocks 0..nffn-1 own gate|up tiles [f T, (f + 1) T) and down's slice f; 0: off
   int nffn_pad;  // nffn rounded up to 8 (dpart's f stride; entries f >= nffn stay 0)
   float eps, emb_mult, res_mult, attn_scale, inv_logit_scale;

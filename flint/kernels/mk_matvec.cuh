@@ -253,10 +253,8 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
       if (part < S) {
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         const int gi0 = __shfl_sync(0xffffffffu, gtab, part), gi1 = __shfl_sync(0xffffffffu, gtab, part + 1);
-        if (!(p.dbg & 1)) {
-          tile_dot<M, I8>(mt.G, ring0 + (uint32_t)(slot * c.ring.slot_bytes), mt.srb, mt.kseg, gi0, gi1, xs, xstride, xlo,
-                      xsum, lane, acc, grow);
-        }
+        tile_dot<M, I8>(mt.G, ring0 + (uint32_t)(slot * c.ring.slot_bytes), mt.srb, mt.kseg, gi0, gi1, xs, xstride, xlo,
+                        xsum, lane, acc, grow);
         if (ws && j < 2) warp_stamp(p, layer, WS_O_UNIT + 4 * j + 1);
         float* pp = c.parts + slot * c.sl->pstride;
         float* pw = pp + part * TILE_ROWS * M;
