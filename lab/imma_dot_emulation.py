@@ -1,14 +1,15 @@
-"""NumPy emulation of the integer tile dot (flint/kernels/mk_mma.cuh, mkmma::imma_tile_dot, the MK_IDOT
-experiment), lane by lane: the int8 two-term staging of megakernel.cu's stage_x (MK_IDOT branch), the
-code words and x bytes each lane loads, the registers it builds, mma.m16n8k32.s8 through the fragment
+"""NumPy emulation of the integer tile dot (flint/kernels/mk_mma.cuh, mkmma::imma_tile_dot; MK_IDOT, an
+experiment of older revisions), lane by lane: the int8 two-term staging of megakernel.cu's stage_x (MK_IDOT
+branch), the code words and x bytes each lane loads, the registers it builds, mma.m16n8k32.s8 through the fragment
 layout written in mk_mma.cuh, and the per-group scaling. It checks the mapping the CUDA code assumes
 before GPU time is spent; whether the hardware's m16n8k32 .s8 fragments are the ones assumed here is
-for the GPU tests to confirm: they did in session 6 (MK_IDOT=1 passes them, real SmolLM2 included; not
-faster: docs/megakernel.md, session 6, 6c).
+for the GPU tests to confirm: they did on 2026-11-29 (MK_IDOT=1 passes them, real SmolLM2 included; not
+faster: docs/megakernel-log.md).
 
-Since session 19 also the raw-byte dot (mkmma::imma_raw_tile_dot, MK_IDOT_RAW: the code bytes as u8 and their 0xF0
-halves, the four-row staging, one IMAD per lane and group, the lanes' shuffle), MK_DOT_PERM's row map, and a model
-of the code loads' shared-memory cycles (code_load_wavefronts).
+Also the raw-byte dot (mkmma::imma_raw_tile_dot; MK_IDOT_RAW in older revisions, kept in v21: the code bytes as
+u8 and their 0xF0 halves, the four-row staging, one IMAD per lane and group, the lanes' shuffle), MK_DOT_PERM's row
+map (also an older revision's macro, kept in v21), and a model of the code loads' shared-memory cycles
+(code_load_wavefronts).
 
 Test: ``pytest lab/tests/test_imma_dot_emulation.py`` (CPU, a few seconds).
 """

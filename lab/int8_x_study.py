@@ -1,6 +1,6 @@
-"""Would an integer tile dot keep the megakernel exact enough? A CPU study for the next dot design.
+"""Would an integer tile dot keep the megakernel exact enough? A CPU study.
 
-The megakernel's gate|up stage is bound by instruction issue, not bytes (docs/megakernel.md, session 5):
+The megakernel's gate|up stage (the kernel of 2026-11-29) is bound by instruction issue, not bytes:
 the fp16 tile dot spends 40 of its 91 instructions per group (G = 128, M = 1) turning int4 codes into
 fp16 (SHF + LOP3 per 2 codes) for 8 `mma.m16n8k16` per group. An integer dot (`mma.m16n8k32.s8`)
 would take the codes as bytes (one LOP3 per 4 codes) and half as many mma, with the activations as
@@ -21,7 +21,7 @@ Two measurements:
   test's bar: 256 tokens identical for 3 prompts) and the logits' relative difference.
 
     python3 lab/int8_x_study.py [--tokens 256]
-Results: docs/megakernel.md (session 5, "What is next").
+Results: bench/results/int8_x_study_2026-11-29.txt; docs/megakernel-log.md (its int8_x_study.py row).
 """
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ for rep in range(2):
         q = torch.quantile(d, torch.tensor([0.0, 0.5, 0.9, 1.0], dtype=torch.float64))
         print(f"  duration {n:8s} min {q[0]:.2f} median {q[1]:.2f} p90 {q[2]:.2f} max {q[3]:.2f}")
     # the down partials' duration on the blocks that ran an attention item (its stage took > 1 us) against the others
-    # (session 17: the slow first down chunk follows attention)
+    # (2026-11-30: the slow first down chunk follows attention)
     da, dd = t[:, 4] - t[:, 3], t[:, 9] - t[:, 8]
     nf = mk.ffn_plan["nffn"] if mk.ffn_plan else len(dd)
     for name, sel in (("attention", da[:nf] > 1.0), ("no attention", da[:nf] <= 1.0)):

@@ -5,10 +5,11 @@ and at every grid-barrier arrival (the values that live across stages).
 
     python3 lab/mk_live.py [--m 1] [--gu8] [-D MACRO=VALUE ...]
 
-Session 18: in v20's M = 1 G128 object 83-90 registers are live at every grid barrier, of the 128 that
+Measured 2026-11-30: in v20's M = 1 G128 object 83-90 registers are live at every grid barrier, of the 128 that
 __launch_bounds__(512, 1) allows; the stages' peaks are 120-121 (the tile dot, matvec_stage, attention_stage). A
-change that adds register demand anywhere re-allocates the whole kernel (docs/megakernel.md, session 18); with
-`-D MK_TM_INIT=1` the barriers hold 66-73 (and the step is 2.8% slower: 18o).
+change that adds register demand anywhere re-allocates the whole kernel; with
+`-D MK_TM_INIT=1` (an experiment of older revisions) the barriers hold 66-73 (and the step is 2.8% slower:
+docs/megakernel-log.md).
 Needs nvcc and nvdisasm on the PATH (the pip wheel nvidia-cuda-nvdisasm has it).
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Does the megakernel's step depend on where its buffers land? (session 20)
+"""Does the megakernel's step depend on where its buffers land? (2026-11-30)
 
 flint bench's megakernel figure at ctx 512 moved by 7-13% between runs that differ only in --tokens (the KV cache's
 size, so every later allocation's address), while the compiled backend's stayed within 0.5%. This builds ONE set of

@@ -4,7 +4,7 @@ Compute source-page export (lab/mk_ncu.py says how to make it on the device).
     python3 lab/mk_stalls.py mk_sass.csv [--m 1] [--top 40] [--smem]
 
 --smem: shared-memory wavefronts per source line instead (the SourceCounters columns `L1 Wavefronts Shared` and
-`… Excessive`: an excess is a bank conflict; session 19 found the tile dots' code loads at twice their ideal).
+`… Excessive`: an excess is a bank conflict; on 2026-11-30 the tile dots' code loads were at twice their ideal).
 A .csv.gz is read as is.
 
 The CSV lists SASS instructions with absolute addresses; this compiles the same M's object here

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for variants built by lab/mk_variants.py (carry: ["build"]): the megakernel GPU tests
 # inside each variant's tree, then one same-call A/B (lab/mk_ab.py). The real-SmolLM2 test runs when the
-# GGUF was staged first at /var/tmp/flint/smollm2.gguf (docs/megakernel.md, device workflow); else it skips.
+# GGUF was staged first at /var/tmp/flint/smollm2.gguf (docs/megakernel.md, "Build, test, measure"); else it skips.
 #   device: VARS="a b" AB="base a b" ROUNDS=4 bash lab/mk_variants_call.sh
 set -u
 R=$PWD; export PYTHONUNBUFFERED=1

@@ -5,12 +5,14 @@ tests only sample. This model runs the protocol under random interleavings and c
 
 * ``try_wait.parity(P)`` is modelled as the hardware answers it: true iff the barrier's current
   (incomplete) phase has the other parity, so a wait issued a phase early or late gets a wrong answer
-  instead of an error (that is what made experiment 4g read stale slots);
+  instead of an error (that is what made the unit-skipping experiment read stale slots: its patch is
+  cf23d1e:flint/kernels/dev/experiments/4g_skip_units_UNSAFE.patch);
 * a count barrier (the slot's ``empty`` and ``parts`` barriers) completes a phase after exactly its
   expected arrivals; an arrival made for another lap lands in whatever phase is open, which the model
   flags;
 * the producer's bulk copy lands at an arbitrary later time (copies complete out of order);
-* the producer keeps at most ``inflight`` copies in flight (``MK_INFLIGHT``, 2 by default since session 8):
+* the producer keeps at most ``inflight`` copies in flight (``MK_INFLIGHT`` in older revisions,
+  ``kInflight`` in mk_config.cuh; the model's default 2 is the kernel's from v11 to v21, 1 since v22):
   before a copy it waits, on the full barrier with the hardware's parity answer, for the copy that many
   before it (0: no cap).
 
@@ -19,22 +21,26 @@ Protocols (megakernel.cu, [5] matvec_stage and the FFN split-K's ffn_down_partia
              slice units (the FFN split-K's down slices: no K parts, every warp takes whole tiles)
              arrive on the slot's parts barrier too, so its phases keep following the ring's laps;
 ``"slice_noparts"`` as "all", but slice units do not arrive on the parts barrier: the first GPU run of
-             the FFN split-K (session 5) hung this way; the model flags it as an arrival landing in
+             the FFN split-K (2026-11-29) hung this way; the model flags it as an arrival landing in
              another lap's phase;
-``"skip"``   warps without a part skip the unit, the reducer arrives for them (experiment 4g: wrong);
+``"skip"``   warps without a part skip the unit, the reducer arrives for them (the unit-skipping experiment: wrong);
 ``"skip2"``  as "skip", with monotonic per-slot ``consumed`` / ``issued`` counters instead of the
-             empty barrier and a wait for ``issued`` before the full-barrier parity wait (MK_SKIP2: correct, but +1.2% per step on the H200 in session 5; removed from the kernel, in 0117668).
+             empty barrier and a wait for ``issued`` before the full-barrier parity wait (MK_SKIP2, an experiment
+             of older revisions: correct, but +1.2% per step on the H200 (2026-11-29); removed from the kernel, in
+             0117668).
 
-``"flat"``   as "all", with some matvec stages on MK_FLAT's flattened split (session 9; 1-4 rounds of chunks; lost
-             +6.5% / +10.5% for R = 1 / 3 in session 10, out of the kernel; its patch is in git history): per
+``"flat"``   as "all", with some matvec stages on MK_FLAT's flattened split (an experiment of older revisions;
+             1-4 rounds of chunks; lost: +6.5% / +10.5% for R = 1 / 3 on 2026-11-30, out of the kernel; its patch
+             is in git history, cf23d1e:flint/kernels/dev/experiments/10_flat_redrot_spin.patch): per
              unit the warps whose chunks meet it hold its parts, the last chunk ending inside it reduces;
 ``"flat_badcount"`` as "flat", the reducer arriving for one warp too few (must be caught);
-``"rotate"`` as "all", the part that reduces unit i of a stage being S - 1 - (i mod S) (MK_RED_ROT, session 9; lost
-             +1.2% in session 10, same patch).
+``"rotate"`` as "all", the part that reduces unit i of a stage being S - 1 - (i mod S) (MK_RED_ROT, an experiment of
+             older revisions; lost: +1.2% on 2026-11-30, same patch).
 ``"early"``  as "all", the producer streaming layer l + 1's q|k|v tiles right after layer l's gate|up, before its down
-             slices, and the consumers taking them after those slices (MK_QKV_EARLY, session 15: written, not run on a
-             GPU): a consumer order that is not the ring's order. Deadlock-free iff the deferred units plus the slice
-             chunks after them fit the ring (nq + nch <= slots); ``"early_toomany"`` breaks that bound (must deadlock).
+             slices, and the consumers taking them after those slices (MK_QKV_EARLY, an experiment of older revisions;
+             lost: docs/megakernel-log.md): a consumer order that is not the ring's order. Deadlock-free iff the
+             deferred units plus the slice chunks after them fit the ring (nq + nch <= slots); ``"early_toomany"``
+             breaks that bound (must deadlock).
 
 Checked per run: every part reads the lap it expects, the reducer sees every part of its unit, no
 arrival lands in another lap's phase, and everything finishes (no deadlock).

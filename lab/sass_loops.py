@@ -5,8 +5,9 @@ instructions (the tile dots' group loops), as (instructions, mma) pairs.
     python3 lab/sass_loops.py [LIB] [--m 1]       # default LIB: the library of this tree
     python3 lab/sass_loops.py build/kernels/<hash>/libflint_mk.so --m 1
 
-docs/megakernel.md quotes these counts (fp16 dot 91 instructions per group of 128 codes at M = 1, the
-MK_IDOT integer dot 120 per two groups: the compiler unrolls that loop by 2).
+docs/megakernel-log.md quotes these counts (fp16 dot 91 instructions per group of 128 codes at M = 1; the
+integer dot of MK_IDOT, an experiment of older revisions, 60: 120 per two groups, the compiler unrolls that loop
+by 2).
 """
 from __future__ import annotations
 

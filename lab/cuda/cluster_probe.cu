@@ -1,4 +1,4 @@
-// Can the megakernel's attention hop run inside thread-block clusters? (docs/megakernel.md, session 14, next 1)
+// Can the megakernel's attention hop run inside thread-block clusters? (docs/megakernel-log.md: cluster_probe.cu)
 // A probe with the megakernel's block shape (512 threads, the opt-in maximum of dynamic shared memory):
 //   1. cudaOccupancyMaxActiveClusters for cluster sizes 1, 2, 4, 8 (and 16, non-portable): how many blocks a grid of
 //      whole clusters can keep co-resident (the megakernel needs every block resident: one per SM);
@@ -8,7 +8,7 @@
 //   3. the hop's cost: rank 0 of each cluster writes a value into every other block's shared memory, then a cluster
 //      barrier; timed over many rounds with clock64 (SM clocks per round).
 // Build: nvcc -gencode arch=compute_90a,code=sm_90a -O3 -std=c++17 -o build/dev/cluster_probe lab/cuda/cluster_probe.cu
-// Run:   build/dev/cluster_probe            (session 15, H200: bench/results/cluster_probe_session15_2026-11-30.log)
+// Run:   build/dev/cluster_probe            (H200, 2026-11-30: bench/results/cluster_probe_session15_2026-11-30.log)
 #include <cuda_runtime.h>
 #include <cstdio>
 #include <cstdlib>

@@ -7,10 +7,12 @@
 // `--work NS`: the consumers busy-wait NS ns per iteration before writing (a stand-in for a stage's
 // tile phase, when the stream has something to overlap with); `--policy 1`: the producer issues no
 // new copy while its block's consumers are in a hop (from the barrier arrival until the loads are
-// done), the schedule docs/megakernel.md proposes. The achieved stream bandwidth is reported, so the
-// trade between cheaper hops and a slower stream is measured, not guessed.
+// done), the schedule of MK_HOP_CAP (an experiment of older revisions; lost: docs/megakernel-log.md).
+// The achieved stream bandwidth is reported, so the trade between cheaper hops and a slower stream is
+// measured, not guessed.
 // `--sync 1`: the arrival as fence.acq_rel.gpu + a relaxed reduction, the fence's own stall timed in SM clocks
-// (session 16: does the release wait for the producer warp's bulk copies in flight?); `--sync 2`: a relaxed
+// (does the release wait for the producer warp's bulk copies in flight? It does, 2026-11-30:
+// bench/results/hop_bench_sync_session16_2026-11-30.log); `--sync 2`: a relaxed
 // reduction and a relaxed poll, no ordering of the slice's stores at all (a timing diagnostic, not a barrier).
 //
 // Per iteration and block (%globaltimer, ns): arrive = before the barrier's arrival, exit = after

@@ -6,7 +6,7 @@
 // instructions once after they were evicted, which is what a persistent kernel whose per-layer code exceeds the
 // cache pays at every stage of every layer.
 //
-// Session 18's question: the M = 1 megakernel executes ~70 KB of code per layer (the v20 Nsight Compute export:
+// The question (2026-11-30): the M = 1 megakernel executes ~70 KB of code per layer (the v20 Nsight Compute export:
 // instructions executed at least 5000 times), the traced builds more; is that over the cache?
 //
 // Build (here): nvcc -gencode arch=compute_90a,code=sm_90a -O3 -std=c++17 -o build/dev/icache_bench \

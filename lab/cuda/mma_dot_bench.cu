@@ -18,7 +18,8 @@
 //        -Xptxas=--warn-on-spills -o build/dev/mma_dot_bench lab/cuda/mma_dot_bench.cu
 // Run:  ./build/dev/mma_dot_bench [--K 2560] [--G 128] [--parts 1] [--warps 15] [--gib 2] [--reps 10]  (M = 1, 2, 4, 8)
 // --warps W: only consumer warps 0..W-1 compute (items dealt mod W); all 15 still wait on and release every slot. The
-// resident rate against W says whether a scheduler's warps overlap their group chains (session 12, docs 12j).
+// resident rate against W says whether a scheduler's warps overlap their group chains (docs/megakernel-log.md,
+// its `mma_dot_bench --warps` row).
 // Output: one line per (mode, M), then one JSON line.
 #include "../../flint/kernels/mk_common.cuh"
 #include "../../flint/kernels/mk_ptx.cuh"
@@ -35,20 +36,21 @@
 #ifndef MK_UNROLL
 #define MK_UNROLL 1  // -DMK_UNROLL=2: two groups per loop iteration (A/B of the group-loop unroll)
 #endif
-// -DDOT_DIAG=n (session 8; timing diagnostics, WRONG results by design; G = 128, M = 1 and 2 only): a copy of the
+// -DDOT_DIAG=n (timing diagnostics, WRONG results by design; G = 128, M = 1 and 2 only): a copy of the
 // mainline group loop (mkmma::mma_tile_dot, packed hi + lo) with one part taken out, to find what bounds the
 // resident rate (7 Tcodes/s: gate|up's 41.9 M codes per layer take 6.0 us at that rate, its stage's dot time):
 //   1 no decode (the raw code words as A registers: no SHF, no LOP3)   2 no HMMA (an FADD per A register instead)
 //   3 x from registers (the first group's hi/lo chunks reused)         4 code words from registers (loaded once)
 //   5 = 3 + 4 (only the off / eff / scale loads left in the loop)       6 = 1 + 2 (loads and FADDs only)
 //   7 = the copy unchanged (must time as the mainline: the copy's own check)
-//   8 = MK_IDOT's integer loop (mkmma::imma_tile_dot: 4 m16n8k32.s8 per group), the fp16 x bytes read as int8
+//   8 = the integer loop of MK_IDOT, an experiment of older revisions (mkmma::imma_tile_dot: 4 m16n8k32.s8 per
+//       group), the fp16 x bytes read as int8
 //   9 = a candidate, checked like the mainline: two tiles per warp and group sharing one set of x loads (--parts 1)
-//  10, 11 = candidates (session 9, checked): one tile, its 8 mmas per group on 4 / 8 independent chains (mainline: 2)
+//  10, 11 = candidates (checked): one tile, its 8 mmas per group on 4 / 8 independent chains (mainline: 2)
 //  12 = candidate (checked): 9 with 4 chains per tile (8 per warp)
-//  13 = timing only (session 13): the integer dot without shifts (even codes w & 0x0F0F0F0F, odd codes x16 as
+//  13 = timing only: the integer dot without shifts (even codes w & 0x0F0F0F0F, odd codes x16 as
 //       w & 0xF0F0F0F0 in their own u8 x s8 chain; 16 de + do per group)
-//  14 = timing only (session 13, M = 1): the fp16 dot with 4 groups per accumulator set (B column 2j + h = term h of
+//  14 = timing only (M = 1): the fp16 dot with 4 groups per accumulator set (B column 2j + h = term h of
 //       group j; zeros elsewhere), one epilogue per 4 groups on every lane
 #ifndef DOT_DIAG
 #define DOT_DIAG 0
@@ -289,7 +291,7 @@ __device__ __forceinline__ void diag_dotn(const uint32_t (&tile)[NT], int srb, i
 }
 
 
-// DOT_DIAG = 13 (timing only, session 13; the staged fp16 x bytes read as int8, so WRONG values): the integer dot with
+// DOT_DIAG = 13 (timing only; the staged fp16 x bytes read as int8, so WRONG values): the integer dot with
 // no shift in the decode. A code word w gives its even codes as bytes (w & 0x0F0F0F0F) and its odd codes times 16
 // (w & 0xF0F0F0F0, unsigned bytes 0..240): two LOP3 per 8 codes (MK_IDOT: SHF + 2 LOP3, mainline fp16: SHF + 4 LOP3).
 // The even and odd bytes go to separate m16n8k32 chains (u8 x s8), combined exactly as 16 de + do per group.
@@ -335,7 +337,7 @@ __device__ __forceinline__ void diag_idot2(uint32_t tile, int srb, int kseg, int
   fold_lo_columns<M>(acc);
 }
 
-// DOT_DIAG = 14 (timing only, session 13; M = 1; WRONG values: the column sums are not staged for it): the fp16 dot
+// DOT_DIAG = 14 (timing only; M = 1; WRONG values: the column sums are not staged for it): the fp16 dot
 // with the 8 B columns holding 4 groups at once ("super-group" SG of 4 groups): column n = 2j + h carries term h (hi /
 // lo) of group j of the SG, zeros in the other groups' mmas (lane (g, t) loads its column's x only in group g >> 1's
 // mmas, a zero area otherwise), so the accumulators keep 4 groups apart over a 16-mma chain and the per-group epilogue
@@ -499,8 +501,8 @@ __global__ void __launch_bounds__(NTHREADS, 1) dot_bench(Cfg c) {
   float keep = 0.f;
   // The per-tile bookkeeping runs in every warp for every tile (each waits for every chunk), so it is kept to a few
   // integer ops, as in the megakernel: slot / parity and the owner rotate by counters, the parts' group bounds come
-  // from a per-lane table. (Until session 9 it used 64-bit modulo and two divisions per tile and warp: 60% of the
-  // warp samples of a d0 profile were there, not in the dot; bench/results/mma_dot_diag_2026-11-30.log.)
+  // from a per-lane table. (An earlier version of this bench used 64-bit modulo and two divisions per tile and warp:
+  // 60% of the warp samples of a d0 profile were there, not in the dot; bench/results/mma_dot_diag_2026-11-30.log.)
   const int gtab = lane <= S ? ng * lane / S : ng;  // part p's groups: [gtab(p), gtab(p + 1))
 #if DOT_DIAG == 9 || DOT_DIAG == 12
   // tiles (j, j + 1) to one warp, whole K (--parts 1); the pair's owner rotates per pass as the items do

@@ -1,8 +1,9 @@
-"""CPU checks of the integer tile dot's lane mapping (MK_IDOT: flint/kernels/mk_mma.cuh imma_tile_dot and
-megakernel.cu's int8 staging; since v21 the raw-byte dot imma_raw_tile_dot and MK_DOT_PERM's row map) through its
+"""CPU checks of the integer tile dot's lane mapping (MK_IDOT, an experiment of older revisions:
+flint/kernels/mk_mma.cuh imma_tile_dot and megakernel.cu's int8 staging; since v21 the raw-byte dot
+imma_raw_tile_dot and MK_DOT_PERM's row map, MK_DOT_PERM being an older revision's macro) through its
 NumPy emulation (lab/imma_dot_emulation.py).
 The fragment layout of mma.m16n8k32.s8 is the one written in mk_mma.cuh (confirmed by the GPU tests with
-MK_IDOT=1 in session 6)."""
+MK_IDOT=1 on 2026-11-29)."""
 import numpy as np
 import pytest
 import torch

@@ -1,6 +1,7 @@
 """The megakernel's weight-ring protocol under random interleavings (lab/ring_model.py):
-the mainline protocol and MK_SKIP2 hold; skipping units without the counters (experiment 4g, which
-crashed on the H200) reads stale slots, and the model finds it. The FFN split-K's slice units hold when
+the mainline protocol and MK_SKIP2 (an experiment of older revisions) hold; skipping units without the counters
+(the unit-skipping experiment, cf23d1e:flint/kernels/dev/experiments/4g_skip_units_UNSAFE.patch, which crashed on the
+H200) reads stale slots, and the model finds it. The FFN split-K's slice units hold when
 they arrive on the slot's parts barrier; without that arrival (the first GPU run of the split, which
 hung) the model flags it."""
 from __future__ import annotations
@@ -41,8 +42,9 @@ def test_ffn_split_slice_units():
 
 
 def test_inflight_cap_holds():
-    # MK_INFLIGHT: the producer waits for the copy `cap` before each one to land (0 = no cap, the kernel
-    # before session 8; 1; 2 = the default; caps >= the ring's slots are clamped to nslots - 1)
+    # MK_INFLIGHT (older revisions; kInflight in mk_config.cuh): the producer waits for the copy `cap` before each
+    # one to land (0 = no cap, the kernel before v11; 1, the kernel since v22; 2 = the model's default, the kernel's
+    # from v11 to v21; caps >= the ring's slots are clamped to nslots - 1)
     for cap in (0, 1, 2, 9):
         assert check("all", 200, seed=10 + cap, inflight=cap) == []
     for seed in range(20):
@@ -50,8 +52,9 @@ def test_inflight_cap_holds():
 
 
 def test_flat_split_holds():
-    # MK_FLAT (session 9; out of the kernel since session 10, its patch in git history): gate|up 8 tiles x 20 groups in 15 R chunks (R = 1: 2-3 parts per unit), the lm_head's
-    # 48 x 20 (a warp spans several units), and random flattened stages mixed with the mainline's and slice units
+    # MK_FLAT (an experiment of older revisions, out of the kernel since 2026-11-30, its patch in git history):
+    # gate|up 8 tiles x 20 groups in 15 R chunks (R = 1: 2-3 parts per unit), the lm_head's 48 x 20 (a warp spans
+    # several units), and random flattened stages mixed with the mainline's and slice units
     from ring_model import flat_parts
     parts = [flat_parts(8, 20, j) for j in range(8)]
     assert {w for p in parts for w in p} == set(range(15))  # every warp holds a part
@@ -90,18 +93,19 @@ def test_flat_split_covers_every_group_once():
 
 
 def test_rotating_reducer_holds():
-    # MK_RED_ROT (session 9; the same patch): the reducing part rotates per unit; the protocol is the mainline's
+    # MK_RED_ROT (an experiment of older revisions; the same patch): the reducing part rotates per unit; the
+    # protocol is the mainline's
     for seed in range(30):
         run("rotate", [(2, 7), (2, 7), (8, 5), (5, 0)] * 2, 8, seed)
     assert check("rotate", 400, seed=13) == []
 
 
 def test_qkv_early_order():
-    # MK_QKV_EARLY (session 15, off): the producer streams layer l + 1's q|k|v tiles before layer l's down chunks and
-    # the consumers take them after those chunks. Granite's FFN block at M = 1: q|k|v 2, o 1, gate|up 8 x 3, then the
-    # next q|k|v 2 and 5 chunks in 8 slots (2 + 5 <= 8). The model holds for every such order within the bound and
-    # fails past it, by a deadlock or, where the skip spans a whole lap, by a stale read (the 1-bit phase parity
-    # aliases laps l and l + 2); the kernel turns the order off there.
+    # MK_QKV_EARLY (an experiment of older revisions, off and lost): the producer streams layer l + 1's q|k|v
+    # tiles before layer l's down chunks and the consumers take them after those chunks. Granite's FFN block at
+    # M = 1: q|k|v 2, o 1, gate|up 8 x 3, then the next q|k|v 2 and 5 chunks in 8 slots (2 + 5 <= 8). The model
+    # holds for every such order within the bound and fails past it, by a deadlock or, where the skip spans a whole
+    # lap, by a stale read (the 1-bit phase parity aliases laps l and l + 2); the kernel turns the order off there.
     from ring_model import early_schedule
     import random
 
@@ -123,7 +127,8 @@ def test_qkv_early_order():
 
 
 def test_qkv_early_kernel_positions_match_the_model():
-    # megakernel.cu's MK_QKV_EARLY bookkeeping, step by step: the consumers' (slot, phase) as the kernel moves them
+    # MK_QKV_EARLY's bookkeeping in an older revision's megakernel.cu, step by step: the consumers' (slot, phase)
+    # as the kernel moves them
     # (early_ring_step: back by nq + nch before the q|k|v stage of layer l > 0, forward by nch after it, forward by
     # nq before the down chunks of layer l < L - 1) must name, for every unit, the slot and lap parity the producer filled it in
     # (unit u of the producer's order: slot u mod nslots, parity (u // nslots) & 1), in the model's consumer order.
