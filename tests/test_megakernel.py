@@ -220,6 +220,33 @@ def test_logits_match_reference(name, make, group, split):
 
 @gpu
 @needs_sm90
+@pytest.mark.parametrize("split", ["auto", "0"])
+def test_long_context_64k_matches_reference(split):
+    """Position 65536 on Granite-4.1-3B widths (2 layers): both caches hold the same random K/V at 64k positions
+    (filling them by prefill is what the shorter contexts above test), then one decode step and a verify step of
+    M = 4 against the reference: 16 context splits per kv head, the sequential tagged merge at M = 1 and the
+    counter merge at M = 4."""
+    cfg = _granite(2)
+    P = 65536
+    mk, ref = _pair(cfg, 128, P + 16, ffn_split=split)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    shape = (cfg.num_layers, cfg.num_kv_heads, P, cfg.head_dim)
+    k = (torch.randn(shape, generator=g, device="cuda") * 0.5).half()
+    v = torch.randn(shape, generator=g, device="cuda").half()
+    mk.k_cache[:, :, :P].copy_(k)
+    mk.v_cache[:, :, :P].copy_(v)
+    ref.k_cache[:, 0, :, :P].copy_(k.float())
+    ref.v_cache[:, 0, :, :P].copy_(v.float())
+    del k, v
+    toks = torch.tensor([5, 17, 123, 999, 4])
+    a, b = mk.forward(toks[:1], P), ref.forward(toks[:1], P)
+    assert torch.isfinite(a).all() and rel(a, b) < 1e-2, f"ctx {P}: rel {rel(a, b):.3e}"
+    a, b = mk.forward(toks[1:], P + 1), ref.forward(toks[1:], P + 1)
+    assert a.shape == b.shape == (4, cfg.vocab_size) and rel(a, b) < 1e-2, f"ctx {P + 1}, M = 4: rel {rel(a, b):.3e}"
+
+
+@gpu
+@needs_sm90
 @pytest.mark.parametrize("split", ["0", "1"])
 @pytest.mark.parametrize("m", range(1, 9))
 def test_verify_shapes_match_reference(m, split):
