@@ -1,6 +1,6 @@
 """What one speculative step costs on the megakernel, by part (device; synthetic weights, a random
-draft head shaped like the shipped one: 1 MLP block, the target's intermediate size, bf16, the
-target's tied head in bf16). Acceptance is NOT measured here (random weights accept nothing): the
+draft head shaped like the shipped one: 1 MLP block, the target's intermediate size, bf16; the
+head either the target's whole tied head in bf16 or a pruned one of N rows, --draft-vocab). Acceptance is NOT measured here (random weights accept nothing): the
 tokens-per-step figures that turn these costs into tok/s come from the real SmolLM2 draft
 (docs/speculative.md, `flint bench --draft`).
 
@@ -45,7 +45,7 @@ def timed(fn, reps: int) -> float:
     return statistics.median(ts) * 1e6
 
 
-def run(model: str, k: int, ctx: int) -> dict:
+def run(model: str, k: int, ctx: int, vocabs: list[int]) -> dict:
     cfg = from_hf_dict(dict(SYNTHETIC[model]), model)
     params = synthetic_params(cfg, seed=0, int4_group_size=128 if "granite" in model else 64,
                               dtype=torch.float32, device="cuda")
@@ -54,19 +54,12 @@ def run(model: str, k: int, ctx: int) -> dict:
     mk.v_cache.normal_(0, 1)
     torch.manual_seed(0)
     draft = DraftHead(draft_config_for(cfg, k_default=k)).to("cuda", torch.bfloat16)
-    draft.attach_target(cfg, params, device="cuda", dtype=torch.bfloat16)
-    del params
-    torch.cuda.empty_cache()
     out = {"model": model, "k": k, "ctx": ctx}
     out["plain_step_us"] = timed(lambda: mk.greedy_next(7, ctx), 50)
     for m in range(1, k + 2):
         toks = torch.full((m,), 7, dtype=torch.long, device="cuda")
         out[f"verify_m{m}_us"] = timed(lambda: mk.forward(toks, ctx, return_hidden=True), 30)
     hidden = torch.randn(cfg.hidden_size, device="cuda")
-    os.environ["FLINT_DRAFT_GRAPH"] = "0"
-    out["draft_eager_us"] = timed(lambda: draft.propose([7], hidden, k), 30)
-    os.environ["FLINT_DRAFT_GRAPH"] = "1"
-    out["draft_graph_us"] = timed(lambda: draft.propose([7], hidden, k), 30)
     prompt = [7] * 16
     sp = SamplingParams(max_new_tokens=96, ignore_eos=True)
     plain = Engine(mk)
@@ -75,17 +68,29 @@ def run(model: str, k: int, ctx: int) -> dict:
     t = time.perf_counter()
     plain.generate(prompt, sp)
     out["engine_plain_tok_s"] = 96 / (time.perf_counter() - t)
-    for mode in ("0", "1"):
-        os.environ["FLINT_DRAFT_GRAPH"] = mode
-        eng = SpeculativeEngine(mk, None, draft, k=k)
-        eng.generate(prompt, sp)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        eng.generate(prompt, sp)
-        dt = time.perf_counter() - t
-        st = eng.last_stats
-        out[f"spec_step_us_{'graph' if mode == '1' else 'eager'}"] = dt / st.steps * 1e6
-        out[f"spec_tokens_per_step_{'graph' if mode == '1' else 'eager'}"] = st.tokens_per_step
+    for nv in vocabs:  # 0: the target's whole head in bf16; N: a pruned head of N rows (which ones: no matter here)
+        tag = f"v{nv}"
+        vocab = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(0))[:nv] if nv else None
+        draft.attach_target(cfg, params, device="cuda", dtype=torch.bfloat16, vocab=vocab)
+        torch.cuda.empty_cache()
+        os.environ["FLINT_DRAFT_GRAPH"] = "0"
+        out[f"draft_eager_us_{tag}"] = timed(lambda: draft.propose([7], hidden, k), 30)
+        os.environ["FLINT_DRAFT_GRAPH"] = "1"
+        out[f"draft_graph_us_{tag}"] = g = timed(lambda: draft.propose([7], hidden, k), 30)
+        out[f"draft_token_share_of_plain_{tag}"] = round(g / k / out["plain_step_us"], 4)
+        for mode in ("0", "1"):
+            os.environ["FLINT_DRAFT_GRAPH"] = mode
+            eng = SpeculativeEngine(mk, None, draft, k=k)
+            eng.generate(prompt, sp)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            eng.generate(prompt, sp)
+            dt = time.perf_counter() - t
+            st = eng.last_stats
+            out[f"spec_step_us_{'graph' if mode == '1' else 'eager'}_{tag}"] = dt / st.steps * 1e6
+            out[f"spec_tokens_per_step_{'graph' if mode == '1' else 'eager'}_{tag}"] = st.tokens_per_step
+        draft.__dict__.pop("_graphs", None)
+    del params
     return out
 
 
@@ -95,19 +100,23 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--draft-vocab", default="0", help="comma list of drafting vocabulary sizes (0: the whole head)")
     a = ap.parse_args()
+    vocabs = [int(x) for x in a.draft_vocab.split(",")]
     rows = []
     for model in a.models.split(","):
-        r = run(model, a.k, a.ctx)
+        r = run(model, a.k, a.ctx, vocabs)
         rows.append(r)
         print(json.dumps(r), flush=True)
-        verify = r[f"verify_m{a.k + 1}_us"]
-        for tps in (1.77, 2.18):
-            for mode in ("eager", "graph"):
-                step = r[f"spec_step_us_{mode}"]
-                print(f"  {model}: at {tps} tokens/step (SmolLM2 draft, measured on real text) the {mode} loop "
-                      f"would give {tps / step * 1e6:.0f} tok/s vs plain {1e6 / r['plain_step_us']:.0f} "
-                      f"(projection; step {step:.0f} us = draft + verify {verify:.0f} + host)")
+    print(f"\n| model | draft vocab | rollout k={a.k} graph us | per draft token us | share of plain step | "
+          "spec step us | verify M=k+1 us | plain step us |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        for nv in vocabs:
+            t = f"v{nv}"
+            print(f"| {r['model']} | {nv or 'all'} | {r['draft_graph_us_' + t]:.0f} | {r['draft_graph_us_' + t] / a.k:.1f} | "
+                  f"{r['draft_token_share_of_plain_' + t]:.3f} | {r['spec_step_us_graph_' + t]:.0f} | "
+                  f"{r[f'verify_m{a.k + 1}_us']:.0f} | {r['plain_step_us']:.0f} |")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
 

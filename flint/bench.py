@@ -506,36 +506,45 @@ def plot(doc: dict, path: str) -> None:
 
 # ------------------------------------------------------------------ CLI
 
-def run_draft_bench(model: str | None, backends: list[str], draft_path: str, k: int | None,
+def run_draft_bench(model: str | None, backends: list[str], draft_path: str, k: int | list[int] | None,
                     per_kind: int, max_new_tokens: int, device: str | None = None,
-                    group_size: int = 128, log=print) -> dict:
-    """Speculative vs plain greedy decoding on held-out draft prompts (flint.draft.eval_prompts), per
-    backend: tokens per verify step (accepted drafts + the target's own token), acceptance rate,
-    decode tok/s of both, and whether the greedy outputs were identical."""
+                    group_size: int = 128, draft_vocab: list[int | None] | None = None,
+                    temperature: float = 0.0, seed: int = 0, log=print) -> dict:
+    """Speculative vs plain decoding on held-out draft prompts (flint.draft.eval_prompts), per
+    backend, k and drafting-vocabulary size: tokens per verify step (accepted drafts + the target's
+    own token), acceptance rate, decode tok/s of both, and (greedy) whether the outputs were
+    identical. ``temperature`` > 0 samples (lossless speculative sampling; plain samples too)."""
     from .draft import eval_acceptance, eval_prompts, load_draft
+    from .engine import SamplingParams
     from .loading import load_model
 
     lm = load_model(model)
     if lm.tokenizer is None:
         raise BenchError(f"--draft needs a model with a tokenizer (real prompts); {model!r} has none")
     dev = device or default_device()
+    ks = k if isinstance(k, list) else [k]
+    sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed).validate()
     doc = {"device": device_name(torch.device(dev)), "model": model or "embedded:smollm2",
-           "draft": draft_path, "speculative": []}
+           "draft": draft_path, "temperature": temperature, "speculative": []}
     prompts = eval_prompts(per_kind)
     for bname in backends:
         backend = make_backend(bname, lm, max_seq_len=2048, device=dev, group_size=group_size)
-        draft = load_draft(draft_path, lm.cfg, lm.params, device=backend.device)
-        kk = k or draft.cfg.k_default
-        table = eval_acceptance(backend, lm.tokenizer, draft, prompts, kk, max_new_tokens=max_new_tokens,
-                                log=lambda *a, **kw: log(*a, file=sys.stderr))
-        for kind, row in table.items():
-            doc["speculative"].append({"backend": bname, "k": kk, "kind": kind, **row})
-        log(f"  {bname} k={kk}: {table.get('all')}", file=sys.stderr)
+        for nv in draft_vocab or [None]:
+            draft = load_draft(draft_path, lm.cfg, lm.params, device=backend.device, draft_vocab=nv)
+            nv_used = getattr(draft, "draft_vocab_size", None) if draft_path != "ngram" else None
+            for kk in ks:
+                kk = kk or getattr(getattr(draft, "cfg", None), "k_default", 4)
+                table = eval_acceptance(backend, lm.tokenizer, draft, prompts, kk, max_new_tokens=max_new_tokens,
+                                        sp=sp, log=lambda *a, **kw: log(*a, file=sys.stderr))
+                for kind, row in table.items():
+                    doc["speculative"].append({"backend": bname, "k": kk, "draft_vocab": nv_used, "kind": kind,
+                                               **row})
+                log(f"  {bname} k={kk} draft_vocab={nv_used}: {table.get('all')}", file=sys.stderr)
     return doc
 
 
 def draft_table(doc: dict) -> str:
-    cols = ["backend", "k", "kind", "prompts", "tokens_per_step", "accept_rate", "spec_tok_s",
+    cols = ["backend", "k", "draft_vocab", "kind", "prompts", "tokens_per_step", "accept_rate", "spec_tok_s",
             "plain_tok_s", "identical_to_plain"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in doc["speculative"]:
@@ -553,9 +562,12 @@ def _run(args) -> int:
     dev = torch.device(args.device or default_device())
     args.backend = args.backend or default_backends(dev)
     if args.draft:
-        doc = run_draft_bench(args.model, _parse_list(args.backend, "backend"), args.draft, args.draft_k,
+        doc = run_draft_bench(args.model, _parse_list(args.backend, "backend"), args.draft,
+                              _parse_list(args.draft_k, "draft-k", int) if args.draft_k else None,
                               args.draft_prompts, args.tokens * 4, device=str(dev),
-                              group_size=args.group_size)
+                              group_size=args.group_size,
+                              draft_vocab=_parse_list(args.draft_vocab, "draft-vocab", int) if args.draft_vocab else None,
+                              temperature=args.temperature, seed=args.seed)
         print(draft_table(doc))
         if args.json:
             Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
@@ -609,7 +621,12 @@ def register(sub) -> None:
     p.add_argument("--verify", default=None, metavar="M,...",
                    help="also time one forward of M tokens (a verify step of M - 1 drafts) at every ctx, e.g. "
                         "1,2,3,4,5,6,7,8: the verify curve, µs and × the M = 1 step")
-    p.add_argument("--draft-k", type=int, default=None, help="draft tokens per verify step (default: the draft's)")
+    p.add_argument("--draft-k", default=None, metavar="K,...",
+                   help="draft tokens per verify step, comma-separated to sweep (default: the draft's)")
+    p.add_argument("--draft-vocab", default=None, metavar="N,...",
+                   help="drafting vocabulary sizes to compare (default: the draft's own; 0: the full vocabulary)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="with --draft: sample at this temperature (lossless speculative sampling; default 0 = greedy)")
     p.add_argument("--draft-prompts", type=int, default=2, help="held-out prompts per kind (default 2)")
     p.set_defaults(func=_run)
 

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .model import dense, rms_norm
+from .quant import Int4Weight, fit_group_size, quantize_int4
 
 FORMAT = "flint-draft-v1"
 PROMPT_SET = "flint-draft-prompts-v1"
@@ -61,6 +62,7 @@ class DraftConfig:
     num_layers: int = 1
     rms_norm_eps: float = 1e-5
     k_default: int = 4
+    draft_vocab: int = 0  # drafting vocabulary: the first N ids of vocab.safetensors' ranking (0: all V)
     target: dict = field(default_factory=dict)  # name, arch, num_layers, fingerprint
     training: dict = field(default_factory=dict)  # how it was trained (steps, depth, val acceptance)
     format: str = FORMAT
@@ -90,7 +92,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        return rms_norm(x, self.weight.to(x.dtype), self.eps)
+        if torch.is_grad_enabled():  # training: the reference's op sequence
+            return rms_norm(x, self.weight.to(x.dtype), self.eps)
+        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)  # one fused kernel on CUDA
 
 
 class MLPBlock(nn.Module):
@@ -105,7 +109,25 @@ class MLPBlock(nn.Module):
 
     def forward(self, x):
         h = self.norm(x)
-        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+        if torch.is_grad_enabled():
+            return x + self.down(F.silu(self.gate(h)) * self.up(h))
+        # drafting: gate|up as one matmul, the residual add fused into the down matmul (kernels, not
+        # bytes, bound a draft step: each is a few microseconds of launch and tail)
+        g, u = F.linear(h, self._gate_up()).chunk(2, -1)
+        a = F.silu(g) * u
+        if x.dim() == 2:
+            return torch.addmm(x, a, self.down.weight.t())
+        return x + self.down(a)
+
+    def _gate_up(self) -> torch.Tensor:
+        """The [2I, H] concatenation of gate and up, rebuilt when either changes (load, .to())."""
+        key = (self.gate.weight.data_ptr(), self.up.weight.data_ptr(), self.gate.weight._version,
+               self.up.weight._version, self.gate.weight.dtype)
+        c = self.__dict__.get("_gu_cache")
+        if c is None or c[0] != key:
+            c = (key, torch.cat((self.gate.weight, self.up.weight)).detach())
+            self.__dict__["_gu_cache"] = c
+        return c[1]
 
 
 class DraftHead(nn.Module):
@@ -124,20 +146,35 @@ class DraftHead(nn.Module):
                 b.down.weight.mul_(0.1)
         # the target's embedding, final norm and LM head: attached, read-only, never saved
         self.embed = self.head = self.final_norm = None
+        self.vocab_ids = None  # the drafting vocabulary (None: all of the target's)
+        self.embed_src = None  # the target's embedding for lookups of any token id
         self.target_eps, self.logits_scaling = cfg.rms_norm_eps, 1.0
 
     # ---------------------------------------------------------------- target tensors
-    def attach_target(self, target_cfg, params: dict, device=None, dtype=None) -> "DraftHead":
-        """Borrow the target's embedding, final norm and LM head (dense, in ``dtype``)."""
+    def attach_target(self, target_cfg, params: dict, device=None, dtype=None,
+                      vocab: torch.Tensor | None = None) -> "DraftHead":
+        """Borrow the target's embedding, final norm and LM head (dense, in ``dtype``).
+
+        ``vocab``: a drafting vocabulary, the token ids the draft may propose (LongTensor [N]). The
+        draft then reads a head of those N rows only (a pruned head: N / V of the bytes per draft
+        token), embeds its own proposals from the same N rows, and looks up the one token per step
+        that may lie outside them (the target's own) in the target's int4 layout. None: all V."""
         check_target(self.cfg, target_cfg, "draft")
         device = torch.device(device or "cpu")
         dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
-        self.embed = dense(params["embed"], dtype, device)
-        head = params.get("lm_head", params["embed"])
-        if head is params["embed"] or target_cfg.tie_word_embeddings:
-            self.head = self.embed
+        src = params["embed"]
+        head = params.get("lm_head", src)
+        tied = head is src or target_cfg.tie_word_embeddings
+        if vocab is None:
+            self.embed = dense(src, dtype, device)
+            self.head = self.embed if tied else dense(head, dtype, device)
+            self.vocab_ids = self.embed_src = None
         else:
-            self.head = dense(head, dtype, device)
+            ids = check_vocab(vocab, target_cfg.vocab_size, "vocab")
+            self.embed = dense(_rows(src, ids), dtype, device)
+            self.head = self.embed if tied else dense(_rows(head, ids), dtype, device)
+            self.vocab_ids = ids.to(device)
+            self.embed_src = _int4_embedding(src).to(device)
         self.final_norm = params["norm"].to(device=device, dtype=dtype)
         self.target_eps = target_cfg.rms_norm_eps
         self.logits_scaling = target_cfg.logits_scaling
@@ -151,21 +188,40 @@ class DraftHead(nn.Module):
     def dtype(self):
         return self.fc.weight.dtype
 
+    @property
+    def draft_vocab_size(self) -> int:
+        """Tokens the draft can propose: the drafting vocabulary's size, else the target's."""
+        self._need_target()
+        return self.head.shape[0]
+
     def _need_target(self):
         if self.head is None:
             raise DraftError("draft has no target attached: call attach_target(cfg, params) or "
                              "load it with load_draft(path, target_cfg, target_params)")
 
+    def _need_full_vocab(self, what: str):
+        if self.vocab_ids is not None:
+            raise DraftError(f"{what} scores the draft against the target's full distribution: attach the "
+                             "target without a drafting vocabulary (vocab=None)")
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's head on a (true or predicted) hidden state: fp32 logits [..., V]."""
+        """The target's head on a (true or predicted) hidden state: fp32 logits [..., N] over the
+        drafting vocabulary (N = V without one; column j is token ``ids(j)``)."""
         self._need_target()
         x = rms_norm(hidden.to(self.head.dtype), self.final_norm, self.target_eps)
         logits = (x @ self.head.T).float()
         return logits / self.logits_scaling if self.logits_scaling != 1.0 else logits
 
+    def ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Token ids of drafting-vocabulary indices."""
+        return index if self.vocab_ids is None else self.vocab_ids[index]
+
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Embeddings of token ids (any of the target's)."""
         self._need_target()
-        return F.embedding(tokens, self.embed)
+        if self.vocab_ids is None:
+            return F.embedding(tokens, self.embed)
+        return self.embed_src.rows(tokens).dequantize(torch.float32).to(self.embed.dtype)
 
     # ---------------------------------------------------------------- the step
     def forward(self, hidden: torch.Tensor, token_embed: torch.Tensor) -> torch.Tensor:
@@ -179,13 +235,17 @@ class DraftHead(nn.Module):
 
     def _greedy_rollout(self, h: torch.Tensor, tok: torch.Tensor, k: int) -> torch.Tensor:
         """k greedy draft steps from hidden h [1, H] and token tok [1], all on the device (no host
-        sync, fixed shapes: the body of the captured graph)."""
+        sync, fixed shapes: the body of the captured graph). The argmax skips what cannot move it:
+        the final norm's rstd and the logit scale are positive scalars per row."""
         toks = []
+        e = self.embed_tokens(tok)
         for _ in range(k):
-            h = self.forward(h, self.embed_tokens(tok))
-            tok = torch.argmax(self.logits(h)[0]).view(1)
-            toks.append(tok)
-        return torch.cat(toks)
+            h = self.forward(h, e)
+            x = F.rms_norm(h, (h.shape[-1],), self.final_norm, self.target_eps)
+            i = torch.argmax(F.linear(x, self.head)[0]).view(1)
+            toks.append(i)
+            e = F.embedding(i, self.embed)  # a proposal is in the drafting vocabulary: its rows embed it
+        return self.ids(torch.cat(toks))
 
     def _graphed_rollout(self, k: int) -> "_GraphedRollout | None":
         """The captured greedy rollout for k on CUDA (one per k, built on first use), or None where
@@ -193,7 +253,7 @@ class DraftHead(nn.Module):
         if self.device.type != "cuda" or os.environ.get("FLINT_DRAFT_GRAPH", "1") == "0":
             return None
         cache = self.__dict__.setdefault("_graphs", {})
-        key = (k, self.device, self.dtype, id(self.head), id(self.embed))
+        key = (k, self.device, self.dtype, id(self.head), id(self.embed), id(self.vocab_ids))
         if key not in cache:
             cache[key] = _GraphedRollout(self, k)
         return cache[key]
@@ -203,9 +263,10 @@ class DraftHead(nn.Module):
         """Draft ``k`` tokens after ``context_ids``. ``hidden`` is the target's hidden state [H] at
         the position before context_ids[-1]. Greedy (sp None or temperature 0): returns
         (tokens LongTensor[k], None); sampling: (tokens, q [k, V]) with tokens drawn from q, the
-        draft distribution after the same temperature/top-k/top-p as the target's. On CUDA the
-        greedy rollout replays a captured CUDA graph (one launch of ~25 k small kernels instead of
-        ~25 k Python-issued launches); FLINT_DRAFT_GRAPH=0 runs it eagerly (same kernels)."""
+        draft distribution after the same temperature/top-k/top-p as the target's (over the
+        drafting vocabulary: q is 0 outside it). On CUDA the greedy rollout replays a captured
+        CUDA graph (one launch of ~13 k small kernels instead of Python-issued launches);
+        FLINT_DRAFT_GRAPH=0 runs it eagerly (same kernels)."""
         from .engine import probs_from_logits
 
         greedy = sp is None or sp.temperature == 0
@@ -216,13 +277,18 @@ class DraftHead(nn.Module):
             g = self._graphed_rollout(k)
             return (g(h, tok) if g is not None else self._greedy_rollout(h, tok, k)), None
         toks, qs = [], []
+        e = self.embed_tokens(tok)
         for _ in range(k):
-            h = self.forward(h, self.embed_tokens(tok))
+            h = self.forward(h, e)
             q = probs_from_logits(self.logits(h)[0], sp.temperature, sp.top_k, sp.top_p)
-            tok = torch.multinomial(q, 1, generator=gen)
+            i = torch.multinomial(q, 1, generator=gen)
+            e = F.embedding(i, self.embed)
             qs.append(q)
-            toks.append(tok)
-        return torch.cat(toks), torch.stack(qs)
+            toks.append(i)
+        q = torch.stack(qs)
+        if self.vocab_ids is not None:  # the target's vocabulary: q is 0 at tokens the draft cannot propose
+            q = torch.zeros(k, self.cfg.vocab_size, device=q.device, dtype=q.dtype).index_copy_(1, self.vocab_ids, q)
+        return self.ids(torch.cat(toks)), q
 
 
 class _GraphedRollout:
@@ -253,6 +319,34 @@ class _GraphedRollout:
 
 def num_parameters(draft: DraftHead) -> int:
     return sum(p.numel() for p in draft.parameters())
+
+
+def _rows(w, ids: torch.Tensor):
+    """Rows ``ids`` of a target weight (Int4Weight or dense); exact."""
+    return w.rows(ids) if isinstance(w, Int4Weight) else w[ids]
+
+
+def _int4_embedding(w) -> Int4Weight:
+    """The target's embedding in the int4 layout for single-row lookups: as it is when the target's
+    is int4 (GGUF Q4_0/Q4_1, flint checkpoints), else rounded to nearest once (the draft's input
+    only: a lookup of a quarter of the bytes, the output stays exact)."""
+    if isinstance(w, Int4Weight):
+        return w
+    return quantize_int4(w.float(), fit_group_size(w.shape[1], 128, "embed"), name="embed")
+
+
+def check_vocab(ids, vocab_size: int, source: str) -> torch.Tensor:
+    """A drafting vocabulary: distinct token ids of the target, as a LongTensor [N], N >= 1."""
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.numel() < 1 or ids.dtype.is_floating_point:
+        raise DraftError(f"{source}: a drafting vocabulary is a 1-D integer tensor of token ids")
+    ids = ids.to("cpu", torch.long)
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise DraftError(f"{source}: token id {hi if hi >= vocab_size else lo} is outside the target's "
+                         f"vocabulary (size {vocab_size})")
+    if torch.unique(ids).numel() != ids.numel():
+        raise DraftError(f"{source}: the drafting vocabulary repeats a token id")
+    return ids
 
 
 # ------------------------------------------------------------------ save / load
@@ -297,13 +391,18 @@ def resolve_draft_path(path: str | Path) -> Path:
 
 
 def load_draft(path: str | Path, target_cfg, target_params: dict | None = None, device=None,
-               dtype: torch.dtype | None = None) -> DraftHead:
+               dtype: torch.dtype | None = None, draft_vocab: int | None = None) -> DraftHead:
     """Load a draft directory (or a shipped draft's name) for ``target_cfg``; refuses a draft built
-    for another target. With ``target_params`` the target's embedding/norm/head are attached.
+    for another target. With ``target_params`` the target's embedding/norm/head are attached, with
+    a drafting vocabulary of ``draft_vocab`` tokens (None: draft.json's ``draft_vocab``; 0: all V)
+    taken from the ranking in vocab.safetensors.
     ``ngram``: the draft-free prompt-lookup proposals of flint.ngram (any model, nothing loaded)."""
     from safetensors import safe_open
 
     if str(path) == "ngram":
+        if draft_vocab:
+            raise DraftError(f"draft_vocab={draft_vocab}: the ngram draft proposes tokens of the context, it has "
+                             "no drafting vocabulary")
         from .ngram import NgramDraft
         return NgramDraft(target_cfg.vocab_size)
 
@@ -322,8 +421,17 @@ def load_draft(path: str | Path, target_cfg, target_params: dict | None = None, 
         v = d.get(f)
         if not isinstance(v, int) or v <= 0:
             raise DraftError(f"{cj}: field {f!r} must be a positive integer, got {v!r}")
+    dv = d.get("draft_vocab", 0)
+    if not isinstance(dv, int) or dv < 0:
+        raise DraftError(f"{cj}: field 'draft_vocab' must be an integer >= 0 (0: the full vocabulary), got {dv!r}")
     dcfg = DraftConfig(**{k: v for k, v in d.items() if k in known})
     check_target(dcfg, target_cfg, str(cj))
+    n_vocab = dcfg.draft_vocab if draft_vocab is None else draft_vocab
+    if not isinstance(n_vocab, int) or n_vocab < 0:
+        raise DraftError(f"draft_vocab must be an integer >= 0 (0: the full vocabulary), got {n_vocab!r}")
+    vocab = None
+    if 0 < n_vocab < target_cfg.vocab_size:
+        vocab = load_vocab_ranking(p, target_cfg.vocab_size)[:n_vocab]
     st = p / "draft.safetensors"
     if not st.exists():
         raise DraftError(f"{st}: file not found")
@@ -348,8 +456,57 @@ def load_draft(path: str | Path, target_cfg, target_params: dict | None = None, 
     draft.load_state_dict({k: got[k].float() for k in want})
     draft.to(device=device, dtype=dtype).eval()
     if target_params is not None:
-        draft.attach_target(target_cfg, target_params, device, dtype)
+        draft.attach_target(target_cfg, target_params, device, dtype, vocab=vocab)
     return draft
+
+
+VOCAB_FILE = "vocab.safetensors"
+
+
+def rank_vocab(data: "HarvestData", vocab_size: int) -> tuple[torch.Tensor, dict]:
+    """All token ids ranked by how often the target generated them in the harvest (most frequent
+    first; ties and tokens never generated in id order), and a summary. The first N are the
+    drafting vocabulary of size N."""
+    n = data.tokens.shape[1]
+    gen = (torch.arange(n)[None, :] >= 1) & (torch.arange(n)[None, :] <= data.lengths.cpu()[:, None])
+    toks = data.tokens.cpu()[gen]
+    if toks.numel() and (int(toks.min()) < 0 or int(toks.max()) >= vocab_size):
+        raise DraftError(f"harvest: a token id outside the target's vocabulary (size {vocab_size})")
+    counts = torch.bincount(toks, minlength=vocab_size)
+    order = torch.sort(-counts, stable=True).indices
+    cum = counts[order].cumsum(0).double() / max(int(counts.sum()), 1)
+    cover = {str(m): round(float(cum[m - 1]), 5) for m in (1024, 2048, 4096, 8192, 16384, 32768) if m <= vocab_size}
+    return order, {"tokens_counted": int(counts.sum()), "distinct": int((counts > 0).sum()),
+                   "coverage": cover}
+
+
+def save_vocab_ranking(path: str | Path, order: torch.Tensor, meta: dict) -> Path:
+    """Write the ranking to ``path``/vocab.safetensors (a temporary name, then renamed)."""
+    from safetensors.torch import save_file
+
+    out = Path(path) / VOCAB_FILE
+    tmp = out.with_name(out.name + ".tmp")
+    save_file({"ids": order.to(torch.int32).contiguous()}, str(tmp),
+              metadata={"format": FORMAT + "-vocab", **{k: json.dumps(v) for k, v in meta.items()}})
+    os.replace(tmp, out)
+    return out
+
+
+def load_vocab_ranking(draft_dir: Path, vocab_size: int) -> torch.Tensor:
+    from safetensors import safe_open
+
+    f = Path(draft_dir) / VOCAB_FILE
+    if not f.exists():
+        raise DraftError(f"{f}: file not found (a drafting vocabulary needs the draft's token ranking: "
+                         "`flint draft vocab --data SHARDS --draft DIR` writes it)")
+    try:
+        with safe_open(str(f), framework="pt") as fh:
+            ids = fh.get_tensor("ids")
+    except Exception as e:
+        raise DraftError(f"{f}: not a readable ranking ({type(e).__name__}: {e})") from None
+    if ids.dim() != 1 or ids.numel() != vocab_size:
+        raise DraftError(f"{f}: tensor 'ids' must rank all {vocab_size} token ids, it holds {ids.numel()}")
+    return check_vocab(ids, vocab_size, str(f))
 
 
 # ------------------------------------------------------------------ the prompt set
@@ -639,6 +796,7 @@ def rollout_losses(draft: DraftHead, hidden: torch.Tensor, tokens: torch.Tensor,
     prediction of hidden[j-1] with the true token j, and is scored at position j against the
     target's distribution there (KL) and its normalized hidden state (smooth L1).
     Returns (loss, per-step stats [{'kl', 'reg', 'top1'}])."""
+    draft._need_full_vocab("training")
     b, L, _ = hidden.shape
     pos = torch.arange(L, device=hidden.device)
     with torch.no_grad():
@@ -674,6 +832,7 @@ def accepted_runs(draft: DraftHead, hidden: torch.Tensor, tokens: torch.Tensor, 
                   k: int) -> torch.Tensor:
     """a[b, i] = how many of the k tokens the draft proposes from region position i the greedy
     target would accept (leading matches with the target's argmax), for i < lengths-1; -1 elsewhere."""
+    draft._need_full_vocab("the replayed acceptance")
     b, L, _ = hidden.shape
     tgt = draft.logits(hidden).argmax(-1)  # target's greedy token after each position
     emb = draft.embed_tokens(tokens)
@@ -974,8 +1133,36 @@ def cmd_train(args) -> int:
                       eval_every=args.eval_every, ckpt_every=args.ckpt_every, k_eval=args.k,
                       seed=args.seed, resume=args.resume)
     save_draft(draft, args.out, dtype=getattr(torch, args.save_dtype))
+    order, meta = rank_vocab(data, lm.cfg.vocab_size)
+    save_vocab_ranking(args.out, order, {"harvest": str(args.data), **meta})
     brief = {k: rec[k] for k in ("steps", "kept_step", "loss_first", "loss_last") if k in rec}
     print(f"train: draft saved to {args.out} ({json.dumps(brief)})")
+    return 0
+
+
+def cmd_vocab(args) -> int:
+    p = resolve_draft_path(args.draft)
+    cj = p / "draft.json"
+    if not cj.exists():
+        raise DraftError(f"{cj}: file not found")
+    d = json.loads(cj.read_text())
+    vocab_size = d.get("vocab_size")
+    if not isinstance(vocab_size, int) or vocab_size <= 0:
+        raise DraftError(f"{cj}: field 'vocab_size' must be a positive integer, got {vocab_size!r}")
+    if args.size is not None and not 0 <= args.size <= vocab_size:
+        raise DraftError(f"--size must lie in 0..{vocab_size} (0: the full vocabulary), got {args.size}")
+    if args.data:
+        order, meta = rank_vocab(load_harvest(args.data), vocab_size)
+        save_vocab_ranking(p, order, {"harvest": str(args.data), **meta})
+        print(f"vocab: {meta['tokens_counted']} generated tokens, {meta['distinct']} distinct; share covered by "
+              "the first N: " + ", ".join(f"{n}: {c:.4f}" for n, c in meta["coverage"].items()))
+    if args.size is not None:
+        load_vocab_ranking(p, vocab_size)  # a size needs a ranking
+        d["draft_vocab"] = args.size
+        tmp = cj.with_name(cj.name + ".tmp")
+        tmp.write_text(json.dumps(d, indent=2) + "\n")
+        os.replace(tmp, cj)
+        print(f"vocab: {cj} drafts from the first {args.size or vocab_size} ranked tokens")
     return 0
 
 
@@ -989,7 +1176,7 @@ def cmd_eval(args) -> int:
         raise DraftError(f"{lm.source}: eval needs a tokenizer (the prompts are text)")
     name = args.backend or default_backend()
     backend = make_backend(name, lm, args.max_seq_len, device=args.device)
-    draft = load_draft(args.draft, lm.cfg, lm.params, device=backend.device)
+    draft = load_draft(args.draft, lm.cfg, lm.params, device=backend.device, draft_vocab=args.draft_vocab)
     prompts = eval_prompts(args.prompts_per_kind)
     sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                         seed=args.seed)
@@ -1048,6 +1235,13 @@ def register(sub) -> None:
     q.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
     q.set_defaults(func=cmd_train)
 
+    q = dsub.add_parser("vocab", help="the drafting vocabulary: rank tokens by a harvest, choose how many to draft from")
+    q.add_argument("--draft", required=True, help="draft directory")
+    q.add_argument("--data", default=None, help="harvest shard directory: (re)write the ranking from it")
+    q.add_argument("--size", type=int, default=None,
+                   help="draft from the first N ranked tokens (stored in draft.json; 0: the full vocabulary)")
+    q.set_defaults(func=cmd_vocab)
+
     q = dsub.add_parser("eval", help="acceptance of speculative decoding on held-out prompts, by kind")
     model_args(q)
     q.add_argument("--draft", required=True, help="draft directory or shipped draft name")
@@ -1060,6 +1254,8 @@ def register(sub) -> None:
     q.add_argument("--temperature", type=float, default=0.0)
     q.add_argument("--top-p", type=float, default=1.0)
     q.add_argument("--plain", action="store_true", help="also decode without the draft (tok/s, identity)")
+    q.add_argument("--draft-vocab", type=int, default=None,
+                   help="drafting vocabulary size (default: draft.json's draft_vocab; 0: the full vocabulary)")
     q.add_argument("--time-budget", type=float, default=None, help="per k, stop after this many seconds")
     q.add_argument("--json", default=None, help="write the results here")
     q.set_defaults(func=cmd_eval)

@@ -178,3 +178,98 @@ def test_cli_registers_draft_commands():
     assert a.func is draft.cmd_eval
     a = ap.parse_args(["draft", "harvest", "--out", "h"])
     assert a.func is draft.cmd_harvest and a.batch_size == 64
+
+
+def test_inference_step_equals_training_step():
+    """The drafting step (fused norms, one gate|up matmul, addmm residual) computes the training
+    step's function: fp32, fresh random inputs."""
+    lm = tiny_lm(seed=3)
+    torch.manual_seed(3)
+    draft = DraftHead(draft_config_for(lm.cfg, num_layers=2)).attach_target(lm.cfg, lm.params)
+    for b in draft.blocks:  # weights away from the identity init, so the blocks matter
+        torch.nn.init.normal_(b.down.weight, std=0.2)
+    h, e = torch.randn(5, 32), torch.randn(5, 32)
+    with torch.enable_grad():
+        want = draft(h, e)
+    with torch.no_grad():
+        got = draft(h, e)
+        got1 = draft(h[:1], e[:1])  # the 2-D [1, H] path of the rollout
+    torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got1, want[:1].detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_drafting_vocabulary_is_the_full_draft_restricted(tmp_path):
+    """A draft on a drafting vocabulary proposes what the full-vocabulary draft would if its
+    argmax were taken over those tokens only; q is 0 outside them and sums to 1."""
+    from flint.quant import quantize_int4
+
+    lm = tiny_lm(seed=4, vocab=64)
+    lm.params["embed"] = lm.params["lm_head"] = quantize_int4(lm.params["embed"], 32)  # as a Q4 GGUF's
+    torch.manual_seed(4)
+    full = DraftHead(draft_config_for(lm.cfg)).attach_target(lm.cfg, lm.params)
+    vocab = torch.randperm(64, generator=torch.Generator().manual_seed(4))[:20]
+    pruned = DraftHead(draft_config_for(lm.cfg)).attach_target(lm.cfg, lm.params, vocab=vocab)
+    pruned.load_state_dict(full.state_dict())
+    assert pruned.draft_vocab_size == 20 and pruned.head.shape == (20, 32)
+    mask = torch.full((64,), float("-inf"))
+    mask[vocab] = 0
+    g = torch.Generator().manual_seed(40)
+    for _ in range(6):
+        h = torch.randn(32, generator=g)
+        t = int(torch.randint(0, 64, (1,), generator=g))  # the target's token: any id
+        got = pruned.propose([t], h, 4)[0].tolist()
+        hh, tok, want = h.view(1, -1), torch.tensor([t]), []
+        with torch.no_grad():
+            for _ in range(4):
+                hh = full(hh, full.embed_tokens(tok))
+                tok = (full.logits(hh)[0] + mask).argmax().view(1)
+                want.append(int(tok))
+        assert got == want
+    from flint.engine import SamplingParams
+    toks, q = pruned.propose([3], torch.randn(32), 3, SamplingParams(temperature=0.9), torch.Generator().manual_seed(1))
+    assert q.shape == (3, 64) and set(toks.tolist()) <= set(vocab.tolist())
+    outside = torch.ones(64, dtype=torch.bool)
+    outside[vocab] = False
+    assert (q[:, outside] == 0).all()
+    torch.testing.assert_close(q.sum(-1), torch.ones(3))
+
+
+def test_vocab_ranking_saved_and_loaded(tmp_path, capsys):
+    """The ranking counts generated tokens only; `flint draft vocab` writes it and the size;
+    load_draft takes the first N; bad sizes, a missing ranking and ngram sizes are refused."""
+    from flint.draft import HarvestData, cmd_vocab, load_vocab_ranking, rank_vocab, save_vocab_ranking
+
+    lm = tiny_lm()
+    tokens = torch.tensor([[9, 3, 3, 5, 0], [1, 5, 3, 7, 7]])  # region 0 = the last prompt token
+    data = HarvestData(tokens, torch.zeros(2, 5, 32), torch.tensor([3, 2]), torch.arange(2), {})
+    order, meta = rank_vocab(data, 16)
+    # generated: row 0 -> 3, 3, 5; row 1 -> 5, 3 : counts 3: 3, 5: 2, then the rest in id order
+    assert order[:2].tolist() == [3, 5] and order[2:5].tolist() == [0, 1, 2]
+    assert sorted(order.tolist()) == list(range(16)) and meta["tokens_counted"] == 5 and meta["distinct"] == 2
+    torch.manual_seed(0)
+    d = tmp_path / "d"
+    save_draft(DraftHead(draft_config_for(lm.cfg)), d)
+    with pytest.raises(DraftError, match="vocab.safetensors: file not found"):
+        load_draft(d, lm.cfg, lm.params, draft_vocab=4)
+    save_vocab_ranking(d, order, meta)
+    assert torch.equal(load_vocab_ranking(d, 16), order)
+    dr = load_draft(d, lm.cfg, lm.params, draft_vocab=4)
+    assert dr.vocab_ids.tolist() == order[:4].tolist()
+    assert load_draft(d, lm.cfg, lm.params).vocab_ids is None  # draft.json's default: 0, the full vocabulary
+    import argparse
+    assert cmd_vocab(argparse.Namespace(draft=str(d), data=None, size=6)) == 0
+    assert json.loads((d / "draft.json").read_text())["draft_vocab"] == 6
+    assert load_draft(d, lm.cfg, lm.params).draft_vocab_size == 6
+    with pytest.raises(DraftError, match="--size must lie in 0..16"):
+        cmd_vocab(argparse.Namespace(draft=str(d), data=None, size=17))
+    with pytest.raises(DraftError, match="draft_vocab must be an integer >= 0"):
+        load_draft(d, lm.cfg, lm.params, draft_vocab=-1)
+    with pytest.raises(DraftError, match="ngram draft .* no drafting vocabulary"):
+        load_draft("ngram", lm.cfg, draft_vocab=8)
+    from safetensors.torch import save_file
+    save_file({"ids": torch.tensor([0, 0, 1], dtype=torch.int32)}, str(d / "vocab.safetensors"))
+    with pytest.raises(DraftError, match="must rank all 16 token ids"):
+        load_draft(d, lm.cfg, lm.params)
+    save_file({"ids": torch.tensor([0] * 16, dtype=torch.int32)}, str(d / "vocab.safetensors"))
+    with pytest.raises(DraftError, match="repeats a token id"):
+        load_draft(d, lm.cfg, lm.params)

@@ -41,9 +41,10 @@ def tiny_lm(seed=0, vocab=10, hidden=32, layers=2, eos=()):
     return LoadedModel(cfg, params, None, "tiny")
 
 
-def random_draft(lm, seed=0):
+def random_draft(lm, seed=0, vocab=None):
+    """vocab: a drafting vocabulary (token ids) or None for all of them."""
     torch.manual_seed(seed)
-    return DraftHead(draft_config_for(lm.cfg, intermediate_size=48)).attach_target(lm.cfg, lm.params)
+    return DraftHead(draft_config_for(lm.cfg, intermediate_size=48)).attach_target(lm.cfg, lm.params, vocab=vocab)
 
 
 class ScriptedDraft:
@@ -64,11 +65,12 @@ class ScriptedDraft:
 PROMPTS = [[1, 2, 3], [4, 0, 7, 7, 2, 9, 1], [5]]
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 5])
-def test_greedy_identical_with_random_draft(k):
+@pytest.mark.parametrize("k,vocab", [(1, None), (2, None), (3, None), (5, None), (3, [9, 2, 5, 0]), (5, [7])])
+def test_greedy_identical_with_random_draft(k, vocab):
+    """Any draft, any K, a drafting vocabulary or none: the output is plain greedy's."""
     lm = tiny_lm(eos=(5,))
     be = Transformer(lm.cfg, lm.params, 128)
-    draft = random_draft(lm, seed=k)
+    draft = random_draft(lm, seed=k, vocab=None if vocab is None else torch.tensor(vocab))
     for prompt in PROMPTS:
         sp = SamplingParams(max_new_tokens=30)
         want = Engine(be).generate(prompt, sp)
@@ -240,17 +242,20 @@ def sample_t2_t3(eng, prompt, sp, n: int) -> torch.Tensor:
     return counts
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 6, 0.9)])
-def test_speculative_sampling_matches_target_distribution(temperature, top_k, top_p):
+@pytest.mark.parametrize("temperature,top_k,top_p,vocab", [(1.0, 0, 1.0, None), (0.8, 6, 0.9, None),
+                                                          (1.0, 0, 1.0, [3, 0, 6, 1, 4])])
+def test_speculative_sampling_matches_target_distribution(temperature, top_k, top_p, vocab):
     """Chi-square of the (2nd, 3rd) generated tokens over 2500 seeds against the target's exact
     joint law; those tokens come from the first verify step (accepts, residual draws, bonus).
+    With a drafting vocabulary the draft's q is 0 at the other tokens: still the target's law.
     Tolerance: p-value > 1e-3 (fixed seeds, so the outcome is deterministic)."""
     lm = tiny_lm(seed=5, vocab=8)
     prompt = [1, 5, 2]
     sp = SamplingParams(max_new_tokens=4, temperature=temperature, top_k=top_k, top_p=top_p)
     exact = exact_joint_t2_t3(lm, prompt, sp)
     be = Transformer(lm.cfg, lm.params, 64)
-    eng = SpeculativeEngine(be, None, random_draft(lm, seed=1), k=2)
+    eng = SpeculativeEngine(be, None, random_draft(lm, seed=1, vocab=None if vocab is None else torch.tensor(vocab)),
+                            k=2)
     n = 2500
     counts = sample_t2_t3(eng, prompt, sp, n)
     st = eng.total_stats
@@ -289,13 +294,15 @@ HAVE_CUDA = torch.cuda.is_available()
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU (the draft's CUDA-graph rollout)")
-@pytest.mark.parametrize("k", [1, 3, 5])
-def test_graphed_rollout_matches_eager(k, monkeypatch):
+@pytest.mark.parametrize("k,pruned", [(1, False), (3, False), (5, False), (3, True)])
+def test_graphed_rollout_matches_eager(k, pruned, monkeypatch):
     """The captured greedy rollout proposes exactly the eager rollout's tokens, for fresh random
-    hidden states, on a draft whose logits are spread (no argmax ties)."""
+    hidden states, on a draft whose logits are spread (no argmax ties); also with a drafting
+    vocabulary (the target's token embedded from the int4 layout)."""
     lm = tiny_lm(vocab=300, hidden=64)
     draft = random_draft(lm, seed=k).to("cuda")
-    draft.attach_target(lm.cfg, lm.params, device="cuda", dtype=torch.float32)
+    vocab = torch.randperm(300, generator=torch.Generator().manual_seed(k))[:120] if pruned else None
+    draft.attach_target(lm.cfg, lm.params, device="cuda", dtype=torch.float32, vocab=vocab)
     g = torch.Generator().manual_seed(100 + k)
     for trial in range(4):
         hidden = torch.randn(64, generator=g).cuda()
@@ -305,6 +312,8 @@ def test_graphed_rollout_matches_eager(k, monkeypatch):
         monkeypatch.setenv("FLINT_DRAFT_GRAPH", "1")
         got, _ = draft.propose(ctx, hidden, k)
         assert got.tolist() == want.tolist(), (k, trial)
+        if vocab is not None:
+            assert set(got.tolist()) <= set(vocab.tolist())
     assert draft._graphed_rollout(k) is not None  # the graph really ran
 
 
