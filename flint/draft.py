@@ -24,6 +24,7 @@ measurements: docs/speculative.md.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -233,29 +234,49 @@ class DraftHead(nn.Module):
             x = b(x)
         return x
 
-    def _greedy_rollout(self, h: torch.Tensor, tok: torch.Tensor, k: int) -> torch.Tensor:
-        """k greedy draft steps from hidden h [1, H] and token tok [1], all on the device (no host
-        sync, fixed shapes: the body of the captured graph). The argmax skips what cannot move it:
-        the final norm's rstd and the logit scale are positive scalars per row."""
-        toks = []
-        e = self.embed_tokens(tok)
-        for _ in range(k):
-            h = self.forward(h, e)
-            x = F.rms_norm(h, (h.shape[-1],), self.final_norm, self.target_eps)
-            i = torch.argmax(F.linear(x, self.head)[0]).view(1)
-            toks.append(i)
-            e = F.embedding(i, self.embed)  # a proposal is in the drafting vocabulary: its rows embed it
-        return self.ids(torch.cat(toks))
+    def _rollout(self, h: torch.Tensor, tok: torch.Tensor, k: int, u: torch.Tensor | None = None,
+                 sampling: tuple = ()):
+        """k draft steps from hidden h [1, H] and token tok [1], all on the device (no host sync,
+        fixed shapes: the body of the captured graph). Greedy (u None): returns (ids [k], None);
+        the argmax skips what cannot move it (the final norm's rstd and the logit scale are positive
+        scalars per row). Sampling: ``sampling`` = (temperature, top_k, top_p) and u [k] uniform
+        draws; step j takes the first token whose cumulative q exceeds u[j] (inverse CDF: never a
+        token of q = 0); returns (ids [k], q [k, V], 0 outside the drafting vocabulary)."""
+        from .engine import probs_from_logits
 
-    def _graphed_rollout(self, k: int) -> "_GraphedRollout | None":
-        """The captured greedy rollout for k on CUDA (one per k, built on first use), or None where
-        graphs do not apply (CPU, FLINT_DRAFT_GRAPH=0)."""
+        idx, qs = [], []
+        e = self.embed_tokens(tok)
+        for j in range(k):
+            h = self.forward(h, e)
+            if u is None:
+                x = F.rms_norm(h, (h.shape[-1],), self.final_norm, self.target_eps)
+                i = torch.argmax(F.linear(x, self.head)[0]).view(1)
+            else:
+                q = probs_from_logits(self.logits(h)[0], *sampling)
+                cdf = q.cumsum(0)
+                i = torch.searchsorted(cdf, u[j:j + 1] * cdf[-1], right=True).clamp_max(q.shape[0] - 1)
+                qs.append(q)
+            idx.append(i)
+            e = F.embedding(i, self.embed)  # a proposal is in the drafting vocabulary: its rows embed it
+        ids = self.ids(torch.cat(idx))
+        if u is None:
+            return ids, None
+        q = torch.stack(qs)
+        if self.vocab_ids is not None:  # the target's vocabulary: q is 0 at tokens the draft cannot propose
+            q = torch.zeros(k, self.cfg.vocab_size, device=q.device, dtype=q.dtype).index_copy_(1, self.vocab_ids, q)
+        return ids, q
+
+    def _graphed_rollout(self, k: int, sampling: tuple = ()) -> "_GraphedRollout | None":
+        """The captured rollout for k (and the sampling transform) on CUDA, built on first use, or
+        None where graphs do not apply (CPU, FLINT_DRAFT_GRAPH=0)."""
         if self.device.type != "cuda" or os.environ.get("FLINT_DRAFT_GRAPH", "1") == "0":
             return None
         cache = self.__dict__.setdefault("_graphs", {})
-        key = (k, self.device, self.dtype, id(self.head), id(self.embed), id(self.vocab_ids))
+        key = (k, sampling, self.device, self.dtype, id(self.head), id(self.embed), id(self.vocab_ids))
         if key not in cache:
-            cache[key] = _GraphedRollout(self, k)
+            if len(cache) >= 16:  # a server's requests bring their own sampling settings
+                cache.pop(next(iter(cache)))
+            cache[key] = _GraphedRollout(self, k, sampling)
         return cache[key]
 
     @torch.inference_mode()
@@ -264,57 +285,46 @@ class DraftHead(nn.Module):
         the position before context_ids[-1]. Greedy (sp None or temperature 0): returns
         (tokens LongTensor[k], None); sampling: (tokens, q [k, V]) with tokens drawn from q, the
         draft distribution after the same temperature/top-k/top-p as the target's (over the
-        drafting vocabulary: q is 0 outside it). On CUDA the greedy rollout replays a captured
-        CUDA graph (one launch of ~13 k small kernels instead of Python-issued launches);
-        FLINT_DRAFT_GRAPH=0 runs it eagerly (same kernels)."""
-        from .engine import probs_from_logits
-
+        drafting vocabulary: q is 0 outside it). On CUDA the rollout replays a captured CUDA graph
+        (one launch of ~13 k small kernels greedy instead of Python-issued launches; the uniform
+        draws come from ``gen`` outside it); FLINT_DRAFT_GRAPH=0 runs the same kernels eagerly."""
+        self._need_target()
         greedy = sp is None or sp.temperature == 0
         h = hidden.reshape(1, -1).to(self.device, self.dtype)
         tok = torch.tensor([context_ids[-1]], device=self.device)
-        if greedy:
-            self._need_target()
-            g = self._graphed_rollout(k)
-            return (g(h, tok) if g is not None else self._greedy_rollout(h, tok, k)), None
-        toks, qs = [], []
-        e = self.embed_tokens(tok)
-        for _ in range(k):
-            h = self.forward(h, e)
-            q = probs_from_logits(self.logits(h)[0], sp.temperature, sp.top_k, sp.top_p)
-            i = torch.multinomial(q, 1, generator=gen)
-            e = F.embedding(i, self.embed)
-            qs.append(q)
-            toks.append(i)
-        q = torch.stack(qs)
-        if self.vocab_ids is not None:  # the target's vocabulary: q is 0 at tokens the draft cannot propose
-            q = torch.zeros(k, self.cfg.vocab_size, device=q.device, dtype=q.dtype).index_copy_(1, self.vocab_ids, q)
-        return self.ids(torch.cat(toks)), q
+        u = None if greedy else torch.rand(k, generator=gen, device=self.device)
+        sampling = () if greedy else (float(sp.temperature), int(sp.top_k), float(sp.top_p))
+        g = self._graphed_rollout(k, sampling)
+        return g(h, tok, u) if g is not None else self._rollout(h, tok, k, u, sampling)
 
 
 class _GraphedRollout:
-    """A CUDA graph of DraftHead._greedy_rollout for one k: static input buffers (h, tok) are
-    copied in, the graph replays, the k tokens are copied out. Warmed up on a side stream before
-    capture (cuBLAS picks its kernels there), as torch.cuda.graphs requires."""
+    """A CUDA graph of DraftHead._rollout for one k and sampling transform: static input buffers
+    (h, tok, u) are copied in, the graph replays, the tokens (and q) are copied out. Warmed up on a
+    side stream before capture (cuBLAS picks its kernels there), as torch.cuda.graphs requires."""
 
-    def __init__(self, draft: DraftHead, k: int):
+    def __init__(self, draft: DraftHead, k: int, sampling: tuple):
         dev = draft.device
         self.h = torch.zeros(1, draft.cfg.hidden_size, device=dev, dtype=draft.dtype)
         self.tok = torch.zeros(1, dtype=torch.long, device=dev)
+        self.u = torch.full((k,), 0.5, device=dev) if sampling else None
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.inference_mode(), torch.cuda.stream(side):
             for _ in range(2):
-                draft._greedy_rollout(self.h, self.tok, k)
+                draft._rollout(self.h, self.tok, k, self.u, sampling)
         torch.cuda.current_stream(dev).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(self.graph):
-            self.out = draft._greedy_rollout(self.h, self.tok, k)
+            self.ids, self.q = draft._rollout(self.h, self.tok, k, self.u, sampling)
 
-    def __call__(self, h: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, tok: torch.Tensor, u: torch.Tensor | None):
         self.h.copy_(h)
         self.tok.copy_(tok)
+        if u is not None:
+            self.u.copy_(u)
         self.graph.replay()
-        return self.out.clone()
+        return self.ids.clone(), (None if self.q is None else self.q.clone())
 
 
 def num_parameters(draft: DraftHead) -> int:
@@ -476,8 +486,9 @@ def rank_vocab(data: "HarvestData", vocab_size: int) -> tuple[torch.Tensor, dict
     order = torch.sort(-counts, stable=True).indices
     cum = counts[order].cumsum(0).double() / max(int(counts.sum()), 1)
     cover = {str(m): round(float(cum[m - 1]), 5) for m in (1024, 2048, 4096, 8192, 16384, 32768) if m <= vocab_size}
-    return order, {"tokens_counted": int(counts.sum()), "distinct": int((counts > 0).sum()),
-                   "coverage": cover}
+    harvest = {k: data.meta.get(k) for k in ("prompt_set", "max_new_tokens", "temperature") if k in data.meta}
+    return order, {"harvest": {**harvest, "sequences": int(data.tokens.shape[0])},
+                   "tokens_counted": int(counts.sum()), "distinct": int((counts > 0).sum()), "coverage": cover}
 
 
 def save_vocab_ranking(path: str | Path, order: torch.Tensor, meta: dict) -> Path:
@@ -1040,6 +1051,11 @@ def eval_acceptance(backend, tokenizer, draft, prompts: list[dict], k: int, max_
     spec = SpeculativeEngine(backend, tokenizer, draft, k=k)
     plain = Engine(backend, tokenizer)
     rows: dict[str, dict] = {}
+    if prompts:  # warm-up, untimed: the draft's graphs (one per k reached, K shrinks at the end), caches
+        ids = tokenizer.encode_chat([{"role": "user", "content": prompts[0]["text"]}])
+        for eng in (spec, plain) if compare_plain else (spec,):
+            eng.cached = []
+            eng.generate(ids, dataclasses.replace(sp, max_new_tokens=min(sp.max_new_tokens, 2 * k + 2)))
     t0 = time.perf_counter()
     for r in tqdm(prompts, desc=f"eval k={k}", unit="prompt", disable=None):
         if time_budget is not None and time.perf_counter() - t0 > time_budget:
@@ -1134,7 +1150,7 @@ def cmd_train(args) -> int:
                       seed=args.seed, resume=args.resume)
     save_draft(draft, args.out, dtype=getattr(torch, args.save_dtype))
     order, meta = rank_vocab(data, lm.cfg.vocab_size)
-    save_vocab_ranking(args.out, order, {"harvest": str(args.data), **meta})
+    save_vocab_ranking(args.out, order, meta)
     brief = {k: rec[k] for k in ("steps", "kept_step", "loss_first", "loss_last") if k in rec}
     print(f"train: draft saved to {args.out} ({json.dumps(brief)})")
     return 0
@@ -1153,7 +1169,7 @@ def cmd_vocab(args) -> int:
         raise DraftError(f"--size must lie in 0..{vocab_size} (0: the full vocabulary), got {args.size}")
     if args.data:
         order, meta = rank_vocab(load_harvest(args.data), vocab_size)
-        save_vocab_ranking(p, order, {"harvest": str(args.data), **meta})
+        save_vocab_ranking(p, order, meta)
         print(f"vocab: {meta['tokens_counted']} generated tokens, {meta['distinct']} distinct; share covered by "
               "the first N: " + ", ".join(f"{n}: {c:.4f}" for n, c in meta["coverage"].items()))
     if args.size is not None:

@@ -263,6 +263,27 @@ def test_speculative_sampling_matches_target_distribution(temperature, top_k, to
     assert chi_square_pvalue(counts, exact * n) > 1e-3
 
 
+def test_draft_draws_follow_its_q():
+    """The rollout's inverse-CDF draw from uniform u: its tokens are distributed as the q it
+    returns (chi-square over 4000 draws), and never a token of q = 0 (top-k cuts most)."""
+    lm = tiny_lm(seed=2, vocab=8)
+    draft = random_draft(lm, seed=2)
+    with torch.no_grad():  # spread the draft's logits: q far from uniform
+        draft.head.mul_(4)
+    h = torch.randn(lm.cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    for sp in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=3)):
+        g = torch.Generator().manual_seed(4)
+        counts = torch.zeros(8)
+        q0 = None
+        for _ in range(4000):
+            toks, q = draft.propose([1], h, 1, sp, g)
+            q0 = q[0] if q0 is None else q0
+            assert torch.equal(q[0], q0)  # q does not depend on the draw
+            counts[toks[0]] += 1
+        assert (counts[q0 == 0] == 0).all()
+        assert chi_square_pvalue(counts, q0 * 4000) > 1e-3, (sp, counts, q0)
+
+
 def test_sampling_check_detects_a_biased_verifier(monkeypatch):
     """The same check rejects a verifier that keeps every draft (output would follow q, not p)."""
     lm = tiny_lm(seed=5, vocab=8)
@@ -294,11 +315,12 @@ HAVE_CUDA = torch.cuda.is_available()
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU (the draft's CUDA-graph rollout)")
-@pytest.mark.parametrize("k,pruned", [(1, False), (3, False), (5, False), (3, True)])
-def test_graphed_rollout_matches_eager(k, pruned, monkeypatch):
-    """The captured greedy rollout proposes exactly the eager rollout's tokens, for fresh random
-    hidden states, on a draft whose logits are spread (no argmax ties); also with a drafting
-    vocabulary (the target's token embedded from the int4 layout)."""
+@pytest.mark.parametrize("k,pruned,temperature", [(1, False, 0), (3, False, 0), (5, False, 0), (3, True, 0),
+                                                  (3, True, 0.8)])
+def test_graphed_rollout_matches_eager(k, pruned, temperature, monkeypatch):
+    """The captured rollout proposes exactly the eager rollout's tokens, for fresh random hidden
+    states, on a draft whose logits are spread (no argmax ties); also with a drafting vocabulary
+    (the target's token embedded from the int4 layout), and sampling (the same uniform draws)."""
     lm = tiny_lm(vocab=300, hidden=64)
     draft = random_draft(lm, seed=k).to("cuda")
     vocab = torch.randperm(300, generator=torch.Generator().manual_seed(k))[:120] if pruned else None
@@ -307,14 +329,17 @@ def test_graphed_rollout_matches_eager(k, pruned, monkeypatch):
     for trial in range(4):
         hidden = torch.randn(64, generator=g).cuda()
         ctx = [int(torch.randint(0, 300, (1,), generator=g))]
+        sp = SamplingParams(temperature=temperature, top_p=0.9) if temperature else None
         monkeypatch.setenv("FLINT_DRAFT_GRAPH", "0")
-        want, _ = draft.propose(ctx, hidden, k)
+        want, wq = draft.propose(ctx, hidden, k, sp, torch.Generator(device="cuda").manual_seed(trial))
         monkeypatch.setenv("FLINT_DRAFT_GRAPH", "1")
-        got, _ = draft.propose(ctx, hidden, k)
+        got, gq = draft.propose(ctx, hidden, k, sp, torch.Generator(device="cuda").manual_seed(trial))
         assert got.tolist() == want.tolist(), (k, trial)
+        if sp is not None:
+            torch.testing.assert_close(gq, wq)
         if vocab is not None:
             assert set(got.tolist()) <= set(vocab.tolist())
-    assert draft._graphed_rollout(k) is not None  # the graph really ran
+    assert draft._graphed_rollout(k, (temperature, 0, 0.9) if temperature else ()) is not None  # the graph ran
 
 
 @pytest.mark.gpu

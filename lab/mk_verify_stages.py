@@ -1,0 +1,89 @@
+"""Where a verify step's time goes: per-layer stage times of the megakernel for M = 1, 2, 4, 8 tokens (traced
+library), on synthetic Granite-4.1-3B and SmolLM2-135M shapes at one context, beside the untraced step time.
+
+    FLINT_KERNEL_DIR=build/kernels FLINT_MK_TRACE=1 python3 lab/mk_verify_stages.py [--ms 1,2,4,8] [--pos 511]
+
+Each (model, M): 4 warm-up launches, then 9 traced launches; the table holds the median over launches of block
+0's mean per-layer stage times (MegakernelBackend.stage_times), µs. The untraced step times come from a second
+backend on the untraced library in the same process (CUDA events, median of 30). GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from flint.config import SYNTHETIC, from_hf_dict  # noqa: E402
+from flint.megakernel import MegakernelBackend  # noqa: E402
+from flint.synthetic import synthetic_params  # noqa: E402
+
+
+def step_us(mk, tok, pos, iters=30) -> float:
+    ts = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        mk.forward(tok, pos)
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e) * 1e3)
+    return statistics.median(ts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="granite-4.1-3b,smollm2-135m")
+    ap.add_argument("--ms", default="1,2,4,8")
+    ap.add_argument("--pos", type=int, default=511)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    if os.environ.get("FLINT_MK_TRACE") != "1":
+        sys.exit("set FLINT_MK_TRACE=1 (the traced library: python3 -m flint.kernels.build --traced)")
+    ms = [int(x) for x in a.ms.split(",")]
+    doc = []
+    for model in a.models.split(","):
+        cfg = from_hf_dict(dict(SYNTHETIC[model]), model)
+        params = synthetic_params(cfg, seed=0, int4_group_size=128 if "granite" in model else 64,
+                                  dtype=torch.float32, device="cuda")
+        traced = MegakernelBackend(cfg, params, a.pos + 16)
+        os.environ["FLINT_MK_TRACE"] = "0"
+        plain = MegakernelBackend(cfg, params, a.pos + 16)
+        os.environ["FLINT_MK_TRACE"] = "1"
+        del params
+        rows = {}
+        for m in ms:
+            tok = torch.full((m,), 7, device="cuda")
+            for _ in range(4):
+                traced.forward(tok, a.pos)
+            runs = []
+            for _ in range(9):
+                traced.trace.zero_()
+                traced.forward(tok, a.pos)
+                torch.cuda.synchronize()
+                runs.append(traced.stage_times(0))
+            st = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            st["step_us"] = step_us(plain, tok, a.pos)
+            rows[m] = st
+        doc.append({"model": model, "pos": a.pos, "stages": rows})
+        keys = list(rows[ms[0]])
+        print(f"\n{model}, position {a.pos}: µs per layer by stage (block 0, traced), step µs untraced")
+        print("| stage | " + " | ".join(f"M = {m}" for m in ms) + " | " + " | ".join(f"×{m}/1" for m in ms[1:]) + " |")
+        print("|---|" + "---:|" * (2 * len(ms) - 1))
+        for k in keys:
+            v = [rows[m][k] for m in ms]
+            ratio = [f"{x / v[0]:.2f}" if v[0] > 0.05 else "" for x in v[1:]]
+            print(f"| {k} | " + " | ".join(f"{x:.2f}" for x in v) + " | " + " | ".join(ratio) + " |")
+        del traced, plain
+        torch.cuda.empty_cache()
+    if a.json:
+        Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
