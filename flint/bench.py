@@ -36,6 +36,7 @@ Run: ``flint bench --model synthetic:granite-4.1-3b --backend reference,compiled
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -543,13 +544,84 @@ def run_draft_bench(model: str | None, backends: list[str], draft_path: str, k: 
     return doc
 
 
+def run_oracle_bench(model: str, backends: list[str], ks: list[int], accepts: list[float], n_prompts: int,
+                     max_new_tokens: int, device: str | None = None, group_size: int = 128, seed: int = 0,
+                     draft_vocab: int = 8192, log=print) -> dict:
+    """Speculative vs plain greedy decoding with ORACLE acceptance (flint.oracle; benchmarking only): a random
+    draft shaped like the shipped one (one MLP block of the target's intermediate size, a ``draft_vocab``-row head)
+    runs its rollout, and its proposals are replaced by the target's own continuation, each kept with probability
+    ``accept``. Random prompts of 32 token ids; plain is the host loop of the same run."""
+    from .draft import DraftHead, draft_config_for
+    from .engine import Engine, SamplingParams
+    from .oracle import OracleDraft, expected_tokens_per_step
+    from .speculative import SpeculativeEngine
+
+    dev = torch.device(device or default_device())
+    lm = load_bench_model(model, group_size, dev, seed)
+    cfg = lm.cfg
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, cfg.vocab_size, (32,), generator=g).tolist() for _ in range(n_prompts)]
+    sp = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    doc = {"device": device_name(dev), "model": model, "oracle": True,
+           "note": "ORACLE acceptance (benchmarking only): the draft's rollout runs, its proposals are replaced by "
+                   "the target's own greedy continuation, each kept with probability oracle_accept",
+           "speculative": []}
+    for bname in backends:
+        backend = make_backend(bname, lm, max_seq_len=32 + max_new_tokens + 16, device=str(dev), group_size=group_size)
+        plain = Engine(backend)
+        plain.generate(prompts[0], dataclasses.replace(sp, max_new_tokens=8))  # warm-up
+        refs, plain_s = [], 0.0
+        for pr in prompts:
+            plain.cached = []
+            res = plain.generate(pr, sp)
+            refs.append(pr + res.token_ids)
+            plain_s += res.decode_s
+        plain_tok_s = n_prompts * (max_new_tokens - 1) / plain_s
+        torch.manual_seed(seed)
+        inner = DraftHead(draft_config_for(cfg)).to(backend.device, torch.bfloat16)
+        nv = draft_vocab if 0 < draft_vocab < cfg.vocab_size else None
+        vocab = torch.randperm(cfg.vocab_size, generator=g)[:nv] if nv else None
+        inner.attach_target(cfg, lm.params, device=backend.device, dtype=torch.bfloat16, vocab=vocab)
+        for k in ks:
+            for a in accepts:
+                steps = acc = tokens = 0
+                spec_s = 0.0
+                identical = off = 0
+                for i, pr in enumerate(prompts):
+                    draft = OracleDraft(inner, refs[i], a, cfg.vocab_size, seed=seed + i)
+                    eng = SpeculativeEngine(backend, None, draft, k=k)
+                    if i == 0:  # warm-up: the draft's graphs for every k reached
+                        eng.generate(pr, dataclasses.replace(sp, max_new_tokens=2 * k + 2))
+                    eng.cached = []
+                    res = eng.generate(pr, sp)
+                    st = eng.last_stats
+                    steps, acc, tokens = steps + st.steps, acc + st.accepted, tokens + len(res.token_ids) - 1
+                    spec_s += res.decode_s
+                    identical += int(pr + res.token_ids == refs[i])
+                    off += draft.off_reference
+                row = {"backend": bname, "k": k, "oracle_accept": a, "draft_vocab": nv or cfg.vocab_size,
+                       "prompts": n_prompts, "tokens_per_step": round((acc + steps) / steps, 3),
+                       "expected_tokens_per_step": round(expected_tokens_per_step(a, k), 3),
+                       "spec_tok_s": round(tokens / spec_s, 1), "plain_tok_s": round(plain_tok_s, 1),
+                       "identical_to_plain": f"{identical}/{n_prompts}"}
+                if off:
+                    row["off_reference_proposals"] = off
+                doc["speculative"].append(row)
+                log(f"  {bname} k={k} oracle_accept={a}: {row}", file=sys.stderr)
+    return doc
+
+
 def draft_table(doc: dict) -> str:
     cols = ["backend", "k", "draft_vocab", "kind", "prompts", "tokens_per_step", "accept_rate", "spec_tok_s",
             "plain_tok_s", "identical_to_plain"]
+    if doc.get("oracle"):
+        cols = [c if c != "kind" else "oracle_accept" for c in cols if c != "accept_rate"]
+        cols.insert(cols.index("tokens_per_step") + 1, "expected_tokens_per_step")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in doc["speculative"]:
         lines.append("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
-    return "\n".join(lines) + "\n\ntokens_per_step counts the target's own token (1 + accepted drafts)."
+    note = "\n\n" + doc["note"] + "." if doc.get("oracle") else ""
+    return "\n".join(lines) + "\n\ntokens_per_step counts the target's own token (1 + accepted drafts)." + note
 
 
 def default_backends(device: torch.device) -> str:
@@ -561,6 +633,23 @@ def default_backends(device: torch.device) -> str:
 def _run(args) -> int:
     dev = torch.device(args.device or default_device())
     args.backend = args.backend or default_backends(dev)
+    if args.draft == "oracle":
+        if not (args.model or "").startswith("synthetic:"):
+            raise BenchError("--draft oracle is for synthetic models (random weights accept nothing); a real model "
+                             "measures its real acceptance with --draft PATH")
+        if args.temperature:
+            raise BenchError("--draft oracle is greedy only (--temperature 0)")
+        if args.draft_vocab and len(_parse_list(args.draft_vocab, "draft-vocab", int)) > 1:
+            raise BenchError("--draft oracle takes one --draft-vocab size")
+        doc = run_oracle_bench(args.model, _parse_list(args.backend, "backend"),
+                               _parse_list(args.draft_k, "draft-k", int) if args.draft_k else [4],
+                               _parse_list(args.oracle_accept, "oracle-accept", float), args.draft_prompts,
+                               args.tokens * 4, device=str(dev), group_size=args.group_size, seed=args.seed,
+                               draft_vocab=int(args.draft_vocab) if args.draft_vocab else 8192)
+        print(draft_table(doc))
+        if args.json:
+            Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+        return 0
     if args.draft:
         doc = run_draft_bench(args.model, _parse_list(args.backend, "backend"), args.draft,
                               _parse_list(args.draft_k, "draft-k", int) if args.draft_k else None,
@@ -616,7 +705,8 @@ def register(sub) -> None:
                         "per token (default device)")
     p.add_argument("--draft", default=None, metavar="PATH",
                    help="speculative decoding with this draft head (a path or a shipped name, e.g. "
-                        "smollm2-135m; ngram: prompt-lookup proposals, no draft model): acceptance and tok/s "
+                        "smollm2-135m; ngram: prompt-lookup proposals, no draft model; oracle: synthetic models "
+                        "only, acceptance set by --oracle-accept, benchmarking only): acceptance and tok/s "
                         "beside plain decoding, on real prompts")
     p.add_argument("--verify", default=None, metavar="M,...",
                    help="also time one forward of M tokens (a verify step of M - 1 drafts) at every ctx, e.g. "
@@ -625,6 +715,9 @@ def register(sub) -> None:
                    help="draft tokens per verify step, comma-separated to sweep (default: the draft's)")
     p.add_argument("--draft-vocab", default=None, metavar="N,...",
                    help="drafting vocabulary sizes to compare (default: the draft's own; 0: the full vocabulary)")
+    p.add_argument("--oracle-accept", default="0.7", metavar="A,...",
+                   help="with --draft oracle (synthetic models, benchmarking only): the probability each draft token "
+                        "is kept, comma-separated to sweep (default 0.7: 2.8 tokens per step at k = 4)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="with --draft: sample at this temperature (lossless speculative sampling; default 0 = greedy)")
     p.add_argument("--draft-prompts", type=int, default=2, help="held-out prompts per kind (default 2)")
