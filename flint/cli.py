@@ -63,15 +63,16 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*a, **kw)
 
 
-def int_at_least(lo: int):
-    """argparse type: an integer >= lo."""
+def int_at_least(lo: int, hi: int | None = None):
+    """argparse type: an integer >= lo (and <= hi when given)."""
     def parse(s: str) -> int:
         try:
             v = int(s)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        if v < lo or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}" if hi is None else
+                                             f"must be in [{lo}, {hi}], got {v}")
         return v
     return parse
 
@@ -245,7 +246,8 @@ def _sampling_args(p):
     p.add_argument("--top-p", type=finite_float(0.0, 1.0, lo_open=True), default=1.0,
                    help="nucleus sampling mass, in (0, 1]; 1 = off")
     p.add_argument("--top-k", type=int_at_least(0), default=0, help="sample from the k likeliest; 0 = off")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    p.add_argument("--seed", type=int_at_least(-2**63, 2**64 - 1), default=None,  # torch's range
+                   help="sampling seed (default: random)")
     p.add_argument("--stop", action="append", default=[], type=nonempty_text_arg,
                    help="stop string (repeatable)")
     p.set_defaults(sampling=True)

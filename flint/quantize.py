@@ -194,6 +194,11 @@ def check_out_dir(model: str | None, out: Path, force: bool = False) -> None:
     """Refuse an OUT that quantizing ``model`` into must not touch; runs before any work."""
     if out.exists() and not out.is_dir():
         raise QuantizeError(f"{out}: exists and is not a directory")
+    parent = next(p for p in out.absolute().parents if p.exists())
+    if not parent.is_dir():
+        raise QuantizeError(f"{out}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK):  # the checkpoint is written next to OUT, then renamed
+        raise QuantizeError(f"{out}: {parent} is not writable")
     if not out.is_dir():
         return
     resolved = out.resolve()

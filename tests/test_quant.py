@@ -164,6 +164,8 @@ def test_quantize_checkpoint_refuses_a_non_empty_out_before_any_work(tiny_llama_
     err = capsys.readouterr().err
     assert f"flint: error: {out}: is not empty" in err and "--force" in err
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    assert _quantize_cli(str(tiny_llama_dir), str(out / "notes.txt" / "q")) == 2
+    assert f"{out / 'notes.txt'} is not a directory" in capsys.readouterr().err
     # the source itself, or a folder holding it, is refused even with --force
     assert _quantize_cli(str(tiny_llama_dir), str(tiny_llama_dir), "--force") == 2
     assert "holds the source model" in capsys.readouterr().err
