@@ -33,9 +33,10 @@ SELFTEST_KEYWORD = "paris"
 
 
 # Batch-1 decode is memory-bound: on a 2-core box one thread decodes as fast as two when the box
-# is quiet and 2.3x faster when another process is busy (OpenMP's spin-waiting threads then fight
-# it for the cores): embedded SmolLM2, reference fp32, 14.9 vs 14.5 tok/s quiet, 12.8 vs 5.6 with
-# one busy process. Larger machines keep torch's own choice.
+# is quiet and 2-3x faster when other processes are busy (OpenMP's spin-waiting threads then
+# fight them for the cores). Embedded SmolLM2, reference fp32, 1 vs 2 threads: 14.9 vs 14.5 tok/s
+# quiet, 12.8 vs 5.6 beside one busy process; on a box already loaded by other jobs 7.9 vs 2.7
+# beside one and 3.0 vs 1.1 beside two. Larger machines keep torch's own choice.
 SMALL_MACHINE_CORES = 2
 
 
@@ -137,7 +138,8 @@ def read_text(path: str) -> str:
     """The UTF-8 text of file ``path`` ('-' = stdin); a non-UTF-8 byte is an error naming it."""
     name = "stdin" if path == "-" else path
     if path == "-":
-        raw = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+        raw = (sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer")
+               else sys.stdin.read().encode("utf-8", "surrogateescape"))
     else:
         with open(path, "rb") as fh:
             raw = fh.read()
@@ -416,7 +418,14 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # not built yet
             raise
         m.register(sub)
+    ranged = {"port": int_at_least(0, 65535), "temperature": finite_float(0.0),
+              "max_new_tokens": int_at_least(0)}
     for p in leaf_parsers(ap):
+        for a in p._actions:
+            # a subcommand module's plain int / float option of this name gets its range checked
+            # at parse time (an out-of-range port would otherwise wrap around modulo 65536)
+            if a.dest in ranged and a.type in (int, float):
+                a.type = ranged[a.dest]
         if "--threads" not in p._option_string_actions:
             p.add_argument("--threads", type=int_at_least(1), default=None,
                            help=f"torch CPU threads (default: 1 on a machine with at most "

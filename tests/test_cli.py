@@ -73,6 +73,27 @@ def test_bad_values_are_refused_before_the_model_loads(argv, needle, no_model_lo
     assert "flint generate: error: " in err and needle in err, err
 
 
+@pytest.mark.parametrize("argv, needle", [
+    (["serve", "--port", "70000"], "flint serve: error: argument --port: must be in [0, 65535], got 70000"),
+    (["draft", "harvest", "--out", "unused", "--temperature", "-1"],
+     "flint draft harvest: error: argument --temperature: must be a finite number >= 0"),
+    (["bench", "--device", "cuda:99"], "flint bench: error: --device 'cuda:99'"),
+])
+def test_other_subcommands_refuse_out_of_range_values_at_parse_time(argv, needle, monkeypatch, capsys):
+    import flint.bench
+    import flint.draft
+    import flint.server
+
+    def ran(args):
+        raise AssertionError(f"flint {args.command} ran with a bad value")
+    for mod, fn in ((flint.server, "cmd_serve"), (flint.draft, "cmd_harvest"), (flint.bench, "_run")):
+        monkeypatch.setattr(mod, fn, ran)  # register() reads these names when main() builds the parser
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
 def test_non_utf8_argv_from_a_real_command_line_is_refused_without_traceback(tiny_llama_dir):
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     env.pop("FLINT_DEBUG", None)
