@@ -202,6 +202,9 @@ def check_out_dir(model: str | None, out: Path, force: bool = False) -> None:
     if not out.is_dir():
         return
     resolved = out.resolve()
+    for label, precious in (("the current directory", Path.cwd()), ("your home directory", Path.home())):
+        if resolved == precious or resolved in precious.parents:  # a swap would delete it
+            raise QuantizeError(f"{out}: is or holds {label} ({precious}); choose another OUT directory")
     if model and Path(model).exists():
         src = Path(model).resolve()
         if src == resolved or resolved in src.parents:
@@ -211,9 +214,6 @@ def check_out_dir(model: str | None, out: Path, force: bool = False) -> None:
     if not force:
         raise QuantizeError(f"{out}: is not empty; choose an empty or new OUT directory, "
                             "or pass --force to replace its contents")
-    for precious in (Path.cwd(), Path.home()):
-        if resolved == precious or resolved in precious.parents:
-            raise QuantizeError(f"{out}: --force would delete {precious}; choose another OUT directory")
 
 
 def _sibling(out: Path, tag: str) -> Path:
@@ -225,6 +225,7 @@ def write_dir_atomically(out: Path, write) -> Path:
     """Call ``write(tmp)`` on a new folder next to ``out``, then put it in place of ``out``
     (an existing ``out`` is swapped out and deleted). On any failure, Ctrl-C included, the
     partial folder is removed and ``out`` is left as it was."""
+    out = Path(os.path.abspath(out))  # "x/.." has no usable .name to put a sibling next to
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = _sibling(out, "partial")
     tmp.mkdir()
@@ -238,7 +239,10 @@ def write_dir_atomically(out: Path, write) -> Path:
             except BaseException:
                 os.rename(old, out)
                 raise
-            shutil.rmtree(old, ignore_errors=True)
+            if old.is_symlink():  # OUT was a link: drop the link, not what it pointed to
+                old.unlink()
+            else:
+                shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, out)
     except BaseException:

@@ -169,6 +169,10 @@ def test_quantize_checkpoint_refuses_a_non_empty_out_before_any_work(tiny_llama_
     # the source itself, or a folder holding it, is refused even with --force
     assert _quantize_cli(str(tiny_llama_dir), str(tiny_llama_dir), "--force") == 2
     assert "holds the source model" in capsys.readouterr().err
+    monkeypatch.chdir(out)  # and so is the folder a shell stands in
+    assert _quantize_cli(str(tiny_llama_dir), ".", "--force") == 2
+    assert "is or holds the current directory" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
 
 
 def test_quantize_checkpoint_force_replaces_a_stale_sharded_checkpoint(tiny_llama_dir, tmp_path):
