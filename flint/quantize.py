@@ -21,10 +21,17 @@ when G matches and re-fitted (a second rounding, printed) when it does not; floa
 quantized round-to-nearest. The default G is the source's int4 group size, else 128, or the largest
 smaller one that divides every K (64 for SmolLM2's K = 576). A G that does not divide some K is an
 error naming the tensor. Test: ``pytest tests/test_quant.py -k checkpoint``.
+
+Writing: the checkpoint is written into a hidden folder next to OUT and renamed to OUT at the end,
+so an interrupted or failed run leaves nothing under OUT (the partial folder is removed). A
+non-empty OUT is refused before any work unless --force, which swaps the new folder in for the
+old one, so no file of the old checkpoint (a stale shard index) survives next to the new one.
 """
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import shutil
 import sys
 from pathlib import Path
@@ -183,25 +190,84 @@ def save_checkpoint(lm: LoadedModel, params: dict, group_size: int, out: str | P
     return out
 
 
-def quantize_checkpoint(model: str | None, out: str | Path, group_size: int | None = None,
-                        float_head: bool = False, log=print) -> Path:
-    """Load ``model`` (any load_model spec), quantize it and write it to ``out``."""
-    out = Path(out)
+def check_out_dir(model: str | None, out: Path, force: bool = False) -> None:
+    """Refuse an OUT that quantizing ``model`` into must not touch; runs before any work."""
     if out.exists() and not out.is_dir():
         raise QuantizeError(f"{out}: exists and is not a directory")
-    if out.is_dir() and (out / "model.safetensors").exists() and model and Path(model).resolve() == out.resolve():
-        raise QuantizeError(f"{out}: is the source model; choose another OUT directory")
+    parent = next(p for p in out.absolute().parents if p.exists())
+    if not parent.is_dir():
+        raise QuantizeError(f"{out}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK):  # the checkpoint is written next to OUT, then renamed
+        raise QuantizeError(f"{out}: {parent} is not writable")
+    if not out.is_dir():
+        return
+    resolved = out.resolve()
+    for label, precious in (("the current directory", Path.cwd()), ("your home directory", Path.home())):
+        if resolved == precious or resolved in precious.parents:  # a swap would delete it
+            raise QuantizeError(f"{out}: is or holds {label} ({precious}); choose another OUT directory")
+    if model and Path(model).exists():
+        src = Path(model).resolve()
+        if src == resolved or resolved in src.parents:
+            raise QuantizeError(f"{out}: holds the source model; choose another OUT directory")
+    if not any(out.iterdir()):
+        return
+    if not force:
+        raise QuantizeError(f"{out}: is not empty; choose an empty or new OUT directory, "
+                            "or pass --force to replace its contents")
+
+
+def _sibling(out: Path, tag: str) -> Path:
+    """A fresh hidden path next to ``out`` (same filesystem, so renames are atomic)."""
+    return out.parent / f".{out.name}.{tag}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def write_dir_atomically(out: Path, write) -> Path:
+    """Call ``write(tmp)`` on a new folder next to ``out``, then put it in place of ``out``
+    (an existing ``out`` is swapped out and deleted). On any failure, Ctrl-C included, the
+    partial folder is removed and ``out`` is left as it was."""
+    out = Path(os.path.abspath(out))  # "x/.." has no usable .name to put a sibling next to
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _sibling(out, "partial")
+    tmp.mkdir()
+    try:
+        write(tmp)
+        if out.exists():
+            old = _sibling(out, "old")
+            os.rename(out, old)
+            try:
+                os.rename(tmp, out)
+            except BaseException:
+                os.rename(old, out)
+                raise
+            if old.is_symlink():  # OUT was a link: drop the link, not what it pointed to
+                old.unlink()
+            else:
+                shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def quantize_checkpoint(model: str | None, out: str | Path, group_size: int | None = None,
+                        float_head: bool = False, log=print, force: bool = False) -> Path:
+    """Load ``model`` (any load_model spec), quantize it and write it to ``out``; a non-empty
+    ``out`` is refused unless ``force`` (then replaced as a whole)."""
+    out = Path(out)
+    check_out_dir(model, out, force)
     lm = load_model(model)
     g = group_size or default_group_size(lm.params)
     params = quantize_for_checkpoint(lm.params, g, float_head, log)
-    save_checkpoint(lm, params, g, out)
+    write_dir_atomically(out, lambda tmp: save_checkpoint(lm, params, g, tmp))
     n4 = sum(w.nbytes for w in params.values() if isinstance(w, Int4Weight))
     log(f"flint quantize: wrote {out} (group size {g}, int4 weights {n4 / 1e6:.1f} MB)", file=sys.stderr)
     return out
 
 
 def _run(args) -> int:
-    quantize_checkpoint(args.model, args.out, args.group_size, args.float_head)
+    quantize_checkpoint(args.model, args.out, args.group_size, args.float_head, force=args.force)
     return 0
 
 
@@ -217,6 +283,8 @@ def register(sub) -> None:
                         "or the largest that divides every K)")
     p.add_argument("--float-head", action="store_true",
                    help="keep the LM head in float (default: int4 like the other linear weights)")
+    p.add_argument("--force", action="store_true",
+                   help="replace a non-empty OUT (the old folder is deleted once the new one is complete)")
     p.set_defaults(func=_run)
 
 

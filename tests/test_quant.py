@@ -143,6 +143,79 @@ def test_quantize_group_size_must_divide_k(tiny_llama_dir, tmp_path):
         quantize_checkpoint(str(tiny_llama_dir), tmp_path / "q", group_size=64, log=lambda *a, **k: None)
 
 
+def _quantize_cli(*argv: str) -> int:
+    from flint.cli import main
+
+    return main(["quantize", *argv, "--group-size", "32"])
+
+
+def test_quantize_checkpoint_refuses_a_non_empty_out_before_any_work(tiny_llama_dir, tmp_path,
+                                                                       monkeypatch, capsys):
+    import flint.quantize
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before OUT was checked")
+    monkeypatch.setattr(flint.quantize, "load_model", refuse)
+    assert _quantize_cli(str(tiny_llama_dir), str(out)) == 2
+    err = capsys.readouterr().err
+    assert f"flint: error: {out}: is not empty" in err and "--force" in err
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    assert _quantize_cli(str(tiny_llama_dir), str(out / "notes.txt" / "q")) == 2
+    assert f"{out / 'notes.txt'} is not a directory" in capsys.readouterr().err
+    # the source itself, or a folder holding it, is refused even with --force
+    assert _quantize_cli(str(tiny_llama_dir), str(tiny_llama_dir), "--force") == 2
+    assert "holds the source model" in capsys.readouterr().err
+    monkeypatch.chdir(out)  # and so is the folder a shell stands in
+    assert _quantize_cli(str(tiny_llama_dir), ".", "--force") == 2
+    assert "is or holds the current directory" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def test_quantize_checkpoint_force_replaces_a_stale_sharded_checkpoint(tiny_llama_dir, tmp_path):
+    """--force over an old sharded checkpoint: its index must not survive to shadow the new file
+    (the loader reads model.safetensors.index.json first and then misses "embed")."""
+    from flint.loading import load_model
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}))
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"old")
+    assert _quantize_cli(str(tiny_llama_dir), str(out), "--force") == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"])
+    assert load_model(str(out)).cfg.num_layers == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary folder left
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_quantize_checkpoint_interrupted_leaves_nothing_half_written(tiny_llama_dir, tmp_path, monkeypatch,
+                                                                     existing):
+    """Ctrl-C after the weights and config are written but before the tokenizer: OUT is absent
+    (or, with --force over an old checkpoint, that old checkpoint unchanged), and no partial folder
+    is left next to it."""
+    import flint.quantize
+    from conftest import dir_snapshot
+
+    out = tmp_path / "out"
+    if existing:
+        assert _quantize_cli(str(tiny_llama_dir), str(out)) == 0
+    before = dir_snapshot(out) if existing else None
+
+    def interrupt(lm, where):
+        assert (where / "model.safetensors").exists()
+        raise KeyboardInterrupt
+    monkeypatch.setattr(flint.quantize, "_write_tokenizer", interrupt)
+    assert _quantize_cli(str(tiny_llama_dir), str(out), *(["--force"] if existing else [])) == 130
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["out"] if existing else [])
+    if existing:
+        assert dir_snapshot(out) == before
+
+
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
     from flint.loading import LoadError, embedded_gguf_path, read_gguf

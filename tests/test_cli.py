@@ -1,0 +1,186 @@
+"""The `flint` command's handling of its input: bad values refused before a model loads, non-UTF-8
+bytes in argv, prompt files and chat lines, --prompt-file / stdin, /help, --threads, help text with
+defaults and --version. In-process through flint.cli.main (one subprocess for real argv bytes).
+
+Run: ``pytest tests/test_cli.py`` (~10 s).
+"""
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flint import __version__
+from flint.cli import build_parser, main
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BAD = b"ab\xffcd".decode("utf-8", "surrogateescape")  # how Linux hands the bytes ab\xffcd to argv
+
+
+@pytest.fixture(autouse=True)
+def keep_torch_threads():
+    """main() sets torch's thread count for the process; give the other tests theirs back."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def gen_args(model_dir, *extra: str) -> list[str]:
+    return ["generate", "--model", str(model_dir), "--backend", "reference", "--device", "cpu",
+            "--max-new-tokens", "4", *extra]
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail the test if `flint generate` tries to load a model."""
+    import flint.loading
+
+    build_parser()  # import the subcommand modules first: they must keep the real load_model
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the arguments were checked")
+    monkeypatch.setattr(flint.loading, "load_model", refuse)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--temperature", "-1"], "argument --temperature: must be a finite number >= 0, got -1"),
+    (["--temperature", "nan"], "argument --temperature: must be a finite number"),
+    (["--top-p", "0"], "argument --top-p: must be a finite number in (0, 1], got 0"),
+    (["--top-p", "1.5"], "argument --top-p"),
+    (["--top-k", "-2"], "argument --top-k: must be >= 0, got -2"),
+    (["--max-new-tokens", "-1"], "argument --max-new-tokens: must be >= 0"),
+    (["--max-seq-len", "0"], "argument --max-seq-len: must be >= 1, got 0"),
+    (["--draft", "ngram", "--draft-k", "0"], "argument --draft-k: must be >= 1"),
+    (["--stop", ""], "argument --stop: must not be empty"),
+    (["--threads", "0"], "argument --threads: must be >= 1"),
+    (["--device", "gpu0"], "--device 'gpu0': not a device"),
+    (["--device", "cuda:99"], "--device 'cuda:99'"),
+    (["--prompt", BAD], "argument --prompt: not valid UTF-8 at byte 2 (0xff)"),
+    (["--prompt", "hi", "--chat", "--system", BAD], "argument --system: not valid UTF-8 at byte 2"),
+])
+def test_bad_values_are_refused_before_the_model_loads(argv, needle, no_model_load, capsys):
+    if "--prompt" not in argv:
+        argv = ["--prompt", "hi", *argv]
+    with pytest.raises(SystemExit) as info:
+        main(gen_args("unused", *argv))
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert "flint generate: error: " in err and needle in err, err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["serve", "--port", "70000"], "flint serve: error: argument --port: must be in [0, 65535], got 70000"),
+    (["draft", "harvest", "--out", "unused", "--temperature", "-1"],
+     "flint draft harvest: error: argument --temperature: must be a finite number >= 0"),
+    (["bench", "--device", "cuda:99"], "flint bench: error: --device 'cuda:99'"),
+])
+def test_other_subcommands_refuse_out_of_range_values_at_parse_time(argv, needle, monkeypatch, capsys):
+    import flint.bench
+    import flint.draft
+    import flint.server
+
+    def ran(args):
+        raise AssertionError(f"flint {args.command} ran with a bad value")
+    for mod, fn in ((flint.server, "cmd_serve"), (flint.draft, "cmd_harvest"), (flint.bench, "_run")):
+        monkeypatch.setattr(mod, fn, ran)  # register() reads these names when main() builds the parser
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_non_utf8_argv_from_a_real_command_line_is_refused_without_traceback(tiny_llama_dir):
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    env.pop("FLINT_DEBUG", None)
+    argv = [sys.executable.encode(), b"-m", b"flint", *(a.encode() for a in gen_args(tiny_llama_dir)),
+            b"--prompt", b"caf\xe9"]  # Latin-1, not UTF-8
+    r = subprocess.run(argv, env=env, capture_output=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert b"Traceback" not in r.stderr
+    assert b"argument --prompt: not valid UTF-8 at byte 3 (0xe9)" in r.stderr
+    assert r.stdout == b""
+
+
+def test_prompt_file_and_stdin_give_the_prompt(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    prompt = "héllo wörld"
+    assert main(gen_args(tiny_llama_dir, "--prompt", prompt)) == 0
+    want = capsys.readouterr().out
+    assert want.strip()
+    f = tmp_path / "prompt.txt"
+    f.write_text(prompt, encoding="utf-8")
+    assert main(gen_args(tiny_llama_dir, "--prompt-file", str(f))) == 0
+    assert capsys.readouterr().out == want
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(prompt.encode()), encoding="utf-8"))
+    assert main(gen_args(tiny_llama_dir, "--prompt-file", "-")) == 0
+    assert capsys.readouterr().out == want
+
+
+def test_prompt_file_not_utf8_names_file_and_byte(tmp_path, no_model_load, capsys):
+    f = tmp_path / "latin1.txt"
+    f.write_bytes("naïve".encode("latin-1"))
+    assert main(gen_args("unused", "--prompt-file", str(f))) == 2
+    assert f"flint: error: {f}: not valid UTF-8 at byte 2 (0xef)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # one prompt source, not two
+        main(gen_args("unused", "--prompt", "x", "--prompt-file", str(f)))
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_chat_survives_a_non_utf8_line_and_has_help(tiny_llama_dir, monkeypatch, capsys):
+    lines = b"ab\xffcd\n/help\nhi\n"  # a strict UTF-8 stdin, as on a UTF-8 terminal
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(lines), encoding="utf-8"))
+    argv = ["chat", "--model", str(tiny_llama_dir), "--backend", "reference", "--device", "cpu",
+            "--max-new-tokens", "3"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "not valid UTF-8 at byte 2 (0xff); nothing was sent" in err
+    assert "/help" in out.splitlines()[0]  # the banner names it
+    for cmd in ("/reset", "/stats", "/exit"):
+        assert f"  {cmd} " in out, out
+    assert out.count("⚡ 3 tokens") == 1  # "hi" got its answer; the bad line got none
+
+
+def test_every_subcommand_takes_threads_and_help_shows_defaults():
+    from flint.cli import leaf_parsers
+
+    ap = build_parser()
+    leaves = list(leaf_parsers(ap))
+    names = {p.prog for p in leaves}
+    for cmd in ("chat", "generate", "quantize", "bench", "eval", "serve", "draft harvest", "draft train"):
+        assert f"flint {cmd}" in names, names
+    for p in leaves:
+        assert "--threads" in p._option_string_actions, p.prog
+    text = " ".join(next(p for p in leaves if p.prog == "flint generate").format_help().split())
+    assert "tokens to generate at most (default: 256)" in text
+    assert "0 = greedy (default: 0.0)" in text
+    assert "--seed SEED sampling seed (default: random)" in text  # a default the help names is not repeated
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"flint {__version__}"
+
+
+def test_threads_flag_and_small_machine_default(tiny_llama_dir, monkeypatch, capsys):
+    import flint.cli
+
+    torch.set_num_threads(2)
+    assert main(gen_args(tiny_llama_dir, "--prompt", "hi", "--threads", "1")) == 0
+    assert torch.get_num_threads() == 1
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for cores, want in ((2, 1), (64, 2)):  # small machine: 1 thread; a large one keeps torch's
+        monkeypatch.setattr(flint.cli, "available_cores", lambda: cores)
+        torch.set_num_threads(2)
+        assert main(gen_args(tiny_llama_dir, "--prompt", "hi")) == 0
+        assert torch.get_num_threads() == want, cores
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's own setting wins over the default
+    monkeypatch.setattr(flint.cli, "available_cores", lambda: 2)
+    torch.set_num_threads(2)
+    assert main(gen_args(tiny_llama_dir, "--prompt", "hi")) == 0
+    assert torch.get_num_threads() == 2
