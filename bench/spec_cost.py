@@ -1,14 +1,14 @@
 """What one speculative step costs on the megakernel, by part (device; synthetic weights, a random
 draft head shaped like the shipped one: 1 MLP block, the target's intermediate size, bf16; the
-head either the target's whole tied head in bf16 or a pruned one of N rows, --draft-vocab). Acceptance is NOT measured here (random weights accept nothing): the
-tokens-per-step figures that turn these costs into tok/s come from the real SmolLM2 draft
+head either the target's whole tied head in bf16 or a pruned one of N rows, --draft-vocab).
+Acceptance is NOT measured here (random weights accept nothing): the tokens-per-step figures that turn these costs into tok/s come from the real SmolLM2 draft
 (docs/speculative.md, `flint bench --draft`).
 
     FLINT_KERNEL_DIR=build/kernels python3 bench/spec_cost.py [--models smollm2-135m,granite-4.1-3b] [--k 5]
 
 Per model: plain M = 1 step (greedy_next), verify steps M = 1..k+1 (forward with hidden states),
-the draft's k-step greedy rollout eager and as a CUDA graph, and the whole speculative loop
-(SpeculativeEngine, ignore_eos) per verify step, eager vs graphed draft. Medians of wall time around
+the draft's k-step greedy rollout eager, as a CUDA graph and as the one-launch kernel, and the whole
+speculative loop (SpeculativeEngine, ignore_eos) per verify step with each. Medians of wall time around
 synchronized calls (what the engine sees), in microseconds.
 """
 from __future__ import annotations
@@ -73,13 +73,11 @@ def run(model: str, k: int, ctx: int, vocabs: list[int]) -> dict:
         vocab = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(0))[:nv] if nv else None
         draft.attach_target(cfg, params, device="cuda", dtype=torch.bfloat16, vocab=vocab)
         torch.cuda.empty_cache()
-        os.environ["FLINT_DRAFT_GRAPH"] = "0"
-        out[f"draft_eager_us_{tag}"] = timed(lambda: draft.propose([7], hidden, k), 30)
-        os.environ["FLINT_DRAFT_GRAPH"] = "1"
-        out[f"draft_graph_us_{tag}"] = g = timed(lambda: draft.propose([7], hidden, k), 30)
-        out[f"draft_token_share_of_plain_{tag}"] = round(g / k / out["plain_step_us"], 4)
-        for mode in ("0", "1"):
-            os.environ["FLINT_DRAFT_GRAPH"] = mode
+        modes = {"eager": ("0", "0"), "graph": ("0", "1"), "kernel": ("1", "1")}  # FLINT_DRAFT_KERNEL, _GRAPH
+        for mode, (kern, graph) in modes.items():
+            os.environ["FLINT_DRAFT_KERNEL"], os.environ["FLINT_DRAFT_GRAPH"] = kern, graph
+            out[f"draft_{mode}_us_{tag}"] = r = timed(lambda: draft.propose([7], hidden, k), 30)
+            out[f"draft_token_share_of_plain_{mode}_{tag}"] = round(r / k / out["plain_step_us"], 4)
             eng = SpeculativeEngine(mk, None, draft, k=k)
             eng.generate(prompt, sp)
             torch.cuda.synchronize()
@@ -87,8 +85,8 @@ def run(model: str, k: int, ctx: int, vocabs: list[int]) -> dict:
             eng.generate(prompt, sp)
             dt = time.perf_counter() - t
             st = eng.last_stats
-            out[f"spec_step_us_{'graph' if mode == '1' else 'eager'}_{tag}"] = dt / st.steps * 1e6
-            out[f"spec_tokens_per_step_{'graph' if mode == '1' else 'eager'}_{tag}"] = st.tokens_per_step
+            out[f"spec_step_us_{mode}_{tag}"] = dt / st.steps * 1e6
+            out[f"spec_tokens_per_step_{mode}_{tag}"] = st.tokens_per_step
         draft.__dict__.pop("_graphs", None)
     del params
     return out
@@ -108,15 +106,17 @@ def main() -> None:
         r = run(model, a.k, a.ctx, vocabs)
         rows.append(r)
         print(json.dumps(r), flush=True)
-    print(f"\n| model | draft vocab | rollout k={a.k} graph us | per draft token us | share of plain step | "
-          "spec step us | verify M=k+1 us | plain step us |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print(f"\n| model | draft vocab | rollout k={a.k}: eager / graph / kernel us | per draft token (kernel) us | "
+          "share of plain step (graph → kernel) | spec step us (graph → kernel) | verify M=k+1 us | plain step us |")
+    print("|---|---|---|---:|---|---|---:|---:|")
     for r in rows:
         for nv in vocabs:
             t = f"v{nv}"
-            print(f"| {r['model']} | {nv or 'all'} | {r['draft_graph_us_' + t]:.0f} | {r['draft_graph_us_' + t] / a.k:.1f} | "
-                  f"{r['draft_token_share_of_plain_' + t]:.3f} | {r['spec_step_us_graph_' + t]:.0f} | "
-                  f"{r[f'verify_m{a.k + 1}_us']:.0f} | {r['plain_step_us']:.0f} |")
+            d = {m: r[f"draft_{m}_us_{t}"] for m in ("eager", "graph", "kernel")}
+            print(f"| {r['model']} | {nv or 'all'} | {d['eager']:.0f} / {d['graph']:.0f} / {d['kernel']:.0f} | "
+                  f"{d['kernel'] / a.k:.1f} | {r['draft_token_share_of_plain_graph_' + t]:.3f} → "
+                  f"{r['draft_token_share_of_plain_kernel_' + t]:.3f} | {r['spec_step_us_graph_' + t]:.0f} → "
+                  f"{r['spec_step_us_kernel_' + t]:.0f} | {r[f'verify_m{a.k + 1}_us']:.0f} | {r['plain_step_us']:.0f} |")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
 

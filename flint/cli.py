@@ -215,6 +215,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "or ngram (prompt-lookup proposals, any model, no draft model)")
     p.add_argument("--draft-k", type=int_at_least(1), default=None,
                    help="draft tokens per verify step (default: the draft's own)")
+    p.add_argument("--draft-vocab", type=int_at_least(0), default=None,
+                   help="draft from the N most generated tokens (a pruned head; default: the draft's own, "
+                        "0: the full vocabulary)")
 
 
 def load_engine(args, quiet: bool = False):
@@ -234,11 +237,12 @@ def load_engine(args, quiet: bool = False):
         from .draft import load_draft
         from .speculative import SpeculativeEngine
 
-        draft = load_draft(draft_path, lm.cfg, lm.params, device=backend.device)
+        draft = load_draft(draft_path, lm.cfg, lm.params, device=backend.device,
+                           draft_vocab=getattr(args, "draft_vocab", None))
         engine = SpeculativeEngine(backend, lm.tokenizer, draft, k=args.draft_k)
         if name == "megakernel" and not quiet:
-            print("flint: speculative decoding on the megakernel is exact but still slower than plain decoding "
-                  "(its verify step is not yet flat in M; docs/speculative.md)", file=sys.stderr)
+            print("flint: speculative decoding on the megakernel is exact but slower than plain decoding except on "
+                  "code prompts (its verify step is not yet flat in M; docs/speculative.md)", file=sys.stderr)
     return lm, backend, engine
 
 

@@ -294,8 +294,97 @@ class DraftHead(nn.Module):
         tok = torch.tensor([context_ids[-1]], device=self.device)
         u = None if greedy else torch.rand(k, generator=gen, device=self.device)
         sampling = () if greedy else (float(sp.temperature), int(sp.top_k), float(sp.top_p))
+        if greedy:
+            kr = self._kernel_rollout()
+            if kr is not None:
+                return kr(hidden, tok, k), None
         g = self._graphed_rollout(k, sampling)
         return g(h, tok, u) if g is not None else self._rollout(h, tok, k, u, sampling)
+
+    def _kernel_rollout(self) -> "_KernelRollout | None":
+        """The one-launch greedy rollout (flint/kernels/draft_kernel.cu) where it applies: CUDA, bf16, widths
+        divisible by 8, at most 4 MLP blocks; FLINT_DRAFT_KERNEL=0 turns it off (the graph then runs)."""
+        if (self.device.type != "cuda" or self.dtype != torch.bfloat16 or os.environ.get("FLINT_DRAFT_KERNEL", "1") == "0"
+                or self.cfg.hidden_size % 8 or self.cfg.intermediate_size % 8 or not 1 <= len(self.blocks) <= 4
+                or (self.embed_src is not None and self.embed_src.qweight.device != self.device)):
+            return None
+        key = (self.device, id(self.head), id(self.embed), id(self.vocab_ids), id(self.embed_src),
+               tuple(p._version for p in self.parameters()))
+        kr = self.__dict__.get("_kernel")
+        if kr is None or kr.key != key:
+            kr = _KernelRollout(self, key)
+            self.__dict__["_kernel"] = kr
+        return kr
+
+
+class _KernelRollout:
+    """The greedy k-step rollout as one cooperative launch of flint_draft_rollout (libflint_mk.so): the draft's
+    tensors made contiguous once, scratch for the hand-offs, a pointer table refreshed per call for its inputs."""
+
+    N_BLOCKS_MAX = 4
+
+    def __init__(self, draft: DraftHead, key):
+        import ctypes
+
+        from .megakernel import load_library
+
+        self.key = key
+        lib = load_library()
+        if not hasattr(lib, "flint_draft_rollout"):
+            raise DraftError("the kernel library has no flint_draft_rollout (rebuild: python -m flint.kernels.build --force)")
+        self.lib, self.ct = lib, ctypes
+        dev, bf = draft.device, torch.bfloat16
+        H, I = draft.cfg.hidden_size, draft.cfg.intermediate_size
+        c = lambda t, dt=bf: t.detach().to(device=dev, dtype=dt).contiguous()  # noqa: E731
+        self.keep = keep = {"fc": c(draft.fc.weight), "w_nh": c(draft.norm_hidden.weight), "w_ne": c(draft.norm_embed.weight),
+                            "w_final": c(draft.final_norm), "head": c(draft.head), "embed": c(draft.embed)}
+        for i, b in enumerate(draft.blocks):
+            keep[f"bn{i}"] = c(b.norm.weight)
+            keep[f"gu{i}"] = c(torch.cat((b.gate.weight, b.up.weight)))
+            keep[f"down{i}"] = c(b.down.weight)
+        src = draft.embed_src
+        if draft.vocab_ids is not None:
+            keep["ids"] = c(draft.vocab_ids, torch.long)
+            keep["e_q"], keep["e_s"], keep["e_m"] = src.qweight.contiguous(), src.scales.contiguous(), src.mins.contiguous()
+        nb = lib.flint_draft_grid_blocks()
+        if nb < 1:
+            raise DraftError("flint_draft_grid_blocks: no CUDA device")
+        keep["f"] = torch.empty(H, device=dev)
+        keep["act"] = torch.empty(I, device=dev)
+        keep["x"] = torch.empty(H, device=dev)
+        keep["keys"] = torch.empty(nb, dtype=torch.long, device=dev)
+        ptr = lambda name: keep[name].data_ptr() if name in keep else None  # noqa: E731
+        nblk = len(draft.blocks)
+        self.ptrs = [ptr("fc"), ptr("w_nh"), ptr("w_ne"),
+                     *[ptr(f"bn{i}") for i in range(self.N_BLOCKS_MAX)],
+                     *[ptr(f"gu{i}") for i in range(self.N_BLOCKS_MAX)],
+                     *[ptr(f"down{i}") for i in range(self.N_BLOCKS_MAX)],
+                     ptr("w_final"), ptr("head"), ptr("embed"), ptr("ids"),
+                     None,  # tok
+                     None if draft.vocab_ids is not None else ptr("embed"),
+                     ptr("e_q"), ptr("e_s"), ptr("e_m"),
+                     None,  # h0
+                     ptr("f"), ptr("act"), ptr("x"), ptr("keys"),
+                     None]  # out
+        self.i_tok, self.i_h0, self.i_out = 3 + 3 * self.N_BLOCKS_MAX + 4, 3 + 3 * self.N_BLOCKS_MAX + 9, len(self.ptrs) - 1
+        self.ints = [H, I, draft.head.shape[0], nblk, 0, src.group_size if draft.vocab_ids is not None else 0]
+        self.floats = (ctypes.c_float * 2)(draft.norm_hidden.eps, draft.target_eps)
+
+    def __call__(self, hidden: torch.Tensor, tok: torch.Tensor, k: int) -> torch.Tensor:
+        ct = self.ct
+        h0 = hidden.reshape(-1).to(device=self.keep["x"].device, dtype=torch.float32).contiguous()
+        tok = tok.to(torch.long).contiguous()
+        out = torch.empty(k, dtype=torch.long, device=h0.device)
+        ptrs = list(self.ptrs)
+        ptrs[self.i_tok], ptrs[self.i_h0], ptrs[self.i_out] = tok.data_ptr(), h0.data_ptr(), out.data_ptr()
+        ints = list(self.ints)
+        ints[4] = k
+        stream = torch.cuda.current_stream(h0.device)
+        rc = self.lib.flint_draft_rollout((ct.c_longlong * 6)(*ints), (ct.c_void_p * len(ptrs))(*ptrs), self.floats,
+                                          ct.c_void_p(stream.cuda_stream))
+        if rc != 0:
+            raise DraftError(f"flint_draft_rollout failed: CUDA error {rc}")
+        return out
 
 
 class _GraphedRollout:

@@ -61,6 +61,11 @@ def bind_library(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.flint_mk_smem_info.restype = ctypes.c_int
     lib.flint_mk_last_error.argtypes = []
     lib.flint_mk_last_error.restype = ctypes.c_char_p
+    if hasattr(lib, "flint_draft_rollout"):  # (variant libraries of older revisions lack the draft kernel)
+        lib.flint_draft_rollout.argtypes = [c_ll_p, ctypes.POINTER(vp), ctypes.POINTER(ctypes.c_float), vp]
+        lib.flint_draft_rollout.restype = ctypes.c_int
+        lib.flint_draft_grid_blocks.argtypes = []
+        lib.flint_draft_grid_blocks.restype = ctypes.c_int
     return lib
 
 

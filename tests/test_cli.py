@@ -56,6 +56,7 @@ def no_model_load(monkeypatch):
     (["--max-new-tokens", "-1"], "argument --max-new-tokens: must be >= 0"),
     (["--max-seq-len", "0"], "argument --max-seq-len: must be >= 1, got 0"),
     (["--draft", "ngram", "--draft-k", "0"], "argument --draft-k: must be >= 1"),
+    (["--draft", "smollm2-135m", "--draft-vocab", "-1"], "argument --draft-vocab: must be >= 0"),
     (["--stop", ""], "argument --stop: must not be empty"),
     (["--threads", "0"], "argument --threads: must be >= 1"),
     (["--device", "gpu0"], "--device 'gpu0': not a device"),

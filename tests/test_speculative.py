@@ -322,7 +322,7 @@ def test_graphed_rollout_matches_eager(k, pruned, temperature, monkeypatch):
     states, on a draft whose logits are spread (no argmax ties); also with a drafting vocabulary
     (the target's token embedded from the int4 layout), and sampling (the same uniform draws)."""
     lm = tiny_lm(vocab=300, hidden=64)
-    draft = random_draft(lm, seed=k).to("cuda")
+    draft = random_draft(lm, seed=k).to("cuda")  # fp32: the graph, not the bf16-only rollout kernel
     vocab = torch.randperm(300, generator=torch.Generator().manual_seed(k))[:120] if pruned else None
     draft.attach_target(lm.cfg, lm.params, device="cuda", dtype=torch.float32, vocab=vocab)
     g = torch.Generator().manual_seed(100 + k)
@@ -350,6 +350,57 @@ def test_greedy_identical_with_graphed_draft_on_cuda():
     be = Transformer(lm.cfg, params, 128, device="cuda", dtype=torch.float32)
     draft = random_draft(lm, seed=3).to("cuda")
     draft.attach_target(lm.cfg, params, device="cuda", dtype=torch.float32)
+    for prompt in PROMPTS:
+        sp = SamplingParams(max_new_tokens=30)
+        want = Engine(be).generate(prompt, sp)
+        got = SpeculativeEngine(be, None, draft, k=4).generate(prompt, sp)
+        assert got.token_ids == want.token_ids, prompt
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU (the draft's one-launch rollout kernel)")
+@pytest.mark.parametrize("pruned,layers", [(False, 1), (True, 1), (True, 2)])
+def test_kernel_rollout_matches_fp32_emulation(pruned, layers):
+    """flint_draft_rollout (one cooperative launch, fp32 arithmetic on bf16 weights) proposes the tokens of the
+    eager rollout run in fp32 on the same bf16-rounded weights, for fresh random hidden states and tokens; with a
+    drafting vocabulary (the target's token embedded from the int4 layout) and without; 1 and 2 MLP blocks."""
+    import copy
+
+    from flint.draft import DraftHead, draft_config_for
+
+    lm = tiny_lm(vocab=300, hidden=64)
+    torch.manual_seed(7)
+    draft = DraftHead(draft_config_for(lm.cfg, intermediate_size=48, num_layers=layers))
+    with torch.no_grad():
+        for b in draft.blocks:
+            torch.nn.init.normal_(b.down.weight, std=0.3)
+    draft = draft.to("cuda", torch.bfloat16)
+    vocab = torch.randperm(300, generator=torch.Generator().manual_seed(8))[:96] if pruned else None
+    draft.attach_target(lm.cfg, lm.params, device="cuda", dtype=torch.bfloat16, vocab=vocab)
+    ref = copy.deepcopy(draft).float()
+    ref.head, ref.embed, ref.final_norm = draft.head.float(), draft.embed.float(), draft.final_norm.float()
+    assert draft._kernel_rollout() is not None and ref._kernel_rollout() is None
+    g = torch.Generator().manual_seed(9)
+    for trial in range(6):
+        hidden = torch.randn(64, generator=g).cuda()
+        tok = torch.randint(0, 300, (1,), generator=g).cuda()
+        got, _ = draft.propose([int(tok)], hidden, 5)
+        want, _ = ref._rollout(hidden.view(1, -1), tok, 5)
+        assert got.tolist() == want.tolist(), (pruned, layers, trial)
+        if vocab is not None:
+            assert set(got.tolist()) <= set(vocab.tolist())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU (the draft's one-launch rollout kernel)")
+def test_greedy_identical_with_kernel_draft_on_cuda():
+    """Speculative decoding with the bf16 draft on its one-launch kernel: output equals plain greedy."""
+    lm = tiny_lm(eos=(5,), vocab=64, hidden=64)
+    params = {n: t.cuda() for n, t in lm.params.items()}
+    be = Transformer(lm.cfg, params, 128, device="cuda", dtype=torch.float32)
+    draft = random_draft(lm, seed=3).to("cuda", torch.bfloat16)
+    draft.attach_target(lm.cfg, params, device="cuda", dtype=torch.bfloat16, vocab=torch.arange(0, 64, 2))
+    assert draft._kernel_rollout() is not None
     for prompt in PROMPTS:
         sp = SamplingParams(max_new_tokens=30)
         want = Engine(be).generate(prompt, sp)

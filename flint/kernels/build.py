@@ -1,4 +1,5 @@
-"""Build the decode megakernel library (libflint_mk.so): the ONE place with nvcc flags.
+"""Build the decode megakernel library (libflint_mk.so, also holding the draft rollout kernel): the ONE place
+with nvcc flags.
 
 The library is cached in ``$FLINT_KERNEL_DIR/<hash>/`` (default ``~/.cache/flint/kernels/<hash>/``),
 keyed by a hash of the sources and flags, so a user on a Hopper GPU gets it built on first use and
@@ -26,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 # every source of the library (megakernel.cu includes the mk_*.cuh headers; the host part shares mk_common.cuh)
 SOURCES = ("mk_config.cuh", "mk_common.cuh", "mk_ptx.cuh", "mk_sync.cuh", "mk_trace.cuh", "mk_producer.cuh",
            "mk_stage.cuh", "mk_mma.cuh", "mk_matvec.cuh", "mk_ffn.cuh", "mk_attention.cuh", "megakernel.cu",
-           "megakernel_host.cu")
+           "megakernel_host.cu", "draft_kernel.cu")
 M_VALUES = tuple(range(1, 9))
 # more objects of megakernel.cu: (name, its -D flags); m1gu8 = M = 1 with gate|up's integer dot (groups of 128)
 EXTRA_OBJECTS = (("m1gu8", ("-DFLINT_MK_M=1", "-DFLINT_MK_GU8=1")),)
@@ -149,6 +150,7 @@ def build(force: bool = False, verbose: bool = False, traced: bool = False) -> P
                          str(tmp / f"mk_{name}.o")]) for name, defs in EXTRA_OBJECTS]
         jobs.append(("host", [nvcc, *flags, "-c", str(HERE / "megakernel_host.cu"), "-o",
                               str(tmp / "mk_host.o")]))
+        jobs.append(("draft", [nvcc, *flags, "-c", str(HERE / "draft_kernel.cu"), "-o", str(tmp / "draft.o")]))
         with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 4)) as ex:
             reports = list(ex.map(lambda j: (j[0], _run(j[1])), jobs))
         text = "\n".join(f"== {name}\n{rep}" for name, rep in reports)
