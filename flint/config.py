@@ -13,6 +13,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
+MAX_CONTEXT = 2**31 - 1
+
+
 class ConfigError(ValueError):
     """A config file or field flint cannot run; the message names the file and field."""
 
@@ -57,6 +60,25 @@ class ModelConfig:
                               f"num_key_value_heads={self.num_kv_heads}")
         if self.use_rope and self.head_dim % 2:
             raise ConfigError(f"{source}: head_dim={self.head_dim} must be even for RoPE")
+        if self.max_position_embeddings > MAX_CONTEXT:
+            raise ConfigError(f"{source}: field 'max_position_embeddings'={self.max_position_embeddings} "
+                              f"exceeds {MAX_CONTEXT} (positions are 32-bit)")
+        # a NaN, infinite, zero or negative value here runs without error and yields garbage
+        positive = ["rms_norm_eps", "embedding_multiplier", "residual_multiplier", "logits_scaling"]
+        if self.use_rope:
+            positive.append("rope_theta")
+        if self.attention_multiplier is not None:
+            positive.append("attention_multiplier")
+        for f in positive:
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < math.inf):
+                raise ConfigError(f"{source}: field {f!r} must be a finite number > 0, got {v!r}")
+        ids = ([] if self.bos_token_id is None else [("bos_token_id", self.bos_token_id)]) + [
+            ("eos_token_id", i) for i in self.eos_token_ids]
+        for f, i in ids:
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.vocab_size:
+                raise ConfigError(f"{source}: field {f!r}={i!r} is outside the vocabulary "
+                                  f"(size {self.vocab_size})")
         return self
 
     def to_json(self) -> dict:
