@@ -49,19 +49,24 @@ class ModelConfig:
             return float(self.attention_multiplier)
         return 1.0 / math.sqrt(self.head_dim)
 
-    def validate(self, source: str = "config") -> "ModelConfig":
+    def validate(self, source: str = "config", names: dict | None = None) -> "ModelConfig":
+        """Raise ConfigError for a value flint cannot run; ``names`` maps attributes to the
+        source's own field names for the message."""
+        def name(f):
+            return (names or {}).get(f, f)
+
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                   "num_kv_heads", "head_dim", "max_position_embeddings"):
             v = getattr(self, f)
             if not isinstance(v, int) or v <= 0:
-                raise ConfigError(f"{source}: field {f!r} must be a positive integer, got {v!r}")
+                raise ConfigError(f"{source}: field {name(f)!r} must be a positive integer, got {v!r}")
         if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"{source}: num_attention_heads={self.num_heads} is not a multiple of "
-                              f"num_key_value_heads={self.num_kv_heads}")
+            raise ConfigError(f"{source}: {name('num_heads')}={self.num_heads} is not a multiple of "
+                              f"{name('num_kv_heads')}={self.num_kv_heads}")
         if self.use_rope and self.head_dim % 2:
-            raise ConfigError(f"{source}: head_dim={self.head_dim} must be even for RoPE")
+            raise ConfigError(f"{source}: {name('head_dim')}={self.head_dim} must be even for RoPE")
         if self.max_position_embeddings > MAX_CONTEXT:
-            raise ConfigError(f"{source}: field 'max_position_embeddings'={self.max_position_embeddings} "
+            raise ConfigError(f"{source}: field {name('max_position_embeddings')!r}={self.max_position_embeddings} "
                               f"exceeds {MAX_CONTEXT} (positions are 32-bit)")
         # a NaN, infinite, zero or negative value here runs without error and yields garbage
         positive = ["rms_norm_eps", "embedding_multiplier", "residual_multiplier", "logits_scaling"]
@@ -72,12 +77,12 @@ class ModelConfig:
         for f in positive:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < math.inf):
-                raise ConfigError(f"{source}: field {f!r} must be a finite number > 0, got {v!r}")
+                raise ConfigError(f"{source}: field {name(f)!r} must be a finite number > 0, got {v!r}")
         ids = ([] if self.bos_token_id is None else [("bos_token_id", self.bos_token_id)]) + [
             ("eos_token_id", i) for i in self.eos_token_ids]
         for f, i in ids:
             if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.vocab_size:
-                raise ConfigError(f"{source}: field {f!r}={i!r} is outside the vocabulary "
+                raise ConfigError(f"{source}: field {name(f)!r}={i!r} is outside the vocabulary "
                                   f"(size {self.vocab_size})")
         return self
 
@@ -186,7 +191,12 @@ def from_hf_dict(d: dict, source: str = "config.json") -> ModelConfig:
         eos_token_ids=_eos_list(d.get("eos_token_id")),
         name=d.get("_name_or_path", ""),
     )
-    return cfg.validate(source)
+    return cfg.validate(source, _HF_NAMES)
+
+
+# ModelConfig attribute -> config.json field, for error messages
+_HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+             "num_kv_heads": "num_key_value_heads", "rope_theta": "rope_theta"}
 
 
 def load_hf_config(path: str | Path) -> ModelConfig:

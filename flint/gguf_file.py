@@ -222,7 +222,8 @@ def read(path: str | os.PathLike) -> GGUFFile:
         prev = t
     used = _align(prev.offset + prev.nbytes, alignment) if prev else 0
     if data_size > used:
-        raise c.fail(f"{data_size - used} bytes after the last tensor belong to no tensor "
+        last = f"the last tensor {prev.name!r}" if prev else "the tensor infos"
+        raise c.fail(f"{data_size - used} bytes after {last} belong to no tensor "
                      "(a wrong type, shape or offset in the tensor infos)")
     for t in tensors:
         t.data = np.frombuffer(buf, dtype=np.uint8, count=t.nbytes, offset=start + t.offset)

@@ -10,6 +10,7 @@ Tests: ``pytest tests/test_loading.py tests/test_gguf.py``.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -79,6 +80,59 @@ def _safetensor_files(d: Path) -> list[Path]:
 
 
 _FLOAT_DTYPES = ("F32", "F16", "BF16")
+_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+               "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def _no_duplicate_keys(pairs):
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise LoadError(f"key {k!r} appears twice")
+        d[k] = v
+    return d
+
+
+def _check_safetensors_header(f: Path, hdr, data_size: int) -> None:
+    """Every tensor entry typed, sized by its shape and dtype, inside the data and not overlapping
+    another; float weights in a float dtype (int4 codes in U8). The safetensors library checks
+    most of this too, but its messages do not name the tensor."""
+    if not isinstance(hdr, dict):
+        raise LoadError(f"{f}: the safetensors header is not a JSON object")
+    spans = []
+    for k, v in hdr.items():
+        if k == "__metadata__":
+            if not isinstance(v, dict) or not all(isinstance(x, str) for x in v.values()):
+                raise LoadError(f"{f}: field '__metadata__' must map names to strings")
+            continue
+        dt, shape, offs = (v.get("dtype"), v.get("shape"), v.get("data_offsets")) if isinstance(v, dict) else (None,) * 3
+        if (not isinstance(shape, list) or not all(type(x) is int and x >= 0 for x in shape)
+                or not isinstance(offs, list) or len(offs) != 2 or not all(type(x) is int for x in offs)):
+            raise LoadError(f"{f}: tensor {k!r}: entry needs 'dtype', 'shape' (non-negative integers) "
+                            f"and 'data_offsets' [begin, end], got {v!r}"[:400])
+        need = ("U8",) if k.endswith(".qweight") else _FLOAT_DTYPES  # int4 codes, else float
+        if dt not in need:
+            raise LoadError(f"{f}: tensor {k!r} has dtype {dt!r}, it needs {' or '.join(need)}")
+        begin, end = offs
+        n = _ITEM_BYTES[dt]
+        for x in shape:
+            n *= x
+        if not 0 <= begin <= end <= data_size or end - begin != n:
+            raise LoadError(f"{f}: tensor {k!r} ({dt}, shape {shape}): data_offsets [{begin}, {end}] do "
+                            f"not hold its {n} bytes inside the {data_size} bytes of data "
+                            "(truncated or corrupt)")
+        spans.append((begin, end, k))
+    spans.sort()
+    for (b0, e0, k0), (b1, e1, k1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise LoadError(f"{f}: tensors {k0!r} and {k1!r} overlap (bytes [{b1}, {min(e0, e1)}))")
+    # the tensors tile the data: a hole means an entry was lost or its offsets are wrong
+    ends = [0] + [e for _, e, _ in spans]
+    for (b, _, k), prev_end in zip(spans + [(data_size, 0, None)], ends):
+        if b != prev_end:
+            where = f"before tensor {k!r}" if k else "after the last tensor"
+            raise LoadError(f"{f}: data bytes [{prev_end}, {b}) {where} belong to no tensor "
+                            "(an entry missing, or wrong data_offsets)")
 
 
 def _read_safetensors(files: list[Path], desc: str) -> dict[str, torch.Tensor]:
@@ -97,23 +151,22 @@ def _read_safetensors(files: list[Path], desc: str) -> dict[str, torch.Tensor]:
                 if 8 + n > size:
                     raise LoadError(f"{f}: truncated or corrupt safetensors file: header length {n} "
                                     f"exceeds the file's {size} bytes")
-                hdr = json.loads(fh.read(n))
-            end = max((v["data_offsets"][1] for k, v in hdr.items() if k != "__metadata__"), default=0)
-            for k, v in hdr.items():
-                if k == "__metadata__":
-                    continue
-                need = ("U8",) if k.endswith(".qweight") else _FLOAT_DTYPES  # int4 codes, else float
-                if v.get("dtype") not in need:
-                    raise LoadError(f"{f}: tensor {k!r} has dtype {v.get('dtype')!r}, it needs "
-                                    f"{' or '.join(need)}")
-            if 8 + n + end > size:
-                raise LoadError(f"{f}: truncated safetensors file: header promises {8 + n + end} bytes, "
-                                f"file has {size}")
+                try:
+                    hdr = json.loads(fh.read(n), object_pairs_hook=_no_duplicate_keys)
+                except LoadError as e:
+                    raise LoadError(f"{f}: safetensors header: {e}") from None
+            _check_safetensors_header(f, hdr, size - 8 - n)
             handles.append(safe_open(str(f), framework="pt"))
         except LoadError:
             raise
         except Exception as e:  # safetensors / json errors on corrupt headers
             raise LoadError(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+    seen = {}
+    for f, h in zip(files, handles):
+        for k in h.keys():
+            if k in seen:
+                raise LoadError(f"{f}: tensor {k!r} is also in {seen[k]}")
+            seen[k] = f
     keys = [(h, k) for h in handles for k in h.keys()]
     for h, k in tqdm(keys, desc=desc, unit="tensor", leave=False, disable=None):
         out[k] = h.get_tensor(k)
@@ -150,27 +203,29 @@ def load_hf_dir(d: str | Path, dtype=torch.float32) -> LoadedModel:
             raise LoadError(str(e)) from None
     files = _safetensor_files(d)
     flat = _read_safetensors(files, f"loading {d.name}")
+    source = str(files[0]) if len(files) == 1 else str(d)  # the file the tensors came from
     qc = cfg_json.get("quantization_config") or {}
     params = {}
     if qc.get("quant_method") == QUANT_METHOD:
-        g = int(qc.get("group_size", 0))
-        for name in list(expected_shapes(cfg)):
-            if name + ".qweight" in flat:
-                params[name] = _int4_from_flat(flat, name, g)
-            elif name in flat:
-                params[name] = flat.pop(name)
-        if "embed" not in params and "embed.weight" in flat:
-            params["embed"] = flat.pop("embed.weight")
-        if cfg.tie_word_embeddings and "lm_head" not in params:
-            params["lm_head"] = params["embed"]
+        g = qc.get("group_size")
+        if type(g) is not int:
+            raise LoadError(f"{d / 'config.json'}: field 'quantization_config.group_size'={g!r} "
+                            "must be an integer")
+        for k in [k for k in flat if k.endswith(".qweight")]:
+            name = k[:-len(".qweight")]
+            if name + ".scales" not in flat or name + ".mins" not in flat:
+                raise LoadError(f"{source}: tensor {k!r} has no {name}.scales or {name}.mins")
+            params[name] = _int4_from_flat(flat, name, g)
+        for k in list(flat):  # the float tensors; check_params refuses any name it does not expect
+            params["embed" if k == "embed.weight" else k] = flat.pop(k)
     elif qc:
         raise LoadError(f"{d / 'config.json'}: field 'quantization_config' method "
                         f"{qc.get('quant_method')!r} is not supported")
     else:
-        params = _map_hf(cfg, cfg_json.get("model_type"), flat, str(d))
-    if "lm_head" not in params and cfg.tie_word_embeddings:
+        params = _map_hf(cfg, cfg_json.get("model_type"), flat, source)
+    if "lm_head" not in params and cfg.tie_word_embeddings and "embed" in params:
         params["lm_head"] = params["embed"]
-    check_params(cfg, params, str(d))
+    check_params(cfg, params, source, f"{d / 'config.json'} field 'num_hidden_layers'")
     tok = Tokenizer.from_hf_dir(d, cfg) if (d / "tokenizer.json").exists() else None
     if tok is not None:
         cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | set(tok.eos_token_ids))
@@ -219,12 +274,12 @@ def _gguf_getter(gf, path: str):
     from .gguf_file import FLOAT_TYPES, INT_TYPES, VT
 
     ok = {"uint": lambda f: f.type in INT_TYPES and f.value >= 0,
-          "float": lambda f: f.type in FLOAT_TYPES or f.type in INT_TYPES,
+          "float": lambda f: f.type in FLOAT_TYPES,  # an integer there is a type confusion
           "bool": lambda f: f.type == VT.BOOL,
           "str": lambda f: f.type == VT.STRING,
           "strs": lambda f: f.type == VT.ARRAY and f.item_type == VT.STRING,
           "ints": lambda f: f.type == VT.ARRAY and f.item_type in INT_TYPES}
-    need = {"uint": "a non-negative integer", "float": "a number", "bool": "a boolean",
+    need = {"uint": "a non-negative integer", "float": "a floating-point number", "bool": "a boolean",
             "str": "a string", "strs": "an array of strings", "ints": "an array of integers"}
 
     def get(key, kind, default=None, required=False):
@@ -251,14 +306,16 @@ def _gguf_config(gf, path: str) -> ModelConfig:
 
     heads = g("attention.head_count", required=True)
     hidden = g("embedding_length", required=True)
-    head_dim = g("attention.key_length") or g("rope.dimension_count") or (hidden // heads if heads else 0)
+    # the head width: key_length, else the RoPE width, else hidden / heads (a 0 is an error, not absent)
+    head_key = next((k for k in ("attention.key_length", "rope.dimension_count") if g(k) is not None), None)
+    head_dim = g(head_key) if head_key else (hidden // heads if heads else 0)
     for key in ("attention.value_length", "rope.dimension_count"):  # flint: V as wide as K, full RoPE
         v = g(key)
         if v is not None and v != head_dim:
             raise LoadError(f"{path}: field '{arch}.{key}'={v} differs from the head width {head_dim} "
                             "(partial RoPE or a separate value width is not supported)")
     tokens = get("tokenizer.ggml.tokens", "strs")
-    vocab = g("vocab_size") or (len(tokens) if tokens else 0)
+    vocab = g("vocab_size", default=len(tokens) if tokens is not None else 0)
     if tokens is not None and len(tokens) != vocab:
         raise LoadError(f"{path}: field 'tokenizer.ggml.tokens' has {len(tokens)} tokens, "
                         f"field '{arch}.vocab_size' says {vocab}")
@@ -287,8 +344,17 @@ def _gguf_config(gf, path: str) -> ModelConfig:
         eos_token_ids=[eos] if eos is not None else [],
         name=str(get("general.name", "str", "")),
     )
+    keys = {"rms_norm_eps": "attention.layer_norm_rms_epsilon", "rope_theta": "rope.freq_base",
+            "max_position_embeddings": "context_length", "num_layers": "block_count",
+            "hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
+            "num_heads": "attention.head_count", "num_kv_heads": "attention.head_count_kv",
+            "head_dim": head_key or "embedding_length", "vocab_size": "vocab_size",
+            "embedding_multiplier": "embedding_scale", "attention_multiplier": "attention.scale",
+            "residual_multiplier": "residual_scale", "logits_scaling": "logit_scale"}
+    names = {k: f"{arch}.{v}" for k, v in keys.items()}
+    names.update(bos_token_id="tokenizer.ggml.bos_token_id", eos_token_id="tokenizer.ggml.eos_token_id")
     try:
-        return cfg.validate(path)
+        return cfg.validate(path, names)
     except ConfigError as e:
         raise LoadError(str(e)) from None
 
@@ -302,6 +368,13 @@ def _gguf_check_tokenizer(gf, path: str, vocab: int) -> None:
         raise LoadError(f"{path}: field 'tokenizer.ggml.model'={kind!r} is not supported "
                         "(flint reads BPE 'gpt2' vocabularies)")
     tokens = get("tokenizer.ggml.tokens", "strs", required=True)
+    if len(set(tokens)) != len(tokens):  # two ids for one string: one of them unreachable
+        seen = {}
+        for i, t in enumerate(tokens):
+            if t in seen:
+                raise LoadError(f"{path}: field 'tokenizer.ggml.tokens': token {i} {t!r} repeats "
+                                f"token {seen[t]}")
+            seen[t] = i
     types = get("tokenizer.ggml.token_type", "ints")
     if types is not None and len(types) != len(tokens):
         raise LoadError(f"{path}: field 'tokenizer.ggml.token_type' has {len(types)} entries for "
@@ -363,9 +436,10 @@ def _gguf_flint_names(tensors, cfg: ModelConfig, path: str) -> list[str]:
             raise LoadError(f"{path}: tensor {name!r} has {len(t.shape)} dimensions, expected {want}")
         out.append(fl)
     if len(layers) != cfg.num_layers:
-        missing = sorted(set(range(cfg.num_layers)) - layers)
+        # the first few missing layers, without building a range as long as a corrupt block count
+        missing = list(itertools.islice((i for i in range(cfg.num_layers) if i not in layers), 8))
         raise LoadError(f"{path}: field '{cfg.arch}.block_count' is {cfg.num_layers}, but the file "
-                        f"has no tensors for layers {missing[:8]}{'...' if len(missing) > 8 else ''}")
+                        f"has no tensors for layers {missing}{'...' if len(missing) == 8 else ''}")
     return out
 
 

@@ -45,7 +45,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_params(cfg: ModelConfig, params: dict, source: str) -> None:
+def check_params(cfg: ModelConfig, params: dict, source: str, layers_field: str = "the config") -> None:
     """Every expected tensor present with its shape and a dtype that suits it, and nothing else:
     a layer count one short would otherwise drop the last layer silently."""
     import torch
@@ -55,7 +55,7 @@ def check_params(cfg: ModelConfig, params: dict, source: str) -> None:
         # before expected_shapes: a layer count of 2^31 must fail without building its names
         extra = sorted(i for i in layers if i >= cfg.num_layers)
         got = f"tensors for layer {extra[0]}" if extra else f"tensors for {len(layers)} layers"
-        raise LoadError(f"{source}: the config has {cfg.num_layers} layers, the checkpoint has {got}")
+        raise LoadError(f"{source}: {layers_field} says {cfg.num_layers} layers, the checkpoint has {got}")
     want = expected_shapes(cfg)
     for name in params:
         if name not in want:
