@@ -6,7 +6,15 @@ Every loader returns a ``LoadedModel`` (config, params, tokenizer). ``params`` m
 is the same object as "embed". Bad input raises ``LoadError`` naming the file and the field.
 LoadedModel, LoadError, expected_shapes and check_params are defined in flint.params and
 importable from here.
-Tests: ``pytest tests/test_loading.py tests/test_gguf.py``.
+
+What is checked before a model is returned: GGUF structure by flint.gguf_file (counts bounded by
+the file, UTF-8 strings, tensor data in bounds, aligned, tiling the data section); GGUF field
+types (an integer where an integer is needed, a float where a float is); safetensors headers entry
+by entry (float dtypes for float weights, sizes, bounds, no overlaps or holes); the config's
+ranges (ModelConfig.validate: norm epsilon, rope base and scales finite and > 0, token ids inside
+the vocabulary); and check_params: the layer count equal to the layers present, every tensor's
+name, shape and dtype.
+Tests: ``pytest tests/test_loading.py tests/test_gguf.py tests/test_loader_fuzz.py``.
 """
 from __future__ import annotations
 
@@ -249,6 +257,8 @@ def _map_hf(cfg: ModelConfig, model_type: str, flat: dict, source: str) -> dict:
         elif (m := pat.fullmatch(k)):
             li, rest = int(m.group(1)), m.group(2)
             if rest == "shared_mlp.input_linear.weight":
+                if t.dim() != 2:
+                    raise LoadError(f"{source}: tensor {k!r} has shape {list(t.shape)}, expected 2-D")
                 inter = t.shape[0] // 2
                 params[f"layers.{li}.w_gate"] = t[:inter]
                 params[f"layers.{li}.w_up"] = t[inter:]

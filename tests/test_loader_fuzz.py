@@ -19,8 +19,8 @@ Two classes of mutant:
   rope base, is a model the file legitimately describes).
 
 Either way a load that outlives its time limit is a hang, any other exception an escape, and a
-targeted mutant that loads a silent accept: all three must be zero. CI runs about 500 mutants in
-well under a minute; ``pytest -m slow tests/test_loader_fuzz.py`` runs several thousand.
+targeted mutant that loads a silent accept: all three must be zero. CI runs about 800 mutants
+(~15 s on 2 cores); ``pytest -m slow tests/test_loader_fuzz.py`` runs about 20,000 (~2 min).
 """
 from __future__ import annotations
 
@@ -650,7 +650,7 @@ def test_small_gguf_loads_like_the_embedded_layout(small_gguf):
 
 
 def test_gguf_fuzz(small_gguf, tmp_path):
-    mutants = gguf_mutants(small_gguf, seed=0, rounds=4, n_random=200)
+    mutants = gguf_mutants(small_gguf, seed=0, rounds=6, n_random=300)
     tally = run_gguf(small_gguf, mutants, tmp_path, baseline=True)
     check(tally)
 
@@ -679,7 +679,7 @@ def test_embedded_gguf_fuzz(tmp_path):
 
 def test_safetensors_fuzz(small_st, tmp_path):
     rng = random.Random(0)
-    mutants = st_mutants(small_st, rng, n_random=120)
+    mutants = st_mutants(small_st, rng, n_random=150) + st_mutants(small_st, rng, n_random=0)
     check(run_safetensors(small_st, mutants, tmp_path))
 
 
@@ -692,15 +692,15 @@ def slow_run(request):
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("slow_run")
-@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
 def test_gguf_fuzz_many(small_gguf, tmp_path, seed):
-    check(run_gguf(small_gguf, gguf_mutants(small_gguf, seed, rounds=20, n_random=1500), tmp_path, baseline=True))
+    check(run_gguf(small_gguf, gguf_mutants(small_gguf, seed, rounds=30, n_random=3000), tmp_path, baseline=True))
 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("slow_run")
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", [1, 2, 3])
 def test_safetensors_fuzz_many(small_st, tmp_path, seed):
     rng = random.Random(seed)
-    mutants = [m for _ in range(4) for m in st_mutants(small_st, rng, n_random=300)]
+    mutants = [m for _ in range(6) for m in st_mutants(small_st, rng, n_random=300)]
     check(run_safetensors(small_st, mutants, tmp_path))
