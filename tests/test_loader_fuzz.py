@@ -534,6 +534,9 @@ class Worker:
         if self.proc is not None:
             self.proc.kill()
             self.proc.wait()
+            self.proc.stdin.close()
+            self.proc.stdout.close()
+            self.err.close()
             self.proc = None
 
 
