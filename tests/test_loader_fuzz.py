@@ -652,6 +652,35 @@ def test_small_gguf_loads_like_the_embedded_layout(small_gguf):
     assert lm.tokenizer.encode(" the") == [lm.tokenizer.tk.token_to_id("Ġthe")]  # the merges were read
 
 
+@pytest.mark.parametrize("which", ["small", pytest.param("embedded", marks=pytest.mark.slow)])
+def test_reader_agrees_with_gguf_package(small_gguf, which, request):
+    """flint.gguf_file reads what gguf.GGUFReader reads: every field's value and type, every
+    tensor's name, shape, type, offset and bytes. (The embedded file takes GGUFReader ~6 s: a slow
+    run; tests/test_gguf.py checks its weights and tokens against transformers in CI.)"""
+    from flint import gguf_file
+    from flint.loading import LoadError, embedded_gguf_path
+
+    if which == "small":
+        path = small_gguf
+    else:
+        request.getfixturevalue("slow_run")
+        try:
+            path = embedded_gguf_path()
+        except LoadError as e:
+            pytest.skip(str(e))
+    ours, theirs = gguf_file.read(path), gguf.GGUFReader(str(path))
+    fields = {k: f for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert list(ours.fields) == list(fields)
+    for k, f in fields.items():
+        assert ours.fields[k].type == f.types[0], k
+        assert ours.fields[k].value == f.contents(), k
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.shape, a.tensor_type, a.nbytes) == (tuple(int(x) for x in b.shape), b.tensor_type, b.n_bytes), a.name
+        assert a.offset + (theirs.data_offset) == b.data_offset, a.name
+        assert np.array_equal(a.data, np.asarray(b.data).reshape(-1).view(np.uint8)), a.name
+
+
 def test_gguf_fuzz(small_gguf, tmp_path):
     mutants = gguf_mutants(small_gguf, seed=0, rounds=6, n_random=300)
     tally = run_gguf(small_gguf, mutants, tmp_path, baseline=True)
