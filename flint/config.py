@@ -58,7 +58,7 @@ class ModelConfig:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                   "num_kv_heads", "head_dim", "max_position_embeddings"):
             v = getattr(self, f)
-            if not isinstance(v, int) or v <= 0:
+            if type(v) is not int or v <= 0:  # bool is an int to isinstance
                 raise ConfigError(f"{source}: field {name(f)!r} must be a positive integer, got {v!r}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"{source}: {name('num_heads')}={self.num_heads} is not a multiple of "
@@ -129,7 +129,8 @@ def from_hf_dict(d: dict, source: str = "config.json") -> ModelConfig:
     hidden = _get(d, source, "hidden_size", required=True)
     heads = _get(d, source, "num_attention_heads", required=True)
     kv = _get(d, source, "num_key_value_heads", default=heads)
-    head_dim = _get(d, source, "head_dim", default=None) or hidden // heads
+    head_dim = _get(d, source, "head_dim", default=None) or (
+        hidden // heads if type(hidden) is int and type(heads) is int and heads > 0 else 0)  # 0: validate refuses
     act = d.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ConfigError(f"{source}: field 'hidden_act'={act!r} unsupported (flint runs SwiGLU/silu)")

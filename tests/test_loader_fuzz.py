@@ -479,6 +479,17 @@ def st_mutants(d: Path, rng: random.Random, n_random: int) -> list[Mutant]:
         return edit
     for v in (n + 1, n - 1, n + rng.randrange(2, 64), 2**64 - 1, 0):
         out.append(Mutant("header length wrong", [], ["model.safetensors"], edit=length(v)))
+    # any config value replaced by a value of another type or range; tie_word_embeddings is left
+    # out: true with an lm_head present ties it, as transformers does (a valid, different model)
+    keys = [k for k in SAFETENSORS_CONFIG if k != "tie_word_embeddings"]
+    for _ in range(n_random // 4):
+        key, value = rng.choice(keys), rng.choice([None, "x", [], {}, [1], -1, 0, 1, 1.5, True, False, 2**70, math.nan])
+
+        def edit(dst: Path, key=key, value=value):
+            c = json.loads((dst / "config.json").read_text())
+            c[key] = value
+            (dst / "config.json").write_text(json.dumps(c))
+        out.append(Mutant("random config value", [], ["config.json"], targeted=False, edit=edit))
     for _ in range(n_random):
         pos = 8 + rng.randrange(n)
         new = bytes([raw[pos] ^ rng.randrange(1, 256)])
@@ -719,7 +730,7 @@ def test_safetensors_fuzz(small_st, tmp_path):
 def slow_run(request):
     """The long runs only when asked for (``-m slow``): plain ``pytest`` is what CI runs."""
     if "slow" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("long fuzz run: pytest -m slow tests/test_loader_fuzz.py")
+        pytest.skip("a slow run: pytest -m slow tests/test_loader_fuzz.py")
 
 
 @pytest.mark.slow
