@@ -1,5 +1,6 @@
 """The child process of tests/test_loader_fuzz.py: loads one model spec per stdin line under an
-address-space limit and answers one JSON line per load on stdout.
+address-space limit (argv[2] GiB above what its imports mapped) and answers one JSON line per load
+on stdout.
 
 Answers: {"outcome": "LoadError" | "escaped" | "loaded", "message": ..., "maxrss_mb": ...}; for a
 load, "same" says whether it equals the baseline (argv[1], loaded first when given): weights bit
@@ -39,10 +40,19 @@ def same(a, b) -> tuple[bool, list[str]]:
     return ok, changed
 
 
+def vm_bytes() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize in /proc/self/status")
+
+
 def main() -> None:
-    limit = int(float(sys.argv[2]) * 2**30)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     from flint.loading import LoadError, load_model
+
+    # headroom above what the imports mapped (a CUDA build of torch maps far more than a CPU one)
+    limit = vm_bytes() + int(float(sys.argv[2]) * 2**30)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
     base = summary(load_model(sys.argv[1])) if sys.argv[1] != "-" else None
     print(json.dumps({"ready": True}), flush=True)

@@ -53,7 +53,7 @@ HEAD_DIM = H // HEADS
 MERGED = ["Ġt", "he", "Ġthe"]  # extra tokens, so the vocabulary has merges to read
 MERGES = ["Ġ t", "h e", "Ġt he"]
 GGUF_TIMEOUT_S = 20.0
-MEMORY_GIB = 3.0  # the worker's address-space limit; a load that needs more is an escape
+MEMORY_GIB = 2.0  # the worker's address-space headroom; a load that needs more is an escape
 
 
 # ------------------------------------------------------------------ the targets
