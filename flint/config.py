@@ -197,7 +197,7 @@ def from_hf_dict(d: dict, source: str = "config.json") -> ModelConfig:
 
 # ModelConfig attribute -> config.json field, for error messages
 _HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
-             "num_kv_heads": "num_key_value_heads", "rope_theta": "rope_theta"}
+             "num_kv_heads": "num_key_value_heads"}
 
 
 def load_hf_config(path: str | Path) -> ModelConfig:

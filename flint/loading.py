@@ -347,7 +347,7 @@ def _gguf_config(gf, path: str) -> ModelConfig:
         max_position_embeddings=g("context_length", default=2048),
         tie_word_embeddings=False,
         embedding_multiplier=scale("embedding_scale"),
-        attention_multiplier=float(attn) if attn else None,
+        attention_multiplier=float(attn) if attn is not None else None,  # a 0 is refused, not absent
         residual_multiplier=scale("residual_scale"),
         logits_scaling=scale("logit_scale"),
         bos_token_id=get("tokenizer.ggml.bos_token_id", "uint"),

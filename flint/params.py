@@ -2,7 +2,8 @@
 
 ``params`` maps flint names ("embed", "layers.{i}.wq", ..., "norm", "lm_head") to float tensors or
 ``flint.quant.Int4Weight``; a tied head is the same object as "embed". ``expected_shapes(cfg)``
-gives every name's shape, ``check_params`` raises ``LoadError`` for a missing or misshapen tensor,
+gives every name's shape, ``check_params`` raises ``LoadError`` for a missing, unexpected or
+misshapen tensor, a dtype that does not suit it, or a layer count other than the layers present,
 and ``LINEAR_NAMES`` are the per-layer linear weights (the ones quantized to int4).
 
 The loaders (flint.loading), the synthetic models (flint.synthetic), the reference decoder
