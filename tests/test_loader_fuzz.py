@@ -668,13 +668,14 @@ def test_reader_agrees_with_gguf_package(small_gguf, which, request):
     """flint.gguf_file reads what gguf.GGUFReader reads: every field's value and type, every
     tensor's name, shape, type, offset and bytes. (The embedded file takes GGUFReader ~6 s: a slow
     run; tests/test_gguf.py checks its weights and tokens against transformers in CI.)"""
+    if which == "embedded":
+        request.getfixturevalue("slow_run")
     from flint import gguf_file
     from flint.loading import LoadError, embedded_gguf_path
 
     if which == "small":
         path = small_gguf
     else:
-        request.getfixturevalue("slow_run")
         try:
             path = embedded_gguf_path()
         except LoadError as e:
