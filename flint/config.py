@@ -13,6 +13,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
+MAX_CONTEXT = 2**31 - 1
+
+
 class ConfigError(ValueError):
     """A config file or field flint cannot run; the message names the file and field."""
 
@@ -46,17 +49,41 @@ class ModelConfig:
             return float(self.attention_multiplier)
         return 1.0 / math.sqrt(self.head_dim)
 
-    def validate(self, source: str = "config") -> "ModelConfig":
+    def validate(self, source: str = "config", names: dict | None = None) -> "ModelConfig":
+        """Raise ConfigError for a value flint cannot run; ``names`` maps attributes to the
+        source's own field names for the message."""
+        def name(f):
+            return (names or {}).get(f, f)
+
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                   "num_kv_heads", "head_dim", "max_position_embeddings"):
             v = getattr(self, f)
-            if not isinstance(v, int) or v <= 0:
-                raise ConfigError(f"{source}: field {f!r} must be a positive integer, got {v!r}")
+            if type(v) is not int or v <= 0:  # bool is an int to isinstance
+                raise ConfigError(f"{source}: field {name(f)!r} must be a positive integer, got {v!r}")
         if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"{source}: num_attention_heads={self.num_heads} is not a multiple of "
-                              f"num_key_value_heads={self.num_kv_heads}")
+            raise ConfigError(f"{source}: {name('num_heads')}={self.num_heads} is not a multiple of "
+                              f"{name('num_kv_heads')}={self.num_kv_heads}")
         if self.use_rope and self.head_dim % 2:
-            raise ConfigError(f"{source}: head_dim={self.head_dim} must be even for RoPE")
+            raise ConfigError(f"{source}: {name('head_dim')}={self.head_dim} must be even for RoPE")
+        if self.max_position_embeddings > MAX_CONTEXT:
+            raise ConfigError(f"{source}: field {name('max_position_embeddings')!r}={self.max_position_embeddings} "
+                              f"exceeds {MAX_CONTEXT} (positions are 32-bit)")
+        # a NaN, infinite, zero or negative value here runs without error and yields garbage
+        positive = ["rms_norm_eps", "embedding_multiplier", "residual_multiplier", "logits_scaling"]
+        if self.use_rope:
+            positive.append("rope_theta")
+        if self.attention_multiplier is not None:
+            positive.append("attention_multiplier")
+        for f in positive:
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < math.inf):
+                raise ConfigError(f"{source}: field {name(f)!r} must be a finite number > 0, got {v!r}")
+        ids = ([] if self.bos_token_id is None else [("bos_token_id", self.bos_token_id)]) + [
+            ("eos_token_id", i) for i in self.eos_token_ids]
+        for f, i in ids:
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.vocab_size:
+                raise ConfigError(f"{source}: field {name(f)!r}={i!r} is outside the vocabulary "
+                                  f"(size {self.vocab_size})")
         return self
 
     def to_json(self) -> dict:
@@ -102,7 +129,8 @@ def from_hf_dict(d: dict, source: str = "config.json") -> ModelConfig:
     hidden = _get(d, source, "hidden_size", required=True)
     heads = _get(d, source, "num_attention_heads", required=True)
     kv = _get(d, source, "num_key_value_heads", default=heads)
-    head_dim = _get(d, source, "head_dim", default=None) or hidden // heads
+    head_dim = _get(d, source, "head_dim", default=None) or (
+        hidden // heads if type(hidden) is int and type(heads) is int and heads > 0 else 0)  # 0: validate refuses
     act = d.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ConfigError(f"{source}: field 'hidden_act'={act!r} unsupported (flint runs SwiGLU/silu)")
@@ -164,7 +192,12 @@ def from_hf_dict(d: dict, source: str = "config.json") -> ModelConfig:
         eos_token_ids=_eos_list(d.get("eos_token_id")),
         name=d.get("_name_or_path", ""),
     )
-    return cfg.validate(source)
+    return cfg.validate(source, _HF_NAMES)
+
+
+# ModelConfig attribute -> config.json field, for error messages
+_HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+             "num_kv_heads": "num_key_value_heads"}
 
 
 def load_hf_config(path: str | Path) -> ModelConfig:

@@ -6,10 +6,19 @@ Every loader returns a ``LoadedModel`` (config, params, tokenizer). ``params`` m
 is the same object as "embed". Bad input raises ``LoadError`` naming the file and the field.
 LoadedModel, LoadError, expected_shapes and check_params are defined in flint.params and
 importable from here.
-Tests: ``pytest tests/test_loading.py tests/test_gguf.py``.
+
+What is checked before a model is returned: GGUF structure by flint.gguf_file (counts bounded by
+the file, UTF-8 strings, tensor data in bounds, aligned, tiling the data section); GGUF field
+types (an integer where an integer is needed, a float where a float is); safetensors headers entry
+by entry (float dtypes for float weights, sizes, bounds, no overlaps or holes); the config's
+ranges (ModelConfig.validate: norm epsilon, rope base and scales finite and > 0, token ids inside
+the vocabulary); and check_params: the layer count equal to the layers present, every tensor's
+name, shape and dtype.
+Tests: ``pytest tests/test_loading.py tests/test_gguf.py tests/test_loader_fuzz.py``.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -78,6 +87,62 @@ def _safetensor_files(d: Path) -> list[Path]:
     raise LoadError(f"{d}: no model.safetensors or model.safetensors.index.json")
 
 
+_FLOAT_DTYPES = ("F32", "F16", "BF16")
+_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+               "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def _no_duplicate_keys(pairs):
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise LoadError(f"key {k!r} appears twice")
+        d[k] = v
+    return d
+
+
+def _check_safetensors_header(f: Path, hdr, data_size: int) -> None:
+    """Every tensor entry typed, sized by its shape and dtype, inside the data and not overlapping
+    another; float weights in a float dtype (int4 codes in U8). The safetensors library checks
+    most of this too, but its messages do not name the tensor."""
+    if not isinstance(hdr, dict):
+        raise LoadError(f"{f}: the safetensors header is not a JSON object")
+    spans = []
+    for k, v in hdr.items():
+        if k == "__metadata__":
+            if not isinstance(v, dict) or not all(isinstance(x, str) for x in v.values()):
+                raise LoadError(f"{f}: field '__metadata__' must map names to strings")
+            continue
+        dt, shape, offs = (v.get("dtype"), v.get("shape"), v.get("data_offsets")) if isinstance(v, dict) else (None,) * 3
+        if (not isinstance(shape, list) or not all(type(x) is int and x >= 0 for x in shape)
+                or not isinstance(offs, list) or len(offs) != 2 or not all(type(x) is int for x in offs)):
+            raise LoadError(f"{f}: tensor {k!r}: entry needs 'dtype', 'shape' (non-negative integers) "
+                            f"and 'data_offsets' [begin, end], got {v!r}"[:400])
+        need = ("U8",) if k.endswith(".qweight") else _FLOAT_DTYPES  # int4 codes, else float
+        if dt not in need:
+            raise LoadError(f"{f}: tensor {k!r} has dtype {dt!r}, it needs {' or '.join(need)}")
+        begin, end = offs
+        n = _ITEM_BYTES[dt]
+        for x in shape:
+            n *= x
+        if not 0 <= begin <= end <= data_size or end - begin != n:
+            raise LoadError(f"{f}: tensor {k!r} ({dt}, shape {shape}): data_offsets [{begin}, {end}] do "
+                            f"not hold its {n} bytes inside the {data_size} bytes of data "
+                            "(truncated or corrupt)")
+        spans.append((begin, end, k))
+    spans.sort()
+    for (b0, e0, k0), (b1, e1, k1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise LoadError(f"{f}: tensors {k0!r} and {k1!r} overlap (bytes [{b1}, {min(e0, e1)}))")
+    # the tensors tile the data: a hole means an entry was lost or its offsets are wrong
+    ends = [0] + [e for _, e, _ in spans]
+    for (b, _, k), prev_end in zip(spans + [(data_size, 0, None)], ends):
+        if b != prev_end:
+            where = f"before tensor {k!r}" if k else "after the last tensor"
+            raise LoadError(f"{f}: data bytes [{prev_end}, {b}) {where} belong to no tensor "
+                            "(an entry missing, or wrong data_offsets)")
+
+
 def _read_safetensors(files: list[Path], desc: str) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
@@ -94,16 +159,22 @@ def _read_safetensors(files: list[Path], desc: str) -> dict[str, torch.Tensor]:
                 if 8 + n > size:
                     raise LoadError(f"{f}: truncated or corrupt safetensors file: header length {n} "
                                     f"exceeds the file's {size} bytes")
-                hdr = json.loads(fh.read(n))
-            end = max((v["data_offsets"][1] for k, v in hdr.items() if k != "__metadata__"), default=0)
-            if 8 + n + end > size:
-                raise LoadError(f"{f}: truncated safetensors file: header promises {8 + n + end} bytes, "
-                                f"file has {size}")
+                try:
+                    hdr = json.loads(fh.read(n), object_pairs_hook=_no_duplicate_keys)
+                except LoadError as e:
+                    raise LoadError(f"{f}: safetensors header: {e}") from None
+            _check_safetensors_header(f, hdr, size - 8 - n)
             handles.append(safe_open(str(f), framework="pt"))
         except LoadError:
             raise
         except Exception as e:  # safetensors / json errors on corrupt headers
             raise LoadError(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+    seen = {}
+    for f, h in zip(files, handles):
+        for k in h.keys():
+            if k in seen:
+                raise LoadError(f"{f}: tensor {k!r} is also in {seen[k]}")
+            seen[k] = f
     keys = [(h, k) for h in handles for k in h.keys()]
     for h, k in tqdm(keys, desc=desc, unit="tensor", leave=False, disable=None):
         out[k] = h.get_tensor(k)
@@ -124,33 +195,45 @@ def load_hf_dir(d: str | Path, dtype=torch.float32) -> LoadedModel:
         cfg = from_hf_dict(cfg_json, str(d / "config.json"))
     except ConfigError as e:
         raise LoadError(str(e)) from None
+    except (TypeError, ValueError) as e:  # a field of the wrong JSON type
+        raise LoadError(f"{d / 'config.json'}: a field has the wrong type ({e})") from None
     gen = _read_json(d / "generation_config.json", required=False) or {}
     if gen.get("eos_token_id") is not None:
         eos = gen["eos_token_id"]
-        cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | set([eos] if isinstance(eos, int) else eos))
+        eos = [eos] if isinstance(eos, int) else eos
+        if not isinstance(eos, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in eos):
+            raise LoadError(f"{d / 'generation_config.json'}: field 'eos_token_id'={eos!r} must be "
+                            "an integer or a list of integers")
+        cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | set(eos))
+        try:
+            cfg.validate(str(d / "generation_config.json"))
+        except ConfigError as e:
+            raise LoadError(str(e)) from None
     files = _safetensor_files(d)
     flat = _read_safetensors(files, f"loading {d.name}")
+    source = str(files[0]) if len(files) == 1 else str(d)  # the file the tensors came from
     qc = cfg_json.get("quantization_config") or {}
     params = {}
     if qc.get("quant_method") == QUANT_METHOD:
-        g = int(qc.get("group_size", 0))
-        for name in list(expected_shapes(cfg)):
-            if name + ".qweight" in flat:
-                params[name] = _int4_from_flat(flat, name, g)
-            elif name in flat:
-                params[name] = flat.pop(name)
-        if "embed" not in params and "embed.weight" in flat:
-            params["embed"] = flat.pop("embed.weight")
-        if cfg.tie_word_embeddings and "lm_head" not in params:
-            params["lm_head"] = params["embed"]
+        g = qc.get("group_size")
+        if type(g) is not int:
+            raise LoadError(f"{d / 'config.json'}: field 'quantization_config.group_size'={g!r} "
+                            "must be an integer")
+        for k in [k for k in flat if k.endswith(".qweight")]:
+            name = k[:-len(".qweight")]
+            if name + ".scales" not in flat or name + ".mins" not in flat:
+                raise LoadError(f"{source}: tensor {k!r} has no {name}.scales or {name}.mins")
+            params[name] = _int4_from_flat(flat, name, g)
+        for k in list(flat):  # the float tensors; check_params refuses any name it does not expect
+            params["embed" if k == "embed.weight" else k] = flat.pop(k)
     elif qc:
         raise LoadError(f"{d / 'config.json'}: field 'quantization_config' method "
                         f"{qc.get('quant_method')!r} is not supported")
     else:
-        params = _map_hf(cfg, cfg_json.get("model_type"), flat, str(d))
-    if "lm_head" not in params and cfg.tie_word_embeddings:
+        params = _map_hf(cfg, cfg_json.get("model_type"), flat, source)
+    if "lm_head" not in params and cfg.tie_word_embeddings and "embed" in params:
         params["lm_head"] = params["embed"]
-    check_params(cfg, params, str(d))
+    check_params(cfg, params, source, f"{d / 'config.json'} field 'num_hidden_layers'")
     tok = Tokenizer.from_hf_dir(d, cfg) if (d / "tokenizer.json").exists() else None
     if tok is not None:
         cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | set(tok.eos_token_ids))
@@ -174,6 +257,8 @@ def _map_hf(cfg: ModelConfig, model_type: str, flat: dict, source: str) -> dict:
         elif (m := pat.fullmatch(k)):
             li, rest = int(m.group(1)), m.group(2)
             if rest == "shared_mlp.input_linear.weight":
+                if t.dim() != 2:
+                    raise LoadError(f"{source}: tensor {k!r} has shape {list(t.shape)}, expected 2-D")
                 inter = t.shape[0] // 2
                 params[f"layers.{li}.w_gate"] = t[:inter]
                 params[f"layers.{li}.w_up"] = t[inter:]
@@ -193,48 +278,129 @@ def _map_hf(cfg: ModelConfig, model_type: str, flat: dict, source: str) -> dict:
 
 # ------------------------------------------------------------------ GGUF
 
-def _gguf_config(fields: dict, path: str) -> ModelConfig:
-    arch = fields.get("general.architecture")
+def _gguf_getter(gf, path: str):
+    """get(key, kind, default, required): the field's value if its GGUF type suits ``kind``
+    ("uint", "float", "bool", "str", "strs", "ints"), else LoadError naming the field."""
+    from .gguf_file import FLOAT_TYPES, INT_TYPES, VT
+
+    ok = {"uint": lambda f: f.type in INT_TYPES and f.value >= 0,
+          "float": lambda f: f.type in FLOAT_TYPES,  # an integer there is a type confusion
+          "bool": lambda f: f.type == VT.BOOL,
+          "str": lambda f: f.type == VT.STRING,
+          "strs": lambda f: f.type == VT.ARRAY and f.item_type == VT.STRING,
+          "ints": lambda f: f.type == VT.ARRAY and f.item_type in INT_TYPES}
+    need = {"uint": "a non-negative integer", "float": "a floating-point number", "bool": "a boolean",
+            "str": "a string", "strs": "an array of strings", "ints": "an array of integers"}
+
+    def get(key, kind, default=None, required=False):
+        f = gf.fields.get(key)
+        if f is None:
+            if required:
+                raise LoadError(f"{path}: missing field {key!r}")
+            return default
+        if not ok[kind](f):
+            shown = f"array of {f.item_type.name}" if f.type == VT.ARRAY else f"{f.type.name} {f.value!r}"
+            raise LoadError(f"{path}: field {key!r} must be {need[kind]}, got {shown}")
+        return f.value
+    return get
+
+
+def _gguf_config(gf, path: str) -> ModelConfig:
+    get = _gguf_getter(gf, path)
+    arch = get("general.architecture", "str")
     if arch not in ("llama", "granite"):
         raise LoadError(f"{path}: field 'general.architecture'={arch!r} is not supported (llama, granite)")
 
-    def g(key, default=None, required=False):
-        k = f"{arch}.{key}"
-        if k in fields:
-            return fields[k]
-        if required:
-            raise LoadError(f"{path}: missing field {k!r}")
-        return default
+    def g(key, kind="uint", default=None, required=False):
+        return get(f"{arch}.{key}", kind, default, required)
 
-    heads = int(g("attention.head_count", required=True))
-    hidden = int(g("embedding_length", required=True))
-    head_dim = int(g("attention.key_length", 0) or g("rope.dimension_count", 0) or hidden // heads)
-    tokens = fields.get("tokenizer.ggml.tokens")
-    vocab = int(g("vocab_size", 0) or (len(tokens) if tokens else 0))
-    eos = fields.get("tokenizer.ggml.eos_token_id")
+    heads = g("attention.head_count", required=True)
+    hidden = g("embedding_length", required=True)
+    # the head width: key_length, else the RoPE width, else hidden / heads (a 0 is an error, not absent)
+    head_key = next((k for k in ("attention.key_length", "rope.dimension_count") if g(k) is not None), None)
+    head_dim = g(head_key) if head_key else (hidden // heads if heads else 0)
+    for key in ("attention.value_length", "rope.dimension_count"):  # flint: V as wide as K, full RoPE
+        v = g(key)
+        if v is not None and v != head_dim:
+            raise LoadError(f"{path}: field '{arch}.{key}'={v} differs from the head width {head_dim} "
+                            "(partial RoPE or a separate value width is not supported)")
+    tokens = get("tokenizer.ggml.tokens", "strs")
+    vocab = g("vocab_size", default=len(tokens) if tokens is not None else 0)
+    if tokens is not None and len(tokens) != vocab:
+        raise LoadError(f"{path}: field 'tokenizer.ggml.tokens' has {len(tokens)} tokens, "
+                        f"field '{arch}.vocab_size' says {vocab}")
+    eos = get("tokenizer.ggml.eos_token_id", "uint")
     granite = arch == "granite"
+
+    def scale(key):
+        return float(g(key, "float", 1.0)) if granite else 1.0
+
+    attn = g("attention.scale", "float") if granite else None
     cfg = ModelConfig(
         arch="granite" if granite else "llama",
         vocab_size=vocab, hidden_size=hidden,
-        intermediate_size=int(g("feed_forward_length", required=True)),
-        num_layers=int(g("block_count", required=True)), num_heads=heads,
-        num_kv_heads=int(g("attention.head_count_kv", heads)), head_dim=head_dim,
-        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(g("rope.freq_base", 10000.0)),
-        max_position_embeddings=int(g("context_length", 2048)),
+        intermediate_size=g("feed_forward_length", required=True),
+        num_layers=g("block_count", required=True), num_heads=heads,
+        num_kv_heads=g("attention.head_count_kv", default=heads), head_dim=head_dim,
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", "float", 1e-5)),
+        rope_theta=float(g("rope.freq_base", "float", 10000.0)),
+        max_position_embeddings=g("context_length", default=2048),
         tie_word_embeddings=False,
-        embedding_multiplier=float(g("embedding_scale", 1.0)) if granite else 1.0,
-        attention_multiplier=float(g("attention.scale")) if granite and g("attention.scale") else None,
-        residual_multiplier=float(g("residual_scale", 1.0)) if granite else 1.0,
-        logits_scaling=float(g("logit_scale", 1.0)) if granite else 1.0,
-        bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=[int(eos)] if eos is not None else [],
-        name=str(fields.get("general.name", "")),
+        embedding_multiplier=scale("embedding_scale"),
+        attention_multiplier=float(attn) if attn is not None else None,  # a 0 is refused, not absent
+        residual_multiplier=scale("residual_scale"),
+        logits_scaling=scale("logit_scale"),
+        bos_token_id=get("tokenizer.ggml.bos_token_id", "uint"),
+        eos_token_ids=[eos] if eos is not None else [],
+        name=str(get("general.name", "str", "")),
     )
+    keys = {"rms_norm_eps": "attention.layer_norm_rms_epsilon", "rope_theta": "rope.freq_base",
+            "max_position_embeddings": "context_length", "num_layers": "block_count",
+            "hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
+            "num_heads": "attention.head_count", "num_kv_heads": "attention.head_count_kv",
+            "head_dim": head_key or "embedding_length", "vocab_size": "vocab_size",
+            "embedding_multiplier": "embedding_scale", "attention_multiplier": "attention.scale",
+            "residual_multiplier": "residual_scale", "logits_scaling": "logit_scale"}
+    names = {k: f"{arch}.{v}" for k, v in keys.items()}
+    names.update(bos_token_id="tokenizer.ggml.bos_token_id", eos_token_id="tokenizer.ggml.eos_token_id")
     try:
-        return cfg.validate(path)
+        return cfg.validate(path, names)
     except ConfigError as e:
         raise LoadError(str(e)) from None
+
+
+def _gguf_check_tokenizer(gf, path: str, vocab: int) -> None:
+    """The tokenizer fields flint reads, typed and in range, so building the tokenizer cannot
+    fail on them (or silently use a wrong one)."""
+    get = _gguf_getter(gf, path)
+    kind = get("tokenizer.ggml.model", "str", required=True)
+    if kind != "gpt2":
+        raise LoadError(f"{path}: field 'tokenizer.ggml.model'={kind!r} is not supported "
+                        "(flint reads BPE 'gpt2' vocabularies)")
+    tokens = get("tokenizer.ggml.tokens", "strs", required=True)
+    if len(set(tokens)) != len(tokens):  # two ids for one string: one of them unreachable
+        seen = {}
+        for i, t in enumerate(tokens):
+            if t in seen:
+                raise LoadError(f"{path}: field 'tokenizer.ggml.tokens': token {i} {t!r} repeats "
+                                f"token {seen[t]}")
+            seen[t] = i
+    types = get("tokenizer.ggml.token_type", "ints")
+    if types is not None and len(types) != len(tokens):
+        raise LoadError(f"{path}: field 'tokenizer.ggml.token_type' has {len(types)} entries for "
+                        f"{len(tokens)} tokens")
+    for i, m in enumerate(get("tokenizer.ggml.merges", "strs", [])):
+        if " " not in m:
+            raise LoadError(f"{path}: field 'tokenizer.ggml.merges'[{i}]={m!r} is not two tokens "
+                            "separated by a space")
+    for key in ("tokenizer.ggml.pre", "tokenizer.chat_template"):
+        get(key, "str")
+    get("tokenizer.ggml.add_bos_token", "bool")
+    for key, f in gf.fields.items():
+        if key.startswith("tokenizer.ggml.") and key.endswith("_token_id"):
+            i = get(key, "uint")
+            if i >= vocab:
+                raise LoadError(f"{path}: field {key!r}={i} is outside the vocabulary (size {vocab})")
 
 
 def _unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
@@ -245,39 +411,18 @@ def _unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
 
 
 def read_gguf(path: str | Path):
-    """Open a GGUF file with the gguf package; returns (fields dict, tensors list)."""
-    import gguf
+    """Read and check a GGUF file (flint.gguf_file); returns (fields dict of values, tensor infos)."""
+    from . import gguf_file
 
-    path = str(path)
-    if not os.path.exists(path):
-        raise LoadError(f"{path}: file not found")
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:
-        raise LoadError(f"{path}: not a readable GGUF file, truncated or corrupt "
-                        f"({type(e).__name__}: {e})") from None
-    fields = {}
-    for k, f in reader.fields.items():
-        try:
-            fields[k] = f.contents()
-        except Exception:  # pragma: no cover - exotic field types
-            continue
-    return fields, reader.tensors
+    gf = gguf_file.read(path)
+    return gf.values(), gf.tensors
 
 
-def load_gguf(path: str | Path, dtype=torch.float32) -> LoadedModel:
-    import gguf
-    import numpy as np
-
-    from .tokenizer import Tokenizer
-
-    path = str(path)
-    fields, tensors = read_gguf(path)
-    cfg = _gguf_config(fields, path)
-    q = gguf.GGMLQuantizationType
-    params = {}
+def _gguf_flint_names(tensors, cfg: ModelConfig, path: str) -> list[str]:
+    """flint's name for each tensor; every layer index below block_count, each layer present."""
     pat = re.compile(r"blk\.(\d+)\.(.+)")
-    for t in tqdm(tensors, desc=f"loading {os.path.basename(path)}", unit="tensor", leave=False, disable=None):
+    out, layers = [], set()
+    for t in tensors:
         name = t.name
         if name == "token_embd.weight":
             fl = "embed"
@@ -286,38 +431,69 @@ def load_gguf(path: str | Path, dtype=torch.float32) -> LoadedModel:
         elif name == "output.weight":
             fl = "lm_head"
         elif (m := pat.fullmatch(name)) and m.group(2) in _GGUF_LAYER:
-            fl = f"layers.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}"
+            li = int(m.group(1))
+            if li >= cfg.num_layers:
+                raise LoadError(f"{path}: tensor {name!r} is for layer {li}, but field "
+                                f"'{cfg.arch}.block_count' is {cfg.num_layers}")
+            layers.add(li)
+            fl = f"layers.{li}.{_GGUF_LAYER[m.group(2)]}"
         elif name == "rope_freqs.weight":
             raise LoadError(f"{path}: tensor 'rope_freqs.weight' (scaled RoPE) is not supported")
         else:
             raise LoadError(f"{path}: unexpected tensor {name!r}")
-        shape = [int(x) for x in reversed(list(t.shape))]  # numpy order: [N, K]
-        kind = t.tensor_type
-        data = t.data
-        try:
-            if kind == q.F32:
-                w = torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))
-            elif kind == q.F16:
-                w = torch.from_numpy(np.array(data).view(np.float16).reshape(shape).astype(np.float32))
-            elif kind == q.BF16:
-                u = np.array(data).view(np.uint16).reshape(shape).astype(np.uint32) << 16
-                w = torch.from_numpy(u.view(np.float32))
-            elif kind == q.Q8_0:
-                w = dequant_q8_0_blocks(data, shape[0], shape[1])
-            elif kind == q.Q4_1:
-                w = from_q4_1_blocks(data, shape[0], shape[1])
-            elif kind == q.Q4_0:
-                w = from_q4_0_blocks(data, shape[0], shape[1])
-            else:
-                raise LoadError(f"{path}: tensor {name!r} has type {kind.name}, not one of "
-                                "F32, F16, BF16, Q8_0, Q4_0, Q4_1")
-        except ValueError as e:
-            if isinstance(e, LoadError):
-                raise
-            raise LoadError(f"{path}: tensor {name!r} data does not match its shape {shape} ({e})") from None
+        want = 1 if fl == "norm" or fl.endswith("_norm") else 2
+        if len(t.shape) != want:
+            raise LoadError(f"{path}: tensor {name!r} has {len(t.shape)} dimensions, expected {want}")
+        out.append(fl)
+    if len(layers) != cfg.num_layers:
+        # the first few missing layers, without building a range as long as a corrupt block count
+        missing = list(itertools.islice((i for i in range(cfg.num_layers) if i not in layers), 8))
+        raise LoadError(f"{path}: field '{cfg.arch}.block_count' is {cfg.num_layers}, but the file "
+                        f"has no tensors for layers {missing}{'...' if len(missing) == 8 else ''}")
+    return out
+
+
+def _gguf_tensor(t, path: str):
+    import numpy as np
+
+    from .gguf_file import QT as q
+
+    shape = [int(x) for x in reversed(t.shape)]  # numpy order: [N, K]
+    kind, data = t.tensor_type, t.data
+    if kind == q.F32:
+        return torch.from_numpy(data.view("<f4").reshape(shape).copy())
+    if kind == q.F16:
+        return torch.from_numpy(data.view("<f2").reshape(shape).astype(np.float32))
+    if kind == q.BF16:
+        return torch.from_numpy((data.view("<u2").reshape(shape).astype(np.uint32) << 16).view(np.float32))
+    if kind in (q.Q8_0, q.Q4_1, q.Q4_0) and len(shape) == 2:
+        conv = {q.Q8_0: dequant_q8_0_blocks, q.Q4_1: from_q4_1_blocks, q.Q4_0: from_q4_0_blocks}[kind]
+        return conv(data, shape[0], shape[1])
+    raise LoadError(f"{path}: tensor {t.name!r} has type {kind.name}, not one of F32, F16, BF16 "
+                    "and, for matrices, Q8_0, Q4_0, Q4_1")
+
+
+def load_gguf(path: str | Path, dtype=torch.float32) -> LoadedModel:
+    from . import gguf_file
+    from .tokenizer import Tokenizer
+
+    path = str(path)
+    gf = gguf_file.read(path)
+    cfg = _gguf_config(gf, path)
+    _gguf_check_tokenizer(gf, path, cfg.vocab_size)
+    names = _gguf_flint_names(gf.tensors, cfg, path)
+    want = expected_shapes(cfg)  # bounded: every layer has tensors in the file
+    params = {}
+    for t, fl in tqdm(list(zip(gf.tensors, names)), desc=f"loading {os.path.basename(path)}",
+                      unit="tensor", leave=False, disable=None):
+        shape = tuple(int(x) for x in reversed(t.shape))
+        if shape != want[fl]:
+            raise LoadError(f"{path}: tensor {t.name!r} has shape {list(shape)}, the metadata "
+                            f"implies {list(want[fl])}")
+        w = _gguf_tensor(t, path)
         if fl.endswith(".wq") or fl.endswith(".wk"):
             nh = cfg.num_heads if fl.endswith(".wq") else cfg.num_kv_heads
-            idx = _unpermute_rows(shape[0], nh)
+            idx = _unpermute_rows(w.shape[0], nh)
             w = w.rows(idx) if isinstance(w, Int4Weight) else w[idx].contiguous()
         params[fl] = w
     if "lm_head" not in params:
@@ -330,7 +506,11 @@ def load_gguf(path: str | Path, dtype=torch.float32) -> LoadedModel:
         if cfg.tie_word_embeddings:
             params["lm_head"] = q4
     check_params(cfg, params, path)
-    tok = Tokenizer.from_gguf_fields(fields, path)
+    try:
+        tok = Tokenizer.from_gguf_fields(gf.values(), path)
+    except Exception as e:  # the fields were checked; this is the tokenizers library refusing them
+        raise LoadError(f"{path}: fields 'tokenizer.ggml.*' do not make a BPE tokenizer "
+                        f"({type(e).__name__}: {e})") from None
     return LoadedModel(cfg, params, tok, path)
 
 

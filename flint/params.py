@@ -2,7 +2,8 @@
 
 ``params`` maps flint names ("embed", "layers.{i}.wq", ..., "norm", "lm_head") to float tensors or
 ``flint.quant.Int4Weight``; a tied head is the same object as "embed". ``expected_shapes(cfg)``
-gives every name's shape, ``check_params`` raises ``LoadError`` for a missing or misshapen tensor,
+gives every name's shape, ``check_params`` raises ``LoadError`` for a missing, unexpected or
+misshapen tensor, a dtype that does not suit it, or a layer count other than the layers present,
 and ``LINEAR_NAMES`` are the per-layer linear weights (the ones quantized to int4).
 
 The loaders (flint.loading), the synthetic models (flint.synthetic), the reference decoder
@@ -10,11 +11,13 @@ The loaders (flint.loading), the synthetic models (flint.synthetic), the referen
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from .config import ModelConfig
 
 LINEAR_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+FLOAT_DTYPES = ("torch.float32", "torch.float16", "torch.bfloat16")
 
 
 class LoadError(ValueError):
@@ -43,8 +46,21 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_params(cfg: ModelConfig, params: dict, source: str) -> None:
+def check_params(cfg: ModelConfig, params: dict, source: str, layers_field: str = "the config") -> None:
+    """Every expected tensor present with its shape and a dtype that suits it, and nothing else:
+    a layer count one short would otherwise drop the last layer silently."""
+    import torch
+
+    layers = {int(n.split(".")[1]) for n in params if re.fullmatch(r"layers\.\d+\..+", n)}
+    if len(layers) != cfg.num_layers or (layers and max(layers) != cfg.num_layers - 1):
+        # before expected_shapes: a layer count of 2^31 must fail without building its names
+        extra = sorted(i for i in layers if i >= cfg.num_layers)
+        got = f"tensors for layer {extra[0]}" if extra else f"tensors for {len(layers)} layers"
+        raise LoadError(f"{source}: {layers_field} says {cfg.num_layers} layers, the checkpoint has {got}")
     want = expected_shapes(cfg)
+    for name in params:
+        if name not in want:
+            raise LoadError(f"{source}: unexpected tensor {name!r}")
     for name, shape in want.items():
         if name not in params:
             raise LoadError(f"{source}: tensor {name!r} is missing")
@@ -52,3 +68,15 @@ def check_params(cfg: ModelConfig, params: dict, source: str) -> None:
         got = tuple(t.shape)
         if got != shape:
             raise LoadError(f"{source}: tensor {name!r} has shape {list(got)}, config implies {list(shape)}")
+        if hasattr(t, "qweight"):  # flint.quant.Int4Weight
+            n, k = shape
+            g = t.group_size
+            groups = (n, k // g) if isinstance(g, int) and g > 0 and k % g == 0 else None
+            if (t.qweight.dtype != torch.uint8 or groups is None
+                    or any(x.dtype != torch.float16 or tuple(x.shape) != groups for x in (t.scales, t.mins))):
+                raise LoadError(f"{source}: tensor {name!r}: int4 weight needs uint8 codes [N, K/2] and "
+                                f"float16 scales and mins [N, K/G] (G={g!r}); got {t.qweight.dtype}, "
+                                f"{t.scales.dtype} {list(t.scales.shape)}, {t.mins.dtype} {list(t.mins.shape)}")
+        elif str(t.dtype) not in FLOAT_DTYPES:
+            raise LoadError(f"{source}: tensor {name!r} has dtype {t.dtype}; a float weight needs one of "
+                            "float32, float16, bfloat16")
