@@ -881,6 +881,10 @@ def cmd_serve(args) -> int:
     if args.default_max_tokens > args.max_tokens_limit:
         raise ValueError(f"--default-max-tokens {args.default_max_tokens} is over --max-tokens-limit "
                          f"{args.max_tokens_limit}")
+    # the engine thread takes the GIL back after each of its many small torch ops; while the event loop
+    # is busy in Python (a large body arriving) each of those waits up to the switch interval (5 ms by
+    # default): shorter, decoding keeps its speed next to a busy loop
+    sys.setswitchinterval(0.0005)
     log.setLevel(logging.INFO)
     if not log.handlers and not logging.getLogger().handlers:  # else the embedding app's logging rules
         h = logging.StreamHandler(sys.stderr)
