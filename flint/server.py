@@ -442,7 +442,7 @@ def _sampling(req, state: ServerState, n_prompt: int, prompt_param: str):
         sp.validate()
     except ValueError as e:
         field = str(e).split(" ")[0].rstrip(":")
-        raise APIError(400, str(e), param=field if field in req.model_fields else None,
+        raise APIError(400, str(e), param=field if field in type(req).model_fields else None,
                        code="invalid_value") from None
     bad = engine.unsupported(sp)
     if bad:
@@ -451,7 +451,8 @@ def _sampling(req, state: ServerState, n_prompt: int, prompt_param: str):
     return sp
 
 
-def _chat_prompt(req, state: ServerState) -> list[int]:
+def _chat_messages(req, state: ServerState) -> list[dict]:
+    """The messages as the chat template takes them, roles checked, their length against the context."""
     messages = []
     for i, m in enumerate(req.messages):
         role = ROLES.get(m.role)
@@ -466,6 +467,10 @@ def _chat_prompt(req, state: ServerState) -> list[int]:
             msg["tool_call_id"] = m.tool_call_id
         messages.append(msg)
     _check_length(sum(len(m["content"]) for m in messages), req, state, "messages")
+    return messages
+
+
+def _encode_chat(messages: list[dict], state: ServerState) -> list[int]:
     try:
         return state.lm.tokenizer.encode_chat(messages)
     except ValueError as e:  # no chat template, or the template rejects the conversation
@@ -475,7 +480,8 @@ def _chat_prompt(req, state: ServerState) -> list[int]:
                        param="messages", code="invalid_value") from None
 
 
-def _completion_prompt(req, state: ServerState) -> list[int]:
+def _completion_input(req, state: ServerState) -> str | list[int]:
+    """The prompt: a string (its length checked against the context) or checked token ids."""
     p = req.prompt
     if isinstance(p, list) and p and isinstance(p[0], (str, list)):
         if len(p) != 1:
@@ -484,7 +490,7 @@ def _completion_prompt(req, state: ServerState) -> list[int]:
         p = p[0]
     if isinstance(p, str):
         _check_length(len(p), req, state, "prompt")
-        return state.lm.tokenizer.encode(p)
+        return p
     want = _requested_max_tokens(req)
     if len(p) + (want or 1) > state.engine.max_seq_len:  # before looking at each id
         raise _too_long("prompt", len(p), want, state.engine.max_seq_len)
@@ -717,19 +723,24 @@ def create_app(state: ServerState):
             obj = "text_completion"
         return {**head, "object": obj, "choices": [first], "usage": usage(r)}
 
-    async def tokenize(fn, req) -> list[int]:
-        # off the event loop (a long prompt must not stall others), on the one tokenizer thread
-        return await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, fn, req, state)
+    async def tokenize(fn, arg) -> list[int]:
+        # off the event loop (a long prompt must not stall others), on the one tokenizer thread; what
+        # reaches it was length-checked already, so one prompt holds it for a bounded time
+        return await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, fn, arg)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = await read_request(request, ChatRequest)
-        return await respond(request, req, await tokenize(_chat_prompt, req), chat=True)
+        messages = _chat_messages(req, state)
+        ids = await tokenize(lambda m: _encode_chat(m, state), messages)
+        return await respond(request, req, ids, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await read_request(request, CompletionRequest)
-        return await respond(request, req, await tokenize(_completion_prompt, req), chat=False)
+        prompt = _completion_input(req, state)
+        ids = prompt if isinstance(prompt, list) else await tokenize(state.lm.tokenizer.encode, prompt)
+        return await respond(request, req, ids, chat=False)
 
     return Guard(app, state)
 
