@@ -287,7 +287,7 @@ class ServerState:
         self.max_queue = max_queue
         self.default_max_tokens = default_max_tokens
         self.max_tokens_limit = max_tokens_limit
-        self.allow_hosts = {h.lower() for h in allow_hosts}
+        self.allow_hosts = {h.strip().lower().strip("[]").rstrip(".") for h in allow_hosts}
         self.body_timeout_s = body_timeout_s
         self.created = int(time.time())
         self.lm = None

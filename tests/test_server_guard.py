@@ -126,6 +126,42 @@ def test_health_answers_while_long_prompts_arrive(guard):
     assert worst < 0.5, f"/health took {worst:.3f}s while four 6 MiB prompts arrived"
 
 
+def test_a_client_leaving_during_the_prefill_stops_it(tiny_llama):
+    import asyncio
+
+    from flint.engine import Engine, SamplingParams
+    from flint.model import Transformer
+    from flint.server import Job, Scheduler
+
+    class Leaving:  # the client leaves while the first prefill chunk runs
+        def __init__(self, inner):
+            self.inner, self.calls, self.job = inner, 0, None
+            self.cfg, self.device, self.max_seq_len = inner.cfg, inner.device, inner.max_seq_len
+
+        def forward(self, tokens, start_pos, return_hidden=False, last_only=False):
+            self.calls += 1
+            self.job.cancelled.set()
+            return self.inner.forward(tokens, start_pos, return_hidden, last_only)
+
+    backend = Leaving(Transformer(tiny_llama.cfg, tiny_llama.params, max_seq_len=CONTEXT))
+    engine = Engine(backend, tiny_llama.tokenizer)
+    engine.PREFILL_CHUNK = 8
+    loop = asyncio.new_event_loop()
+    try:
+        job = Job("cmpl-test", list(range(10, 50)), SamplingParams(max_new_tokens=4), loop)
+        backend.job = job
+        sched = Scheduler(engine, max_queue=1)
+        sched.submit(job)
+        deadline = time.monotonic() + 10
+        while (sched.served == 0) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        sched.close()
+    finally:
+        loop.close()
+    assert sched.served == 1 and backend.calls == 1, "the prefill went on after the client left"
+    assert engine.last.finish_reason == "cancelled"
+
+
 # ------------------------------------------------------------------ nothing silently ignored
 
 REFUSED = [
