@@ -2,9 +2,10 @@
 
 A backend holds the weights and a KV cache for ONE sequence and offers:
 
-    forward(tokens: LongTensor[M], start_pos: int, return_hidden=False)
+    forward(tokens: LongTensor[M], start_pos: int, return_hidden=False, last_only=False)
         -> float32 logits [M, V] on backend.device  (and the last layer's hidden state [M, H],
-           before the final norm, when return_hidden)
+           before the final norm, when return_hidden); with last_only, the last position's only
+           ([1, V] and [1, H]: a prefill needs no other row, and a long one's [M, V] is large)
 
 It writes K/V for positions start_pos..start_pos+M-1 and attends to cache positions < start_pos
 plus causally within the M tokens. Positions >= start_pos + M are never read before being written

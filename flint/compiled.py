@@ -244,18 +244,30 @@ class CompiledBackend:
         """Nothing to clear: positions at or after start_pos are never read before being written."""
 
     # -------------------------------------------------------------- the step
-    def _run(self, tok, pos, a: int, compiled: bool):
-        """Embedding, all layers, head for tokens tok at positions pos, reading a cache positions."""
+    def _layers(self, tok, pos, a: int):
+        """Embedding and all layers, eagerly, for tokens tok at positions pos (reading a cache
+        positions): writes their K/V, returns the last layer's output."""
+        x = F.embedding(tok, self.embed) * self.cfg.embedding_multiplier
+        cos, sin = self.cos[pos], self.sin[pos]
+        mask = self.kv_positions[:a][None, :] <= pos[:, None]
+        for li, w in enumerate(self.layers):
+            x = layer_step(x, pos, cos, sin, mask, self.k_cache[li], self.v_cache[li], w, self.consts)
+        return x
+
+    def _run(self, tok, pos, a: int, compiled: bool, last_only: bool = False):
+        """Embedding, all layers, head for tokens tok at positions pos, reading a cache positions
+        (eagerly with last_only: the head on the last position only)."""
         cfg = self.cfg
-        layer, head = (self._layer, self._head) if compiled else (layer_step, head_step)
+        if not compiled:
+            x = self._layers(tok, pos, a)
+            if last_only:
+                x = x[-1:]
+            logits, nxt = head_step(x, self.norm, self.head, cfg.rms_norm_eps, cfg.logits_scaling)
+            return logits, nxt, x
+        layer, head = self._layer, self._head
         x = F.embedding(tok, self.embed) * cfg.embedding_multiplier
         cos, sin = self.cos[pos], self.sin[pos]
         mask = self.kv_positions[:a][None, :] <= pos[:, None]
-        if not compiled:
-            for li, w in enumerate(self.layers):
-                x = layer(x, pos, cos, sin, mask, self.k_cache[li], self.v_cache[li], w, self.consts)
-            logits, nxt = head(x, self.norm, self.head, cfg.rms_norm_eps, cfg.logits_scaling)
-            return logits, nxt, x
         # The attention length is the one dynamic dimension (one compile serves every bucket);
         # everything else is static, also when another model's shapes were compiled before in
         # this process (automatic dynamic shapes would otherwise make those symbolic).
@@ -318,7 +330,8 @@ class CompiledBackend:
                 raise ValueError(f"token id {bad} is outside the vocabulary (size {self.cfg.vocab_size})")
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start_pos: int, return_hidden: bool = False):
+    def forward(self, tokens: torch.Tensor, start_pos: int, return_hidden: bool = False,
+                last_only: bool = False):
         self._check(tokens, start_pos)
         m = tokens.shape[0]
         if m == 1:
@@ -331,8 +344,11 @@ class CompiledBackend:
             for s in range(0, m, self.max_chunk):
                 part = tok[s: s + self.max_chunk]
                 end = start_pos + s + part.shape[0]
+                if last_only and end < start_pos + m:  # an earlier chunk: its K/V only
+                    self._layers(part, torch.arange(start_pos + s, end, device=self.device), end)
+                    continue
                 pos = torch.arange(start_pos + s, end, device=self.device)
-                logits, _, x = self._run(part, pos, end, compiled=False)
+                logits, _, x = self._run(part, pos, end, compiled=False, last_only=last_only)
                 outs.append(logits)
                 hids.append(x.float())
             logits, hidden = torch.cat(outs), torch.cat(hids)

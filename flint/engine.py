@@ -1,12 +1,15 @@
 """The engine: prompt ids in, a stream of tokens out, on any backend (it never looks inside one).
 
-Greedy and sampled decoding (temperature, top-k, top-p; a fixed seed gives the same text), stop on
-any eos id or stop string, max_new_tokens, KV reuse of the common prefix between calls (multi-turn
-chat re-sends the whole conversation and only the new tail is prefilled), and per-call stats
-(prompt tokens, new tokens, time to first token, decode tok/s). Test: ``pytest tests/test_engine.py``.
+Greedy and sampled decoding (temperature, top-k, top-p, min-p; a fixed 64-bit seed gives the same
+text), logit bias and presence / frequency / repetition penalties, stop on any eos id or stop
+string, max_new_tokens, KV reuse of the common prefix between calls (multi-turn chat re-sends the
+whole conversation and only the new tail is prefilled), a prefill in chunks that asks the caller
+between chunks whether to go on, and per-call stats (prompt tokens, new tokens, time to first
+token, decode tok/s). Test: ``pytest tests/test_engine.py``.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -15,6 +18,24 @@ import torch
 
 class ContextError(ValueError):
     pass
+
+
+class Cancelled(Exception):
+    """The caller's should_stop() said yes between two prefill chunks."""
+
+
+MASK64 = (1 << 64) - 1
+
+
+def generator_seed(seed: int) -> int:
+    """A 64-bit seed mixed (splitmix64's finalizer, a bijection on 64 bits) for
+    torch.Generator.manual_seed. The CPU generator (mt19937) keeps only the low 32 bits of its
+    seed, so unmixed seeds that differ by 2**32 would sample the same text; mixed, every bit of the
+    seed moves those 32. (CUDA's Philox keeps all 64.)"""
+    x = seed & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
 
 
 @dataclass
@@ -26,6 +47,19 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    min_p: float = 0.0  # keep tokens with p >= min_p * max p (0 -> off)
+    presence_penalty: float = 0.0  # minus this once for every token already generated
+    frequency_penalty: float = 0.0  # minus this times the count of each generated token
+    repetition_penalty: float = 1.0  # prompt and generated tokens: logit / r if > 0, * r if < 0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+
+    # the fields that change logits before sampling (min_p acts on the distribution)
+    LOGIT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+
+    def adjusted(self) -> list[str]:
+        """The logit-changing fields this request sets (not at their neutral value)."""
+        neutral = SamplingParams()
+        return [f for f in self.LOGIT_FIELDS if getattr(self, f) != getattr(neutral, f)]
 
     def validate(self) -> "SamplingParams":
         if self.max_new_tokens < 0:
@@ -38,6 +72,18 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 10:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        for t, b in self.logit_bias.items():
+            if not -100 <= b <= 100:
+                raise ValueError(f"logit_bias: the bias of token {t} must be in [-100, 100], got {b}")
+        if self.seed is not None and not -(1 << 63) <= self.seed <= MASK64:
+            raise ValueError(f"seed must be a 64-bit integer, got {self.seed}")
         return self
 
 
@@ -45,7 +91,7 @@ class SamplingParams:
 class GenerationResult:
     token_ids: list[int]
     text: str
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "cancelled" (should_stop() during the prefill)
     prompt_tokens: int
     ttft_s: float
     decode_s: float
@@ -57,13 +103,16 @@ class GenerationResult:
 
 
 def probs_from_logits(logits: torch.Tensor, temperature: float, top_k: int = 0,
-                      top_p: float = 1.0) -> torch.Tensor:
-    """The sampling distribution (fp32, sums to 1) after temperature, top-k and top-p."""
+                      top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """The sampling distribution (fp32, sums to 1) after temperature, top-k, min-p and top-p."""
     x = logits.float() / max(temperature, 1e-6)
     if top_k and top_k < x.shape[-1]:
         kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     p = torch.softmax(x, dim=-1)
+    if min_p > 0:  # the most likely token always survives (p >= min_p * p)
+        p = p.masked_fill(p < min_p * p.amax(-1, keepdim=True), 0.0)
+        p = p / p.sum(-1, keepdim=True)
     if top_p < 1.0:
         sp, idx = torch.sort(p, dim=-1, descending=True)
         cum = sp.cumsum(-1)
@@ -77,8 +126,48 @@ def probs_from_logits(logits: torch.Tensor, temperature: float, top_k: int = 0,
 def sample(logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None) -> int:
     if sp.temperature == 0:
         return int(torch.argmax(logits))
-    p = probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p)
+    p = probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p)
     return int(torch.multinomial(p, 1, generator=gen))
+
+
+class LogitAdjuster:
+    """Logit bias and the penalties of one generation, applied to each step's logits [V].
+
+    presence / frequency count the generated tokens (OpenAI's definition); repetition_penalty
+    (the CTRL paper's, as vLLM and transformers apply it) covers prompt and generated tokens."""
+
+    def __init__(self, sp: SamplingParams, prompt_ids: list[int], vocab: int, device):
+        self.sp = sp
+        self.bias = None
+        if sp.logit_bias:
+            self.bias = torch.zeros(vocab, dtype=torch.float32, device=device)
+            ids = torch.tensor(list(sp.logit_bias), dtype=torch.long, device=device)
+            self.bias[ids] = torch.tensor(list(sp.logit_bias.values()), dtype=torch.float32, device=device)
+        self.counts = None
+        if sp.presence_penalty or sp.frequency_penalty:
+            self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+        self.seen = None
+        if sp.repetition_penalty != 1.0:
+            self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+            self.seen[torch.tensor(prompt_ids, dtype=torch.long, device=device)] = True
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        x = logits.float()
+        sp = self.sp
+        if self.seen is not None:
+            r = sp.repetition_penalty
+            x = torch.where(self.seen, torch.where(x > 0, x / r, x * r), x)
+        if self.counts is not None:
+            x = x - sp.frequency_penalty * self.counts - sp.presence_penalty * (self.counts > 0).float()
+        if self.bias is not None:
+            x = x + self.bias
+        return x
+
+    def add(self, tok: int) -> None:
+        if self.counts is not None:
+            self.counts[tok] += 1
+        if self.seen is not None:
+            self.seen[tok] = True
 
 
 def _stop_holdback(text: str, stops: list[str]) -> int:
@@ -96,6 +185,9 @@ class Engine:
     # greedy decoding on a backend with greedy_run: tokens per burst (each argmax feeds the next step on the
     # device, one host sync per burst; a stop inside a burst wastes at most GREEDY_BURST - 1 steps)
     GREEDY_BURST = 8
+    # prefill tokens per forward at most: bounds a long prompt's activations and lets a caller that
+    # no longer wants the answer stop between chunks
+    PREFILL_CHUNK = 512
 
     def __init__(self, backend, tokenizer=None, eos_token_ids=None):
         self.backend = backend
@@ -103,6 +195,7 @@ class Engine:
         self.eos = set(eos_token_ids if eos_token_ids is not None else backend.cfg.eos_token_ids)
         self.cached: list[int] = []  # tokens whose K/V sit in the backend's cache, in order
         self.last: GenerationResult | None = None
+        self.should_stop = None  # during stream(): the caller's "stop now?" check, asked between prefill chunks
 
     @property
     def max_seq_len(self) -> int:
@@ -115,21 +208,34 @@ class Engine:
             raise ContextError(f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new_tokens}) "
                                f"exceeds the context of {self.max_seq_len} tokens")
 
+    def unsupported(self, sp: SamplingParams) -> list[str]:
+        """The fields of sp this engine would not honour. Engine's own token loop applies them all;
+        a subclass with its own loop (speculative decoding verifies the draft against unadjusted
+        distributions) does not apply logit bias, penalties or min_p."""
+        if type(self)._tokens is Engine._tokens:
+            return []
+        return sp.adjusted() + (["min_p"] if sp.min_p else [])
+
     def prefill(self, ids: list[int], return_hidden: bool = False):
-        """Bring the cache to ``ids`` (reusing the common prefix); returns the last logits (and
-        the last hidden state when return_hidden: the draft head's input)."""
+        """Bring the cache to ``ids`` (reusing the common prefix), in chunks of PREFILL_CHUNK tokens at most
+        (raises Cancelled when should_stop() says so between two); returns the last position's logits (and
+        its hidden state when return_hidden: the draft head's input). Only that position's logits are
+        computed."""
         c = 0
         for a, b in zip(self.cached, ids):
             if a != b:
                 break
             c += 1
         c = min(c, len(ids) - 1)
-        chunk = getattr(self.backend, "max_chunk", None) or len(ids)
+        chunk = min(getattr(self.backend, "max_chunk", None) or self.PREFILL_CHUNK, self.PREFILL_CHUNK)
         out = None
         self.cached = self.cached[:c]
         for s in range(c, len(ids), chunk):
+            if s > c and self.should_stop is not None and self.should_stop():
+                raise Cancelled
             part = ids[s: s + chunk]
-            out = self.backend.forward(torch.tensor(part, dtype=torch.long), s, return_hidden=return_hidden)
+            out = self.backend.forward(torch.tensor(part, dtype=torch.long), s, return_hidden=return_hidden,
+                                       last_only=True)
             self.cached += part
         if return_hidden:
             return out[0][-1], out[1][-1]
@@ -140,10 +246,13 @@ class Engine:
         Subclasses (speculative decoding) override this; stream() does the text side."""
         logits = self.prefill(list(prompt_ids))
         pos = len(prompt_ids)
-        greedy = sp.temperature == 0
+        adjust = None
+        if sp.adjusted():  # the logits change every step: no on-device argmax shortcut
+            adjust = LogitAdjuster(sp, prompt_ids, self.backend.cfg.vocab_size, logits.device)
+        greedy = sp.temperature == 0 and adjust is None
         burst = greedy and hasattr(self.backend, "greedy_run")
         fast = greedy and hasattr(self.backend, "greedy_next")
-        tok = sample(logits, sp, gen)
+        tok = sample(adjust(logits) if adjust else logits, sp, gen)
         produced = 1
         while True:
             yield tok
@@ -158,6 +267,9 @@ class Engine:
                 tok = self.backend.greedy_next(tok, pos)
             else:
                 logits = self.backend.forward(torch.tensor([tok], dtype=torch.long), pos)[-1]
+                if adjust:
+                    adjust.add(tok)
+                    logits = adjust(logits)
                 tok = sample(logits, sp, gen)
             pos += 1
             produced += 1
@@ -168,23 +280,33 @@ class Engine:
     def _on_finish(self) -> None:
         """Hook: a generation ended (normally, by a stop, or because the consumer closed)."""
 
-    def stream(self, prompt_ids: list[int], sp: SamplingParams):
+    def stream(self, prompt_ids: list[int], sp: SamplingParams, should_stop=None):
         """Yield (token_id, text_piece) as tokens decode; sets self.last when done.
 
         Text pieces need a tokenizer; without one they are "". Closing the generator early (a
         client that went away) stops decoding at the next token (greedy on a backend with greedy_run:
-        after the current burst of at most GREEDY_BURST tokens, already computed).
+        after the current burst of at most GREEDY_BURST tokens, already computed). ``should_stop()``,
+        when given, is asked between prefill chunks: True ends the call there, with nothing yielded
+        and finish_reason "cancelled".
         """
         sp.validate()
+        bad = self.unsupported(sp)
+        if bad:
+            raise ValueError(f"{bad[0]} is not supported by {type(self).__name__} (its token loop does not "
+                             "apply it)")
         self.check_fits(len(prompt_ids), sp.max_new_tokens)
         vs = self.backend.cfg.vocab_size
         for t in prompt_ids:
             if not 0 <= int(t) < vs:
                 raise ValueError(f"token id {int(t)} is outside the vocabulary (size {vs})")
+        for t in sp.logit_bias:
+            if not 0 <= int(t) < vs:
+                raise ValueError(f"logit_bias: token id {int(t)} is outside the vocabulary (size {vs})")
         gen = None
         if sp.temperature > 0:
             gen = torch.Generator(device=self.backend.device)
-            gen.manual_seed(sp.seed if sp.seed is not None else int(time.time_ns() % (2**31)))
+            seed = sp.seed if sp.seed is not None else int.from_bytes(os.urandom(8), "little")
+            gen.manual_seed(generator_seed(seed))
         dec = self.tokenizer.stream() if self.tokenizer is not None else None
         self.last = None
         self._on_start()
@@ -195,7 +317,15 @@ class Engine:
         out: list[int] = []
         text, emitted, finish = "", 0, "length"
         tokens = self._tokens(prompt_ids, sp, gen)
-        tok = next(tokens)
+        self.should_stop = should_stop
+        try:
+            tok = next(tokens)
+        except Cancelled:
+            self._on_finish()
+            self.last = GenerationResult([], "", "cancelled", len(prompt_ids), 0.0, 0.0)
+            return
+        finally:
+            self.should_stop = None
         t_first = time.perf_counter()
         try:
             while True:

@@ -453,7 +453,8 @@ class MegakernelBackend:
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start_pos: int, return_hidden: bool = False):
+    def forward(self, tokens: torch.Tensor, start_pos: int, return_hidden: bool = False,
+                last_only: bool = False):
         toks = tokens.reshape(-1)
         m = toks.numel()
         if m < 1 or m > self.max_chunk:
@@ -470,9 +471,10 @@ class MegakernelBackend:
         stream = torch.cuda.current_stream(self.device)
         _check(self._lib.flint_mk_forward(self._h, m, ctypes.c_void_p(toks.data_ptr()), int(start_pos),
                                           ctypes.c_void_p(stream.cuda_stream)), self._lib)
-        logits = self.logits[:m].clone()
+        rows = slice(m - 1, m) if last_only else slice(0, m)
+        logits = self.logits[rows].clone()
         if return_hidden:
-            return logits, self.resid[:m].clone()
+            return logits, self.resid[rows].clone()
         return logits
 
     def greedy_next(self, token: int, pos: int) -> int:

@@ -3,7 +3,8 @@
 One class, ``Transformer``, runs Llama-family and Granite models (multipliers from ModelConfig) on
 CPU or CUDA, in fp32 or bf16, with a KV cache. Its step API is the backend API (flint.backend_api):
 ``forward(tokens[M], start_pos)`` writes K/V for positions start_pos..start_pos+M-1, attends to
-everything before plus causally within the M tokens, and returns fp32 logits [M, V]. Calling it
+everything before plus causally within the M tokens, and returns fp32 logits [M, V] ([1, V], the
+last position's, with ``last_only``). Calling it
 again with a smaller start_pos overwrites the cache there, which is how speculative decoding rolls
 back. ``tokens`` may also be [B, M] when the model was built with batch_size=B (batched harvest).
 
@@ -87,7 +88,8 @@ class Transformer:
         """Nothing to clear: positions at or after start_pos are never read before being written."""
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start_pos: int, return_hidden: bool = False):
+    def forward(self, tokens: torch.Tensor, start_pos: int, return_hidden: bool = False,
+                last_only: bool = False):
         cfg = self.cfg
         single = tokens.dim() == 1
         toks = tokens.to(self.device).view(1, -1) if single else tokens.to(self.device)
@@ -130,6 +132,8 @@ class Transformer:
             gu = li_in(h) @ L["w_gu"].T
             inter = cfg.intermediate_size
             x = x + (li_in(F.silu(gu[..., :inter]) * gu[..., inter:]) @ L["w_down"].T) * rm
+        if last_only:  # a prefill needs the next token's logits only: skip the head on the other rows
+            x = x[:, -1:]
         hidden = x
         logits = (li_in(rms_norm(x, self.norm, cfg.rms_norm_eps)) @ self.lm_head.T).float()
         logits = logits / cfg.logits_scaling

@@ -2,13 +2,21 @@
 
     flint serve [--model M] [--backend B] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--max-queue N]
 
-Routes: GET /health (503 while the model loads, 200 after), GET /v1/models, POST /v1/completions,
+Routes: GET /health (503 while the model loads, 200 after), GET /v1/models[/{id}], POST /v1/completions,
 POST /v1/chat/completions (SSE streaming with ``stream``; ``stream_options.include_usage``).
 The engine decodes one sequence at a time: requests wait in a FIFO (``--max-queue`` waiting
 requests at most, 429 beyond) and one worker thread owns the engine; a client that goes away
-cancels its generation at the next token. Every error is an OpenAI error object. One log line per
-request (id, prompt/completion tokens, queue wait, TTFT, decode tok/s). Usage: docs/serve.md.
-Test: ``pytest tests/test_server.py``.
+cancels its generation at the next token (or the next prefill chunk). Every error is an OpenAI
+error object; a request field flint cannot honour is a 400 naming it, never ignored.
+
+Admission comes before work: the body size, the prompt's length against the context (a text of n
+characters is at least n / longest-token tokens) and max_tokens are checked before tokenizing, and
+tokenizing runs on its own thread. Without an API key only loopback Host names are served
+(--allow-host adds others), which keeps web pages (DNS rebinding) out; POST bodies must be JSON;
+request heads and bodies have deadlines and open connections a cap. SIGTERM drains: running and
+queued requests finish (up to --drain-timeout), new ones get 503. One log line per request (id,
+prompt/completion tokens, queue wait, TTFT, decode tok/s). Usage: docs/serve.md. Tests:
+``pytest tests/test_server.py tests/test_server_guard.py``.
 
 Heavy imports (fastapi, pydantic, uvicorn, torch) happen inside functions: `flint` imports this
 module to build its parser, and other subcommands should not pay for them.
@@ -16,6 +24,7 @@ module to build its parser, and other subcommands should not pay for them.
 import asyncio
 import functools
 import hmac
+import ipaddress
 import json
 import logging
 import os
@@ -25,12 +34,15 @@ import threading
 import time
 import uuid
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 
 log = logging.getLogger("flint.serve")
 
 MAX_BODY_BYTES = 8 << 20  # a request body larger than this is refused (413) before parsing
 MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI's limit
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 # ------------------------------------------------------------------ errors
@@ -39,9 +51,10 @@ class APIError(Exception):
     """An error answered to the client as an OpenAI error object."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -64,6 +77,9 @@ def _validation_error(e) -> APIError:
     # a union names the branch it tried ('stop.list[str].0'); the client wants the field path
     loc = [str(x) for x in err["loc"] if not (isinstance(x, str) and ("[" in x or x in _TYPE_TAGS))]
     param = ".".join(loc) or None
+    if err["type"] == "extra_forbidden":
+        return APIError(400, f"{param}: this field is not supported by flint (refused rather than ignored)",
+                        param=param, code="unsupported_parameter")
     return APIError(400, f"{param or 'body'}: {err['msg']}", param=param, code="invalid_value")
 
 
@@ -77,7 +93,7 @@ def schemas():
     from pydantic import BaseModel, ConfigDict, Field
 
     class _Base(BaseModel):
-        model_config = ConfigDict(extra="ignore")  # unknown OpenAI fields are accepted and ignored
+        model_config = ConfigDict(extra="forbid")  # a field flint does not know is refused (400), not ignored
 
     class TextPart(_Base):
         type: Literal["text"]
@@ -86,12 +102,13 @@ def schemas():
     class ChatMessage(_Base):
         role: str
         content: str | list[TextPart] | None = None
+        tool_call_id: str | None = None  # goes to the chat template with the message
 
     class StreamOptions(_Base):
         include_usage: bool = False
 
     class Common(_Base):
-        model: str | None = None
+        model: str
         max_tokens: int | None = Field(None, ge=1)
         temperature: float | None = Field(None, ge=0, le=2)  # OpenAI's default is 1
         top_p: float | None = Field(None, gt=0, le=1)
@@ -100,14 +117,29 @@ def schemas():
         n: int | None = None
         stream: bool | None = None
         stream_options: StreamOptions | None = None
+        presence_penalty: float | None = Field(None, ge=-2, le=2)
+        frequency_penalty: float | None = Field(None, ge=-2, le=2)
+        logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias
+        user: str | None = None  # an end-user label: changes no output
         # extensions (vLLM spells them the same way)
         top_k: int | None = Field(None, ge=0)
+        min_p: float | None = Field(None, ge=0, le=1)
+        repetition_penalty: float | None = Field(None, gt=0, le=10)
         ignore_eos: bool = False
 
     class ChatRequest(Common):
         messages: list[ChatMessage] = Field(min_length=1)
         max_completion_tokens: int | None = Field(None, ge=1)
         logprobs: bool | None = None
+        top_logprobs: int | None = None
+        metadata: dict[str, str] | None = None  # labels: change no output
+        # accepted only at their neutral values (see _refuse_unsupported)
+        response_format: dict | None = None
+        tools: list | None = None
+        tool_choice: str | dict | None = None
+        parallel_tool_calls: bool | None = None
+        functions: list | None = None
+        function_call: str | dict | None = None
 
     class CompletionRequest(Common):
         prompt: str | list[str] | list[int] | list[list[int]]
@@ -215,7 +247,10 @@ class Scheduler:
         wait_s = time.perf_counter() - job.t_submit
         if job.cancelled.is_set():  # the client left between the queue and here
             return
-        stream = self.engine.stream(job.prompt_ids, job.sp)
+        def should_stop() -> bool:  # asked between prefill chunks
+            return job.cancelled.is_set() or self.stopping()
+
+        stream = self.engine.stream(job.prompt_ids, job.sp, should_stop=should_stop)
         stopped = None  # why decoding ended early: the client left, or the server is stopping
         try:
             for _tok, piece in stream:
@@ -231,6 +266,8 @@ class Scheduler:
         finally:
             stream.close()
         r = self.engine.last
+        if r.finish_reason == "cancelled":  # during the prefill
+            stopped = "shutdown" if self.stopping() and not job.cancelled.is_set() else "cancelled"
         log.info("%s prompt=%d completion=%d queued=%.2fs ttft=%.3fs decode=%.1f tok/s finish=%s",
                  job.id, len(job.prompt_ids), len(r.token_ids), wait_s, r.ttft_s, r.decode_tok_s,
                  stopped or r.finish_reason)
@@ -243,16 +280,26 @@ class Scheduler:
 # ------------------------------------------------------------------ server state
 
 class ServerState:
-    def __init__(self, model_id: str, api_key: str | None, max_queue: int):
+    def __init__(self, model_id: str, api_key: str | None, max_queue: int, default_max_tokens: int = 1024,
+                 max_tokens_limit: int = 4096, allow_hosts=(), body_timeout_s: float = 30.0):
         self.model_id = model_id
         self.api_key = api_key
         self.max_queue = max_queue
+        self.default_max_tokens = default_max_tokens
+        self.max_tokens_limit = max_tokens_limit
+        self.allow_hosts = {h.strip().lower().strip("[]").rstrip(".") for h in allow_hosts}
+        self.body_timeout_s = body_timeout_s
         self.created = int(time.time())
         self.lm = None
         self.engine = None
         self.scheduler: Scheduler | None = None
         self.ready = threading.Event()
         self.should_stop = lambda: False  # set to the server's "shutting down" flag
+        self.draining = False  # SIGTERM seen: new requests get 503, the ones in flight finish
+        self.in_flight = 0  # HTTP requests being answered (event-loop thread only)
+        # tokenizing (and the chat template) runs here, one prompt at a time: off the event loop, and a burst
+        # of long prompts takes one core, not all of them
+        self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="flint-tokenize")
 
     def load(self, args) -> None:
         from .cli import load_engine
@@ -261,63 +308,169 @@ class ServerState:
         lm, backend, engine = load_engine(args)
         if lm.tokenizer is None:
             raise ValueError(f"model {self.model_id!r} has no tokenizer; flint serve needs text in and out")
+        lm.tokenizer.max_token_chars  # computed once here, not in the first request
         self.lm, self.engine = lm, engine
         self.scheduler = Scheduler(engine, self.max_queue, self.should_stop)
         self.ready.set()
         log.info("model %s ready on backend %s (context %d tokens) in %.1fs", self.model_id,
                  backend.name, engine.max_seq_len, time.perf_counter() - t0)
 
+    def host_allowed(self, host: str) -> bool:
+        """Whether a Host (or Origin) name may be served without an API key: a loopback name or
+        address, or one given with --allow-host ('*': any)."""
+        if self.api_key is not None or "*" in self.allow_hosts:
+            return True
+        name = host.strip().lower()
+        if name.startswith("["):  # [v6]:port
+            name = name[1:name.find("]")] if "]" in name else name[1:]
+        elif name.count(":") == 1:
+            name = name.rsplit(":", 1)[0]
+        name = name.rstrip(".")
+        if name in self.allow_hosts or name == "localhost" or name.endswith(".localhost"):
+            return True
+        try:
+            return ipaddress.ip_address(name).is_loopback
+        except ValueError:
+            return False
+
 
 # ------------------------------------------------------------------ turning requests into jobs
+
+def _requested_max_tokens(req) -> int | None:
+    if req.max_tokens is not None:
+        return req.max_tokens
+    return getattr(req, "max_completion_tokens", None)
+
+
+def _refuse_unsupported(req, state: ServerState) -> None:
+    """400s for fields whose value flint cannot honour (before any work). Fields at their neutral
+    value (tools [], response_format {"type": "text"}) change nothing and pass."""
+    def refuse(param: str, message: str, code: str = "unsupported_parameter"):
+        raise APIError(400, message, param=param, code=code)
+
+    if req.stream_options is not None and not req.stream:
+        refuse("stream_options", "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+               "invalid_value")
+    if req.n not in (None, 1):
+        refuse("n", f"n={req.n} is not supported: flint decodes one sequence per request (n=1)", "unsupported_value")
+    limit = state.max_tokens_limit
+    for name in ("max_tokens", "max_completion_tokens"):
+        v = getattr(req, name, None)
+        if v is not None and v > limit:
+            refuse(name, f"{name}={v} is over this server's limit of {limit} (--max-tokens-limit)", "invalid_value")
+    if len(req.logit_bias or {}) > MAX_LOGIT_BIAS:
+        refuse("logit_bias", f"logit_bias: at most {MAX_LOGIT_BIAS} entries", "invalid_value")
+    if hasattr(req, "messages"):
+        if req.logprobs:
+            refuse("logprobs", "logprobs are not supported")
+        if req.top_logprobs is not None:
+            refuse("top_logprobs", "top_logprobs requires logprobs: true (and logprobs are not supported)",
+                   "invalid_value")
+        if req.response_format not in (None, {"type": "text"}):
+            refuse("response_format", "response_format: JSON mode and structured outputs are not supported yet "
+                                      "(only {\"type\": \"text\"})")
+        for name in ("tools", "functions"):
+            if getattr(req, name):
+                refuse(name, f"{name}: tool calling is not supported yet")
+        for name in ("tool_choice", "function_call"):
+            if getattr(req, name) not in (None, "none", "auto"):
+                refuse(name, f"{name}: tool calling is not supported yet")
+    else:
+        for field, bad in (("echo", req.echo), ("logprobs", req.logprobs is not None),
+                           ("best_of", req.best_of not in (None, 1)), ("suffix", req.suffix)):
+            if bad:
+                refuse(field, f"{field} is not supported", "unsupported_value")
+
+
+def _too_long(param: str, n_prompt: int, max_tokens: int | None, context: int, at_least: bool = False) -> APIError:
+    room = f" + max_tokens ({max_tokens})" if max_tokens is not None else ""
+    size = f"at least {n_prompt} tokens" if at_least else f"{n_prompt} tokens"
+    return APIError(400, f"{param}: the prompt ({size}){room} does not fit the context of {context} tokens",
+                    param=param, code="context_length_exceeded")
+
+
+def _check_length(n_chars: int, req, state: ServerState, param: str) -> None:
+    """Refuse, before tokenizing, a prompt too long to fit: n characters are at least
+    n / max_token_chars tokens. This bounds what tokenizing costs."""
+    least = -(-n_chars // state.lm.tokenizer.max_token_chars)
+    want = _requested_max_tokens(req)
+    if least + (want or 1) > state.engine.max_seq_len:
+        raise _too_long(param, least, want, state.engine.max_seq_len, at_least=True)
+
 
 def _sampling(req, state: ServerState, n_prompt: int, prompt_param: str):
     """SamplingParams for a validated request, with the context checked (400 before any work)."""
     from .engine import ContextError, SamplingParams
 
-    if req.n not in (None, 1):
-        raise APIError(400, f"n={req.n} is not supported: flint decodes one sequence per request (n=1)",
-                       param="n", code="unsupported_value")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
         raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} non-empty strings", param="stop",
                        code="invalid_value")
-    max_tokens = req.max_tokens
-    if max_tokens is None:
-        max_tokens = getattr(req, "max_completion_tokens", None)
+    max_tokens = _requested_max_tokens(req)
     engine = state.engine
     try:
-        if max_tokens is None:  # as much as the context leaves
+        if max_tokens is None:  # the server's default, or what the context leaves when that is less
             engine.check_fits(n_prompt, 1)
-            max_tokens = engine.max_seq_len - n_prompt
+            max_tokens = min(state.default_max_tokens, engine.max_seq_len - n_prompt)
         else:
             engine.check_fits(n_prompt, max_tokens)
     except ContextError:
         if n_prompt == 0:
             raise APIError(400, f"{prompt_param}: the prompt is empty", param=prompt_param,
                            code="invalid_value") from None
-        room = f" + max_tokens ({max_tokens})" if max_tokens is not None else ""
-        raise APIError(400, f"{prompt_param}: the prompt ({n_prompt} tokens){room} does not fit the "
-                            f"context of {engine.max_seq_len} tokens", param=prompt_param,
-                       code="context_length_exceeded") from None
+        raise _too_long(prompt_param, n_prompt, _requested_max_tokens(req), engine.max_seq_len) from None
+    bias = {}
+    vocab = state.lm.cfg.vocab_size
+    for key, b in (req.logit_bias or {}).items():
+        try:
+            t = int(key)
+        except ValueError:
+            t = -1
+        if not 0 <= t < vocab:
+            raise APIError(400, f"logit_bias: {key!r} is not a token id of this model (0..{vocab - 1})",
+                           param="logit_bias", code="invalid_value")
+        bias[t] = b
     sp = SamplingParams(max_new_tokens=max_tokens,
                         temperature=1.0 if req.temperature is None else req.temperature,
                         top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
-                        seed=req.seed, stop=stop, ignore_eos=req.ignore_eos)
+                        seed=req.seed, stop=stop, ignore_eos=req.ignore_eos, min_p=req.min_p or 0.0,
+                        presence_penalty=req.presence_penalty or 0.0,
+                        frequency_penalty=req.frequency_penalty or 0.0,
+                        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                        logit_bias=bias)
     try:
-        return sp.validate()
+        sp.validate()
     except ValueError as e:
-        raise APIError(400, str(e), code="invalid_value") from None
+        field = str(e).split(" ")[0].rstrip(":")
+        raise APIError(400, str(e), param=field if field in type(req).model_fields else None,
+                       code="invalid_value") from None
+    bad = engine.unsupported(sp)
+    if bad:
+        raise APIError(400, f"{bad[0]} is not supported with speculative decoding (this server runs --draft)",
+                       param=bad[0], code="unsupported_parameter")
+    return sp
 
 
-def _chat_prompt(req, state: ServerState) -> list[int]:
-    if req.logprobs:
-        raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported_value")
+def _chat_messages(req, state: ServerState) -> list[dict]:
+    """The messages as the chat template takes them, roles checked, their length against the context."""
     messages = []
-    for m in req.messages:
+    for i, m in enumerate(req.messages):
+        role = ROLES.get(m.role)
+        if role is None:
+            raise APIError(400, f"messages.{i}.role: {m.role[:40]!r} is not a role; use one of "
+                                f"{', '.join(ROLES)}", param=f"messages.{i}.role", code="invalid_value")
         c = m.content
         if isinstance(c, list):
             c = "".join(p.text for p in c)
-        messages.append({"role": m.role, "content": c or ""})
+        msg = {"role": role, "content": c or ""}
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        messages.append(msg)
+    _check_length(sum(len(m["content"]) for m in messages), req, state, "messages")
+    return messages
+
+
+def _encode_chat(messages: list[dict], state: ServerState) -> list[int]:
     try:
         return state.lm.tokenizer.encode_chat(messages)
     except ValueError as e:  # no chat template, or the template rejects the conversation
@@ -327,11 +480,8 @@ def _chat_prompt(req, state: ServerState) -> list[int]:
                        param="messages", code="invalid_value") from None
 
 
-def _completion_prompt(req, state: ServerState) -> list[int]:
-    for field, bad in (("echo", req.echo), ("logprobs", req.logprobs is not None),
-                       ("best_of", req.best_of not in (None, 1)), ("suffix", req.suffix)):
-        if bad:
-            raise APIError(400, f"{field} is not supported", param=field, code="unsupported_value")
+def _completion_input(req, state: ServerState) -> str | list[int]:
+    """The prompt: a string (its length checked against the context) or checked token ids."""
     p = req.prompt
     if isinstance(p, list) and p and isinstance(p[0], (str, list)):
         if len(p) != 1:
@@ -339,7 +489,11 @@ def _completion_prompt(req, state: ServerState) -> list[int]:
                            param="prompt", code="unsupported_value")
         p = p[0]
     if isinstance(p, str):
-        return state.lm.tokenizer.encode(p)
+        _check_length(len(p), req, state, "prompt")
+        return p
+    want = _requested_max_tokens(req)
+    if len(p) + (want or 1) > state.engine.max_seq_len:  # before looking at each id
+        raise _too_long("prompt", len(p), want, state.engine.max_seq_len)
     vocab = state.lm.cfg.vocab_size
     for t in p:
         if not 0 <= t < vocab:
@@ -356,21 +510,25 @@ def create_app(state: ServerState):
     from pydantic import ValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
+    from starlette.requests import ClientDisconnect
+
     ChatRequest, CompletionRequest = schemas()
     app = FastAPI(title="flint", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+        headers = dict(e.headers or {})
+        if e.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
         if request.url.path.startswith("/v1/") and e.status != 499:  # 499: logged when cancelled
             log.info("%s %s -> %d %s", request.method, request.url.path, e.status, e.message)
-        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+        return JSONResponse(e.body(), status_code=e.status, headers=headers or None)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e):  # 404 route, 405 method
+    async def _http_error(request: Request, e):  # 404 route, 405 method (its Allow header kept)
         return JSONResponse(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
                                      code="not_found" if e.status_code == 404 else None).body(),
-                            status_code=e.status_code)
+                            status_code=e.status_code, headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, e: Exception):
@@ -394,21 +552,48 @@ def create_app(state: ServerState):
             raise APIError(503, "the model is still loading; retry when GET /health answers 200",
                            "service_unavailable", code="model_loading")
 
+    def too_large() -> APIError:
+        return APIError(413, f"request body over {MAX_BODY_BYTES} bytes", code="request_too_large")
+
+    async def read_body(request: Request) -> bytes:
+        """The body, within MAX_BODY_BYTES and state.body_timeout_s."""
+        try:
+            if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+                raise too_large()
+        except ValueError:
+            raise APIError(400, "Content-Length: not a number", code="invalid_value") from None
+        body = bytearray()
+        try:
+            async with asyncio.timeout(state.body_timeout_s):
+                async for chunk in request.stream():
+                    body += chunk
+                    if len(body) > MAX_BODY_BYTES:
+                        raise too_large()
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {state.body_timeout_s:g}s "
+                                f"({len(body)} bytes came)", code="request_timeout") from None
+        except ClientDisconnect:
+            log.info("%s %s: the client disconnected during the upload (%d bytes read)", request.method,
+                     request.url.path, len(body))
+            raise APIError(499, "the client closed the request", code="client_closed") from None
+        return bytes(body)
+
     async def read_request(request: Request, model_cls):
         authorize(request)
         require_ready()
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > MAX_BODY_BYTES:
-                raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes", code="request_too_large")
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+            raise APIError(415, f"Content-Type: the body must be JSON (application/json), got "
+                                f"{media or 'none'!r}", param="Content-Type", code="unsupported_media_type")
+        body = await read_body(request)
         try:
-            req = model_cls.model_validate_json(bytes(body), strict=True)
+            req = model_cls.model_validate_json(body, strict=True)
         except ValidationError as e:
             raise _validation_error(e) from None
-        if req.model is not None and req.model != state.model_id:
+        if req.model != state.model_id:
             raise APIError(404, f"model {req.model!r} does not exist; this server serves {state.model_id!r}",
                            param="model", code="model_not_found")
+        _refuse_unsupported(req, state)
         return req
 
     @app.get("/health")
@@ -420,11 +605,21 @@ def create_app(state: ServerState):
         return {"status": "ok", "model": state.model_id, "waiting": len(s.waiting),
                 "running": s.running is not None, "served": s.served}
 
+    def model_card() -> dict:
+        return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "flint"}
+
     @app.get("/v1/models")
     async def models(request: Request):
         authorize(request)
-        return {"object": "list", "data": [{"id": state.model_id, "object": "model",
-                                            "created": state.created, "owned_by": "flint"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str):
+        authorize(request)
+        if model_id != state.model_id:
+            raise APIError(404, f"model {model_id!r} does not exist; this server serves {state.model_id!r}",
+                           param="model", code="model_not_found")
+        return model_card()
 
     def submit(request_id: str, prompt_ids: list[int], sp) -> Job:
         job = Job(request_id, prompt_ids, sp, asyncio.get_running_loop())
@@ -432,7 +627,8 @@ def create_app(state: ServerState):
             state.scheduler.submit(job)
         except QueueFull:
             raise APIError(429, f"the queue is full ({state.max_queue} waiting, the --max-queue limit); "
-                                "retry later", "rate_limit_error", code="queue_full") from None
+                                "retry later", "rate_limit_error", code="queue_full",
+                           headers={"Retry-After": "1"}) from None
         return job
 
     async def watch_disconnect(request: Request, job: Job) -> None:
@@ -527,20 +723,68 @@ def create_app(state: ServerState):
             obj = "text_completion"
         return {**head, "object": obj, "choices": [first], "usage": usage(r)}
 
+    async def tokenize(fn, arg) -> list[int]:
+        # off the event loop (a long prompt must not stall others), on the one tokenizer thread; what
+        # reaches it was length-checked already, so one prompt holds it for a bounded time
+        return await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, fn, arg)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = await read_request(request, ChatRequest)
-        # tokenizing (and the chat template) off the event loop: a long prompt must not stall others
-        prompt_ids = await asyncio.to_thread(_chat_prompt, req, state)
-        return await respond(request, req, prompt_ids, chat=True)
+        messages = _chat_messages(req, state)
+        ids = await tokenize(lambda m: _encode_chat(m, state), messages)
+        return await respond(request, req, ids, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await read_request(request, CompletionRequest)
-        prompt_ids = await asyncio.to_thread(_completion_prompt, req, state)
-        return await respond(request, req, prompt_ids, chat=False)
+        prompt = _completion_input(req, state)
+        ids = prompt if isinstance(prompt, list) else await tokenize(state.lm.tokenizer.encode, prompt)
+        return await respond(request, req, ids, chat=False)
 
-    return app
+    return Guard(app, state)
+
+
+class Guard:
+    """ASGI middleware in front of every route: 503 while draining, the Host / Origin check without
+    an API key (a web page can make a browser send requests to loopback, and DNS rebinding can make
+    it read the answers: both carry a foreign name), and the count of requests in flight."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    def refusal(self, scope) -> APIError | None:
+        if self.state.draining:
+            return _shutdown_error()
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        host = headers.get("host")
+        if host is not None and not self.state.host_allowed(host):
+            return APIError(403, f"Host {host[:100]!r} is not served: without --api-key only loopback names are "
+                                 "(add it with --allow-host)", "permission_error", param="Host",
+                            code="host_not_allowed")
+        origin = headers.get("origin")
+        if origin:  # "null" (a sandboxed or file: page) is no loopback name either
+            name = origin.split("://", 1)[-1].split("/", 1)[0]
+            if not self.state.host_allowed(name):
+                return APIError(403, f"Origin {origin[:100]!r} is not served: without --api-key only loopback "
+                                     "origins are (add it with --allow-host)", "permission_error",
+                                param="Origin", code="origin_not_allowed")
+        return None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        from fastapi.responses import JSONResponse
+
+        err = self.refusal(scope)
+        if err is not None:
+            log.info("%s %s -> %d %s", scope["method"], scope["path"], err.status, err.message)
+            return await JSONResponse(err.body(), status_code=err.status)(scope, receive, send)
+        self.state.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.in_flight -= 1
 
 
 # ------------------------------------------------------------------ the command
@@ -558,24 +802,117 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _protocol(header_timeout_s: float):
+    """uvicorn's h11 protocol with a deadline on each request head: from the connection's start, or
+    from the previous response's end, a whole head must arrive within header_timeout_s, else the
+    connection closes (uvicorn's keep-alive timer stops at the first byte, so a client sending a
+    header a byte at a time would hold its connection forever)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Protocol(H11Protocol):
+        def connection_made(self, transport):
+            self._head_timer = None
+            super().connection_made(transport)
+            self._arm_head_timer()
+
+        def _arm_head_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            self._head_cycle = self.cycle  # a new request head makes a new cycle
+            self._head_timer = self.loop.call_later(header_timeout_s, self._head_timeout)
+
+        def _head_timeout(self) -> None:
+            self._head_timer = None
+            if self.cycle is self._head_cycle and not self.transport.is_closing():
+                self.transport.close()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self._head_timer is not None and self.cycle is not self._head_cycle:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def on_response_complete(self) -> None:
+            self._arm_head_timer()  # before: the next pipelined head may be handled inside
+            super().on_response_complete()
+
+        def connection_lost(self, exc) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+            super().connection_lost(exc)
+
+    return Protocol
+
+
+def _server_class():
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """The first SIGTERM / SIGINT drains: new requests get 503 while the running and queued
+        ones finish, for up to drain_timeout_s; then uvicorn's shutdown. A second signal exits now."""
+
+        state: ServerState
+        drain_timeout_s: float
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.state.draining:
+                if self.should_exit:
+                    self.force_exit = True
+                self.should_exit = True
+                return
+            self.state.draining = True
+            threading.Thread(target=self._drain, name="flint-drain", daemon=True).start()
+
+        def _drain(self) -> None:
+            t0 = time.monotonic()
+            log.info("draining: %d request(s) in flight finish (up to %gs), new ones get 503; a second signal "
+                     "stops now", self.state.in_flight, self.drain_timeout_s)
+            while self.state.in_flight and time.monotonic() - t0 < self.drain_timeout_s and not self.should_exit:
+                time.sleep(0.05)
+            if self.state.in_flight:
+                log.info("drain timeout: %d request(s) still in flight end with 503", self.state.in_flight)
+            self.should_exit = True
+
+    return DrainingServer
+
+
 def cmd_serve(args) -> int:
     import uvicorn
 
     from .loading import DEFAULT_MODEL
 
-    if args.max_queue < 0:
-        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    for name in ("max_queue", "default_max_tokens", "max_tokens_limit", "max_connections"):
+        low = 0 if name == "max_queue" else 1
+        if getattr(args, name) < low:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+    for name in ("header_timeout", "body_timeout", "drain_timeout"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(args, name)}")
+    if args.default_max_tokens > args.max_tokens_limit:
+        raise ValueError(f"--default-max-tokens {args.default_max_tokens} is over --max-tokens-limit "
+                         f"{args.max_tokens_limit}")
+    # the engine thread takes the GIL back after each of its many small torch ops; while the event loop
+    # is busy in Python (a large body arriving) each of those waits up to the switch interval (5 ms by
+    # default): shorter, decoding keeps its speed next to a busy loop
+    sys.setswitchinterval(0.0005)
     log.setLevel(logging.INFO)
     if not log.handlers and not logging.getLogger().handlers:  # else the embedding app's logging rules
         h = logging.StreamHandler(sys.stderr)
         h.setFormatter(logging.Formatter("%(asctime)s flint serve: %(message)s", "%H:%M:%S"))
         log.addHandler(h)
         log.propagate = False
-    state = ServerState(args.model or DEFAULT_MODEL, args.api_key, args.max_queue)
+    allow = [h.strip() for item in args.allow_host for h in item.split(",") if h.strip()]
+    state = ServerState(args.model or DEFAULT_MODEL, args.api_key, args.max_queue, args.default_max_tokens,
+                        args.max_tokens_limit, allow, args.body_timeout)
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
-    server = uvicorn.Server(uvicorn.Config(create_app(state), log_level="warning", access_log=False,
-                                           timeout_graceful_shutdown=3, lifespan="off"))
+    # limit_concurrency counts the connection a request arrives on: + 1 serves max_connections of them
+    config = uvicorn.Config(create_app(state), log_level="warning", access_log=False, timeout_graceful_shutdown=3,
+                            lifespan="off", http=_protocol(args.header_timeout),
+                            limit_concurrency=args.max_connections + 1, timeout_keep_alive=5)
+    server = _server_class()(config)
+    server.state, server.drain_timeout_s = state, args.drain_timeout
     state.should_stop = lambda: server.should_exit
     failure: list[str] = []
 
@@ -593,7 +930,8 @@ def cmd_serve(args) -> int:
     threading.Thread(target=load, name="flint-load", daemon=True).start()
     url_host = f"[{host}]" if ":" in host else host
     log.info("listening on http://%s:%d (model %s loading; %s)", url_host, port, state.model_id,
-             "API key required" if args.api_key else "no API key")
+             "API key required" if args.api_key else
+             "no API key: loopback Host names only" + (f", and {', '.join(allow)}" if allow else ""))
     server.run(sockets=[sock])
     if state.scheduler is not None:
         state.scheduler.close()
@@ -616,4 +954,17 @@ def register(sub) -> None:
                         "which keeps the key out of process listings)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait while one decodes; more are answered 429 (default 64)")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="without --api-key, also serve requests whose Host (or Origin) is NAME (repeatable, or "
+                        "comma-separated; '*' = any); by default only loopback names are served")
+    for flag, kind, default, text in (
+            ("--default-max-tokens", int, 1024, "max_tokens of a request that gives none (less if the context has "
+                                                "less room)"),
+            ("--max-tokens-limit", int, 4096, "the largest max_tokens a request may ask for; more is a 400"),
+            ("--max-connections", int, 256, "open connections served at once; a request on one more gets 503"),
+            ("--header-timeout", float, 10.0, "seconds a connection may take to send a request head"),
+            ("--body-timeout", float, 30.0, "seconds a request may take to send its body; later is a 408"),
+            ("--drain-timeout", float, 30.0, "on SIGTERM, seconds the requests in flight may take to finish")):
+        p.add_argument(flag, type=kind, default=default, metavar="N" if kind is int else "SECONDS",
+                       help=f"{text} (default {default:g})")
     p.set_defaults(func=cmd_serve)

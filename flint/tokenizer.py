@@ -7,7 +7,10 @@ sandboxed jinja2 environment configured the way HF renders them, so prompts matc
 """
 from __future__ import annotations
 
+import functools
 import json
+import re
+import uuid
 from datetime import datetime
 from pathlib import Path
 
@@ -43,6 +46,26 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.tk.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for: a text of n characters is at least
+        n / max_token_chars tokens, which bounds a prompt's length before tokenizing it."""
+        return max(1, max(len(self.tk.decode([i], skip_special_tokens=False)) for i in range(self.vocab_size)))
+
+    @functools.cached_property
+    def _control_re(self):
+        """Matches the text of any special (control) token, longest first; None without any."""
+        specials = sorted({t.content for t in self.tk.get_added_tokens_decoder().values() if t.special},
+                          key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, specials))) if specials else None
+
+    @functools.cached_property
+    def _as_text(self) -> HFTokenizer:
+        """The same tokenizer with special-token text encoded as ordinary text."""
+        tk = HFTokenizer.from_str(self.tk.to_str())
+        tk.encode_special_tokens = True
+        return tk
 
     # ------------------------------------------------------------- construction
     @classmethod
@@ -155,8 +178,33 @@ class Tokenizer:
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt),
-                           add_special_tokens=False)
+        """The ids of the rendered conversation. Control tokens come from the template only: a
+        message whose content holds a control token's text (``<|im_end|>`` typed by a user) has that
+        text tokenized as text."""
+        ctl = self._control_re
+        hostile = [i for i, m in enumerate(messages)
+                   if ctl is not None and isinstance(m.get("content"), str) and ctl.search(m["content"])]
+        if not hostile:  # the usual case, tokenized exactly as transformers does
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt),
+                               add_special_tokens=False)
+        # render with a marker where each such content goes, then tokenize the template's text (control
+        # tokens and all) and those contents (as plain text) apart
+        nonce = uuid.uuid4().hex
+        marked = [dict(m, content=f"\ue000{nonce}{i}\ue001") if i in hostile else m
+                  for i, m in enumerate(messages)]
+        text = self.apply_chat_template(marked, add_generation_prompt)
+        ids, at, placed = [], 0, []
+        for mt in re.finditer(f"\ue000{nonce}(\\d+)\ue001", text):
+            i = int(mt.group(1))
+            ids += self.encode(text[at: mt.start()], add_special_tokens=False)
+            ids += self._as_text.encode(messages[i]["content"], add_special_tokens=False).ids
+            at = mt.end()
+            placed.append(i)
+        ids += self.encode(text[at:], add_special_tokens=False)
+        if sorted(set(placed)) != hostile:
+            raise TokenizerError("chat template: it rewrites message contents, so a content holding "
+                                 "control-token text cannot be kept as text")
+        return ids
 
 
 class StreamDecoder:

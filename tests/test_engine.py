@@ -133,9 +133,9 @@ def test_prefix_reuse_matches_fresh_engine(backend, tiny_llama, prompt_ids):
             self.inner, self.tokens = inner, 0
             self.cfg, self.device, self.max_seq_len = inner.cfg, inner.device, inner.max_seq_len
 
-        def forward(self, tokens, start_pos, return_hidden=False):
+        def forward(self, tokens, start_pos, return_hidden=False, last_only=False):
             self.tokens += tokens.shape[-1]
-            return self.inner.forward(tokens, start_pos, return_hidden)
+            return self.inner.forward(tokens, start_pos, return_hidden, last_only)
 
     counting = Counting(backend)
     warm = Engine(counting, tiny_llama.tokenizer)
@@ -164,8 +164,8 @@ class _Bursting:
         self.inner, self.bursts = inner, []
         self.cfg, self.device, self.max_seq_len = inner.cfg, inner.device, inner.max_seq_len
 
-    def forward(self, tokens, start_pos, return_hidden=False):
-        return self.inner.forward(tokens, start_pos, return_hidden)
+    def forward(self, tokens, start_pos, return_hidden=False, last_only=False):
+        return self.inner.forward(tokens, start_pos, return_hidden, last_only)
 
     def greedy_run(self, token, pos, n):
         self.bursts.append((pos, n))
@@ -238,5 +238,164 @@ def test_probs_from_logits():
 @pytest.mark.parametrize("bad", [dict(max_new_tokens=-1), dict(temperature=-0.5), dict(top_p=0.0),
                                  dict(top_p=1.5), dict(top_k=-2)])
 def test_sampling_params_validation(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        SamplingParams(**bad).validate()
+
+
+# ------------------------------------------------------------------ prefill: the last logits only, in chunks
+
+class _Recording:
+    """A backend wrapper recording each forward's (M, start_pos, last_only)."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+        self.cfg, self.device, self.max_seq_len = inner.cfg, inner.device, inner.max_seq_len
+
+    def forward(self, tokens, start_pos, return_hidden=False, last_only=False):
+        self.calls.append((tokens.shape[-1], start_pos, last_only))
+        return self.inner.forward(tokens, start_pos, return_hidden, last_only)
+
+
+def test_last_only_is_the_last_row(tiny_llama):
+    from flint.compiled import CompiledBackend
+
+    ids = torch.tensor(tiny_llama.tokenizer.encode("The quick brown fox jumps"))
+    for make in (lambda: Transformer(tiny_llama.cfg, tiny_llama.params, max_seq_len=MAX_SEQ),
+                 lambda: CompiledBackend(tiny_llama.cfg, tiny_llama.params, MAX_SEQ, device="cpu")):
+        a, b = make(), make()
+        full, hid = a.forward(ids, 0, return_hidden=True)
+        last, last_hid = b.forward(ids, 0, return_hidden=True, last_only=True)
+        assert last.shape == (1, tiny_llama.cfg.vocab_size) and last_hid.shape == (1, hid.shape[-1])
+        torch.testing.assert_close(last, full[-1:], rtol=0, atol=1e-5 * full.abs().max().item())
+        # the K/V of every position were written all the same: the next step agrees
+        nxt = torch.tensor([5])
+        torch.testing.assert_close(b.forward(nxt, len(ids)), a.forward(nxt, len(ids)))
+
+
+def test_prefill_in_chunks_of_last_logits_and_stop_between_chunks(backend, tiny_llama):
+    ids = tiny_llama.tokenizer.encode("a prompt of forty-some byte tokens, long enough")
+    rec = _Recording(backend)
+    eng = Engine(rec, tiny_llama.tokenizer)
+    eng.PREFILL_CHUNK = 16
+    free, _ = run(Engine(backend, tiny_llama.tokenizer), ids, max_new_tokens=6, ignore_eos=True)
+    res, _ = run(eng, ids, max_new_tokens=6, ignore_eos=True)
+    assert res.token_ids == free.token_ids
+    n = len(ids)
+    prefill = [c for c in rec.calls if c[0] > 1 or c[1] < n]
+    assert prefill == [(min(16, n - s), s, True) for s in range(0, n, 16)]
+    # a caller that leaves after the first chunk: no more forwards, nothing yielded
+    rec.calls.clear()
+    eng2 = Engine(rec, tiny_llama.tokenizer)
+    eng2.PREFILL_CHUNK = 16
+    asked = []
+
+    def should_stop():
+        asked.append(len(rec.calls))
+        return True
+
+    out = list(eng2.stream(ids, SamplingParams(max_new_tokens=6), should_stop=should_stop))
+    assert out == [] and eng2.last.finish_reason == "cancelled" and eng2.last.token_ids == []
+    assert rec.calls == [(16, 0, True)] and asked == [1]
+    assert eng2.cached == ids[:16]  # the chunk done stays cached; the next call continues from it
+    again, _ = run(eng2, ids, max_new_tokens=6, ignore_eos=True)
+    assert again.token_ids == free.token_ids and rec.calls[1][1] == 16
+
+
+# ------------------------------------------------------------------ logit bias, penalties, min_p, seeds
+
+def _manual_greedy(backend, ids, n, adjust):
+    """Greedy decoding written out step by step: adjust(logits, generated) before each argmax."""
+    model = Transformer(backend.cfg, backend.params, max_seq_len=MAX_SEQ)
+    logits = model.forward(torch.tensor(ids), 0)[-1]
+    out = []
+    for i in range(n):
+        tok = int(torch.argmax(adjust(logits.clone(), out)))
+        out.append(tok)
+        logits = model.forward(torch.tensor([tok]), len(ids) + i)[-1]
+    return out
+
+
+def test_logit_bias_changes_greedy_output_and_skips_the_greedy_shortcut(backend, tiny_llama, prompt_ids):
+    b = _Bursting(backend)
+    free, _ = run(Engine(b, tiny_llama.tokenizer), prompt_ids, max_new_tokens=10, ignore_eos=True)
+    assert b.bursts, "the plain greedy run should use greedy_run"
+    b.bursts.clear()
+    x = tiny_llama.tokenizer.encode("x")[0]
+    biased, _ = run(Engine(b, tiny_llama.tokenizer), prompt_ids, max_new_tokens=10, ignore_eos=True,
+                    logit_bias={x: 100.0})
+    assert biased.token_ids == [x] * 10 and biased.token_ids != free.token_ids
+    assert b.bursts == [], "greedy_run cannot apply a logit bias"
+    banned = free.token_ids[0]
+    res, _ = run(Engine(b, tiny_llama.tokenizer), prompt_ids, max_new_tokens=10, ignore_eos=True,
+                 logit_bias={banned: -100.0})
+    assert banned not in res.token_ids
+
+
+@pytest.mark.parametrize("kw", [dict(frequency_penalty=2.0), dict(presence_penalty=2.0),
+                                dict(frequency_penalty=-1.0, presence_penalty=1.5),
+                                dict(repetition_penalty=3.0)])
+def test_penalties_match_their_definitions(backend, tiny_llama, prompt_ids, kw):
+    f, p = kw.get("frequency_penalty", 0.0), kw.get("presence_penalty", 0.0)
+    r = kw.get("repetition_penalty", 1.0)
+
+    def adjust(logits, out):
+        for t in set(out):
+            logits[t] -= f * out.count(t) + p
+        for t in set(out) | set(prompt_ids):
+            logits[t] = logits[t] / r if logits[t] > 0 else logits[t] * r
+        return logits
+
+    want = _manual_greedy(backend, prompt_ids, 24, adjust)
+    plain, _ = run(Engine(backend, tiny_llama.tokenizer), prompt_ids, max_new_tokens=24, ignore_eos=True)
+    got, _ = run(Engine(backend, tiny_llama.tokenizer), prompt_ids, max_new_tokens=24, ignore_eos=True, **kw)
+    assert got.token_ids == want
+    assert got.token_ids != plain.token_ids, f"{kw} did not change 24 greedy tokens"
+
+
+def test_min_p_keeps_tokens_near_the_top():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(60, generator=g) * 2
+    p = torch.softmax(logits, -1)
+    q = probs_from_logits(logits, 1.0, min_p=0.2)
+    kept = q > 0
+    assert kept.equal(p >= 0.2 * p.max()) and 1 < int(kept.sum()) < 60
+    torch.testing.assert_close(q[kept], p[kept] / p[kept].sum())
+
+
+def test_min_p_changes_sampling(engine, prompt_ids):
+    kw = dict(max_new_tokens=24, temperature=1.5, seed=4, ignore_eos=True)
+    loose, _ = run(engine, prompt_ids, **kw)
+    tight, _ = run(engine, prompt_ids, min_p=0.9, **kw)
+    greedy, _ = run(engine, prompt_ids, max_new_tokens=24, ignore_eos=True)
+    assert tight.token_ids != loose.token_ids
+    # min_p near 1 leaves (almost always) only the most likely token: greedy
+    near, _ = run(engine, prompt_ids, min_p=0.999, **kw)
+    assert near.token_ids == greedy.token_ids
+
+
+def test_seeds_use_all_64_bits(engine, prompt_ids):
+    kw = dict(max_new_tokens=16, temperature=1.0, ignore_eos=True)
+    base = 12345
+    texts = {s: run(engine, prompt_ids, seed=s, **kw)[0].token_ids
+             for s in (base, base + 2**32, base + 2**62, -base, 2**63 - 1)}
+    assert len({tuple(t) for t in texts.values()}) == len(texts), "two 64-bit seeds sampled the same tokens"
+    assert run(engine, prompt_ids, seed=base + 2**32, **kw)[0].token_ids == texts[base + 2**32]
+
+
+def test_speculative_engine_refuses_what_its_loop_does_not_apply(backend, tiny_llama, prompt_ids):
+    from flint.speculative import SpeculativeEngine
+
+    eng = SpeculativeEngine(backend, tiny_llama.tokenizer, draft=None, k=2)
+    for kw, name in ((dict(presence_penalty=1.0), "presence_penalty"), (dict(logit_bias={5: 1.0}), "logit_bias"),
+                     (dict(min_p=0.1, temperature=1.0), "min_p"), (dict(repetition_penalty=1.2), "repetition_penalty")):
+        with pytest.raises(ValueError, match=name):
+            eng.generate(prompt_ids, SamplingParams(max_new_tokens=4, **kw))
+        assert eng.unsupported(SamplingParams(**kw)) == [name]
+    assert Engine(backend).unsupported(SamplingParams(presence_penalty=1.0, min_p=0.5)) == []
+
+
+@pytest.mark.parametrize("bad", [dict(min_p=1.5), dict(presence_penalty=2.5), dict(frequency_penalty=-3.0),
+                                 dict(repetition_penalty=0.0), dict(logit_bias={3: 101.0}), dict(seed=2**64)])
+def test_new_sampling_params_validation(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad).validate()

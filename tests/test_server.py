@@ -254,11 +254,11 @@ ERROR_CASES = [
      "messages.0.role"),
     ("n=2", "/v1/chat/completions", {**CHAT, "n": 2}, AUTH, 400, "n"),
     ("negative max_tokens", "/v1/chat/completions", {**CHAT, "max_tokens": -5}, AUTH, 400, "max_tokens"),
-    ("max_tokens as string", "/v1/completions", {"prompt": "hi", "max_tokens": "5"}, AUTH, 400, "max_tokens"),
+    ("max_tokens as string", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "5"}, AUTH, 400, "max_tokens"),
     ("temperature as string", "/v1/chat/completions", {**CHAT, "temperature": "hot"}, AUTH, 400,
      "temperature"),
     ("stop as number", "/v1/chat/completions", {**CHAT, "stop": 7}, AUTH, 400, "stop"),
-    ("token id out of vocab", "/v1/completions", {"prompt": [1, 10**9], "max_tokens": 2}, AUTH, 400,
+    ("token id out of vocab", "/v1/completions", {"model": MODEL, "prompt": [1, 10**9], "max_tokens": 2}, AUTH, 400,
      "prompt"),
     ("unknown model", "/v1/chat/completions", {**CHAT, "model": "gpt-17"}, AUTH, 404, "model"),
     ("prompt too long", "/v1/completions", {"model": MODEL, "prompt": "lorem ipsum " * 200, "max_tokens": 2},
@@ -375,7 +375,7 @@ def queue_limit_checks(narrow: Server) -> None:
                 assert waiting.status_code == 200
                 r = h3.post(narrow.url + "/v1/completions", json=SHORT)
                 assert r.status_code == 429 and is_openai_error(r.json()), r.text
-                assert r.json()["error"]["code"] == "queue_full"
+                assert r.json()["error"]["code"] == "queue_full" and r.headers["retry-after"].isdigit()
                 with pytest.raises(openai.RateLimitError):
                     oa.completions.create(model=MODEL, prompt="hi", max_tokens=2)
                 time.sleep(0.5)  # ... and half a second later both requests are still there
