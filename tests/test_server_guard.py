@@ -19,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from test_server import Server, is_openai_error  # (pytest puts tests/ on sys.path)
-
 httpx = pytest.importorskip("httpx")
+pytest.importorskip("openai", reason="the server helpers of tests/test_server.py import the openai client")
+from test_server import Server, is_openai_error  # noqa: E402  (pytest puts tests/ on sys.path)
 
 CONTEXT = 96
 GUARD_ARGS = ["--max-seq-len", str(CONTEXT), "--max-queue", "4", "--header-timeout", "1", "--body-timeout", "2",
