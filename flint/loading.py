@@ -22,6 +22,7 @@ import itertools
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -29,7 +30,8 @@ from tqdm import tqdm
 
 from .config import ConfigError, ModelConfig, from_hf_dict
 from .params import LoadedModel, LoadError, check_params, expected_shapes
-from .quant import Int4Weight, dequant_q8_0_blocks, from_q4_0_blocks, from_q4_1_blocks
+from .quant import (Int4Weight, dequant_q4_k_blocks, dequant_q5_k_blocks, dequant_q6_k_blocks,
+                    dequant_q8_0_blocks, from_q4_0_blocks, from_q4_1_blocks, from_q4_k_blocks)
 
 DEFAULT_MODEL = "embedded:smollm2"
 QUANT_METHOD = "flint-int4-v1"
@@ -469,8 +471,15 @@ def _gguf_tensor(t, path: str):
     if kind in (q.Q8_0, q.Q4_1, q.Q4_0) and len(shape) == 2:
         conv = {q.Q8_0: dequant_q8_0_blocks, q.Q4_1: from_q4_1_blocks, q.Q4_0: from_q4_0_blocks}[kind]
         return conv(data, shape[0], shape[1])
+    if kind in (q.Q4_K, q.Q5_K, q.Q6_K) and len(shape) == 2:
+        # Q4_K stays int4 codes where fp16 holds its (scale, min) pairs exactly; the rest is
+        # float32, exactly gguf's values (the int4 backends requantize it: see load_gguf's notice)
+        if kind == q.Q4_K and (w := from_q4_k_blocks(data, shape[0], shape[1])) is not None:
+            return w
+        conv = {q.Q4_K: dequant_q4_k_blocks, q.Q5_K: dequant_q5_k_blocks, q.Q6_K: dequant_q6_k_blocks}[kind]
+        return conv(data, shape[0], shape[1])
     raise LoadError(f"{path}: tensor {t.name!r} has type {kind.name}, not one of F32, F16, BF16 "
-                    "and, for matrices, Q8_0, Q4_0, Q4_1")
+                    "and, for matrices, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K")
 
 
 def load_gguf(path: str | Path, dtype=torch.float32) -> LoadedModel:
@@ -483,7 +492,8 @@ def load_gguf(path: str | Path, dtype=torch.float32) -> LoadedModel:
     _gguf_check_tokenizer(gf, path, cfg.vocab_size)
     names = _gguf_flint_names(gf.tensors, cfg, path)
     want = expected_shapes(cfg)  # bounded: every layer has tensors in the file
-    params = {}
+    params, requant = {}, {}
+    q = gguf_file.QT
     for t, fl in tqdm(list(zip(gf.tensors, names)), desc=f"loading {os.path.basename(path)}",
                       unit="tensor", leave=False, disable=None):
         shape = tuple(int(x) for x in reversed(t.shape))
@@ -491,6 +501,8 @@ def load_gguf(path: str | Path, dtype=torch.float32) -> LoadedModel:
             raise LoadError(f"{path}: tensor {t.name!r} has shape {list(shape)}, the metadata "
                             f"implies {list(want[fl])}")
         w = _gguf_tensor(t, path)
+        if t.tensor_type in (q.Q4_K, q.Q5_K, q.Q6_K) and not isinstance(w, Int4Weight):
+            requant[t.tensor_type.name] = requant.get(t.tensor_type.name, 0) + 1
         if fl.endswith(".wq") or fl.endswith(".wk"):
             nh = cfg.num_heads if fl.endswith(".wq") else cfg.num_kv_heads
             idx = _unpermute_rows(w.shape[0], nh)
@@ -506,6 +518,11 @@ def load_gguf(path: str | Path, dtype=torch.float32) -> LoadedModel:
         if cfg.tie_word_embeddings:
             params["lm_head"] = q4
     check_params(cfg, params, path)
+    if requant:
+        kinds = ", ".join(f"{v} {k}" for k, v in sorted(requant.items()))
+        print(f"flint: {path}: {kinds} tensors load as float32 (exact; Q4_K where fp16 cannot hold "
+              "its scales exactly); the int4 backends requantize them to int4 (a second rounding)",
+              file=sys.stderr)
     try:
         tok = Tokenizer.from_gguf_fields(gf.values(), path)
     except Exception as e:  # the fields were checked; this is the tokenizers library refusing them

@@ -157,19 +157,142 @@ def dequant_q8_0_blocks(raw, n: int, k: int) -> torch.Tensor:
     return torch.from_numpy((q * d[..., None]).reshape(n, k))
 
 
+# GGUF K-quants: super-blocks of 256 values along K. Every function returns exactly the float32
+# values gguf.quants.dequantize computes (the same products, in the same order, each rounded once).
+
+QK_K = 256
+KQUANT_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+
+
+def _kquant_blocks(raw, n: int, k: int, kind: str):
+    import numpy as np
+
+    size = KQUANT_BLOCK_BYTES[kind]
+    if k % QK_K:
+        raise ValueError(f"{kind}: row length {k} is not a multiple of {QK_K}")
+    b = np.ascontiguousarray(raw, dtype=np.uint8)
+    if b.size != n * (k // QK_K) * size:
+        raise ValueError(f"{kind}: {b.size} bytes for a [{n}, {k}] tensor, expected "
+                         f"{n * (k // QK_K) * size}")
+    return b.reshape(n * (k // QK_K), size)
+
+
+def _f16(b):
+    import numpy as np
+
+    return b.copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _kquant_scales_mins(s12):
+    """12 packed bytes -> (scales, mins), 8 six-bit values each, as float32 [blocks, 8].
+
+    Sub-blocks 0..3 keep their 6 bits in the low bits of bytes 0..3 (scales) and 4..7 (mins);
+    sub-blocks 4..7 take their low 4 bits from bytes 8..11 (scale low nibble, min high nibble)
+    and their top 2 bits from the top of bytes 0..3 (scales) and 4..7 (mins).
+    """
+    import numpy as np
+
+    lo_s, lo_m, mix = s12[:, 0:4], s12[:, 4:8], s12[:, 8:12]
+    sc = np.concatenate([lo_s & 0x3F, (mix & 0x0F) | ((lo_s >> 6) << 4)], axis=1)
+    mn = np.concatenate([lo_m & 0x3F, (mix >> 4) | ((lo_m >> 6) << 4)], axis=1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _q4_k_parts(b):
+    """Q4_K blocks [B, 144] -> (d * sc [B, 8], dmin * m [B, 8], codes uint8 [B, 8, 32])."""
+    import numpy as np
+
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = _kquant_scales_mins(b[:, 4:16])
+    # 4 runs of 32 bytes; run r holds sub-block 2r in its low nibbles and 2r + 1 in its high ones
+    qs = b[:, 16:144].reshape(-1, 4, 1, 32)
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)
+    return d[:, None] * sc, dmin[:, None] * mn, codes
+
+
+def dequant_q4_k_blocks(raw, n: int, k: int) -> torch.Tensor:
+    """GGUF Q4_K raw bytes -> float32 [n, k] (exact): w = (d sc_j) q - (dmin m_j) per 32."""
+    b = _kquant_blocks(raw, n, k, "Q4_K")
+    scale, dm, codes = _q4_k_parts(b)
+    w = scale[..., None] * codes.astype("float32") - dm[..., None]
+    return torch.from_numpy(w.reshape(n, k))
+
+
+def dequant_q5_k_blocks(raw, n: int, k: int) -> torch.Tensor:
+    """GGUF Q5_K raw bytes -> float32 [n, k] (exact): Q4_K's layout plus a fifth bit per value."""
+    import numpy as np
+
+    b = _kquant_blocks(raw, n, k, "Q5_K")
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = _kquant_scales_mins(b[:, 4:16])
+    # bit j of byte i of the 32 high-bit bytes is the fifth bit of value i of sub-block j
+    qh = (b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 1
+    qs = b[:, 48:176].reshape(-1, 4, 1, 32)
+    lo = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)
+    q = (lo | (qh << 4)).astype(np.float32)
+    w = (d[:, None] * sc)[..., None] * q - (dmin[:, None] * mn)[..., None]
+    return torch.from_numpy(w.reshape(n, k))
+
+
+def dequant_q6_k_blocks(raw, n: int, k: int) -> torch.Tensor:
+    """GGUF Q6_K raw bytes -> float32 [n, k] (exact): w = (d s_j) (q - 32), 16 sub-blocks of 16."""
+    import numpy as np
+
+    b = _kquant_blocks(raw, n, k, "Q6_K")
+    # two halves of 128 values: 64 bytes of low nibbles (values 0..63 low, 64..127 high) and 32
+    # bytes of 2-bit pairs (value 32 s + i in bits 2s..2s+1 of byte i)
+    ql = b[:, 0:128].reshape(-1, 2, 1, 64)
+    lo = np.concatenate([ql & 0x0F, ql >> 4], axis=2).reshape(-1, 2, 128)
+    qh = (b[:, 128:192].reshape(-1, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
+    q = (lo | (qh.reshape(-1, 2, 128) << 4)).astype(np.int8) - np.int8(32)
+    s = b[:, 192:208].view(np.int8).astype(np.float32)
+    d = _f16(b[:, 208:210])
+    w = (d[:, None] * s)[..., None] * q.reshape(-1, 16, 16).astype(np.float32)
+    return torch.from_numpy(w.reshape(n, k))
+
+
+def from_q4_k_blocks(raw, n: int, k: int) -> Int4Weight | None:
+    """GGUF Q4_K raw bytes -> Int4Weight (G = 32) with the same codes, when that is exact.
+
+    Each sub-block of 32 is an int4 group with scale = d sc_j and min = -dmin m_j. Both products
+    are exact in float32, but the layout stores fp16: returns None when any of them is not
+    exactly an fp16 value (a second rounding would follow), so the caller keeps the float weight.
+    """
+    import numpy as np
+
+    b = _kquant_blocks(raw, n, k, "Q4_K")
+    scale, dm, codes = _q4_k_parts(b)
+    s16, m16 = scale.astype(np.float16), (-dm).astype(np.float16)
+    with np.errstate(invalid="ignore"):
+        exact = (np.array_equal(s16.astype(np.float32), scale)
+                 and np.array_equal(m16.astype(np.float32), -dm))
+    if not exact:
+        return None
+    g = k // 32
+    return Int4Weight(pack_int4(torch.from_numpy(codes.reshape(n, k))),
+                      torch.from_numpy(s16.reshape(n, g)), torch.from_numpy(m16.reshape(n, g)), 32)
+
+
 def quantize_params(params: dict, group_size: int = 128, names=None) -> dict:
     """Return a params dict whose linear weights (and the LM head) are all Int4Weight.
 
-    Weights already in int4 (GGUF Q4_0/Q4_1, a flint checkpoint) are kept as they are; float ones
-    are quantized round-to-nearest at ``group_size``. "embed" stays a float copy for the lookup.
+    Weights already in int4 (GGUF Q4_0/Q4_1/Q4_K, a flint checkpoint) are kept as they are; float
+    ones are quantized round-to-nearest at ``group_size`` (layer weights next to int4 ones at the
+    smallest group size among those). "embed" stays a float copy for the lookup.
     """
     out = dict(params)
-    targets = names or [k for k in params if k.rsplit(".", 1)[-1] in LINEAR_NAMES] + ["lm_head"]
+    linear = [k for k in params if k.rsplit(".", 1)[-1] in LINEAR_NAMES]
+    targets = names or linear + ["lm_head"]
+    # a file mixing int4 and float layer weights (Q4_K with Q6_K attn_v / ffn_down): the float
+    # ones take the int4 ones' group size, as the megakernel fuses and stacks them across layers
+    have = [params[k].group_size for k in linear if isinstance(params[k], Int4Weight)]
+    layer_g = min([group_size, *have])
     for k in targets:
         w = params[k]
         if not isinstance(w, Int4Weight):
-            # the largest group <= group_size dividing K (SmolLM2's K = 576 takes 64)
-            out[k] = quantize_int4(w, fit_group_size(w.shape[1], group_size, k), name=k)
+            # the largest group <= the preferred one dividing K (SmolLM2's K = 576 takes 64)
+            g = layer_g if k in linear else group_size
+            out[k] = quantize_int4(w, fit_group_size(w.shape[1], g, k), name=k)
     return out
 
 

@@ -237,9 +237,12 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(hf, path: Path) -> dict:
+def write_tiny_gguf(hf, path: Path, encode=None) -> dict:
     """Write ``hf`` (a tiny transformers llama/granite) as a GGUF; returns {HF name: the float
-    weight a GGUF reader must reconstruct} (quantize -> dequantize with the gguf package)."""
+    weight a GGUF reader must reconstruct} (quantize -> dequantize with the gguf package).
+
+    ``encode(name, x) -> (raw, kind)``, when given, makes each matrix's blocks instead (raw: the
+    uint8 rows gguf.quants.quantize would return)."""
     from tokenizers import Tokenizer
 
     from conftest import SPECIALS, byte_tokenizer_json
@@ -287,8 +290,11 @@ def write_tiny_gguf(hf, path: Path) -> dict:
     expected, kinds = {}, iter(TYPE_CYCLE * 100)
     for key, value in hf.state_dict().items():
         x = value.float().numpy()
-        kind = gguf.GGMLQuantizationType.F32 if x.ndim == 1 else getattr(gguf.GGMLQuantizationType, next(kinds))
-        q = gguf.quants.quantize(x, kind)
+        if encode is not None and x.ndim == 2:
+            q, kind = encode(key, x)
+        else:
+            kind = gguf.GGMLQuantizationType.F32 if x.ndim == 1 else getattr(gguf.GGMLQuantizationType, next(kinds))
+            q = gguf.quants.quantize(x, kind)
         expected[key] = torch.from_numpy(np.asarray(gguf.quants.dequantize(q, kind), dtype=np.float32))
         if key.endswith("q_proj.weight"):  # quantization is per row: permuting rows commutes with it
             q = llama_cpp_permute(q, c.num_attention_heads)
