@@ -17,7 +17,11 @@ groups of G consecutive values along K (G in {32, 64, 128}; K % G == 0, K % 32 =
 GGUF Q4_1 blocks (d, m, 16 bytes of codes; element j in the low nibble of byte j, element j + 16 in
 the high nibble) map onto this with G = 32, scales = d, mins = m: only the nibble order changes, no
 value is rounded again. Q4_0 (value = (q - 8) * d) is the symmetric case: scales = d, mins = -8 * d,
-which fp16 holds exactly (a power-of-two multiple). Kernels may repack scales/mins (interleave them)
+which fp16 holds exactly (a power-of-two multiple). GGUF Q4_K super-blocks (256 values, 8
+sub-blocks of 32 with 6-bit sub-scales sc and mins m under fp16 d and dmin) map onto G = 32 with
+scale = d sc and min = -dmin m: exact in fp32, but only sometimes an fp16 value, so
+``from_q4_k_blocks`` converts a tensor only when every product is (otherwise the loader keeps the
+float32 values). Kernels may repack scales/mins (interleave them)
 at load; they never re-round codes.
 
 Run ``pytest tests/test_quant.py`` for the round-trip tests.
