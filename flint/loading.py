@@ -521,7 +521,8 @@ def load_gguf(path: str | Path, dtype=torch.float32) -> LoadedModel:
     if requant:
         kinds = ", ".join(f"{v} {k}" for k, v in sorted(requant.items()))
         print(f"flint: {path}: {kinds} tensors load as float32 (exact; Q4_K where fp16 cannot hold "
-              "its scales exactly); the int4 backends requantize them to int4 (a second rounding)",
+              "its scales exactly); the int4 backends requantize them to int4, a second rounding "
+              "(closest to the file at --group-size 32)",
               file=sys.stderr)
     try:
         tok = Tokenizer.from_gguf_fields(gf.values(), path)
