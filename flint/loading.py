@@ -474,10 +474,13 @@ def _gguf_tensor(t, path: str):
     if kind in (q.Q4_K, q.Q5_K, q.Q6_K) and len(shape) == 2:
         # Q4_K stays int4 codes where fp16 holds its (scale, min) pairs exactly; the rest is
         # float32, exactly gguf's values (the int4 backends requantize it: see load_gguf's notice)
-        if kind == q.Q4_K and (w := from_q4_k_blocks(data, shape[0], shape[1])) is not None:
-            return w
         conv = {q.Q4_K: dequant_q4_k_blocks, q.Q5_K: dequant_q5_k_blocks, q.Q6_K: dequant_q6_k_blocks}[kind]
-        return conv(data, shape[0], shape[1])
+        try:
+            if kind == q.Q4_K and (w := from_q4_k_blocks(data, shape[0], shape[1])) is not None:
+                return w
+            return conv(data, shape[0], shape[1])
+        except ValueError as e:  # flint.gguf_file checked sizes already; this keeps it a LoadError
+            raise LoadError(f"{path}: tensor {t.name!r}: {e}") from None
     raise LoadError(f"{path}: tensor {t.name!r} has type {kind.name}, not one of F32, F16, BF16 "
                     "and, for matrices, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K")
 
@@ -502,7 +505,7 @@ def load_gguf(path: str | Path, dtype=torch.float32) -> LoadedModel:
                             f"implies {list(want[fl])}")
         w = _gguf_tensor(t, path)
         if t.tensor_type in (q.Q4_K, q.Q5_K, q.Q6_K) and not isinstance(w, Int4Weight):
-            requant[t.tensor_type.name] = requant.get(t.tensor_type.name, 0) + 1
+            requant[fl] = t.tensor_type.name
         if fl.endswith(".wq") or fl.endswith(".wk"):
             nh = cfg.num_heads if fl.endswith(".wq") else cfg.num_kv_heads
             idx = _unpermute_rows(w.shape[0], nh)
@@ -518,8 +521,11 @@ def load_gguf(path: str | Path, dtype=torch.float32) -> LoadedModel:
         if cfg.tie_word_embeddings:
             params["lm_head"] = q4
     check_params(cfg, params, path)
+    if not cfg.tie_word_embeddings:
+        requant.pop("embed", None)  # only the float lookup copy: nothing is requantized
     if requant:
-        kinds = ", ".join(f"{v} {k}" for k, v in sorted(requant.items()))
+        counts = {k: list(requant.values()).count(k) for k in sorted(set(requant.values()))}
+        kinds = ", ".join(f"{v} {k}" for k, v in counts.items())
         print(f"flint: {path}: {kinds} tensors load as float32 (exact; Q4_K where fp16 cannot hold "
               "its scales exactly); the int4 backends requantize them to int4, a second rounding "
               "(closest to the file at --group-size 32)",
