@@ -14,7 +14,7 @@ by entry (float dtypes for float weights, sizes, bounds, no overlaps or holes); 
 ranges (ModelConfig.validate: norm epsilon, rope base and scales finite and > 0, token ids inside
 the vocabulary); and check_params: the layer count equal to the layers present, every tensor's
 name, shape and dtype.
-Tests: ``pytest tests/test_loading.py tests/test_gguf.py tests/test_loader_fuzz.py``.
+Tests: ``pytest tests/test_loading.py tests/test_gguf.py tests/test_kquants.py tests/test_loader_fuzz.py``.
 """
 from __future__ import annotations
 

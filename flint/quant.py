@@ -24,7 +24,7 @@ scale = d sc and min = -dmin m: exact in fp32, but only sometimes an fp16 value,
 float32 values). Kernels may repack scales/mins (interleave them)
 at load; they never re-round codes.
 
-Run ``pytest tests/test_quant.py`` for the round-trip tests.
+Run ``pytest tests/test_quant.py`` for the round-trip tests, ``tests/test_kquants.py`` for the K-quants.
 """
 from __future__ import annotations
 

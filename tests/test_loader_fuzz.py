@@ -287,7 +287,7 @@ def _nbytes(dims, kind) -> int:
     return math.prod(dims) // block * size if dims[0] % block == 0 else -1
 
 
-FLINT_TYPES = {QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1}
+FLINT_TYPES = {QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q5_K, QT.Q6_K}
 
 
 def gguf_targeted(head: bytes, lay: Layout, rng: random.Random) -> list[Mutant]:
