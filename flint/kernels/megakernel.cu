@@ -105,14 +105,14 @@ __global__ void __launch_bounds__(NT, 1)
   c.tag0 = (uint32_t)(epoch * (unsigned long long)p.L) + 1u;
   // Grid barriers: the counter's target counts from the base the previous launch left in p.epoch[1] (barriers per
   // launch depend on M); the base lives in shared memory, read by the one thread that waits (no 64-bit value held in
-  // registers across the kernel). fence_free: a relaxed counter, where the data behind it are tagged words that carry
-  // their own proof.
+  // registers across the kernel). fence_free (the M = 1 object): a relaxed counter, where the data behind it are
+  // tagged words that carry their own proof.
   unsigned long long nbar = 0;
   if (threadIdx.x == 0) misc->bar0 = __ldcg(p.epoch + 1);
   auto gsync = [&](bool fence_free) {
     ++nbar;
     const unsigned long long tg = threadIdx.x == 0 ? misc->bar0 + (unsigned long long)p.nblocks * nbar : 0ull;
-    if (fence_free) grid_barrier<true>(p, tg); else grid_barrier(p, tg);
+    if (kFx1 && fence_free) grid_barrier<true>(p, tg); else grid_barrier(p, tg);
   };
 
   enum { ROW_TOK = 0, ROW_RESID, ROW_ATTN, ROW_ACT };
@@ -173,14 +173,12 @@ __global__ void __launch_bounds__(NT, 1)
     stamp(l, 3);
     attention_stage<M>(c, l, uni);
     stamp(l, 4);
-    // fence-free where the o staging polls the attention output's tagged words: M = 1 with the split (24-bit words),
-    // every M >= 2 (8-byte words)
-    gsync(kFx1 ? p.nffn != 0 : true);
+    gsync(p.nffn);  // (M = 1 with the split: fence-free, the o staging polls the attention output's tagged words)
     stamp(l, 5);
     matvec_stage<M, kI8<M>(MAT_O)>(c, MAT_O, l, attn_rows, 1.f, nullptr);
     if (kFx<M> && p.nffn && l > 0 && threadIdx.x == 0) ++misc->fxc[0];  // the owners' adds (read after a block barrier)
     stamp(l, 6);
-    gsync(kFx1 && l > 0 && p.nffn);  // (M = 1: fence-free from layer 1 on, the gate|up staging polls x + o's tagged words;
+    gsync(l > 0 && p.nffn);  // (M = 1: fence-free from layer 1 on, the gate|up staging polls x + o's tagged words;
                              //  layer 0's X is stored, not added, behind the fenced barrier)
     stamp(l, 7);
     matvec_stage<M, kI8<M>(MAT_GU)>(c, MAT_GU, l, resid_rows, 1.f, an + p.H);
@@ -192,7 +190,7 @@ __global__ void __launch_bounds__(NT, 1)
       // M = 1: no grid barrier: the next staging's count polls are the proof (a word shows the expected count exactly
       // when every add of the layer has landed; the next adds into X, the o owners' of the next layer, need every
       // block's next q|k|v epilogue through attention, so no word runs past its count before every block read it)
-      if (!kFx<M>) gsync(false);
+      if (!kFx<M>) gsync(true);
       else cbar();
       stamp(l, 10);
 

@@ -234,10 +234,6 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
         stage_x<M, false, false, I8, true>(c, src, mult, norm_w, xall ? 0 : s * mt.kseg, xall ? mt.K : mt.kseg, mt.G,
                                                mt.gshift, p.qkvt + (mi == MAT_O ? tw24_attn(p, 0, 0) : tw24_resid(p, 0, 0)),
                                                mi == MAT_O ? p.nh * p.D : p.H, c.tag0 + (uint32_t)layer);
-      else if (!kFx1 && mi == MAT_O)  // M >= 2: from the 8-byte tagged words (the barrier before o is relaxed)
-        stage_x<M, false, false, I8, false, true>(c, src, mult, norm_w, xall ? 0 : s * mt.kseg, xall ? mt.K : mt.kseg,
-                                                  mt.G, mt.gshift, p.qkvt + tw32_attn(p, 0, 0), p.nh * p.D,
-                                                  c.tag0 + (uint32_t)layer);
       else if (kFx<M> && c.fx)  // M = 1: from the counted fixed-point residual
         stage_x<M, false, true, I8>(c, src, mult, norm_w, xall ? 0 : s * mt.kseg, xall ? mt.K : mt.kseg, mt.G,
                                     mt.gshift);

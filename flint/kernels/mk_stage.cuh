@@ -100,10 +100,9 @@ __device__ void compute_rstd(const Params& p, const float* const* src, float mul
 // with shuffles (fixed order: deterministic). norm_w == nullptr: plain copy (attention output / act); else
 // rmsnorm(src * mult) * norm_w (rstd fused into the loads, or compute_rstd first). xsum entries of tokens >= M stay 0
 // (zeroed at kernel start). Sources: SMEM_SRC, rows in shared memory (generic loads); FX, the fixed-point residual
-// (c.fx's buffers, M = 1); T24, the 24-bit tagged words at tw + m tstride (M = 1); T32, the 8-byte tagged words
-// at tw + 2 (m tstride) (M >= 2); else fp32 rows in L2.
+// (c.fx's buffers, M = 1); T24, the 24-bit tagged words at tw + m tstride (M = 1); else fp32 rows in L2.
 // I8: int8 terms for the integer dot instead of fp16 terms.
-template <int M, bool SMEM_SRC = false, bool FX = false, bool I8 = kIdot<M>, bool T24 = false, bool T32 = false>
+template <int M, bool SMEM_SRC = false, bool FX = false, bool I8 = kIdot<M>, bool T24 = false>
 __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, const float* norm_w, int k0, int kst,
                         int G, int gshift, const uint32_t* tw = nullptr, int tstride = 0, uint32_t tag = 0) {
   const int t = threadIdx.x;
@@ -133,10 +132,6 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
       if constexpr (T24) {  // (24-bit value, 8-bit tag) words
         v[u][0] = v[u][1] = make_float4(0.f, 0.f, 0.f, 0.f);
         if (ok) ld_tw24x8(tw + (size_t)m * tstride + k0 + 8 * kw, tag, v[u][0], v[u][1]);
-      }
-      if constexpr (T32) {  // (fp32 value, 32-bit tag) words
-        v[u][0] = v[u][1] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (ok) ld_tagged8(tw + 2 * ((size_t)m * tstride + k0 + 8 * kw), tag, v[u][0], v[u][1]);
       }
       if constexpr (FX) {  // the fixed-point residual: the sum of c.fx's buffers, 8 words of 8 bytes each
         long long sx[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -194,7 +189,7 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float4* sp = reinterpret_cast<const float4*>(src[m] + k0) + 2 * kw + h;
-        if (!FX && !T24 && !T32) v[u][h] = !ok ? make_float4(0.f, 0.f, 0.f, 0.f) : SMEM_SRC ? *sp : __ldcg(sp);
+        if (!FX && !T24) v[u][h] = !ok ? make_float4(0.f, 0.f, 0.f, 0.f) : SMEM_SRC ? *sp : __ldcg(sp);
         wv[u][h] = (norm_w && ok) ? __ldg(reinterpret_cast<const float4*>(norm_w + k0) + 2 * kw + h)
                                   : make_float4(1.f, 1.f, 1.f, 1.f);
       }

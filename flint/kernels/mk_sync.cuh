@@ -172,18 +172,11 @@ __device__ __forceinline__ void ld_tw24x8(const uint32_t* w, uint32_t tag, float
   a = make_float4(h(u[0].x), h(u[0].y), h(u[0].z), h(u[0].w));
   b = make_float4(h(u[1].x), h(u[1].y), h(u[1].z), h(u[1].w));
 }
-// the 8-byte tagged word of attention output element i of token m (the verify widths: a launch of smaller M leaves
-// rows m >= M as they were, so only a 32-bit tag, unique per launch and layer, proves a word is this layer's), between
-// the q|k|v words and the 24-bit words
-__device__ __forceinline__ size_t tw32_attn(const Params& p, int m, int i) {
-  return (size_t)2 * ((size_t)MAX_M * (p.nh + 2 * p.nkv) * p.D + (size_t)m * p.nh * p.D + i);
-}
-// attention output element i (head-major) of token m: the fp32 row, and its tagged word (M = 1: 24-bit, M >= 2:
-// 8-byte): the o staging polls those instead of waiting at a fenced barrier
+// attention output element i (head-major) of token m: the fp32 row, and at M = 1 its 24-bit tagged word (the o
+// staging polls those instead of waiting at a fenced barrier)
 __device__ __forceinline__ void attn_out(const Params& p, int m, int i, float v, uint32_t tag) {
   p.attn[(size_t)m * p.nh * p.D + i] = v;
   if constexpr (kFx1) st_tw24(p.qkvt + tw24_attn(p, m, i), v, tag);
-  else st_tagged(p.qkvt + tw32_attn(p, m, i), v, tag);
 }
 
 }  // namespace
