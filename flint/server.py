@@ -42,6 +42,7 @@ log = logging.getLogger("flint.serve")
 MAX_BODY_BYTES = 8 << 20  # a request body larger than this is refused (413) before parsing
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI's limit
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's chat limit
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
@@ -161,9 +162,11 @@ class Job:
         self.prompt_ids = prompt_ids
         self.sp = sp
         self.loop = loop
-        self.events: asyncio.Queue = asyncio.Queue()  # ("text", str) / ("done", result) / ("error", exc)
+        # ("text", (piece, [TokenLogprob] or None)) / ("done", result) / ("error", exc)
+        self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self.t_submit = time.perf_counter()
+        self.wait_s = 0.0  # in the queue, set when the worker takes the job
 
     def push(self, kind: str, value) -> None:
         try:
@@ -244,7 +247,7 @@ class Scheduler:
                     self.served += 1
 
     def _run(self, job: Job) -> None:
-        wait_s = time.perf_counter() - job.t_submit
+        wait_s = job.wait_s = time.perf_counter() - job.t_submit
         if job.cancelled.is_set():  # the client left between the queue and here
             return
         def should_stop() -> bool:  # asked between prefill chunks
@@ -252,13 +255,31 @@ class Scheduler:
 
         stream = self.engine.stream(job.prompt_ids, job.sp, should_stop=should_stop)
         stopped = None  # why decoding ended early: the client left, or the server is stopping
+        want_lp = job.sp.logprobs is not None
+        taken = 0  # engine.step_logprobs entries already sent
+
+        def new_logprobs() -> list | None:
+            # the tokens decoded since the last event; an eos that ends the text is no part of it
+            nonlocal taken
+            if not want_lp:
+                return None
+            fresh = self.engine.step_logprobs[taken:]
+            taken += len(fresh)
+            eos = () if job.sp.ignore_eos else self.engine.eos
+            return [e for e in fresh if e.token_id not in eos]
+
         try:
             for _tok, piece in stream:
                 if job.cancelled.is_set() or self.stopping():
                     stopped = "cancelled" if job.cancelled.is_set() else "shutdown"
                     break
-                if piece:
-                    job.push("text", piece)
+                lps = new_logprobs()
+                if piece or lps:
+                    job.push("text", (piece, lps))
+            if stopped is None and want_lp:  # a token that completed a stop string yields no text
+                lps = new_logprobs()
+                if lps:
+                    job.push("text", ("", lps))
         except Exception as e:  # the worker must outlive any one request
             log.exception("%s failed in the engine", job.id)
             job.push("error", e)
@@ -279,6 +300,17 @@ class Scheduler:
 
 # ------------------------------------------------------------------ server state
 
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte: the printable Latin-1 bytes stand for
+    themselves, the other bytes (controls, space, 0x7f-0xa0, 0xad) for 256, 257, ... in byte order."""
+    kept = [*range(0x21, 0x7f), *range(0xa1, 0xad), *range(0xae, 0x100)]
+    table = {chr(b): b for b in kept}
+    shifted = [b for b in range(256) if b not in table.values()]
+    table.update({chr(256 + i): b for i, b in enumerate(shifted)})
+    return table
+
+
 class ServerState:
     def __init__(self, model_id: str, api_key: str | None, max_queue: int, default_max_tokens: int = 1024,
                  max_tokens_limit: int = 4096, allow_hosts=(), body_timeout_s: float = 30.0):
@@ -294,6 +326,7 @@ class ServerState:
         self.engine = None
         self.scheduler: Scheduler | None = None
         self.ready = threading.Event()
+        self._token_text: dict[int, tuple[str, list[int]]] = {}
         self.should_stop = lambda: False  # set to the server's "shutting down" flag
         self.draining = False  # SIGTERM seen: new requests get 503, the ones in flight finish
         self.in_flight = 0  # HTTP requests being answered (event-loop thread only)
@@ -314,6 +347,22 @@ class ServerState:
         self.ready.set()
         log.info("model %s ready on backend %s (context %d tokens) in %.1fs", self.model_id,
                  backend.name, engine.max_seq_len, time.perf_counter() - t0)
+
+    def token_text(self, tid: int) -> tuple[str, list[int]]:
+        """A token's text and its UTF-8 bytes, as logprobs report them. A byte-level BPE token may hold
+        part of a character: its bytes come from the vocabulary entry, its text shows U+FFFD for them."""
+        got = self._token_text.get(tid)
+        if got is None:
+            tok = self.lm.tokenizer
+            raw = None
+            if type(tok.tk.decoder).__name__ == "ByteLevel":
+                piece, table = tok.tk.id_to_token(tid), _byte_level_alphabet()
+                if piece is not None and all(ch in table for ch in piece):
+                    raw = bytes(table[ch] for ch in piece)
+            if raw is None:
+                raw = tok.decode([tid], skip_special_tokens=False).encode()
+            got = self._token_text[tid] = (raw.decode("utf-8", errors="replace"), list(raw))
+        return got
 
     def host_allowed(self, host: str) -> bool:
         """Whether a Host (or Origin) name may be served without an API key: a loopback name or
@@ -361,11 +410,12 @@ def _refuse_unsupported(req, state: ServerState) -> None:
     if len(req.logit_bias or {}) > MAX_LOGIT_BIAS:
         refuse("logit_bias", f"logit_bias: at most {MAX_LOGIT_BIAS} entries", "invalid_value")
     if hasattr(req, "messages"):
-        if req.logprobs:
-            refuse("logprobs", "logprobs are not supported")
         if req.top_logprobs is not None:
-            refuse("top_logprobs", "top_logprobs requires logprobs: true (and logprobs are not supported)",
-                   "invalid_value")
+            if not req.logprobs:
+                refuse("top_logprobs", "top_logprobs requires logprobs: true", "invalid_value")
+            if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+                refuse("top_logprobs", f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {req.top_logprobs}",
+                       "invalid_value")
         if req.response_format not in (None, {"type": "text"}):
             refuse("response_format", "response_format: JSON mode and structured outputs are not supported yet "
                                       "(only {\"type\": \"text\"})")
@@ -376,8 +426,10 @@ def _refuse_unsupported(req, state: ServerState) -> None:
             if getattr(req, name) not in (None, "none", "auto"):
                 refuse(name, f"{name}: tool calling is not supported yet")
     else:
-        for field, bad in (("echo", req.echo), ("logprobs", req.logprobs is not None),
-                           ("best_of", req.best_of not in (None, 1)), ("suffix", req.suffix)):
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+            refuse("logprobs", f"logprobs must be in 0..{MAX_TOP_LOGPROBS} (alternatives per token), got "
+                               f"{req.logprobs}", "invalid_value")
+        for field, bad in (("echo", req.echo), ("best_of", req.best_of not in (None, 1)), ("suffix", req.suffix)):
             if bad:
                 refuse(field, f"{field} is not supported", "unsupported_value")
 
@@ -396,6 +448,13 @@ def _check_length(n_chars: int, req, state: ServerState, param: str) -> None:
     want = _requested_max_tokens(req)
     if least + (want or 1) > state.engine.max_seq_len:
         raise _too_long(param, least, want, state.engine.max_seq_len, at_least=True)
+
+
+def _logprobs_wanted(req) -> int | None:
+    """Alternatives per token the request wants with its logprobs (None: no logprobs)."""
+    if hasattr(req, "messages"):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
 
 
 def _sampling(req, state: ServerState, n_prompt: int, prompt_param: str):
@@ -437,7 +496,7 @@ def _sampling(req, state: ServerState, n_prompt: int, prompt_param: str):
                         presence_penalty=req.presence_penalty or 0.0,
                         frequency_penalty=req.frequency_penalty or 0.0,
                         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                        logit_bias=bias)
+                        logit_bias=bias, logprobs=_logprobs_wanted(req))
     try:
         sp.validate()
     except ValueError as e:
@@ -652,6 +711,19 @@ def create_app(state: ServerState):
             watcher.cancel()
             state.scheduler.cancel(job)
 
+    def timings(job: Job, r) -> dict:
+        """llama.cpp's per-request timings (an extension field): the prompt's part is the prefill up to the
+        first token, the predicted part the decode steps after it; queue_ms is the wait before the prefill."""
+        def part(n: int, s: float) -> dict:
+            return {"n": n, "ms": s * 1e3, "per_token_ms": s * 1e3 / n if n else 0.0,
+                    "per_second": n / s if n and s > 0 else 0.0}
+
+        out = {"queue_ms": job.wait_s * 1e3}
+        for name, (n, sec) in (("prompt", (r.prompt_tokens, r.ttft_s)),
+                               ("predicted", (max(0, len(r.token_ids) - 1), r.decode_s))):
+            out.update({f"{name}_{k}": v for k, v in part(n, sec).items()})
+        return out
+
     def usage(r) -> dict:
         n_prompt, n_out = r.prompt_tokens, len(r.token_ids)
         return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
@@ -670,11 +742,34 @@ def create_app(state: ServerState):
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": state.model_id}
 
-        def choice(text: str | None, finish: str | None) -> dict:
+        text_offset = 0  # completions' logprobs.text_offset: where each token's text starts in the completion
+
+        def logprobs(entries: list | None) -> dict | None:
+            nonlocal text_offset
+            if entries is None:
+                return None
+            if chat:
+                def one(tid: int, lp: float) -> dict:
+                    text, raw = state.token_text(tid)
+                    return {"token": text, "logprob": lp, "bytes": raw}
+
+                return {"content": [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top]}
+                                    for e in entries], "refusal": None}
+            tokens, offsets = [], []
+            for e in entries:
+                text = state.token_text(e.token_id)[0]
+                tokens.append(text)
+                offsets.append(text_offset)
+                text_offset += len(text)
+            return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                    "top_logprobs": [{state.token_text(t)[0]: v for t, v in e.top} for e in entries],
+                    "text_offset": offsets}
+
+        def choice(text: str | None, finish: str | None, entries: list | None = None) -> dict:
             if chat:
                 delta = {} if text is None else {"content": text}
-                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                return {"index": 0, "delta": delta, "logprobs": logprobs(entries), "finish_reason": finish}
+            return {"index": 0, "text": text or "", "logprobs": logprobs(entries), "finish_reason": finish}
 
         if req.stream:
             with_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -692,9 +787,10 @@ def create_app(state: ServerState):
                 async with aclosing(events(request, job)) as evs:
                     async for kind, value in evs:
                         if kind == "text":
-                            yield chunk([choice(value, None)])
+                            yield chunk([choice(value[0], None, value[1])])
                         elif kind == "done":
-                            yield chunk([choice(None if chat else "", value.finish_reason)])
+                            yield chunk([choice(None if chat else "", value.finish_reason)],
+                                        timings=timings(job, value))
                             if with_usage:
                                 yield sse({**head, "choices": [], "usage": usage(value)})
                         else:  # the status line is gone already: report in the stream, then end it
@@ -704,24 +800,26 @@ def create_app(state: ServerState):
             return StreamingResponse(body(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-        text = []
+        text, entries = [], None if sp.logprobs is None else []
         async with aclosing(events(request, job)) as evs:
             async for kind, value in evs:
                 if kind == "text":
-                    text.append(value)
+                    text.append(value[0])
+                    if value[1]:
+                        entries += value[1]
                 elif kind == "error":
                     raise engine_failure(value)
                 else:
                     r = value
         out = "".join(text)
         if chat:
-            first = {"index": 0, "message": {"role": "assistant", "content": out}, "logprobs": None,
+            first = {"index": 0, "message": {"role": "assistant", "content": out}, "logprobs": logprobs(entries),
                      "finish_reason": r.finish_reason}
             obj = "chat.completion"
         else:
-            first = {"index": 0, "text": out, "logprobs": None, "finish_reason": r.finish_reason}
+            first = {"index": 0, "text": out, "logprobs": logprobs(entries), "finish_reason": r.finish_reason}
             obj = "text_completion"
-        return {**head, "object": obj, "choices": [first], "usage": usage(r)}
+        return {**head, "object": obj, "choices": [first], "usage": usage(r), "timings": timings(job, r)}
 
     async def tokenize(fn, arg) -> list[int]:
         # off the event loop (a long prompt must not stall others), on the one tokenizer thread; what

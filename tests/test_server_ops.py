@@ -1,0 +1,156 @@
+"""`flint serve`'s logprobs and operations routes: logprobs on chat and completions (streamed and not,
+through the official `openai` client) checked against the reference backend's log-softmax of its own
+logits, /metrics, /tokenize and /detokenize, per-request timings, HEAD /health.
+
+One real server process on the tiny random llama of tests/conftest.py (byte tokenizer, context 96),
+and the same checkpoint on the reference backend in this process for the expected values. Run:
+``pytest tests/test_server_ops.py`` (about 15 s).
+"""
+import math
+
+import pytest
+import torch
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+from test_server import Server, is_openai_error  # noqa: E402  (pytest puts tests/ on sys.path)
+
+CONTEXT = 96
+PROMPT = "Once upon a time"
+MESSAGES = [{"role": "user", "content": "hi"}]
+TOL = 1e-3  # fp32 on the same backend; only the thread count differs
+
+
+@pytest.fixture(scope="module")
+def ops(tiny_llama_dir, tmp_path_factory):
+    s = Server("ops", ["--model", str(tiny_llama_dir), "--max-seq-len", str(CONTEXT)],
+               tmp_path_factory.mktemp("ops"))
+    try:
+        s.wait_ready({})
+        s.model = str(tiny_llama_dir)
+        s.client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=30)
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    """ids -> the reference backend's log-softmax over the next token, from a fresh full forward."""
+    from flint.model import Transformer
+
+    model = Transformer(tiny_llama.cfg, tiny_llama.params, max_seq_len=CONTEXT)
+
+    def logprobs(ids: list[int]) -> torch.Tensor:
+        logits = model.forward(torch.tensor(ids, dtype=torch.long), 0, last_only=True)[-1]
+        return torch.log_softmax(logits.float(), -1)
+
+    return logprobs
+
+
+def token_id(tok, text: str, raw: list[int] | None = None) -> int:
+    """The id of a token given its text (and bytes): the byte tokenizer has one token per byte, and specials."""
+    if raw is not None and len(raw) == 1:  # a byte, perhaps half a character (its text is U+FFFD)
+        from flint.server import _byte_level_alphabet
+
+        return tok.tk.token_to_id(next(ch for ch, b in _byte_level_alphabet().items() if b == raw[0]))
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) == 1, (text, ids)
+    return ids[0]
+
+
+def check_against_reference(reference, prompt_ids, chosen, top_lists, k):
+    """chosen: [(token id, logprob)] in order; top_lists: per token [(id, logprob)] best first."""
+    assert chosen, "no logprobs came back"
+    ids = list(prompt_ids)
+    for (tid, lp), top in zip(chosen, top_lists, strict=True):
+        ref = reference(ids)
+        assert abs(lp - float(ref[tid])) < TOL, (tid, lp, float(ref[tid]))
+        assert tid == int(ref.argmax()), "greedy picked another token than the reference's argmax"
+        want = torch.topk(ref, k)
+        assert [t for t, _ in top] == want.indices.tolist()
+        assert all(abs(v - w) < TOL for (_, v), w in zip(top, want.values.tolist()))
+        ids.append(tid)
+
+
+def test_chat_logprobs_match_the_reference(ops, tiny_llama, reference):
+    tok = tiny_llama.tokenizer
+    r = ops.client.chat.completions.create(model=ops.model, messages=MESSAGES, max_tokens=6, temperature=0,
+                                           logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 6
+    ids = [token_id(tok, c.token) for c in content]
+    assert "".join(c.token for c in content) == r.choices[0].message.content
+    assert all(bytes(c.bytes) == c.token.encode() for c in content)
+    check_against_reference(reference, tok.encode_chat(MESSAGES), [(i, c.logprob) for i, c in zip(ids, content)],
+                            [[(token_id(tok, t.token), t.logprob) for t in c.top_logprobs]
+                             for c in content], 3)
+
+
+def test_chat_logprobs_streamed_equal_the_whole_response(ops):
+    kw = dict(model=ops.model, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
+              extra_body={"ignore_eos": True})
+    whole = ops.client.chat.completions.create(**kw).choices[0].logprobs.content
+    streamed = []
+    for ch in ops.client.chat.completions.create(stream=True, **kw):
+        if ch.choices and ch.choices[0].logprobs is not None:
+            streamed += ch.choices[0].logprobs.content
+    def flat(content):  # the second call reuses the cached prompt prefix: values equal up to rounding
+        return ([(c.token, c.bytes, [t.token for t in c.top_logprobs]) for c in content],
+                [v for c in content for v in (c.logprob, *(t.logprob for t in c.top_logprobs))])
+
+    assert flat(streamed)[0] == flat(whole)[0] and flat(streamed)[1] == pytest.approx(flat(whole)[1], abs=TOL)
+    # logprobs without top_logprobs: the chosen token's only
+    r = ops.client.chat.completions.create(**{**kw, "top_logprobs": None})
+    assert all(c.top_logprobs == [] for c in r.choices[0].logprobs.content)
+
+
+def test_completion_logprobs_match_the_reference(ops, tiny_llama, reference):
+    tok = tiny_llama.tokenizer
+    kw = dict(model=ops.model, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=4,
+              extra_body={"ignore_eos": True})
+    r = ops.client.completions.create(**kw)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text and len(lp.tokens) == 5
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    ids = [token_id(tok, t) for t in lp.tokens]
+    tops = [sorted(((token_id(tok, t), v) for t, v in d.items()), key=lambda x: -x[1])
+            for d in lp.top_logprobs]
+    check_against_reference(reference, tok.encode(PROMPT), list(zip(ids, lp.token_logprobs)), tops, 4)
+    streamed = {"tokens": [], "token_logprobs": [], "text_offset": []}
+    for ch in ops.client.completions.create(stream=True, **kw):
+        if ch.choices and ch.choices[0].logprobs is not None:
+            for key in streamed:
+                streamed[key] += getattr(ch.choices[0].logprobs, key)
+    # the second call reuses the cached prompt prefix: the same values up to rounding
+    assert streamed["tokens"] == lp.tokens and streamed["text_offset"] == lp.text_offset
+    assert streamed["token_logprobs"] == pytest.approx(lp.token_logprobs, abs=TOL)
+
+
+def test_sampled_logprobs_are_the_model_distribution(ops, tiny_llama, reference):
+    # temperature and top_p change the draw, not the reported values (OpenAI's convention)
+    tok = tiny_llama.tokenizer
+    r = ops.client.chat.completions.create(model=ops.model, messages=MESSAGES, max_tokens=6, temperature=1.5,
+                                           top_p=0.9, seed=5, logprobs=True, extra_body={"ignore_eos": True})
+    ids = tok.encode_chat(MESSAGES)
+    for c in r.choices[0].logprobs.content:
+        tid = token_id(tok, c.token, c.bytes)
+        assert abs(c.logprob - float(reference(ids)[tid])) < TOL
+        ids.append(tid)
+    assert len(ids) == len(tok.encode_chat(MESSAGES)) + 6
+
+
+@pytest.mark.parametrize("path,kw,param", [
+    ("/v1/chat/completions", dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+    ("/v1/chat/completions", dict(logprobs=True, top_logprobs=-1), "top_logprobs"),
+    ("/v1/chat/completions", dict(logprobs=False, top_logprobs=2), "top_logprobs"),
+    ("/v1/chat/completions", dict(logprobs=2), "logprobs"),
+    ("/v1/completions", dict(logprobs=21), "logprobs"),
+    ("/v1/completions", dict(logprobs=True), "logprobs"),
+])
+def test_bad_logprobs_fields_are_400s(ops, path, kw, param):
+    body = {"model": ops.model, "max_tokens": 2, **kw}
+    body.update({"messages": MESSAGES} if "chat" in path else {"prompt": PROMPT})
+    r = httpx.post(ops.url + path, json=body, timeout=30)
+    assert r.status_code == 400 and is_openai_error(r.json()), r.text
+    assert r.json()["error"]["param"] == param
