@@ -149,7 +149,89 @@ def schemas():
         best_of: int | None = None
         suffix: str | None = None
 
-    return ChatRequest, CompletionRequest
+    class TokenizeRequest(_Base):
+        # vLLM spells the text prompt and add_special_tokens, llama.cpp content and add_special
+        model: str | None = None
+        prompt: str | None = None
+        content: str | None = None
+        messages: list[ChatMessage] | None = Field(None, min_length=1)
+        add_special_tokens: bool | None = None
+        add_special: bool | None = None
+        add_generation_prompt: bool = True
+        with_pieces: bool = False  # llama.cpp: each token as {"id", "piece"}
+
+    class DetokenizeRequest(_Base):
+        model: str | None = None
+        tokens: list[int]
+
+    return ChatRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest
+
+
+# ------------------------------------------------------------------ metrics
+
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize",
+          "/detokenize")
+TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class Metrics:
+    """The Prometheus metrics of one server, in their own registry (several servers may share a process)."""
+
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("flint_http_requests", "HTTP requests answered, by route and status code",
+                                ["route", "status"], registry=r)
+        self.finished = Counter("flint_generations", "generations ended, by finish reason (stop, length, "
+                                "cancelled, error, shutdown)", ["reason"], registry=r)
+        self.waiting = Gauge("flint_queue_waiting", "generation requests waiting for the engine", registry=r)
+        self.running = Gauge("flint_queue_running", "generation requests decoding (0 or 1)", registry=r)
+        self.prompt_tokens = Counter("flint_prompt_tokens", "prompt tokens of the generations run", registry=r)
+        self.generated = Counter("flint_generation_tokens", "tokens generated", registry=r)
+        self.queue_s = Histogram("flint_queue_wait_seconds", "time from admission to the start of the prefill",
+                                 buckets=TIME_BUCKETS, registry=r)
+        self.ttft_s = Histogram("flint_time_to_first_token_seconds", "prefill and first token, queue wait "
+                                "excluded", buckets=TIME_BUCKETS, registry=r)
+        self.decode_s = Histogram("flint_decode_seconds", "decode time of a generation after its first token",
+                                  buckets=TIME_BUCKETS, registry=r)
+        self.tpot_s = Histogram("flint_time_per_output_token_seconds", "decode time per token after the first",
+                                buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+                                registry=r)
+        self.spec_steps = Counter("flint_spec_verify_steps", "speculative decoding: target verify forwards",
+                                  registry=r)
+        self.spec_drafted = Counter("flint_spec_draft_tokens", "speculative decoding: draft tokens proposed",
+                                    registry=r)
+        self.spec_accepted = Counter("flint_spec_accepted_tokens", "speculative decoding: draft tokens accepted",
+                                     registry=r)
+
+    def route(self, path: str) -> str:
+        if path.startswith("/v1/models/"):
+            return "/v1/models/{id}"
+        return path if path in ROUTES else "other"  # bounded label values whatever clients send
+
+    def generation(self, engine, r, wait_s: float, reason: str) -> None:
+        self.finished.labels(reason).inc()
+        self.queue_s.observe(wait_s)
+        if r is None:
+            return
+        self.prompt_tokens.inc(r.prompt_tokens)
+        self.generated.inc(len(r.token_ids))
+        if r.token_ids:
+            self.ttft_s.observe(r.ttft_s)
+        if len(r.token_ids) > 1:
+            self.decode_s.observe(r.decode_s)
+            self.tpot_s.observe(r.decode_s / (len(r.token_ids) - 1))
+        stats = getattr(engine, "last_stats", None)  # a speculative engine's counts for this call
+        if stats is not None:
+            self.spec_steps.inc(stats.steps)
+            self.spec_drafted.inc(stats.drafted)
+            self.spec_accepted.inc(stats.accepted)
+
+    def exposition(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
 
 
 # ------------------------------------------------------------------ the queue and its worker
@@ -186,8 +268,9 @@ class Scheduler:
     all waiting ones then end with a 503 error event, so open streams close and shutdown is quick.
     """
 
-    def __init__(self, engine, max_queue: int, should_stop=lambda: False):
+    def __init__(self, engine, max_queue: int, should_stop=lambda: False, metrics: Metrics | None = None):
         self.engine = engine
+        self.metrics = metrics
         self.max_queue = max_queue
         self.should_stop = should_stop
         self.closed = False
@@ -195,6 +278,9 @@ class Scheduler:
         self.running: Job | None = None
         self.cv = threading.Condition()
         self.served = 0
+        if metrics is not None:
+            metrics.waiting.set_function(lambda: len(self.waiting))
+            metrics.running.set_function(lambda: int(self.running is not None))
         self.thread = threading.Thread(target=self._loop, name="flint-engine", daemon=True)
         self.thread.start()
 
@@ -282,6 +368,8 @@ class Scheduler:
                     job.push("text", ("", lps))
         except Exception as e:  # the worker must outlive any one request
             log.exception("%s failed in the engine", job.id)
+            if self.metrics is not None:
+                self.metrics.generation(self.engine, None, wait_s, "error")
             job.push("error", e)
             return
         finally:
@@ -292,6 +380,8 @@ class Scheduler:
         log.info("%s prompt=%d completion=%d queued=%.2fs ttft=%.3fs decode=%.1f tok/s finish=%s",
                  job.id, len(job.prompt_ids), len(r.token_ids), wait_s, r.ttft_s, r.decode_tok_s,
                  stopped or r.finish_reason)
+        if self.metrics is not None:
+            self.metrics.generation(self.engine, r, wait_s, stopped or r.finish_reason)
         if stopped == "shutdown":
             job.push("error", _shutdown_error())
         else:
@@ -326,6 +416,7 @@ class ServerState:
         self.engine = None
         self.scheduler: Scheduler | None = None
         self.ready = threading.Event()
+        self.metrics = Metrics()
         self._token_text: dict[int, tuple[str, list[int]]] = {}
         self.should_stop = lambda: False  # set to the server's "shutting down" flag
         self.draining = False  # SIGTERM seen: new requests get 503, the ones in flight finish
@@ -343,7 +434,7 @@ class ServerState:
             raise ValueError(f"model {self.model_id!r} has no tokenizer; flint serve needs text in and out")
         lm.tokenizer.max_token_chars  # computed once here, not in the first request
         self.lm, self.engine = lm, engine
-        self.scheduler = Scheduler(engine, self.max_queue, self.should_stop)
+        self.scheduler = Scheduler(engine, self.max_queue, self.should_stop, self.metrics)
         self.ready.set()
         log.info("model %s ready on backend %s (context %d tokens) in %.1fs", self.model_id,
                  backend.name, engine.max_seq_len, time.perf_counter() - t0)
@@ -386,7 +477,7 @@ class ServerState:
 # ------------------------------------------------------------------ turning requests into jobs
 
 def _requested_max_tokens(req) -> int | None:
-    if req.max_tokens is not None:
+    if getattr(req, "max_tokens", None) is not None:
         return req.max_tokens
     return getattr(req, "max_completion_tokens", None)
 
@@ -529,9 +620,9 @@ def _chat_messages(req, state: ServerState) -> list[dict]:
     return messages
 
 
-def _encode_chat(messages: list[dict], state: ServerState) -> list[int]:
+def _encode_chat(messages: list[dict], state: ServerState, add_generation_prompt: bool = True) -> list[int]:
     try:
-        return state.lm.tokenizer.encode_chat(messages)
+        return state.lm.tokenizer.encode_chat(messages, add_generation_prompt)
     except ValueError as e:  # no chat template, or the template rejects the conversation
         raise APIError(400, str(e), param="messages", code="invalid_value") from None
     except Exception as e:  # a template error (jinja) on unusual input
@@ -571,7 +662,7 @@ def create_app(state: ServerState):
 
     from starlette.requests import ClientDisconnect
 
-    ChatRequest, CompletionRequest = schemas()
+    ChatRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest = schemas()
     app = FastAPI(title="flint", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(APIError)
@@ -649,13 +740,12 @@ def create_app(state: ServerState):
             req = model_cls.model_validate_json(body, strict=True)
         except ValidationError as e:
             raise _validation_error(e) from None
-        if req.model != state.model_id:
-            raise APIError(404, f"model {req.model!r} does not exist; this server serves {state.model_id!r}",
-                           param="model", code="model_not_found")
-        _refuse_unsupported(req, state)
+        check_model(req.model)
+        if hasattr(req, "stream"):  # a generation request
+            _refuse_unsupported(req, state)
         return req
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: the status alone, for load balancers
     async def health():
         if not state.ready.is_set():
             return JSONResponse(APIError(503, "the model is loading", "service_unavailable",
@@ -663,6 +753,58 @@ def create_app(state: ServerState):
         s = state.scheduler
         return {"status": "ok", "model": state.model_id, "waiting": len(s.waiting),
                 "running": s.running is not None, "served": s.served}
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        from fastapi.responses import Response
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        authorize(request)
+        return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != state.model_id:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {state.model_id!r}",
+                           param="model", code="model_not_found")
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        req = await read_request(request, TokenizeRequest)
+        given = [name for name in ("prompt", "content", "messages") if getattr(req, name) is not None]
+        if len(given) != 1:
+            raise APIError(400, "give one of prompt (or content, llama.cpp's name) and messages"
+                           + (f", not {' and '.join(given)}" if given else ""),
+                           param=given[-1] if given else "prompt", code="invalid_value")
+        if req.add_special_tokens is not None and req.add_special is not None:
+            raise APIError(400, "give add_special_tokens or add_special (the same switch), not both",
+                           param="add_special", code="invalid_value")
+        special = req.add_special if req.add_special_tokens is None else req.add_special_tokens
+        if req.messages is not None:
+            if special is not None:  # the chat template places the special tokens
+                raise APIError(400, f"{'add_special' if req.add_special is not None else 'add_special_tokens'}: "
+                                    "not with messages (the chat template places the special tokens)",
+                               param="add_special_tokens" if req.add_special is None else "add_special",
+                               code="invalid_value")
+            messages = _chat_messages(req, state)
+            ids = await tokenize(lambda m: _encode_chat(m, state, req.add_generation_prompt), messages)
+        else:
+            text = req.prompt if req.prompt is not None else req.content
+            _check_length(len(text), req, state, given[0])
+            ids = await tokenize(lambda t: state.lm.tokenizer.encode(t, add_special_tokens=special is not False),
+                                 text)
+        tokens = [{"id": t, "piece": state.token_text(t)[0]} for t in ids] if req.with_pieces else ids
+        return {"tokens": tokens, "count": len(ids), "max_model_len": state.engine.max_seq_len}
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        req = await read_request(request, DetokenizeRequest)
+        vocab = state.lm.cfg.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"tokens: token id {bad} is outside the vocabulary (size {vocab})",
+                           param="tokens", code="invalid_value")
+        text = await tokenize(lambda ids: state.lm.tokenizer.decode(ids, skip_special_tokens=False), req.tokens)
+        return {"prompt": text, "content": text}  # vLLM's name and llama.cpp's
 
     def model_card() -> dict:
         return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "flint"}
@@ -877,12 +1019,22 @@ class Guard:
         err = self.refusal(scope)
         if err is not None:
             log.info("%s %s -> %d %s", scope["method"], scope["path"], err.status, err.message)
+            self.state.metrics.requests.labels(self.state.metrics.route(scope["path"]), str(err.status)).inc()
             return await JSONResponse(err.body(), status_code=err.status)(scope, receive, send)
+        status = []
+
+        async def send_seen(msg):
+            if msg["type"] == "http.response.start":
+                status.append(msg["status"])
+            await send(msg)
+
         self.state.in_flight += 1
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, send_seen)
         finally:
             self.state.in_flight -= 1
+            if status:  # else the client left before any answer
+                self.state.metrics.requests.labels(self.state.metrics.route(scope["path"]), str(status[0])).inc()
 
 
 # ------------------------------------------------------------------ the command

@@ -258,6 +258,11 @@ def test_speculative_server_refuses_what_it_cannot_apply(servers):
         err = refused(post(spec, "/v1/completions", completion(spec, **kw)), 400, param)
         assert "speculative" in err["message"]
     assert post(spec, "/v1/completions", completion(spec)).status_code == 200
+    from test_server_ops import scrape
+
+    m = scrape(spec)  # the acceptance counters of what speculative decoding ran
+    assert m[("flint_spec_verify_steps_total", ())] >= 1
+    assert 0 <= m[("flint_spec_accepted_tokens_total", ())] <= m[("flint_spec_draft_tokens_total", ())]
 
 
 def test_models_by_id_and_allow_on_405(guard):

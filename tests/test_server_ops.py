@@ -6,7 +6,7 @@ One real server process on the tiny random llama of tests/conftest.py (byte toke
 and the same checkpoint on the reference backend in this process for the expected values. Run:
 ``pytest tests/test_server_ops.py`` (about 15 s).
 """
-import math
+import json
 
 import pytest
 import torch
@@ -154,3 +154,84 @@ def test_bad_logprobs_fields_are_400s(ops, path, kw, param):
     r = httpx.post(ops.url + path, json=body, timeout=30)
     assert r.status_code == 400 and is_openai_error(r.json()), r.text
     assert r.json()["error"]["param"] == param
+
+
+# ------------------------------------------------------------------ operations routes
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=30)
+
+
+def test_tokenize_and_detokenize_in_vllm_and_llama_cpp_spellings(ops, tiny_llama):
+    tok = tiny_llama.tokenizer
+    r = post(ops, "/tokenize", {"model": ops.model, "prompt": PROMPT}).json()
+    assert r == {"tokens": tok.encode(PROMPT), "count": len(tok.encode(PROMPT)), "max_model_len": CONTEXT}
+    r = post(ops, "/tokenize", {"content": PROMPT, "add_special": False, "with_pieces": True}).json()
+    assert [t["id"] for t in r["tokens"]] == tok.encode(PROMPT, add_special_tokens=False)
+    assert "".join(t["piece"] for t in r["tokens"]) == PROMPT
+    chat = post(ops, "/tokenize", {"messages": MESSAGES}).json()["tokens"]
+    assert chat == tok.encode_chat(MESSAGES)
+    bare = post(ops, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}).json()["tokens"]
+    assert bare == tok.encode_chat(MESSAGES, add_generation_prompt=False) and len(bare) < len(chat)
+    back = post(ops, "/detokenize", {"tokens": chat}).json()
+    assert back == {"prompt": tok.decode(chat, skip_special_tokens=False), "content": back["prompt"]}
+    assert "<|im_start|>" in back["prompt"]
+    for path, body, status, param in (
+            ("/tokenize", {"prompt": "a", "content": "a"}, 400, "content"),
+            ("/tokenize", {}, 400, "prompt"),
+            ("/tokenize", {"prompt": "a", "add_special": True, "add_special_tokens": True}, 400, "add_special"),
+            ("/tokenize", {"prompt": "x" * 4096}, 400, "prompt"),  # over the context: refused before tokenizing
+            ("/tokenize", {"prompt": "a", "model": "other"}, 404, "model"),
+            ("/tokenize", {"prompt": "a", "text": "a"}, 400, "text"),
+            ("/detokenize", {"tokens": [1, 10**6]}, 400, "tokens")):
+        r = post(ops, path, body)
+        assert r.status_code == status and is_openai_error(r.json()), (body, r.text)
+        assert r.json()["error"]["param"] == param, (body, r.text)
+
+
+def test_timings_in_responses(ops):
+    body = {"model": ops.model, "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    r = post(ops, "/v1/completions", body).json()
+    t, u = r["timings"], r["usage"]
+    assert t["prompt_n"] == u["prompt_tokens"] and t["predicted_n"] == u["completion_tokens"] - 1 == 4
+    assert t["prompt_ms"] > 0 and t["predicted_ms"] > 0 and t["queue_ms"] >= 0
+    assert t["predicted_per_second"] == pytest.approx(4 / (t["predicted_ms"] / 1e3))
+    with httpx.stream("POST", ops.url + "/v1/completions", json={**body, "stream": True}, timeout=30) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if "timings" in c] == ["length"]
+
+
+def test_head_health(ops):
+    r = httpx.head(ops.url + "/health", timeout=10)
+    assert r.status_code == 200 and r.content == b""
+
+
+def scrape(server) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(server.url + "/metrics", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+
+
+def test_metrics_count_requests_tokens_and_times(ops):
+    ok = ("flint_http_requests_total", (("route", "/v1/completions"), ("status", "200")))
+    bad = ("flint_http_requests_total", (("route", "/v1/completions"), ("status", "400")))
+    before = scrape(ops)
+    r = post(ops, "/v1/completions", {"model": ops.model, "prompt": PROMPT, "max_tokens": 5, "ignore_eos": True})
+    post(ops, "/v1/completions", {"model": ops.model, "prompt": PROMPT, "max_tokens": 0})
+    after = scrape(ops)
+
+    def grew(key) -> float:
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert grew(ok) == 1 and grew(bad) == 1
+    assert grew(("flint_generation_tokens_total", ())) == r.json()["usage"]["completion_tokens"] == 5
+    assert grew(("flint_prompt_tokens_total", ())) == r.json()["usage"]["prompt_tokens"]
+    assert grew(("flint_generations_total", (("reason", "length"),))) == 1
+    for h in ("flint_time_to_first_token_seconds", "flint_decode_seconds", "flint_queue_wait_seconds",
+              "flint_time_per_output_token_seconds"):
+        assert grew((h + "_count", ())) == 1, h
+    assert after[("flint_queue_waiting", ())] == 0 and after[("flint_queue_running", ())] == 0
+    assert after[("flint_spec_verify_steps_total", ())] == 0  # no --draft
