@@ -2,8 +2,10 @@
 
     flint serve [--model M] [--backend B] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--max-queue N]
 
-Routes: GET /health (503 while the model loads, 200 after), GET /v1/models[/{id}], POST /v1/completions,
-POST /v1/chat/completions (SSE streaming with ``stream``; ``stream_options.include_usage``).
+Routes: GET|HEAD /health (503 while the model loads, 200 after), GET /v1/models[/{id}], POST /v1/completions,
+POST /v1/chat/completions (SSE streaming with ``stream``; ``stream_options.include_usage``; logprobs as
+OpenAI shapes them; llama.cpp's ``timings`` in each answer), GET /metrics (Prometheus), POST /tokenize and
+/detokenize (vLLM's and llama.cpp's field names).
 The engine decodes one sequence at a time: requests wait in a FIFO (``--max-queue`` waiting
 requests at most, 429 beyond) and one worker thread owns the engine; a client that goes away
 cancels its generation at the next token (or the next prefill chunk). Every error is an OpenAI
@@ -16,7 +18,7 @@ tokenizing runs on its own thread. Without an API key only loopback Host names a
 request heads and bodies have deadlines and open connections a cap. SIGTERM drains: running and
 queued requests finish (up to --drain-timeout), new ones get 503. One log line per request (id,
 prompt/completion tokens, queue wait, TTFT, decode tok/s). Usage: docs/serve.md. Tests:
-``pytest tests/test_server.py tests/test_server_guard.py``.
+``pytest tests/test_server.py tests/test_server_guard.py tests/test_server_ops.py``.
 
 Heavy imports (fastapi, pydantic, uvicorn, torch) happen inside functions: `flint` imports this
 module to build its parser, and other subcommands should not pay for them.
@@ -1200,7 +1202,7 @@ def register(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (0 = any free port, printed at start)")
     p.add_argument("--api-key", default=os.environ.get("FLINT_API_KEY") or None,
-                   help="require 'Authorization: Bearer KEY' on every /v1 route (default: $FLINT_API_KEY, "
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $FLINT_API_KEY, "
                         "which keeps the key out of process listings)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait while one decodes; more are answered 429 (default 64)")
