@@ -7,6 +7,7 @@ and the same checkpoint on the reference backend in this process for the expecte
 ``pytest tests/test_server_ops.py`` (about 15 s).
 """
 import json
+import math
 
 import pytest
 import torch
@@ -235,3 +236,42 @@ def test_metrics_count_requests_tokens_and_times(ops):
         assert grew((h + "_count", ())) == 1, h
     assert after[("flint_queue_waiting", ())] == 0 and after[("flint_queue_running", ())] == 0
     assert after[("flint_spec_verify_steps_total", ())] == 0  # no --draft
+
+
+def test_logprobs_end_at_the_stop(ops, tiny_llama):
+    base = dict(model=ops.model, messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True)
+    plain = ops.client.chat.completions.create(**base, extra_body={"ignore_eos": True}).choices[0].message.content
+    assert len(plain) == 8  # the byte tokenizer: one character a token on this model's printable ASCII
+    stop = plain[3:5]
+    cut = plain.find(stop)
+    r = ops.client.chat.completions.create(**base, stop=[stop], extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    # the text ends before the stop string; its tokens are in the logprobs, up to the one completing it
+    assert r.choices[0].message.content == plain[:cut] and "".join(c.token for c in content) == plain[:cut + 2]
+    eos = tiny_llama.cfg.eos_token_ids[0]
+    r = ops.client.chat.completions.create(**base, logit_bias={str(eos): 100})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 1
+    assert r.choices[0].logprobs.content == []  # the end-of-sequence token is no part of the text
+
+
+def test_engine_logprobs_leave_the_greedy_shortcut(tiny_llama, reference):
+    from flint.engine import Engine, SamplingParams
+    from flint.model import Transformer
+
+    class OnDeviceGreedy(Transformer):  # a backend with the shortcuts that return no logits
+        def greedy_next(self, token, pos):
+            raise AssertionError("greedy_next taken with logprobs asked for")
+
+        greedy_run = greedy_next
+
+    engine = Engine(OnDeviceGreedy(tiny_llama.cfg, tiny_llama.params, max_seq_len=CONTEXT), tiny_llama.tokenizer)
+    ids = tiny_llama.tokenizer.encode(PROMPT)
+    r = engine.generate(ids, SamplingParams(max_new_tokens=4, ignore_eos=True, logprobs=2,
+                                            logit_bias={7: 3.0}))
+    assert [e.token_id for e in r.logprobs] == r.token_ids and all(len(e.top) == 2 for e in r.logprobs)
+    ctx = list(ids)
+    for e in r.logprobs:  # the bias is part of the distribution reported
+        biased = reference(ctx).exp()
+        biased[7] *= math.exp(3.0)
+        assert abs(e.logprob - math.log(biased[e.token_id] / biased.sum())) < TOL
+        ctx.append(e.token_id)
