@@ -730,6 +730,11 @@ def create_app(state: ServerState):
             raise APIError(499, "the client closed the request", code="client_closed") from None
         return bytes(body)
 
+    def check_model(name: str | None) -> None:
+        if name is not None and name != state.model_id:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {state.model_id!r}",
+                           param="model", code="model_not_found")
+
     async def read_request(request: Request, model_cls):
         authorize(request)
         require_ready()
@@ -763,11 +768,6 @@ def create_app(state: ServerState):
 
         authorize(request)
         return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
-
-    def check_model(name: str | None) -> None:
-        if name is not None and name != state.model_id:
-            raise APIError(404, f"model {name!r} does not exist; this server serves {state.model_id!r}",
-                           param="model", code="model_not_found")
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request):
@@ -819,9 +819,7 @@ def create_app(state: ServerState):
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str):
         authorize(request)
-        if model_id != state.model_id:
-            raise APIError(404, f"model {model_id!r} does not exist; this server serves {state.model_id!r}",
-                           param="model", code="model_not_found")
+        check_model(model_id)
         return model_card()
 
     def submit(request_id: str, prompt_ids: list[int], sp) -> Job:
