@@ -30,6 +30,7 @@ import ipaddress
 import json
 import logging
 import os
+import re
 import socket
 import sys
 import threading
@@ -447,11 +448,17 @@ class ServerState:
         got = self._token_text.get(tid)
         if got is None:
             tok = self.lm.tokenizer
-            raw = None
-            if type(tok.tk.decoder).__name__ == "ByteLevel":
-                piece, table = tok.tk.id_to_token(tid), _byte_level_alphabet()
-                if piece is not None and all(ch in table for ch in piece):
+            piece, raw = tok.tk.id_to_token(tid), None
+            if piece is None:
+                pass
+            elif type(tok.tk.decoder).__name__ == "ByteLevel":
+                table = _byte_level_alphabet()
+                if all(ch in table for ch in piece):
                     raw = bytes(table[ch] for ch in piece)
+            elif re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):  # SentencePiece's byte fallback
+                raw = bytes([int(piece[3:5], 16)])
+            elif "\u2581" in piece:  # SentencePiece's word mark; decoding one token alone would strip its space
+                raw = piece.replace("\u2581", " ").encode()
             if raw is None:
                 raw = tok.decode([tid], skip_special_tokens=False).encode()
             got = self._token_text[tid] = (raw.decode("utf-8", errors="replace"), list(raw))

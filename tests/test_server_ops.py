@@ -275,3 +275,31 @@ def test_engine_logprobs_leave_the_greedy_shortcut(tiny_llama, reference):
         biased[7] *= math.exp(3.0)
         assert abs(e.logprob - math.log(biased[e.token_id] / biased.sum())) < TOL
         ctx.append(e.token_id)
+
+
+def test_token_bytes_of_byte_level_and_sentencepiece_vocabularies(tiny_llama):
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models
+
+    from flint.server import ServerState
+    from flint.tokenizer import Tokenizer
+
+    def state_for(tok) -> ServerState:
+        s = ServerState("m", None, 1)
+        s.lm = SimpleNamespace(tokenizer=tok)
+        return s
+
+    byte_level = state_for(tiny_llama.tokenizer)
+    e_acute = "é".encode()
+    first, second = (token_id(tiny_llama.tokenizer, "", [b]) for b in e_acute)
+    assert byte_level.token_text(first) == ("\ufffd", [e_acute[0]]) and byte_level.token_text(second)[1] == [e_acute[1]]
+    assert byte_level.token_text(token_id(tiny_llama.tokenizer, " ", [32])) == (" ", [32])
+    # a Llama-2-style vocabulary: word marks, byte fallback, and a decoder that strips the first space
+    vocab = {"<unk>": 0, "<0xC3>": 1, "<0xA9>": 2, "\u2581Paris": 3, "is": 4}
+    tk = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    spm = state_for(Tokenizer(tk, None, None, None, []))
+    assert spm.token_text(3) == (" Paris", list(b" Paris"))
+    assert spm.token_text(1) == ("\ufffd", [0xC3]) and spm.token_text(4) == ("is", list(b"is"))
