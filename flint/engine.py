@@ -2,10 +2,11 @@
 
 Greedy and sampled decoding (temperature, top-k, top-p, min-p; a fixed 64-bit seed gives the same
 text), logit bias and presence / frequency / repetition penalties, stop on any eos id or stop
-string, max_new_tokens, KV reuse of the common prefix between calls (multi-turn chat re-sends the
-whole conversation and only the new tail is prefilled), a prefill in chunks that asks the caller
-between chunks whether to go on, and per-call stats (prompt tokens, new tokens, time to first
-token, decode tok/s). Test: ``pytest tests/test_engine.py``.
+string, max_new_tokens, per-token logprobs (each token's log-softmax and its most likely
+alternatives), KV reuse of the common prefix between calls (multi-turn chat re-sends the whole
+conversation and only the new tail is prefilled), a prefill in chunks that asks the caller between
+chunks whether to go on, and per-call stats (prompt tokens, new tokens, time to first token,
+decode tok/s). Test: ``pytest tests/test_engine.py`` (logprobs: ``tests/test_server_ops.py``).
 """
 from __future__ import annotations
 
