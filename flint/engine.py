@@ -2,10 +2,11 @@
 
 Greedy and sampled decoding (temperature, top-k, top-p, min-p; a fixed 64-bit seed gives the same
 text), logit bias and presence / frequency / repetition penalties, stop on any eos id or stop
-string, max_new_tokens, KV reuse of the common prefix between calls (multi-turn chat re-sends the
-whole conversation and only the new tail is prefilled), a prefill in chunks that asks the caller
-between chunks whether to go on, and per-call stats (prompt tokens, new tokens, time to first
-token, decode tok/s). Test: ``pytest tests/test_engine.py``.
+string, max_new_tokens, per-token logprobs (each token's log-softmax and its most likely
+alternatives), KV reuse of the common prefix between calls (multi-turn chat re-sends the whole
+conversation and only the new tail is prefilled), a prefill in chunks that asks the caller between
+chunks whether to go on, and per-call stats (prompt tokens, new tokens, time to first token,
+decode tok/s). Test: ``pytest tests/test_engine.py`` (logprobs: ``tests/test_server_ops.py``).
 """
 from __future__ import annotations
 
@@ -52,6 +53,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # minus this times the count of each generated token
     repetition_penalty: float = 1.0  # prompt and generated tokens: logit / r if > 0, * r if < 0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    # None -> off; k -> record each token's log-probability and the k most likely alternatives (the
+    # log-softmax of the logits the token was drawn from, after bias and penalties, before temperature
+    # and truncation: the model's distribution, as OpenAI reports it)
+    logprobs: int | None = None
 
     # the fields that change logits before sampling (min_p acts on the distribution)
     LOGIT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
@@ -82,9 +87,28 @@ class SamplingParams:
         for t, b in self.logit_bias.items():
             if not -100 <= b <= 100:
                 raise ValueError(f"logit_bias: the bias of token {t} must be in [-100, 100], got {b}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0 alternatives, got {self.logprobs}")
         if self.seed is not None and not -(1 << 63) <= self.seed <= MASK64:
             raise ValueError(f"seed must be a 64-bit integer, got {self.seed}")
         return self
+
+
+@dataclass
+class TokenLogprob:
+    """One generated token's log-probability and the most likely alternatives (id, logprob), best first."""
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprob(logits: torch.Tensor, tok: int, k: int) -> TokenLogprob:
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top = []
+    if k:
+        vals, ids = torch.topk(lp, min(k, lp.shape[-1]))
+        top = list(zip(ids.tolist(), vals.tolist()))
+    return TokenLogprob(tok, float(lp[tok]), top)
 
 
 @dataclass
@@ -95,6 +119,7 @@ class GenerationResult:
     prompt_tokens: int
     ttft_s: float
     decode_s: float
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when sp.logprobs asked for them
 
     @property
     def decode_tok_s(self) -> float:
@@ -196,6 +221,9 @@ class Engine:
         self.cached: list[int] = []  # tokens whose K/V sit in the backend's cache, in order
         self.last: GenerationResult | None = None
         self.should_stop = None  # during stream(): the caller's "stop now?" check, asked between prefill chunks
+        # during stream() with sp.logprobs: one TokenLogprob per token generated so far (a consumer reads
+        # the entry of each token as it is yielded)
+        self.step_logprobs: list[TokenLogprob] = []
 
     @property
     def max_seq_len(self) -> int:
@@ -214,7 +242,7 @@ class Engine:
         distributions) does not apply logit bias, penalties or min_p."""
         if type(self)._tokens is Engine._tokens:
             return []
-        return sp.adjusted() + (["min_p"] if sp.min_p else [])
+        return sp.adjusted() + (["min_p"] if sp.min_p else []) + (["logprobs"] if sp.logprobs is not None else [])
 
     def prefill(self, ids: list[int], return_hidden: bool = False):
         """Bring the cache to ``ids`` (reusing the common prefix), in chunks of PREFILL_CHUNK tokens at most
@@ -249,10 +277,15 @@ class Engine:
         adjust = None
         if sp.adjusted():  # the logits change every step: no on-device argmax shortcut
             adjust = LogitAdjuster(sp, prompt_ids, self.backend.cfg.vocab_size, logits.device)
-        greedy = sp.temperature == 0 and adjust is None
+        # the on-device greedy shortcuts return no logits: logprobs take the logits path
+        greedy = sp.temperature == 0 and adjust is None and sp.logprobs is None
         burst = greedy and hasattr(self.backend, "greedy_run")
         fast = greedy and hasattr(self.backend, "greedy_next")
-        tok = sample(adjust(logits) if adjust else logits, sp, gen)
+        if adjust:
+            logits = adjust(logits)
+        tok = sample(logits, sp, gen)
+        if sp.logprobs is not None:
+            self.step_logprobs.append(token_logprob(logits, tok, sp.logprobs))
         produced = 1
         while True:
             yield tok
@@ -271,6 +304,8 @@ class Engine:
                     adjust.add(tok)
                     logits = adjust(logits)
                 tok = sample(logits, sp, gen)
+                if sp.logprobs is not None:
+                    self.step_logprobs.append(token_logprob(logits, tok, sp.logprobs))
             pos += 1
             produced += 1
 
@@ -309,6 +344,7 @@ class Engine:
             gen.manual_seed(generator_seed(seed))
         dec = self.tokenizer.stream() if self.tokenizer is not None else None
         self.last = None
+        self.step_logprobs = []
         self._on_start()
         if sp.max_new_tokens == 0:
             self.last = GenerationResult([], "", "length", len(prompt_ids), 0.0, 0.0)
@@ -360,7 +396,8 @@ class Engine:
             self.cached = list(prompt_ids) + out[:-1]
             self._on_finish()
             self.last = GenerationResult(out, text, finish, len(prompt_ids), t_first - t0,
-                                         time.perf_counter() - t_first)
+                                         time.perf_counter() - t_first,
+                                         self.step_logprobs[:len(out)] if sp.logprobs is not None else None)
         if emitted < len(text):  # a held-back stop-string prefix that never completed
             yield out[-1], text[emitted:]
 

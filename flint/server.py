@@ -2,8 +2,10 @@
 
     flint serve [--model M] [--backend B] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--max-queue N]
 
-Routes: GET /health (503 while the model loads, 200 after), GET /v1/models[/{id}], POST /v1/completions,
-POST /v1/chat/completions (SSE streaming with ``stream``; ``stream_options.include_usage``).
+Routes: GET|HEAD /health (503 while the model loads, 200 after), GET /v1/models[/{id}], POST /v1/completions,
+POST /v1/chat/completions (SSE streaming with ``stream``; ``stream_options.include_usage``; logprobs as
+OpenAI shapes them; llama.cpp's ``timings`` in each answer), GET /metrics (Prometheus), POST /tokenize and
+/detokenize (vLLM's and llama.cpp's field names).
 The engine decodes one sequence at a time: requests wait in a FIFO (``--max-queue`` waiting
 requests at most, 429 beyond) and one worker thread owns the engine; a client that goes away
 cancels its generation at the next token (or the next prefill chunk). Every error is an OpenAI
@@ -16,7 +18,7 @@ tokenizing runs on its own thread. Without an API key only loopback Host names a
 request heads and bodies have deadlines and open connections a cap. SIGTERM drains: running and
 queued requests finish (up to --drain-timeout), new ones get 503. One log line per request (id,
 prompt/completion tokens, queue wait, TTFT, decode tok/s). Usage: docs/serve.md. Tests:
-``pytest tests/test_server.py tests/test_server_guard.py``.
+``pytest tests/test_server.py tests/test_server_guard.py tests/test_server_ops.py``.
 
 Heavy imports (fastapi, pydantic, uvicorn, torch) happen inside functions: `flint` imports this
 module to build its parser, and other subcommands should not pay for them.
@@ -28,6 +30,7 @@ import ipaddress
 import json
 import logging
 import os
+import re
 import socket
 import sys
 import threading
@@ -42,6 +45,7 @@ log = logging.getLogger("flint.serve")
 MAX_BODY_BYTES = 8 << 20  # a request body larger than this is refused (413) before parsing
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI's limit
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's chat limit
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
@@ -148,7 +152,89 @@ def schemas():
         best_of: int | None = None
         suffix: str | None = None
 
-    return ChatRequest, CompletionRequest
+    class TokenizeRequest(_Base):
+        # vLLM spells the text prompt and add_special_tokens, llama.cpp content and add_special
+        model: str | None = None
+        prompt: str | None = None
+        content: str | None = None
+        messages: list[ChatMessage] | None = Field(None, min_length=1)
+        add_special_tokens: bool | None = None
+        add_special: bool | None = None
+        add_generation_prompt: bool = True
+        with_pieces: bool = False  # llama.cpp: each token as {"id", "piece"}
+
+    class DetokenizeRequest(_Base):
+        model: str | None = None
+        tokens: list[int]
+
+    return ChatRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest
+
+
+# ------------------------------------------------------------------ metrics
+
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize",
+          "/detokenize")
+TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class Metrics:
+    """The Prometheus metrics of one server, in their own registry (several servers may share a process)."""
+
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("flint_http_requests", "HTTP requests answered, by route and status code",
+                                ["route", "status"], registry=r)
+        self.finished = Counter("flint_generations", "generations ended, by finish reason (stop, length, "
+                                "cancelled, error, shutdown)", ["reason"], registry=r)
+        self.waiting = Gauge("flint_queue_waiting", "generation requests waiting for the engine", registry=r)
+        self.running = Gauge("flint_queue_running", "generation requests decoding (0 or 1)", registry=r)
+        self.prompt_tokens = Counter("flint_prompt_tokens", "prompt tokens of the generations run", registry=r)
+        self.generated = Counter("flint_generation_tokens", "tokens generated", registry=r)
+        self.queue_s = Histogram("flint_queue_wait_seconds", "time from admission to the start of the prefill",
+                                 buckets=TIME_BUCKETS, registry=r)
+        self.ttft_s = Histogram("flint_time_to_first_token_seconds", "prefill and first token, queue wait "
+                                "excluded", buckets=TIME_BUCKETS, registry=r)
+        self.decode_s = Histogram("flint_decode_seconds", "decode time of a generation after its first token",
+                                  buckets=TIME_BUCKETS, registry=r)
+        self.tpot_s = Histogram("flint_time_per_output_token_seconds", "decode time per token after the first",
+                                buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+                                registry=r)
+        self.spec_steps = Counter("flint_spec_verify_steps", "speculative decoding: target verify forwards",
+                                  registry=r)
+        self.spec_drafted = Counter("flint_spec_draft_tokens", "speculative decoding: draft tokens proposed",
+                                    registry=r)
+        self.spec_accepted = Counter("flint_spec_accepted_tokens", "speculative decoding: draft tokens accepted",
+                                     registry=r)
+
+    def route(self, path: str) -> str:
+        if path.startswith("/v1/models/"):
+            return "/v1/models/{id}"
+        return path if path in ROUTES else "other"  # bounded label values whatever clients send
+
+    def generation(self, engine, r, wait_s: float, reason: str) -> None:
+        self.finished.labels(reason).inc()
+        self.queue_s.observe(wait_s)
+        if r is None:
+            return
+        self.prompt_tokens.inc(r.prompt_tokens)
+        self.generated.inc(len(r.token_ids))
+        if r.token_ids:
+            self.ttft_s.observe(r.ttft_s)
+        if len(r.token_ids) > 1:
+            self.decode_s.observe(r.decode_s)
+            self.tpot_s.observe(r.decode_s / (len(r.token_ids) - 1))
+        stats = getattr(engine, "last_stats", None)  # a speculative engine's counts for this call
+        if stats is not None:
+            self.spec_steps.inc(stats.steps)
+            self.spec_drafted.inc(stats.drafted)
+            self.spec_accepted.inc(stats.accepted)
+
+    def exposition(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
 
 
 # ------------------------------------------------------------------ the queue and its worker
@@ -161,9 +247,11 @@ class Job:
         self.prompt_ids = prompt_ids
         self.sp = sp
         self.loop = loop
-        self.events: asyncio.Queue = asyncio.Queue()  # ("text", str) / ("done", result) / ("error", exc)
+        # ("text", (piece, [TokenLogprob] or None)) / ("done", result) / ("error", exc)
+        self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self.t_submit = time.perf_counter()
+        self.wait_s = 0.0  # in the queue, set when the worker takes the job
 
     def push(self, kind: str, value) -> None:
         try:
@@ -183,8 +271,9 @@ class Scheduler:
     all waiting ones then end with a 503 error event, so open streams close and shutdown is quick.
     """
 
-    def __init__(self, engine, max_queue: int, should_stop=lambda: False):
+    def __init__(self, engine, max_queue: int, should_stop=lambda: False, metrics: Metrics | None = None):
         self.engine = engine
+        self.metrics = metrics
         self.max_queue = max_queue
         self.should_stop = should_stop
         self.closed = False
@@ -192,6 +281,9 @@ class Scheduler:
         self.running: Job | None = None
         self.cv = threading.Condition()
         self.served = 0
+        if metrics is not None:
+            metrics.waiting.set_function(lambda: len(self.waiting))
+            metrics.running.set_function(lambda: int(self.running is not None))
         self.thread = threading.Thread(target=self._loop, name="flint-engine", daemon=True)
         self.thread.start()
 
@@ -244,7 +336,7 @@ class Scheduler:
                     self.served += 1
 
     def _run(self, job: Job) -> None:
-        wait_s = time.perf_counter() - job.t_submit
+        wait_s = job.wait_s = time.perf_counter() - job.t_submit
         if job.cancelled.is_set():  # the client left between the queue and here
             return
         def should_stop() -> bool:  # asked between prefill chunks
@@ -252,15 +344,35 @@ class Scheduler:
 
         stream = self.engine.stream(job.prompt_ids, job.sp, should_stop=should_stop)
         stopped = None  # why decoding ended early: the client left, or the server is stopping
+        want_lp = job.sp.logprobs is not None
+        taken = 0  # engine.step_logprobs entries already sent
+
+        def new_logprobs() -> list | None:
+            # the tokens decoded since the last event; an eos that ends the text is no part of it
+            nonlocal taken
+            if not want_lp:
+                return None
+            fresh = self.engine.step_logprobs[taken:]
+            taken += len(fresh)
+            eos = () if job.sp.ignore_eos else self.engine.eos
+            return [e for e in fresh if e.token_id not in eos]
+
         try:
             for _tok, piece in stream:
                 if job.cancelled.is_set() or self.stopping():
                     stopped = "cancelled" if job.cancelled.is_set() else "shutdown"
                     break
-                if piece:
-                    job.push("text", piece)
+                lps = new_logprobs()
+                if piece or lps:
+                    job.push("text", (piece, lps))
+            if stopped is None and want_lp:  # a token that completed a stop string yields no text
+                lps = new_logprobs()
+                if lps:
+                    job.push("text", ("", lps))
         except Exception as e:  # the worker must outlive any one request
             log.exception("%s failed in the engine", job.id)
+            if self.metrics is not None:
+                self.metrics.generation(self.engine, None, wait_s, "error")
             job.push("error", e)
             return
         finally:
@@ -271,6 +383,8 @@ class Scheduler:
         log.info("%s prompt=%d completion=%d queued=%.2fs ttft=%.3fs decode=%.1f tok/s finish=%s",
                  job.id, len(job.prompt_ids), len(r.token_ids), wait_s, r.ttft_s, r.decode_tok_s,
                  stopped or r.finish_reason)
+        if self.metrics is not None:
+            self.metrics.generation(self.engine, r, wait_s, stopped or r.finish_reason)
         if stopped == "shutdown":
             job.push("error", _shutdown_error())
         else:
@@ -278,6 +392,17 @@ class Scheduler:
 
 
 # ------------------------------------------------------------------ server state
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte: the printable Latin-1 bytes stand for
+    themselves, the other bytes (controls, space, 0x7f-0xa0, 0xad) for 256, 257, ... in byte order."""
+    kept = [*range(0x21, 0x7f), *range(0xa1, 0xad), *range(0xae, 0x100)]
+    table = {chr(b): b for b in kept}
+    shifted = [b for b in range(256) if b not in table.values()]
+    table.update({chr(256 + i): b for i, b in enumerate(shifted)})
+    return table
+
 
 class ServerState:
     def __init__(self, model_id: str, api_key: str | None, max_queue: int, default_max_tokens: int = 1024,
@@ -294,6 +419,8 @@ class ServerState:
         self.engine = None
         self.scheduler: Scheduler | None = None
         self.ready = threading.Event()
+        self.metrics = Metrics()
+        self._token_text: dict[int, tuple[str, list[int]]] = {}
         self.should_stop = lambda: False  # set to the server's "shutting down" flag
         self.draining = False  # SIGTERM seen: new requests get 503, the ones in flight finish
         self.in_flight = 0  # HTTP requests being answered (event-loop thread only)
@@ -310,10 +437,32 @@ class ServerState:
             raise ValueError(f"model {self.model_id!r} has no tokenizer; flint serve needs text in and out")
         lm.tokenizer.max_token_chars  # computed once here, not in the first request
         self.lm, self.engine = lm, engine
-        self.scheduler = Scheduler(engine, self.max_queue, self.should_stop)
+        self.scheduler = Scheduler(engine, self.max_queue, self.should_stop, self.metrics)
         self.ready.set()
         log.info("model %s ready on backend %s (context %d tokens) in %.1fs", self.model_id,
                  backend.name, engine.max_seq_len, time.perf_counter() - t0)
+
+    def token_text(self, tid: int) -> tuple[str, list[int]]:
+        """A token's text and its UTF-8 bytes, as logprobs report them. A byte-level BPE token may hold
+        part of a character: its bytes come from the vocabulary entry, its text shows U+FFFD for them."""
+        got = self._token_text.get(tid)
+        if got is None:
+            tok = self.lm.tokenizer
+            piece, raw = tok.tk.id_to_token(tid), None
+            if piece is None:
+                pass
+            elif type(tok.tk.decoder).__name__ == "ByteLevel":
+                table = _byte_level_alphabet()
+                if all(ch in table for ch in piece):
+                    raw = bytes(table[ch] for ch in piece)
+            elif re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):  # SentencePiece's byte fallback
+                raw = bytes([int(piece[3:5], 16)])
+            elif "\u2581" in piece:  # SentencePiece's word mark; decoding one token alone would strip its space
+                raw = piece.replace("\u2581", " ").encode()
+            if raw is None:
+                raw = tok.decode([tid], skip_special_tokens=False).encode()
+            got = self._token_text[tid] = (raw.decode("utf-8", errors="replace"), list(raw))
+        return got
 
     def host_allowed(self, host: str) -> bool:
         """Whether a Host (or Origin) name may be served without an API key: a loopback name or
@@ -337,7 +486,7 @@ class ServerState:
 # ------------------------------------------------------------------ turning requests into jobs
 
 def _requested_max_tokens(req) -> int | None:
-    if req.max_tokens is not None:
+    if getattr(req, "max_tokens", None) is not None:
         return req.max_tokens
     return getattr(req, "max_completion_tokens", None)
 
@@ -361,11 +510,12 @@ def _refuse_unsupported(req, state: ServerState) -> None:
     if len(req.logit_bias or {}) > MAX_LOGIT_BIAS:
         refuse("logit_bias", f"logit_bias: at most {MAX_LOGIT_BIAS} entries", "invalid_value")
     if hasattr(req, "messages"):
-        if req.logprobs:
-            refuse("logprobs", "logprobs are not supported")
         if req.top_logprobs is not None:
-            refuse("top_logprobs", "top_logprobs requires logprobs: true (and logprobs are not supported)",
-                   "invalid_value")
+            if not req.logprobs:
+                refuse("top_logprobs", "top_logprobs requires logprobs: true", "invalid_value")
+            if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+                refuse("top_logprobs", f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {req.top_logprobs}",
+                       "invalid_value")
         if req.response_format not in (None, {"type": "text"}):
             refuse("response_format", "response_format: JSON mode and structured outputs are not supported yet "
                                       "(only {\"type\": \"text\"})")
@@ -376,8 +526,10 @@ def _refuse_unsupported(req, state: ServerState) -> None:
             if getattr(req, name) not in (None, "none", "auto"):
                 refuse(name, f"{name}: tool calling is not supported yet")
     else:
-        for field, bad in (("echo", req.echo), ("logprobs", req.logprobs is not None),
-                           ("best_of", req.best_of not in (None, 1)), ("suffix", req.suffix)):
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+            refuse("logprobs", f"logprobs must be in 0..{MAX_TOP_LOGPROBS} (alternatives per token), got "
+                               f"{req.logprobs}", "invalid_value")
+        for field, bad in (("echo", req.echo), ("best_of", req.best_of not in (None, 1)), ("suffix", req.suffix)):
             if bad:
                 refuse(field, f"{field} is not supported", "unsupported_value")
 
@@ -396,6 +548,13 @@ def _check_length(n_chars: int, req, state: ServerState, param: str) -> None:
     want = _requested_max_tokens(req)
     if least + (want or 1) > state.engine.max_seq_len:
         raise _too_long(param, least, want, state.engine.max_seq_len, at_least=True)
+
+
+def _logprobs_wanted(req) -> int | None:
+    """Alternatives per token the request wants with its logprobs (None: no logprobs)."""
+    if hasattr(req, "messages"):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
 
 
 def _sampling(req, state: ServerState, n_prompt: int, prompt_param: str):
@@ -437,7 +596,7 @@ def _sampling(req, state: ServerState, n_prompt: int, prompt_param: str):
                         presence_penalty=req.presence_penalty or 0.0,
                         frequency_penalty=req.frequency_penalty or 0.0,
                         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                        logit_bias=bias)
+                        logit_bias=bias, logprobs=_logprobs_wanted(req))
     try:
         sp.validate()
     except ValueError as e:
@@ -470,9 +629,9 @@ def _chat_messages(req, state: ServerState) -> list[dict]:
     return messages
 
 
-def _encode_chat(messages: list[dict], state: ServerState) -> list[int]:
+def _encode_chat(messages: list[dict], state: ServerState, add_generation_prompt: bool = True) -> list[int]:
     try:
-        return state.lm.tokenizer.encode_chat(messages)
+        return state.lm.tokenizer.encode_chat(messages, add_generation_prompt)
     except ValueError as e:  # no chat template, or the template rejects the conversation
         raise APIError(400, str(e), param="messages", code="invalid_value") from None
     except Exception as e:  # a template error (jinja) on unusual input
@@ -512,7 +671,7 @@ def create_app(state: ServerState):
 
     from starlette.requests import ClientDisconnect
 
-    ChatRequest, CompletionRequest = schemas()
+    ChatRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest = schemas()
     app = FastAPI(title="flint", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(APIError)
@@ -578,6 +737,11 @@ def create_app(state: ServerState):
             raise APIError(499, "the client closed the request", code="client_closed") from None
         return bytes(body)
 
+    def check_model(name: str | None) -> None:
+        if name is not None and name != state.model_id:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {state.model_id!r}",
+                           param="model", code="model_not_found")
+
     async def read_request(request: Request, model_cls):
         authorize(request)
         require_ready()
@@ -590,13 +754,12 @@ def create_app(state: ServerState):
             req = model_cls.model_validate_json(body, strict=True)
         except ValidationError as e:
             raise _validation_error(e) from None
-        if req.model != state.model_id:
-            raise APIError(404, f"model {req.model!r} does not exist; this server serves {state.model_id!r}",
-                           param="model", code="model_not_found")
-        _refuse_unsupported(req, state)
+        check_model(req.model)
+        if hasattr(req, "stream"):  # a generation request
+            _refuse_unsupported(req, state)
         return req
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: the status alone, for load balancers
     async def health():
         if not state.ready.is_set():
             return JSONResponse(APIError(503, "the model is loading", "service_unavailable",
@@ -604,6 +767,53 @@ def create_app(state: ServerState):
         s = state.scheduler
         return {"status": "ok", "model": state.model_id, "waiting": len(s.waiting),
                 "running": s.running is not None, "served": s.served}
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        from fastapi.responses import Response
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        authorize(request)
+        return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        req = await read_request(request, TokenizeRequest)
+        given = [name for name in ("prompt", "content", "messages") if getattr(req, name) is not None]
+        if len(given) != 1:
+            raise APIError(400, "give one of prompt (or content, llama.cpp's name) and messages"
+                           + (f", not {' and '.join(given)}" if given else ""),
+                           param=given[-1] if given else "prompt", code="invalid_value")
+        if req.add_special_tokens is not None and req.add_special is not None:
+            raise APIError(400, "give add_special_tokens or add_special (the same switch), not both",
+                           param="add_special", code="invalid_value")
+        special = req.add_special if req.add_special_tokens is None else req.add_special_tokens
+        if req.messages is not None:
+            if special is not None:  # the chat template places the special tokens
+                raise APIError(400, f"{'add_special' if req.add_special is not None else 'add_special_tokens'}: "
+                                    "not with messages (the chat template places the special tokens)",
+                               param="add_special_tokens" if req.add_special is None else "add_special",
+                               code="invalid_value")
+            messages = _chat_messages(req, state)
+            ids = await tokenize(lambda m: _encode_chat(m, state, req.add_generation_prompt), messages)
+        else:
+            text = req.prompt if req.prompt is not None else req.content
+            _check_length(len(text), req, state, given[0])
+            ids = await tokenize(lambda t: state.lm.tokenizer.encode(t, add_special_tokens=special is not False),
+                                 text)
+        tokens = [{"id": t, "piece": state.token_text(t)[0]} for t in ids] if req.with_pieces else ids
+        return {"tokens": tokens, "count": len(ids), "max_model_len": state.engine.max_seq_len}
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        req = await read_request(request, DetokenizeRequest)
+        vocab = state.lm.cfg.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"tokens: token id {bad} is outside the vocabulary (size {vocab})",
+                           param="tokens", code="invalid_value")
+        text = await tokenize(lambda ids: state.lm.tokenizer.decode(ids, skip_special_tokens=False), req.tokens)
+        return {"prompt": text, "content": text}  # vLLM's name and llama.cpp's
 
     def model_card() -> dict:
         return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "flint"}
@@ -616,9 +826,7 @@ def create_app(state: ServerState):
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str):
         authorize(request)
-        if model_id != state.model_id:
-            raise APIError(404, f"model {model_id!r} does not exist; this server serves {state.model_id!r}",
-                           param="model", code="model_not_found")
+        check_model(model_id)
         return model_card()
 
     def submit(request_id: str, prompt_ids: list[int], sp) -> Job:
@@ -652,6 +860,19 @@ def create_app(state: ServerState):
             watcher.cancel()
             state.scheduler.cancel(job)
 
+    def timings(job: Job, r) -> dict:
+        """llama.cpp's per-request timings (an extension field): the prompt's part is the prefill up to the
+        first token, the predicted part the decode steps after it; queue_ms is the wait before the prefill."""
+        def part(n: int, s: float) -> dict:
+            return {"n": n, "ms": s * 1e3, "per_token_ms": s * 1e3 / n if n else 0.0,
+                    "per_second": n / s if n and s > 0 else 0.0}
+
+        out = {"queue_ms": job.wait_s * 1e3}
+        for name, (n, sec) in (("prompt", (r.prompt_tokens, r.ttft_s)),
+                               ("predicted", (max(0, len(r.token_ids) - 1), r.decode_s))):
+            out.update({f"{name}_{k}": v for k, v in part(n, sec).items()})
+        return out
+
     def usage(r) -> dict:
         n_prompt, n_out = r.prompt_tokens, len(r.token_ids)
         return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
@@ -670,11 +891,34 @@ def create_app(state: ServerState):
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": state.model_id}
 
-        def choice(text: str | None, finish: str | None) -> dict:
+        text_offset = 0  # completions' logprobs.text_offset: where each token's text starts in the completion
+
+        def logprobs(entries: list | None) -> dict | None:
+            nonlocal text_offset
+            if entries is None:
+                return None
+            if chat:
+                def one(tid: int, lp: float) -> dict:
+                    text, raw = state.token_text(tid)
+                    return {"token": text, "logprob": lp, "bytes": raw}
+
+                return {"content": [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top]}
+                                    for e in entries], "refusal": None}
+            tokens, offsets = [], []
+            for e in entries:
+                text = state.token_text(e.token_id)[0]
+                tokens.append(text)
+                offsets.append(text_offset)
+                text_offset += len(text)
+            return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                    "top_logprobs": [{state.token_text(t)[0]: v for t, v in e.top} for e in entries],
+                    "text_offset": offsets}
+
+        def choice(text: str | None, finish: str | None, entries: list | None = None) -> dict:
             if chat:
                 delta = {} if text is None else {"content": text}
-                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                return {"index": 0, "delta": delta, "logprobs": logprobs(entries), "finish_reason": finish}
+            return {"index": 0, "text": text or "", "logprobs": logprobs(entries), "finish_reason": finish}
 
         if req.stream:
             with_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -692,9 +936,10 @@ def create_app(state: ServerState):
                 async with aclosing(events(request, job)) as evs:
                     async for kind, value in evs:
                         if kind == "text":
-                            yield chunk([choice(value, None)])
+                            yield chunk([choice(value[0], None, value[1])])
                         elif kind == "done":
-                            yield chunk([choice(None if chat else "", value.finish_reason)])
+                            yield chunk([choice(None if chat else "", value.finish_reason)],
+                                        timings=timings(job, value))
                             if with_usage:
                                 yield sse({**head, "choices": [], "usage": usage(value)})
                         else:  # the status line is gone already: report in the stream, then end it
@@ -704,24 +949,26 @@ def create_app(state: ServerState):
             return StreamingResponse(body(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-        text = []
+        text, entries = [], None if sp.logprobs is None else []
         async with aclosing(events(request, job)) as evs:
             async for kind, value in evs:
                 if kind == "text":
-                    text.append(value)
+                    text.append(value[0])
+                    if value[1]:
+                        entries += value[1]
                 elif kind == "error":
                     raise engine_failure(value)
                 else:
                     r = value
         out = "".join(text)
         if chat:
-            first = {"index": 0, "message": {"role": "assistant", "content": out}, "logprobs": None,
+            first = {"index": 0, "message": {"role": "assistant", "content": out}, "logprobs": logprobs(entries),
                      "finish_reason": r.finish_reason}
             obj = "chat.completion"
         else:
-            first = {"index": 0, "text": out, "logprobs": None, "finish_reason": r.finish_reason}
+            first = {"index": 0, "text": out, "logprobs": logprobs(entries), "finish_reason": r.finish_reason}
             obj = "text_completion"
-        return {**head, "object": obj, "choices": [first], "usage": usage(r)}
+        return {**head, "object": obj, "choices": [first], "usage": usage(r), "timings": timings(job, r)}
 
     async def tokenize(fn, arg) -> list[int]:
         # off the event loop (a long prompt must not stall others), on the one tokenizer thread; what
@@ -779,12 +1026,22 @@ class Guard:
         err = self.refusal(scope)
         if err is not None:
             log.info("%s %s -> %d %s", scope["method"], scope["path"], err.status, err.message)
+            self.state.metrics.requests.labels(self.state.metrics.route(scope["path"]), str(err.status)).inc()
             return await JSONResponse(err.body(), status_code=err.status)(scope, receive, send)
+        status = []
+
+        async def send_seen(msg):
+            if msg["type"] == "http.response.start":
+                status.append(msg["status"])
+            await send(msg)
+
         self.state.in_flight += 1
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, send_seen)
         finally:
             self.state.in_flight -= 1
+            if status:  # else the client left before any answer
+                self.state.metrics.requests.labels(self.state.metrics.route(scope["path"]), str(status[0])).inc()
 
 
 # ------------------------------------------------------------------ the command
@@ -950,7 +1207,7 @@ def register(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (0 = any free port, printed at start)")
     p.add_argument("--api-key", default=os.environ.get("FLINT_API_KEY") or None,
-                   help="require 'Authorization: Bearer KEY' on every /v1 route (default: $FLINT_API_KEY, "
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $FLINT_API_KEY, "
                         "which keeps the key out of process listings)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait while one decodes; more are answered 429 (default 64)")

@@ -144,7 +144,15 @@ def generate():
         sp = SamplingParams(max_new_tokens=n, temperature=0)
         return "".join(piece for _, piece in engine.stream(ids, sp))
 
-    run.tokenizer = tok
+    def logprobs(ids: list[int]):
+        """The reference backend's log-softmax over the token after ids (a fresh forward)."""
+        import torch
+
+        engine.cached = []  # the forward below overwrites the cache the engine would reuse
+        logits = engine.backend.forward(torch.tensor(ids, dtype=torch.long), 0, last_only=True)[-1]
+        return torch.log_softmax(logits.float(), -1)
+
+    run.tokenizer, run.logprobs = tok, logprobs
     return run
 
 
@@ -163,6 +171,16 @@ def test_health_is_503_while_loading_then_200(env):
     status, body = main.v1_while_loading
     assert status == 503 and is_openai_error(body) and body["error"]["code"] == "model_loading"
     assert f"listening on http://127.0.0.1:{main.port}" in main.log.read_text()
+
+
+def test_operations_routes_need_the_api_key(env):
+    main = env["main"]
+    for method, path, body in (("GET", "/metrics", None), ("POST", "/tokenize", {"prompt": "hi"}),
+                               ("POST", "/detokenize", {"tokens": [1]})):
+        r = httpx.request(method, main.url + path, json=body, timeout=10)
+        assert r.status_code == 401 and is_openai_error(r.json()), (path, r.text)
+        assert httpx.request(method, main.url + path, json=body, headers=AUTH, timeout=10).status_code == 200, path
+    assert httpx.head(main.url + "/health", timeout=10).status_code == 200  # no key needed
 
 
 def test_models_lists_the_served_model(env):
@@ -221,6 +239,37 @@ def test_completion_greedy_matches_flint_generate_streaming_and_not(env, generat
     ids = tok.encode(TEXT_PROMPT)
     r_ids = c.completions.create(model=MODEL, prompt=ids, max_tokens=TEXT_TOKENS, temperature=0)
     assert r_ids.choices[0].text == want and r_ids.usage.prompt_tokens == len(ids)
+
+
+def test_chat_logprobs_with_a_bpe_tokenizer_streamed_and_not(env, generate):
+    # SmolLM2's byte-level BPE: tokens of several bytes, a character split over tokens
+    c, tok = client(env["main"]), generate.tokenizer
+    messages = [{"role": "user", "content": "Write the word café twice."}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=5)
+    r = c.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens - (r.choices[0].finish_reason == "stop")
+    assert b"".join(bytes(e.bytes) for e in content).decode() == r.choices[0].message.content
+    ids = tok.encode_chat(messages)
+    for e in content:
+        ref = generate.logprobs(ids)
+        top = ref.topk(5)
+        assert [bytes(t.bytes) for t in e.top_logprobs] == [bytes(x) for x in map(token_bytes(tok), top.indices)]
+        assert [t.logprob for t in e.top_logprobs] == pytest.approx(top.values.tolist(), abs=2e-3)
+        assert e.logprob == pytest.approx(float(ref[top.indices[0]]), abs=2e-3)  # greedy: the best one
+        ids.append(int(top.indices[0]))
+    streamed = [e for ch in c.chat.completions.create(stream=True, **kw)
+                for choice in ch.choices if choice.logprobs for e in choice.logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=2e-3)
+
+
+def token_bytes(tok):
+    """token id -> its bytes: SmolLM2's tokens are byte-level BPE pieces."""
+    from flint.server import _byte_level_alphabet
+
+    table = _byte_level_alphabet()
+    return lambda tid: bytes(table[ch] for ch in tok.tk.id_to_token(int(tid)))
 
 
 def test_stop_strings_and_seeded_sampling(env):

@@ -169,7 +169,6 @@ REFUSED = [
     ("tools", dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])),
     ("tool_choice", dict(tool_choice="required")),
     ("functions", dict(functions=[{"name": "f"}])),
-    ("logprobs", dict(logprobs=True)),
     ("top_logprobs", dict(top_logprobs=3)),
     ("stream_options", dict(stream_options={"include_usage": True})),
     ("stream_options", dict(stream=False, stream_options={"include_usage": True})),
@@ -203,7 +202,7 @@ def test_neutral_values_of_refused_fields_pass(guard):
 
 
 def test_completion_fields_refused(guard):
-    for param, kw in (("suffix", dict(suffix="end")), ("echo", dict(echo=True)), ("logprobs", dict(logprobs=2)),
+    for param, kw in (("suffix", dict(suffix="end")), ("echo", dict(echo=True)),
                       ("best_of", dict(best_of=3)), ("tools", dict(tools=[]))):
         refused(post(guard, "/v1/completions", completion(guard, **kw)), 400, param)
 
@@ -255,10 +254,15 @@ def test_speculative_server_refuses_what_it_cannot_apply(servers):
     spec = servers["spec"]
     for param, kw in (("presence_penalty", dict(presence_penalty=1.0)), ("logit_bias", dict(logit_bias={"5": 1})),
                       ("min_p", dict(min_p=0.2, temperature=1.0)),
-                      ("repetition_penalty", dict(repetition_penalty=1.3))):
+                      ("repetition_penalty", dict(repetition_penalty=1.3)), ("logprobs", dict(logprobs=2))):
         err = refused(post(spec, "/v1/completions", completion(spec, **kw)), 400, param)
         assert "speculative" in err["message"]
     assert post(spec, "/v1/completions", completion(spec)).status_code == 200
+    from test_server_ops import scrape
+
+    m = scrape(spec)  # the acceptance counters of what speculative decoding ran
+    assert m[("flint_spec_verify_steps_total", ())] >= 1
+    assert 0 <= m[("flint_spec_accepted_tokens_total", ())] <= m[("flint_spec_draft_tokens_total", ())]
 
 
 def test_models_by_id_and_allow_on_405(guard):
