@@ -12,7 +12,8 @@ right start_pos and overwrites them (the backend API's rollback).
 The draft is any object with ``propose(context_ids, hidden, k, sp, gen) -> (tokens[j], q[j, V] or
 None)``, j <= k (flint.draft.DraftHead; flint.ngram.NgramDraft, which may propose fewer or none;
 ``hidden`` is the target's last-layer hidden state before context_ids[-1]). A step with no proposal
-is a plain M = 1 step. Acceptance is reported as tokens per verify step = accepted drafts + 1 (the
+is a plain M = 1 step. Logprobs (``sp.logprobs``) come from the verify row each emitted token was chosen
+from, the target's own distribution at its position. Acceptance is reported as tokens per verify step = accepted drafts + 1 (the
 target's own token is counted), so it lies in [1, K + 1]. Tests: ``pytest tests/test_speculative.py``.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine import Engine, SamplingParams, probs_from_logits, sample
+from .engine import Engine, SamplingParams, probs_from_logits, sample, token_logprob
 
 
 @dataclass
@@ -97,6 +98,12 @@ class SpeculativeEngine(Engine):
         """Mean tokens per verify step of the last call (accepted drafts + the target's token)."""
         return self.last_stats.tokens_per_step
 
+    def unsupported(self, sp: SamplingParams) -> list[str]:
+        """Logprobs are honoured: each emitted token's distribution is the verify row it was chosen from (the
+        first token's, the prefill's). Logit bias, penalties and min_p are not: the verify compares the
+        draft with unadjusted distributions."""
+        return [f for f in super().unsupported(sp) if f != "logprobs"]
+
     def _on_start(self) -> None:
         self.last_stats = SpeculativeStats()
 
@@ -111,6 +118,8 @@ class SpeculativeEngine(Engine):
         logits, hidden = self.prefill(list(prompt_ids), return_hidden=True)
         pos = len(prompt_ids)
         tok = sample(logits, sp, gen)
+        if sp.logprobs is not None:
+            self.step_logprobs.append(token_logprob(logits, tok, sp.logprobs))
         ctx = list(prompt_ids) + [tok]
         yield tok
         dev = self.backend.device
@@ -144,6 +153,8 @@ class SpeculativeEngine(Engine):
                 if at is not None:
                     new = new[: at + 1]
             stats.accepted += len(new) - 1
+            if sp.logprobs is not None:  # token new[j] was chosen from verify row j (the target after step[j])
+                self.step_logprobs.extend(token_logprob(logits[j], t, sp.logprobs) for j, t in enumerate(new))
             hidden = hid[n]
             pos += n + 1
             tok = nxt

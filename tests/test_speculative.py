@@ -406,3 +406,21 @@ def test_greedy_identical_with_kernel_draft_on_cuda():
         want = Engine(be).generate(prompt, sp)
         got = SpeculativeEngine(be, None, draft, k=4).generate(prompt, sp)
         assert got.token_ids == want.token_ids, prompt
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_logprobs_are_the_targets_own(temperature):
+    """Each emitted token's logprob (and top alternatives) is the target's log-softmax at its position: the
+    verify row it was chosen from, equal to a teacher-forced forward over the generated text."""
+    lm = tiny_lm(eos=(5,))
+    be = Transformer(lm.cfg, lm.params, 128)
+    eng = SpeculativeEngine(be, None, random_draft(lm, seed=2), k=3)
+    assert eng.unsupported(SamplingParams(logprobs=2)) == []
+    prompt = [4, 0, 7, 7, 2]
+    res = eng.generate(prompt, SamplingParams(max_new_tokens=20, temperature=temperature, seed=3, logprobs=3))
+    assert res.logprobs is not None and len(res.logprobs) == len(res.token_ids) > 3
+    lp = torch.log_softmax(Transformer(lm.cfg, lm.params, 128).forward(torch.tensor(prompt + res.token_ids), 0), -1)
+    for i, (t, e) in enumerate(zip(res.token_ids, res.logprobs)):
+        row = lp[len(prompt) - 1 + i]
+        assert e.token_id == t and abs(e.logprob - float(row[t])) < 1e-4, i
+        assert [x for x, _ in e.top] == row.topk(3).indices.tolist(), i
