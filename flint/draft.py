@@ -290,14 +290,14 @@ class DraftHead(nn.Module):
         draws come from ``gen`` outside it); FLINT_DRAFT_GRAPH=0 runs the same kernels eagerly."""
         self._need_target()
         greedy = sp is None or sp.temperature == 0
-        h = hidden.reshape(1, -1).to(self.device, self.dtype)
         tok = torch.tensor([context_ids[-1]], device=self.device)
-        u = None if greedy else torch.rand(k, generator=gen, device=self.device)
-        sampling = () if greedy else (float(sp.temperature), int(sp.top_k), float(sp.top_p))
         if greedy:
             kr = self._kernel_rollout()
             if kr is not None:
                 return kr(hidden, tok, k), None
+        h = hidden.reshape(1, -1).to(self.device, self.dtype)
+        u = None if greedy else torch.rand(k, generator=gen, device=self.device)
+        sampling = () if greedy else (float(sp.temperature), int(sp.top_k), float(sp.top_p))
         g = self._graphed_rollout(k, sampling)
         return g(h, tok, u) if g is not None else self._rollout(h, tok, k, u, sampling)
 
@@ -340,7 +340,7 @@ class _KernelRollout:
                             "w_final": c(draft.final_norm), "head": c(draft.head), "embed": c(draft.embed)}
         for i, b in enumerate(draft.blocks):
             keep[f"bn{i}"] = c(b.norm.weight)
-            keep[f"gu{i}"] = c(torch.cat((b.gate.weight, b.up.weight)))
+            keep[f"gu{i}"] = c(b._gate_up())
             keep[f"down{i}"] = c(b.down.weight)
         src = draft.embed_src
         if draft.vocab_ids is not None:
@@ -366,22 +366,21 @@ class _KernelRollout:
                      None,  # h0
                      ptr("f"), ptr("act"), ptr("x"), ptr("keys"),
                      None]  # out
+        # the argument tables are built once; a call sets its inputs' slots (token, hidden state, output) and k
         self.i_tok, self.i_h0, self.i_out = 3 + 3 * self.N_BLOCKS_MAX + 4, 3 + 3 * self.N_BLOCKS_MAX + 9, len(self.ptrs) - 1
-        self.ints = [H, I, draft.head.shape[0], nblk, 0, src.group_size if draft.vocab_ids is not None else 0]
+        self.ptrs = (ctypes.c_void_p * len(self.ptrs))(*self.ptrs)
+        self.ints = (ctypes.c_longlong * 6)(H, I, draft.head.shape[0], nblk, 0,
+                                            src.group_size if draft.vocab_ids is not None else 0)
         self.floats = (ctypes.c_float * 2)(draft.norm_hidden.eps, draft.target_eps)
 
     def __call__(self, hidden: torch.Tensor, tok: torch.Tensor, k: int) -> torch.Tensor:
-        ct = self.ct
         h0 = hidden.reshape(-1).to(device=self.keep["x"].device, dtype=torch.float32).contiguous()
         tok = tok.to(torch.long).contiguous()
         out = torch.empty(k, dtype=torch.long, device=h0.device)
-        ptrs = list(self.ptrs)
-        ptrs[self.i_tok], ptrs[self.i_h0], ptrs[self.i_out] = tok.data_ptr(), h0.data_ptr(), out.data_ptr()
-        ints = list(self.ints)
-        ints[4] = k
+        self.ptrs[self.i_tok], self.ptrs[self.i_h0], self.ptrs[self.i_out] = tok.data_ptr(), h0.data_ptr(), out.data_ptr()
+        self.ints[4] = k
         stream = torch.cuda.current_stream(h0.device)
-        rc = self.lib.flint_draft_rollout((ct.c_longlong * 6)(*ints), (ct.c_void_p * len(ptrs))(*ptrs), self.floats,
-                                          ct.c_void_p(stream.cuda_stream))
+        rc = self.lib.flint_draft_rollout(self.ints, self.ptrs, self.floats, self.ct.c_void_p(stream.cuda_stream))
         if rc != 0:
             raise DraftError(f"flint_draft_rollout failed: CUDA error {rc}")
         return out

@@ -19,21 +19,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from flint.config import SYNTHETIC, from_hf_dict  # noqa: E402
 from flint.megakernel import MegakernelBackend  # noqa: E402
 from flint.synthetic import synthetic_params  # noqa: E402
-
-
-def step_us(mk, tok, pos, iters=30) -> float:
-    ts = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        mk.forward(tok, pos)
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) * 1e3)
-    return statistics.median(ts)
+from mk_dev import median_step  # noqa: E402
 
 
 def main() -> None:
@@ -68,7 +58,7 @@ def main() -> None:
                 torch.cuda.synchronize()
                 runs.append(traced.stage_times(0))
             st = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-            st["step_us"] = step_us(plain, tok, a.pos)
+            st["step_us"] = median_step(plain, tok, a.pos, 30)
             rows[m] = st
         doc.append({"model": model, "pos": a.pos, "stages": rows})
         keys = list(rows[ms[0]])
