@@ -61,6 +61,12 @@ def bind_library(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.flint_mk_smem_info.restype = ctypes.c_int
     lib.flint_mk_last_error.argtypes = []
     lib.flint_mk_last_error.restype = ctypes.c_char_p
+    if hasattr(lib, "flint_mk_set_token_mask"):  # (variant libraries of older revisions lack it)
+        lib.flint_mk_set_token_mask.argtypes = [vp, vp]
+        lib.flint_mk_set_token_mask.restype = ctypes.c_int
+    if hasattr(lib, "flint_mk_long_layout_info"):  # (variant libraries of older revisions lack it)
+        lib.flint_mk_long_layout_info.argtypes = [vp, ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+        lib.flint_mk_long_layout_info.restype = ctypes.c_int
     if hasattr(lib, "flint_draft_rollout"):  # (variant libraries of older revisions lack the draft kernel)
         lib.flint_draft_rollout.argtypes = [c_ll_p, ctypes.POINTER(vp), ctypes.POINTER(ctypes.c_float), vp]
         lib.flint_draft_rollout.restype = ctypes.c_int
@@ -477,6 +483,25 @@ class MegakernelBackend:
             return logits, self.resid[rows].clone()
         return logits
 
+    supports_token_mask = True
+
+    def set_token_mask(self, mask: torch.Tensor | None) -> None:
+        """Structured output: the argmax of every following M = 1 step (greedy_next, greedy_run) chooses only
+        tokens whose bit is set (bit i & 31 of int32 word i >> 5), inside the kernel's lm_head epilogue; None
+        clears it. ``forward``'s logits stay unmasked. The tensor is kept (not copied): refill it in place,
+        on the current stream, before the step that should see it."""
+        if mask is None:
+            ptr = None
+        else:
+            words = (self.cfg.vocab_size + 31) // 32
+            if not isinstance(mask, torch.Tensor) or mask.dtype != torch.int32 or mask.device != self.device \
+                    or mask.numel() != words or not mask.is_contiguous():
+                raise ValueError(f"megakernel: token mask must be a contiguous int32 tensor of {words} words on "
+                                 f"{self.device}")
+            ptr = ctypes.c_void_p(mask.data_ptr())
+        _check(self._lib.flint_mk_set_token_mask(self._h, ptr), self._lib)
+        self._token_mask = mask
+
     def greedy_next(self, token: int, pos: int) -> int:
         """One M = 1 step for ``token`` at ``pos``; returns the argmax. One launch + one 4-byte copy."""
         if not 0 <= token < self.cfg.vocab_size:
@@ -487,6 +512,8 @@ class MegakernelBackend:
         stream = torch.cuda.current_stream(self.device)
         _check(self._lib.flint_mk_greedy(self._h, int(token), int(pos), ctypes.c_void_p(stream.cuda_stream),
                                          ctypes.byref(out)), self._lib)
+        if not 0 <= out.value < self.cfg.vocab_size:
+            raise RuntimeError("megakernel: the token mask allows no token")
         return out.value
 
     def greedy_run(self, token: int, pos: int, n: int) -> list[int]:
@@ -585,4 +612,10 @@ class MegakernelBackend:
     def smem_info(self, m: int = 1) -> dict:
         arr = (ctypes.c_int * 4)()
         _check(self._lib.flint_mk_smem_info(self._h, m, arr), self._lib)
-        return dict(smem_bytes=arr[0], ring_slots=arr[1], slot_bytes=arr[2], blocks=arr[3])
+        out = dict(smem_bytes=arr[0], ring_slots=arr[1], slot_bytes=arr[2], blocks=arr[3])
+        if hasattr(self._lib, "flint_mk_long_layout_info"):
+            a5 = (ctypes.c_int * 5)()
+            _check(self._lib.flint_mk_long_layout_info(self._h, m, a5), self._lib)
+            out["long_layout"] = dict(ready=bool(a5[0]), smem_bytes=a5[1], ring_slots=a5[2], att_buffers=a5[3],
+                                      from_tiles_per_split=a5[4])
+        return out

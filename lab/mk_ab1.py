@@ -12,6 +12,9 @@ round, seconds apart). Synthetic Granite-4.1-3B int4 G128, ctx 512 unless --ctx.
     here:    python3 lab/mk_variants.py base=. new=.:MK_SOMETHING=1
     device:  FLINT_KERNEL_DIR=build/kernels python3 lab/mk_ab1.py base new --m 1,2 --rounds 15   (carry ["build"])
 
+A variant may also be LABEL@NAME:ENV=VALUE[:ENV=VALUE...]: NAME's library with a handle created while ENV is set (the
+host side's create-time overrides, e.g. nb5@cur:FLINT_MK_ATT_NBUF=5).
+
 The variants must share the host side (megakernel_host.cu's flint_mk_create arguments); the first variant's library
 should be the working tree's (it is the one the backend loads).
 """
@@ -57,7 +60,17 @@ def main() -> None:
     from flint.megakernel import MegakernelBackend, bind_library
     from flint.synthetic import synthetic_params
 
-    libs = {v: variant_library(v) for v in args.variants}
+    def parse(v: str) -> tuple[str, dict]:
+        if "@" not in v:
+            return v, {}
+        name, *envs = v.split("@", 1)[1].split(":")
+        bad = [e for e in envs if "=" not in e]
+        if bad:
+            raise SystemExit(f"mk_ab1: variant {v}: {bad[0]!r} is not ENV=VALUE")
+        return name, dict(e.split("=", 1) for e in envs)
+
+    specs = {v: parse(v) for v in args.variants}
+    libs = {v: variant_library(specs[v][0]) for v in args.variants}
     ms = [int(x) for x in args.m.split(",")]
     cfg = from_hf_dict(dict(SYNTHETIC[args.model]), args.model)
     params = synthetic_params(cfg, seed=0, int4_group_size=args.group, dtype=torch.float32, device="cuda")
@@ -70,8 +83,18 @@ def main() -> None:
     for v, path in libs.items():
         lib = bind_library(ctypes.CDLL(str(path)))
         h = ctypes.c_void_p()
-        rc = lib.flint_mk_create((ctypes.c_longlong * len(ia))(*ia), len(ia), (ctypes.c_double * len(fa))(*fa),
-                                 len(fa), ctypes.byref(h))
+        env = specs[v][1]
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            rc = lib.flint_mk_create((ctypes.c_longlong * len(ia))(*ia), len(ia), (ctypes.c_double * len(fa))(*fa),
+                                     len(fa), ctypes.byref(h))
+        finally:
+            for k, old in saved.items():
+                if old is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = old
         if rc != 0:
             raise SystemExit(f"mk_ab1: variant {v}: flint_mk_create failed: {lib.flint_mk_last_error().decode()}")
         handles[v] = (lib, h)

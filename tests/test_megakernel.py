@@ -247,6 +247,72 @@ def test_long_context_64k_matches_reference(split):
 
 @gpu
 @needs_sm90
+def test_long_context_layout_matches_reference():
+    """Contexts whose attention splits walk >= kAttLongTiles tiles launch with the long-context shared-memory layout
+    (more K/V tile buffers, fewer ring slots): split lengths that are not a multiple of the buffers, a shorter last
+    split, the switch between the layouts from one step to the next, and M = 3 verify rows there."""
+    cfg = _granite(2)
+    mk, ref = _pair(cfg, 128, 9000)
+    info = mk.smem_info(1)["long_layout"]
+    assert info["ready"] and info["att_buffers"] > 2 and info["ring_slots"] < mk.smem_info(1)["ring_slots"]
+    toks = torch.randint(0, cfg.vocab_size, (9000,), generator=torch.Generator().manual_seed(5))
+    pos = 0
+    for ctx in (4000, 4097, 4160, 6001, 8999):  # 63 | 65 | 65 | 94 | 141 tiles over 16 splits a kv head
+        while pos < ctx - 1:
+            m = min(8, ctx - 1 - pos)
+            mk.forward(toks[pos:pos + m], pos)
+            ref.forward(toks[pos:pos + m], pos)
+            pos += m
+        a, b = mk.forward(toks[ctx - 1:ctx], ctx - 1), ref.forward(toks[ctx - 1:ctx], ctx - 1)
+        pos = ctx
+        assert torch.isfinite(a).all() and rel(a, b) < 1e-2, f"ctx {ctx}: rel {rel(a, b):.3e}"
+        assert torch.equal(a, mk.forward(toks[ctx - 1:ctx], ctx - 1)), f"ctx {ctx}: not bitwise repeatable"
+    a, b = mk.forward(toks[pos:pos + 3], pos), ref.forward(toks[pos:pos + 3], pos)
+    assert rel(a, b) < 1e-2, f"M = 3 at ctx {pos + 3}: rel {rel(a, b):.3e}"
+
+
+@gpu
+@needs_sm90
+def test_token_mask_in_the_argmax():
+    """set_token_mask: greedy_next picks the reference's argmax over the allowed tokens only (a random half, a
+    single token, a word's edge bits), forward's logits stay unmasked, None restores the plain argmax, and a mask
+    that allows nothing is an error, not a token."""
+    cfg = _granite(2)
+    mk, ref = _pair(cfg, 128, 64)
+    V, words = cfg.vocab_size, (cfg.vocab_size + 31) // 32
+    toks = torch.randint(0, V, (40,), generator=torch.Generator().manual_seed(9))
+    mk.forward(toks[:8], 0)
+    ref.forward(toks[:8], 0)
+
+    def pack(allowed):
+        bits = torch.zeros(words * 32, dtype=torch.bool)
+        bits[:V] = allowed
+        w = (bits.view(words, 32).long() << torch.arange(32)).sum(1)
+        return torch.where(w >= 2 ** 31, w - 2 ** 32, w).to(torch.int32).to(mk.device)
+
+    gen = torch.Generator().manual_seed(2)
+    logits = mk.forward(toks[8:9], 8)[0].cpu()  # (the kernel's own logits: its argmax is exact on them)
+    assert rel(logits, ref.forward(toks[8:9], 8)[0].cpu()) < 1e-2
+    for allowed in (torch.rand(V, generator=gen) < 0.5, torch.arange(V) == 7, torch.arange(V) == V - 1,
+                    (torch.arange(V) % 32 == 31) | (torch.arange(V) % 32 == 0)):
+        mask = pack(allowed)
+        mk.set_token_mask(mask)
+        want = int(torch.where(allowed, logits, torch.tensor(-float("inf"))).argmax())
+        assert mk.greedy_next(int(toks[8]), 8) == want
+        assert torch.equal(mk.forward(toks[8:9], 8)[0].cpu(), logits)  # unmasked
+    mk.set_token_mask(None)
+    assert mk.greedy_next(int(toks[8]), 8) == int(logits.argmax())
+    none = torch.zeros(words, dtype=torch.int32, device=mk.device)
+    mk.set_token_mask(none)
+    with pytest.raises(RuntimeError, match="allows no token"):
+        mk.greedy_next(int(toks[8]), 8)
+    mk.set_token_mask(None)
+    with pytest.raises(ValueError, match="int32"):
+        mk.set_token_mask(torch.zeros(words, dtype=torch.int64, device=mk.device))
+
+
+@gpu
+@needs_sm90
 @pytest.mark.parametrize("split", ["0", "1"])
 @pytest.mark.parametrize("m", range(1, 9))
 def test_verify_shapes_match_reference(m, split):

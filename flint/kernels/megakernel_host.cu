@@ -4,6 +4,7 @@
 // Every CUDA return code is checked; failures return nonzero and flint_mk_last_error() says why.
 // Build: python -m flint.kernels.build      Test: pytest tests/test_megakernel.py
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <new>
 
@@ -43,15 +44,18 @@ static int cuda_fail(const char* what, int e) {
 
 struct Handle {
   mk::Params p;
-  mk::Smem sl[mk::MAX_M + 1];
+  mk::Smem sl[mk::MAX_M + 1];   // per M: the layout with kAttNbufShort attention buffers
+  mk::Smem sll[mk::MAX_M + 1];  // per M: the long-context layout (more attention buffers, fewer ring slots)
   bool ready[mk::MAX_M + 1];
+  bool ready_long[mk::MAX_M + 1];
+  int att_nbuf_long;
   int* h_argmax;  // pinned
   int smem_optin;
 };
 
 extern "C" const char* flint_mk_last_error() { return g_err; }
 
-extern "C" int flint_mk_abi_version() { return 5; }
+extern "C" int flint_mk_abi_version() { return 6; }
 
 // iargs: see flint/megakernel.py (_pack_args) for the order; it is the one definition of it.
 extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, int n_f, void** out) {
@@ -151,9 +155,19 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
   int slot = 0;
   for (int m = 0; m < mk::NMAT; ++m) slot = slot > mk::TILE_ROWS * p.mat[m].srb ? slot : mk::TILE_ROWS * p.mat[m].srb;
   slot = al(slot);
-  for (int M = 1; M <= mk::MAX_M; ++M) {
-    mk::Smem& s = h->sl[M];
-    h->ready[M] = false;
+  // The attention buffers of the long-context layout (FLINT_MK_ATT_NBUF overrides kAttNbufLong for A/B runs)
+  int nbuf_long = mk::kAttNbufLong;
+  if (const char* ev = getenv("FLINT_MK_ATT_NBUF")) {
+    nbuf_long = atoi(ev);
+    if (nbuf_long < mk::kAttNbufShort || nbuf_long > mk::kAttNbufMax) {
+      snprintf(g_err, sizeof(g_err), "flint_mk_create: FLINT_MK_ATT_NBUF=%s is outside %d..%d", ev,
+               mk::kAttNbufShort, mk::kAttNbufMax);
+      delete h;
+      return 1;
+    }
+  }
+  h->att_nbuf_long = nbuf_long;
+  auto lay = [&](int M, int nbuf, mk::Smem& s) -> bool {
     // per matrix: stage the whole K once (multi-segment matrices whose 2 x M token rows fit XALL_BYTES),
     // and the K parts per tile that balance this block's tiles over the 15 consumer warps
     int kx = 0, ngx = 0, acc_tiles = 0, max_acc_tiles = 0, max_parts = 1;
@@ -195,7 +209,8 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
     s.actb = off; off += p.nffn ? al(M * p.mat[mk::MAT_DS].K * 4) : 0;
     s.xsum = off; off += al(ngx * mkmma::MMA_XSUM_FLOATS * 4);
     const int R = g * M;
-    const int att = 2 * mk::ATT_T * p.D * 2 * 2 + R * p.D * 4 * 2 + R * mk::ATT_T * 4;
+    s.att_nbuf = nbuf;
+    const int att = nbuf * mk::ATT_T * p.D * 2 * 2 + R * p.D * 4 * 2 + R * mk::ATT_T * 4;
     const int xs = 2 * M * s.xstride;
     const int red = p.nffn ? M * own_tiles * (p.nffn_pad / 8) * mk::TILE_ROWS * 4 : 0;  // ffn_down_reduce's chunk sums
     int un = att > xs ? att : xs;
@@ -213,7 +228,11 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
     s.ring = off;
     s.nslots = ns;
     s.total = off + ns * slot;
-    if (R <= mk::MAX_ROWS_ATT && ns >= 3 && s.total <= optin && max_acc_tiles <= mk::MAX_ACC_TILES) h->ready[M] = true;
+    return R <= mk::MAX_ROWS_ATT && ns >= 3 && s.total <= optin && max_acc_tiles <= mk::MAX_ACC_TILES;
+  };
+  for (int M = 1; M <= mk::MAX_M; ++M) {
+    h->ready[M] = lay(M, mk::kAttNbufShort, h->sl[M]);
+    h->ready_long[M] = h->ready[M] && nbuf_long > mk::kAttNbufShort && lay(M, nbuf_long, h->sll[M]);
   }
   // The counted residual's count field is 8 bits: a word missing any 1..nffn + 1 adds of its layer (the FFN blocks'
   // and the o owner's) must not show the expected count mod 256, so nffn + 1 < 256. (A reader never sees a word more
@@ -249,6 +268,34 @@ extern "C" int flint_mk_smem_info(void* hv, int M, int* out4) {
   return 0;
 }
 
+// Structured output: the vocabulary bitmask every following M = 1 launch's argmax honours (device memory, ceil(V / 32)
+// words, 4-byte aligned; nullptr clears it). The caller keeps it alive and fills it before the launch that reads it.
+extern "C" int flint_mk_set_token_mask(void* hv, const void* mask) {
+  Handle* h = (Handle*)hv;
+  if (mask != nullptr && ((uintptr_t)mask & 3)) return fail("flint_mk_set_token_mask: mask is not 4-byte aligned");
+  h->p.vmask = (const uint32_t*)mask;
+  return 0;
+}
+
+// The long-context layout of M: (ready, shared-memory bytes, ring slots, attention buffers, tiles per split from
+// which a launch uses it)
+extern "C" int flint_mk_long_layout_info(void* hv, int M, int* out5) {
+  Handle* h = (Handle*)hv;
+  if (M < 1 || M > mk::MAX_M) return fail("flint_mk_long_layout_info: bad M");
+  const mk::Smem& s = h->sll[M];
+  out5[0] = h->ready_long[M]; out5[1] = h->ready_long[M] ? s.total : 0; out5[2] = h->ready_long[M] ? s.nslots : 0;
+  out5[3] = h->ready_long[M] ? s.att_nbuf : h->sl[M].att_nbuf; out5[4] = mk::kAttLongTiles;
+  return 0;
+}
+
+// 64-key tiles each attention split walks at context length Ltot (attention_stage's split rule)
+static int att_tiles_per_split(const mk::Params& p, int Ltot) {
+  const int ntiles = (Ltot + mk::ATT_T - 1) / mk::ATT_T;
+  int nsplit = ntiles < p.nblocks / p.nkv ? ntiles : p.nblocks / p.nkv;
+  if (nsplit < 1) nsplit = 1;
+  return (ntiles + nsplit - 1) / nsplit;
+}
+
 static int launch(Handle* h, int M, int start, const long long* tokens, int tok0, cudaStream_t stream) {
   if (M < 1 || M > mk::MAX_M || !kLaunch[M]) {
     snprintf(g_err, sizeof(g_err), "megakernel: M=%d tokens per step is not compiled (1..%d)", M, mk::MAX_M);
@@ -278,7 +325,9 @@ static int launch(Handle* h, int M, int start, const long long* tokens, int tok0
     if (bps < 1) return fail("megakernel: kernel cannot be resident with the requested shared memory");
     done = true;  // the occupancy query raised the kernel's smem limit to the opt-in maximum
   }
-  int e = lf(&h->p, &h->sl[M], start, tokens, tok0, stream, set_attr);
+  const mk::Smem* sl = &h->sl[M];
+  if (h->ready_long[M] && att_tiles_per_split(h->p, start + M) >= mk::kAttLongTiles) sl = &h->sll[M];
+  int e = lf(&h->p, sl, start, tokens, tok0, stream, set_attr);
   if (e) return cuda_fail("megakernel launch", e);
   return 0;
 }

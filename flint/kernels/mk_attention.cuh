@@ -36,9 +36,10 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
   const uint32_t qtag = c.tag0 + (uint32_t)layer;  // this layer's tag
   const int cpr = D / 8;  // 16-byte chunks per K/V row
 
-  __half* Kb = reinterpret_cast<__half*>(uni);              // [2][ATT_T][D] (swizzled 16B chunks)
-  __half* Vb = Kb + 2 * ATT_T * D;                          // [2][ATT_T][D]
-  float* q_s = reinterpret_cast<float*>(Vb + 2 * ATT_T * D); // [R][D]
+  const int NB = c.sl->att_nbuf;                            // tile buffers: NB - 1 tiles in flight
+  __half* Kb = reinterpret_cast<__half*>(uni);              // [NB][ATT_T][D] (swizzled 16B chunks)
+  __half* Vb = Kb + NB * ATT_T * D;                         // [NB][ATT_T][D]
+  float* q_s = reinterpret_cast<float*>(Vb + NB * ATT_T * D); // [R][D]
   float* o_s = q_s + R * D;                                 // [R][D]
   float* s_s = o_s + R * D;                                 // [R][ATT_T]
   MiscSmem* ms = c.misc;
@@ -151,11 +152,16 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
       }
       cbar();
       warp_stamp(p, layer, WS_A_PV);
-    } else
+    } else {
+    // NB - 1 tiles in flight: one commit group per tile (empty past the split's end), so "all but the newest NB - 2
+    // groups landed" means this tile's group has
+    for (int k = 1; k < NB - 1; ++k) {
+      if (t0 + k < t1) load_tile(t0 + k, k); else cp_async_commit();
+    }
     for (int tile = t0; tile < t1; ++tile) {
-      const int buf = (tile - t0) & 1;
-      if (tile + 1 < t1) { load_tile(tile + 1, buf ^ 1); cp_async_wait<1>(); }
-      else cp_async_wait<0>();
+      const int buf = (tile - t0) % NB;
+      if (tile + NB - 1 < t1) load_tile(tile + NB - 1, (tile - t0 + NB - 1) % NB); else cp_async_commit();
+      cp_async_wait_dyn(NB - 1);
       cbar();
       warp_stamp(p, layer, WS_A_TILE);
       const int j0 = tile * ATT_T;
@@ -258,6 +264,8 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
       }
       cbar();
       warp_stamp(p, layer, WS_A_PV);
+    }
+    cp_async_wait<0>();  // (only empty groups can be pending here)
     }
     // write the result (one split) or the partial (m, l, o) for the merge
     if (nsplit == 1) {

@@ -32,5 +32,12 @@ constexpr int kLmInflight = 2;
 // M = 1); up to kTmSeqSplits the sequential tagged merge runs, beyond them the counter merge.
 constexpr int kTmMaxSplits = 12;
 constexpr int kTmSeqSplits = 32;
+// Attention K/V tiles (64 keys, 16 KiB at head_dim 64) buffered per block when a context split walks at least
+// kAttLongTiles tiles: kAttNbufLong - 1 tiles in flight while one is used. The host then lays shared memory out with
+// fewer weight-ring slots (a second layout per M, picked per launch by the context length); shorter contexts keep two.
+constexpr int kAttNbufShort = 2;
+constexpr int kAttNbufLong = 5;
+constexpr int kAttNbufMax = 8;
+constexpr int kAttLongTiles = 4;
 
 }  // namespace mk
