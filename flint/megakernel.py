@@ -61,12 +61,12 @@ def bind_library(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.flint_mk_smem_info.restype = ctypes.c_int
     lib.flint_mk_last_error.argtypes = []
     lib.flint_mk_last_error.restype = ctypes.c_char_p
-    if hasattr(lib, "flint_mk_set_token_mask"):  # (variant libraries of older revisions lack it)
-        lib.flint_mk_set_token_mask.argtypes = [vp, vp]
-        lib.flint_mk_set_token_mask.restype = ctypes.c_int
     if hasattr(lib, "flint_mk_long_layout_info"):  # (variant libraries of older revisions lack it)
-        lib.flint_mk_long_layout_info.argtypes = [vp, ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+        lib.flint_mk_long_layout_info.argtypes = [vp, ctypes.POINTER(ctypes.c_int)]
         lib.flint_mk_long_layout_info.restype = ctypes.c_int
+    if hasattr(lib, "flint_mk_greedy_masked"):  # (variant libraries of older revisions lack it)
+        lib.flint_mk_greedy_masked.argtypes = [vp, ctypes.c_int, ctypes.c_int, vp, vp, ctypes.POINTER(ctypes.c_int)]
+        lib.flint_mk_greedy_masked.restype = ctypes.c_int
     if hasattr(lib, "flint_draft_rollout"):  # (variant libraries of older revisions lack the draft kernel)
         lib.flint_draft_rollout.argtypes = [c_ll_p, ctypes.POINTER(vp), ctypes.POINTER(ctypes.c_float), vp]
         lib.flint_draft_rollout.restype = ctypes.c_int
@@ -484,36 +484,40 @@ class MegakernelBackend:
         return logits
 
     supports_token_mask = True
+    _token_mask = None
 
     def set_token_mask(self, mask: torch.Tensor | None) -> None:
-        """Structured output: the argmax of every following M = 1 step (greedy_next, greedy_run) chooses only
-        tokens whose bit is set (bit i & 31 of int32 word i >> 5), inside the kernel's lm_head epilogue; None
-        clears it. ``forward``'s logits stay unmasked. The tensor is kept (not copied): refill it in place,
-        on the current stream, before the step that should see it."""
-        if mask is None:
-            ptr = None
-        else:
+        """Structured output: every following ``greedy_next`` picks the largest logit among the tokens whose bit is
+        set (bit i & 31 of int32 word i >> 5), in a small kernel that re-reads the step's logits on the device (the
+        megakernel's own argmax stays unmasked: plain decoding pays nothing); None clears it. ``forward``'s logits
+        are never masked. The tensor is kept, not copied: refill it in place on the current stream."""
+        if mask is not None:
             words = (self.cfg.vocab_size + 31) // 32
-            if not isinstance(mask, torch.Tensor) or mask.dtype != torch.int32 or mask.device != self.device \
+            if not isinstance(mask, torch.Tensor) or mask.dtype != torch.int32 or mask.device.type != "cuda" \
+                    or torch.device("cuda", mask.device.index or 0) != torch.device("cuda", self.device.index or 0) \
                     or mask.numel() != words or not mask.is_contiguous():
-                raise ValueError(f"megakernel: token mask must be a contiguous int32 tensor of {words} words on "
+                raise ValueError(f"megakernel: the token mask must be a contiguous int32 tensor of {words} words on "
                                  f"{self.device}")
-            ptr = ctypes.c_void_p(mask.data_ptr())
-        _check(self._lib.flint_mk_set_token_mask(self._h, ptr), self._lib)
         self._token_mask = mask
 
     def greedy_next(self, token: int, pos: int) -> int:
-        """One M = 1 step for ``token`` at ``pos``; returns the argmax. One launch + one 4-byte copy."""
+        """One M = 1 step for ``token`` at ``pos``; returns the argmax (over the allowed tokens when a token mask
+        is set). One launch (two with a mask) + one 4-byte copy."""
         if not 0 <= token < self.cfg.vocab_size:
             raise ValueError(f"megakernel: token id {token} is outside the vocabulary")
         if not 0 <= pos < self.max_seq_len:
             raise ValueError(f"megakernel: position {pos} exceeds max_seq_len {self.max_seq_len}")
         out = ctypes.c_int()
         stream = torch.cuda.current_stream(self.device)
+        if self._token_mask is not None:
+            _check(self._lib.flint_mk_greedy_masked(self._h, int(token), int(pos),
+                                                    ctypes.c_void_p(self._token_mask.data_ptr()),
+                                                    ctypes.c_void_p(stream.cuda_stream), ctypes.byref(out)), self._lib)
+            if out.value < 0:
+                raise RuntimeError("megakernel: the token mask allows no token")
+            return out.value
         _check(self._lib.flint_mk_greedy(self._h, int(token), int(pos), ctypes.c_void_p(stream.cuda_stream),
                                          ctypes.byref(out)), self._lib)
-        if not 0 <= out.value < self.cfg.vocab_size:
-            raise RuntimeError("megakernel: the token mask allows no token")
         return out.value
 
     def greedy_run(self, token: int, pos: int, n: int) -> list[int]:
@@ -521,6 +525,9 @@ class MegakernelBackend:
         step i's argmax on the device, so the n launches queue back to back (no host round trip between
         tokens; one sync at the end). The K/V of positions pos .. pos + n - 1 are written."""
         check_greedy_run(self, token, pos, n)
+        if self._token_mask is not None:
+            raise ValueError("megakernel: greedy_run cannot honour a token mask (each step's mask depends on the "
+                             "token before it): use greedy_next")
         hist = torch.zeros(n, dtype=torch.int64, device=self.device)
         stream = torch.cuda.current_stream(self.device)
         _check(self._lib.flint_mk_greedy_run(self._h, int(token), int(pos), int(n), ctypes.c_void_p(hist.data_ptr()),
@@ -613,9 +620,9 @@ class MegakernelBackend:
         arr = (ctypes.c_int * 4)()
         _check(self._lib.flint_mk_smem_info(self._h, m, arr), self._lib)
         out = dict(smem_bytes=arr[0], ring_slots=arr[1], slot_bytes=arr[2], blocks=arr[3])
-        if hasattr(self._lib, "flint_mk_long_layout_info"):
+        if m == 1 and hasattr(self._lib, "flint_mk_long_layout_info"):
             a5 = (ctypes.c_int * 5)()
-            _check(self._lib.flint_mk_long_layout_info(self._h, m, a5), self._lib)
-            out["long_layout"] = dict(ready=bool(a5[0]), smem_bytes=a5[1], ring_slots=a5[2], att_buffers=a5[3],
-                                      from_tiles_per_split=a5[4])
+            _check(self._lib.flint_mk_long_layout_info(self._h, a5), self._lib)
+            out["long_context"] = dict(ready=bool(a5[0]), smem_bytes=a5[1], ring_slots=a5[2], kv_tile_buffers=a5[3],
+                                       from_tiles_per_split=a5[4])
         return out

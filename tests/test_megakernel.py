@@ -247,17 +247,19 @@ def test_long_context_64k_matches_reference(split):
 
 @gpu
 @needs_sm90
-def test_long_context_layout_matches_reference():
-    """Contexts whose attention splits walk >= kAttLongTiles tiles launch with the long-context shared-memory layout
-    (more K/V tile buffers, fewer ring slots): split lengths that are not a multiple of the buffers, a shorter last
-    split, the switch between the layouts from one step to the next, and M = 3 verify rows there."""
+def test_long_context_object_matches_reference():
+    """Contexts whose attention splits walk >= kAttLongTiles tiles launch the long-context M = 1 object (attention on
+    the tensor cores, its own layout with more K/V tile buffers): split lengths that are and are not multiples of the
+    buffers, a shorter last split, the switch between the objects from one step to the next; against the reference
+    and bitwise repeatable. A head_dim-128 model keeps the generic path (its pieces do not fit one a warp)."""
     cfg = _granite(2)
-    mk, ref = _pair(cfg, 128, 9000)
-    info = mk.smem_info(1)["long_layout"]
-    assert info["ready"] and info["att_buffers"] > 2 and info["ring_slots"] < mk.smem_info(1)["ring_slots"]
+    mk, ref = _pair(cfg, 128, 9016)
+    info = mk.smem_info(1)["long_context"]
+    assert info["ready"] and info["kv_tile_buffers"] >= 2 and info["ring_slots"] >= 3
     toks = torch.randint(0, cfg.vocab_size, (9000,), generator=torch.Generator().manual_seed(5))
     pos = 0
-    for ctx in (4000, 4097, 4160, 6001, 8999):  # 63 | 65 | 65 | 94 | 141 tiles over 16 splits a kv head
+    # tiles (16 splits a kv head): 16 | 17 | 33 | 48 | 63 | 65 | 94 | 141; 1024 and 1025 straddle the switch
+    for ctx in (1024, 1025, 2049, 3000, 4000, 4097, 6001, 8999):
         while pos < ctx - 1:
             m = min(8, ctx - 1 - pos)
             mk.forward(toks[pos:pos + m], pos)
@@ -267,16 +269,21 @@ def test_long_context_layout_matches_reference():
         pos = ctx
         assert torch.isfinite(a).all() and rel(a, b) < 1e-2, f"ctx {ctx}: rel {rel(a, b):.3e}"
         assert torch.equal(a, mk.forward(toks[ctx - 1:ctx], ctx - 1)), f"ctx {ctx}: not bitwise repeatable"
-    a, b = mk.forward(toks[pos:pos + 3], pos), ref.forward(toks[pos:pos + 3], pos)
-    assert rel(a, b) < 1e-2, f"M = 3 at ctx {pos + 3}: rel {rel(a, b):.3e}"
+    want, t = [], int(toks[pos])
+    for i in range(6):  # greedy_run across the objects' boundary gives the step-by-step tokens
+        t = mk.greedy_next(t, pos + i)
+        want.append(t)
+    assert mk.greedy_run(int(toks[pos]), pos, 6) == want
+    mk128, _ = _pair(_cfg(), 64, 64)
+    assert not mk128.smem_info(1)["long_context"]["ready"]
 
 
 @gpu
 @needs_sm90
 def test_token_mask_in_the_argmax():
-    """set_token_mask: greedy_next picks the reference's argmax over the allowed tokens only (a random half, a
-    single token, a word's edge bits), forward's logits stay unmasked, None restores the plain argmax, and a mask
-    that allows nothing is an error, not a token."""
+    """set_token_mask: greedy_next picks the argmax of the step's logits over the allowed tokens only (a random half,
+    a single token, the last token, a word's edge bits), forward's logits stay unmasked, None restores the plain
+    argmax, greedy_run refuses a mask, and a mask that allows nothing is an error, not a token."""
     cfg = _granite(2)
     mk, ref = _pair(cfg, 128, 64)
     V, words = cfg.vocab_size, (cfg.vocab_size + 31) // 32
@@ -300,6 +307,8 @@ def test_token_mask_in_the_argmax():
         want = int(torch.where(allowed, logits, torch.tensor(-float("inf"))).argmax())
         assert mk.greedy_next(int(toks[8]), 8) == want
         assert torch.equal(mk.forward(toks[8:9], 8)[0].cpu(), logits)  # unmasked
+    with pytest.raises(ValueError, match="greedy_run cannot honour"):
+        mk.greedy_run(int(toks[8]), 8, 2)
     mk.set_token_mask(None)
     assert mk.greedy_next(int(toks[8]), 8) == int(logits.argmax())
     none = torch.zeros(words, dtype=torch.int32, device=mk.device)

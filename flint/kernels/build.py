@@ -30,7 +30,10 @@ SOURCES = ("mk_config.cuh", "mk_common.cuh", "mk_ptx.cuh", "mk_sync.cuh", "mk_tr
            "megakernel_host.cu", "draft_kernel.cu")
 M_VALUES = tuple(range(1, 9))
 # more objects of megakernel.cu: (name, its -D flags); m1gu8 = M = 1 with gate|up's integer dot (groups of 128)
-EXTRA_OBJECTS = (("m1gu8", ("-DFLINT_MK_M=1", "-DFLINT_MK_GU8=1")),)
+# m1long / m1gu8long = the same for long contexts (attention on the tensor cores, more K/V tile buffers)
+EXTRA_OBJECTS = (("m1gu8", ("-DFLINT_MK_M=1", "-DFLINT_MK_GU8=1")),
+                 ("m1long", ("-DFLINT_MK_M=1", "-DFLINT_MK_LONG=1")),
+                 ("m1gu8long", ("-DFLINT_MK_M=1", "-DFLINT_MK_GU8=1", "-DFLINT_MK_LONG=1")))
 LIB_NAME = "libflint_mk.so"
 
 NVCC_FLAGS = [

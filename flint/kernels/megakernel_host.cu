@@ -4,7 +4,6 @@
 // Every CUDA return code is checked; failures return nonzero and flint_mk_last_error() says why.
 // Build: python -m flint.kernels.build      Test: pytest tests/test_megakernel.py
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <new>
 
@@ -19,6 +18,11 @@ MK_DECL(1) MK_DECL(2) MK_DECL(3) MK_DECL(4) MK_DECL(5) MK_DECL(6) MK_DECL(7) MK_
 // M = 1 with gate|up's integer dot (megakernel.cu FLINT_MK_GU8): launched for models in groups of 128
 extern "C" int flint_mk_launch_m1_gu8(const mk::Params*, const mk::Smem*, int, const long long*, int, cudaStream_t, int);
 extern "C" int flint_mk_occupancy_m1_gu8(int, int*);
+// M = 1 for long contexts (FLINT_MK_LONG): attention on the tensor cores with kAttNbufLong K/V buffers, own layout
+extern "C" int flint_mk_launch_m1_long(const mk::Params*, const mk::Smem*, int, const long long*, int, cudaStream_t, int);
+extern "C" int flint_mk_occupancy_m1_long(int, int*);
+extern "C" int flint_mk_launch_m1_gu8_long(const mk::Params*, const mk::Smem*, int, const long long*, int, cudaStream_t, int);
+extern "C" int flint_mk_occupancy_m1_gu8_long(int, int*);
 
 typedef int (*launch_fn)(const mk::Params*, const mk::Smem*, int, const long long*, int, cudaStream_t, int);
 typedef int (*occ_fn)(int, int*);
@@ -44,18 +48,17 @@ static int cuda_fail(const char* what, int e) {
 
 struct Handle {
   mk::Params p;
-  mk::Smem sl[mk::MAX_M + 1];   // per M: the layout with kAttNbufShort attention buffers
-  mk::Smem sll[mk::MAX_M + 1];  // per M: the long-context layout (more attention buffers, fewer ring slots)
+  mk::Smem sl[mk::MAX_M + 1];
   bool ready[mk::MAX_M + 1];
-  bool ready_long[mk::MAX_M + 1];
-  int att_nbuf_long;
+  mk::Smem sl_long;  // the long-context M = 1 objects' layout (kAttNbufLong K/V tile buffers)
+  bool ready_long;
   int* h_argmax;  // pinned
   int smem_optin;
 };
 
 extern "C" const char* flint_mk_last_error() { return g_err; }
 
-extern "C" int flint_mk_abi_version() { return 6; }
+extern "C" int flint_mk_abi_version() { return 5; }
 
 // iargs: see flint/megakernel.py (_pack_args) for the order; it is the one definition of it.
 extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, int n_f, void** out) {
@@ -155,19 +158,12 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
   int slot = 0;
   for (int m = 0; m < mk::NMAT; ++m) slot = slot > mk::TILE_ROWS * p.mat[m].srb ? slot : mk::TILE_ROWS * p.mat[m].srb;
   slot = al(slot);
-  // The attention buffers of the long-context layout (FLINT_MK_ATT_NBUF overrides kAttNbufLong for A/B runs)
-  int nbuf_long = mk::kAttNbufLong;
-  if (const char* ev = getenv("FLINT_MK_ATT_NBUF")) {
-    nbuf_long = atoi(ev);
-    if (nbuf_long < mk::kAttNbufShort || nbuf_long > mk::kAttNbufMax) {
-      snprintf(g_err, sizeof(g_err), "flint_mk_create: FLINT_MK_ATT_NBUF=%s is outside %d..%d", ev,
-               mk::kAttNbufShort, mk::kAttNbufMax);
-      delete h;
-      return 1;
-    }
-  }
-  h->att_nbuf_long = nbuf_long;
-  auto lay = [&](int M, int nbuf, mk::Smem& s) -> bool {
+  // M = 1 .. MAX_M with two attention tile buffers, then (index 0) the long-context M = 1 layout
+  for (int M0 = 1; M0 <= mk::MAX_M + 1; ++M0) {
+    const bool lng = M0 == mk::MAX_M + 1;
+    const int M = lng ? 1 : M0, nbuf = lng ? mk::kAttNbufLong : 2;
+    mk::Smem& s = lng ? h->sl_long : h->sl[M];
+    (lng ? h->ready_long : h->ready[M]) = false;
     // per matrix: stage the whole K once (multi-segment matrices whose 2 x M token rows fit XALL_BYTES),
     // and the K parts per tile that balance this block's tiles over the 15 consumer warps
     int kx = 0, ngx = 0, acc_tiles = 0, max_acc_tiles = 0, max_parts = 1;
@@ -209,7 +205,6 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
     s.actb = off; off += p.nffn ? al(M * p.mat[mk::MAT_DS].K * 4) : 0;
     s.xsum = off; off += al(ngx * mkmma::MMA_XSUM_FLOATS * 4);
     const int R = g * M;
-    s.att_nbuf = nbuf;
     const int att = nbuf * mk::ATT_T * p.D * 2 * 2 + R * p.D * 4 * 2 + R * mk::ATT_T * 4;
     const int xs = 2 * M * s.xstride;
     const int red = p.nffn ? M * own_tiles * (p.nffn_pad / 8) * mk::TILE_ROWS * 4 : 0;  // ffn_down_reduce's chunk sums
@@ -228,11 +223,11 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
     s.ring = off;
     s.nslots = ns;
     s.total = off + ns * slot;
-    return R <= mk::MAX_ROWS_ATT && ns >= 3 && s.total <= optin && max_acc_tiles <= mk::MAX_ACC_TILES;
-  };
-  for (int M = 1; M <= mk::MAX_M; ++M) {
-    h->ready[M] = lay(M, mk::kAttNbufShort, h->sl[M]);
-    h->ready_long[M] = h->ready[M] && nbuf_long > mk::kAttNbufShort && lay(M, nbuf_long, h->sll[M]);
+    const bool fits = R <= mk::MAX_ROWS_ATT && ns >= 3 && s.total <= optin && max_acc_tiles <= mk::MAX_ACC_TILES;
+    // the tensor-core attention's pieces: 16-row blocks x 8 keys (scores, two a warp) and x 8 dims (P V, one a warp)
+    const int mrt = (R + 15) / 16;
+    if (lng) h->ready_long = fits && h->ready[1] && mrt * 8 <= 2 * mk::NCW && mrt * (p.D / 8) <= mk::NCW;
+    else h->ready[M] = fits;
   }
   // The counted residual's count field is 8 bits: a word missing any 1..nffn + 1 adds of its layer (the FFN blocks'
   // and the o owner's) must not show the expected count mod 256, so nffn + 1 < 256. (A reader never sees a word more
@@ -268,23 +263,12 @@ extern "C" int flint_mk_smem_info(void* hv, int M, int* out4) {
   return 0;
 }
 
-// Structured output: the vocabulary bitmask every following M = 1 launch's argmax honours (device memory, ceil(V / 32)
-// words, 4-byte aligned; nullptr clears it). The caller keeps it alive and fills it before the launch that reads it.
-extern "C" int flint_mk_set_token_mask(void* hv, const void* mask) {
+// The long-context M = 1 layout: (ready, shared-memory bytes, ring slots, K/V tile buffers, tiles per split from which
+// a launch uses it)
+extern "C" int flint_mk_long_layout_info(void* hv, int* out5) {
   Handle* h = (Handle*)hv;
-  if (mask != nullptr && ((uintptr_t)mask & 3)) return fail("flint_mk_set_token_mask: mask is not 4-byte aligned");
-  h->p.vmask = (const uint32_t*)mask;
-  return 0;
-}
-
-// The long-context layout of M: (ready, shared-memory bytes, ring slots, attention buffers, tiles per split from
-// which a launch uses it)
-extern "C" int flint_mk_long_layout_info(void* hv, int M, int* out5) {
-  Handle* h = (Handle*)hv;
-  if (M < 1 || M > mk::MAX_M) return fail("flint_mk_long_layout_info: bad M");
-  const mk::Smem& s = h->sll[M];
-  out5[0] = h->ready_long[M]; out5[1] = h->ready_long[M] ? s.total : 0; out5[2] = h->ready_long[M] ? s.nslots : 0;
-  out5[3] = h->ready_long[M] ? s.att_nbuf : h->sl[M].att_nbuf; out5[4] = mk::kAttLongTiles;
+  out5[0] = h->ready_long; out5[1] = h->sl_long.total; out5[2] = h->sl_long.nslots; out5[3] = mk::kAttNbufLong;
+  out5[4] = mk::kAttLongTiles;
   return 0;
 }
 
@@ -313,10 +297,14 @@ static int launch(Handle* h, int M, int start, const long long* tokens, int tok0
   }
   // M = 1 on a model in groups of 128: the object with gate|up's integer dot (v15)
   const bool gu8 = M == 1 && h->p.mat[mk::MAT_GU].G == 128;
-  const launch_fn lf = gu8 ? flint_mk_launch_m1_gu8 : kLaunch[M];
-  const occ_fn of = gu8 ? flint_mk_occupancy_m1_gu8 : kOcc[M];
-  static bool attr_done[mk::MAX_M + 1] = {false}, attr_done_gu8 = false;
-  bool& done = gu8 ? attr_done_gu8 : attr_done[M];
+  // M = 1 whose attention splits walk several tiles: the long-context object (when its layout fits)
+  const bool lng = M == 1 && h->ready_long && att_tiles_per_split(h->p, start + M) >= mk::kAttLongTiles;
+  const launch_fn lf = lng ? (gu8 ? flint_mk_launch_m1_gu8_long : flint_mk_launch_m1_long)
+                           : gu8 ? flint_mk_launch_m1_gu8 : kLaunch[M];
+  const occ_fn of = lng ? (gu8 ? flint_mk_occupancy_m1_gu8_long : flint_mk_occupancy_m1_long)
+                        : gu8 ? flint_mk_occupancy_m1_gu8 : kOcc[M];
+  static bool attr_done[mk::MAX_M + 1] = {false}, attr_done_gu8 = false, attr_done_long[2] = {false, false};
+  bool& done = lng ? attr_done_long[gu8] : gu8 ? attr_done_gu8 : attr_done[M];
   int set_attr = 0;
   if (!done) {
     int bps = 0;
@@ -325,9 +313,7 @@ static int launch(Handle* h, int M, int start, const long long* tokens, int tok0
     if (bps < 1) return fail("megakernel: kernel cannot be resident with the requested shared memory");
     done = true;  // the occupancy query raised the kernel's smem limit to the opt-in maximum
   }
-  const mk::Smem* sl = &h->sl[M];
-  if (h->ready_long[M] && att_tiles_per_split(h->p, start + M) >= mk::kAttLongTiles) sl = &h->sll[M];
-  int e = lf(&h->p, sl, start, tokens, tok0, stream, set_attr);
+  int e = lf(&h->p, lng ? &h->sl_long : &h->sl[M], start, tokens, tok0, stream, set_attr);
   if (e) return cuda_fail("megakernel launch", e);
   return 0;
 }
@@ -364,6 +350,53 @@ extern "C" int flint_mk_greedy(void* hv, int token, int pos, void* stream, int* 
   cudaStream_t s = (cudaStream_t)stream;
   int e = launch(h, 1, pos, nullptr, token, s);
   if (e) return e;
+  if ((e = cudaMemcpyAsync(h->h_argmax, h->p.argmax, sizeof(int), cudaMemcpyDeviceToHost, s)))
+    return cuda_fail("megakernel argmax copy", e);
+  if ((e = cudaStreamSynchronize(s))) return cuda_fail("megakernel step", e);
+  *out = h->h_argmax[0];
+  return 0;
+}
+
+// ---- structured output: the argmax over the allowed tokens only. The megakernel's own argmax stays unmasked (no cost
+// to plain decoding); this one block re-reads the logits the step wrote (V floats, L2-resident) with the vocabulary
+// bitmask (bit i & 31 of word i >> 5: token i allowed) and writes the first index of the largest allowed logit, or -1
+// when the mask allows nothing.
+static constexpr int kMaskThreads = 1024;
+
+__global__ void __launch_bounds__(kMaskThreads) masked_argmax_kernel(const float* logits, const uint32_t* mask, int V,
+                                                                     int* out) {
+  float bv = -INFINITY;
+  int bi = 0x7fffffff;
+  for (int i = threadIdx.x; i < V; i += kMaskThreads) {  // ascending per thread: ">" keeps the first of equals
+    const float v = logits[i];
+    if (((mask[i >> 5] >> (i & 31)) & 1u) && (v > bv || bi == 0x7fffffff)) { bv = v; bi = i; }
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    if (oi != 0x7fffffff && (bi == 0x7fffffff || ov > bv || (ov == bv && oi < bi))) { bv = ov; bi = oi; }
+  }
+  __shared__ float sv[kMaskThreads / 32];
+  __shared__ int si[kMaskThreads / 32];
+  if ((threadIdx.x & 31) == 0) { sv[threadIdx.x >> 5] = bv; si[threadIdx.x >> 5] = bi; }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kMaskThreads / 32; ++w)
+      if (si[w] != 0x7fffffff && (bi == 0x7fffffff || sv[w] > bv || (sv[w] == bv && si[w] < bi))) { bv = sv[w]; bi = si[w]; }
+    *out = bi == 0x7fffffff ? -1 : bi;
+  }
+}
+
+// M = 1 greedy step whose argmax honours a vocabulary bitmask (device memory, ceil(V / 32) words); one stream sync.
+// *out = -1: the mask allows no token.
+extern "C" int flint_mk_greedy_masked(void* hv, int token, int pos, const void* mask, void* stream, int* out) {
+  Handle* h = (Handle*)hv;
+  cudaStream_t s = (cudaStream_t)stream;
+  if (mask == nullptr || ((uintptr_t)mask & 3)) return fail("megakernel greedy_masked: mask must be 4-byte aligned device memory");
+  int e = launch(h, 1, pos, nullptr, token, s);
+  if (e) return e;
+  masked_argmax_kernel<<<1, kMaskThreads, 0, s>>>(h->p.logits, (const uint32_t*)mask, h->p.V, h->p.argmax);
+  if ((e = cudaGetLastError())) return cuda_fail("masked argmax launch", e);
   if ((e = cudaMemcpyAsync(h->h_argmax, h->p.argmax, sizeof(int), cudaMemcpyDeviceToHost, s)))
     return cuda_fail("megakernel argmax copy", e);
   if ((e = cudaStreamSynchronize(s))) return cuda_fail("megakernel step", e);

@@ -12,8 +12,16 @@
 // Every merge weighs the splits in split order: deterministic, bitwise repeatable.
 // M = 1, D = 64, a split of one tile (Granite and SmolLM2 at short context): scores, softmax and P V inside 3 R warps
 // (warp (r, kc) over a third of row r's keys), two block barriers instead of five.
+// Every other split (several tiles, or M >= 2) whose rows fit (R <= 48 at head_dim 64, R <= 16 at 128) runs on the
+// tensor cores (mma.m16n8k16, fp32 accumulation): S = Q K^T with q split into fp16 hi + lo parts (two mmas: q keeps
+// ~22 bits), the online softmax per row in fp32, then O += P V with P split the same way; O stays in registers
+// across the split's tiles (warp w owns the 16-row x 8-dim output pieces w and w + 15), three block barriers a tile.
+// Those splits reuse q_s (q hi | lo, fp16), o_s (the tile's fp32 scores until O is written back) and s_s (P hi | lo),
+// so the shared-memory layout is the same. K, V, q and P rows sit in 16-byte chunks XOR-swizzled by (row & 7), so
+// every ldmatrix phase hits 8 distinct chunk columns.
 #pragma once
 #include "mk_common.cuh"
+#include "mk_mma.cuh"
 #include "mk_ptx.cuh"
 #include "mk_stage.cuh"
 #include "mk_sync.cuh"
@@ -36,7 +44,10 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
   const uint32_t qtag = c.tag0 + (uint32_t)layer;  // this layer's tag
   const int cpr = D / 8;  // 16-byte chunks per K/V row
 
-  const int NB = c.sl->att_nbuf;                            // tile buffers: NB - 1 tiles in flight
+  // the long-context objects: the tensor-core path with NB tile buffers (the host checks the rows fit, tc_fit); the
+  // others: the one-tile path or the generic one, two buffers
+  constexpr bool kTc = M == 1 && kLongObj;
+  constexpr int NB = kTc ? kAttNbufLong : 2;
   __half* Kb = reinterpret_cast<__half*>(uni);              // [NB][ATT_T][D] (swizzled 16B chunks)
   __half* Vb = Kb + NB * ATT_T * D;                         // [NB][ATT_T][D]
   float* q_s = reinterpret_cast<float*>(Vb + NB * ATT_T * D); // [R][D]
@@ -44,10 +55,14 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
   float* s_s = o_s + R * D;                                 // [R][ATT_T]
   MiscSmem* ms = c.misc;
 
+  const int mrt = (R + 15) >> 4;  // 16-row pieces of the tensor-core path
+
   for (int item = blockIdx.x; item < nitems; item += gridDim.x) {
     warp_stamp(p, layer, WS_A_ENTER);
     const int kvh = item / nsplit, sp = item % nsplit;
     const int t0 = sp * tps, t1 = min(ntiles, t0 + tps);
+    constexpr bool tc = kTc;
+    const bool one_tile = !kTc && M == 1 && D == 64 && 3 * R <= NCW && t1 - t0 == 1;
     const size_t cbase = (((size_t)layer * p.nkv + kvh) * p.max_seq) * D;
     const __half* Kc = p.kcache + cbase;
     const __half* Vc = p.vcache + cbase;
@@ -64,28 +79,170 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
           const __half2 hv[4] = {__floats2half2_rn(a.x, a.y), __floats2half2_rn(a.z, a.w), __floats2half2_rn(b.x, b.y),
                                  __floats2half2_rn(b.z, b.w)};
           const uint32_t* h = reinterpret_cast<const uint32_t*>(hv);
-          __half* dst = isv ? Vb + ((size_t)buf * ATT_T + j) * D + ch * 8
+          __half* dst = isv ? Vb + ((size_t)buf * ATT_T + j) * D + ((tc ? ch ^ (j & 7) : ch) * 8)
                             : Kb + ((size_t)buf * ATT_T + j) * D + ((ch ^ (j & 7)) * 8);
           *reinterpret_cast<uint4*>(dst) = make_uint4(h[0], h[1], h[2], h[3]);
         } else if (j0 + j < Ltot) {
           if (isv)
-            cp_async16(Vb + ((size_t)buf * ATT_T + j) * D + ch * 8, Vc + (size_t)(j0 + j) * D + ch * 8);
+            cp_async16(Vb + ((size_t)buf * ATT_T + j) * D + ((tc ? ch ^ (j & 7) : ch) * 8), Vc + (size_t)(j0 + j) * D + ch * 8);
           else
             cp_async16(Kb + ((size_t)buf * ATT_T + j) * D + ((ch ^ (j & 7)) * 8), Kc + (size_t)(j0 + j) * D + ch * 8);
+        } else if (tc && isv) {  // past the context: P is 0 there, and 0 x (stale NaN bits) would not be
+          *reinterpret_cast<uint4*>(Vb + ((size_t)buf * ATT_T + j) * D + ch * 8) = make_uint4(0u, 0u, 0u, 0u);
         }
       }
       cp_async_commit();
     };
     load_tile(t0, 0);
+    __half* qh = reinterpret_cast<__half*>(q_s);  // tc: [R][D] hi, then [R][D] lo (swizzled chunks), in q_s
     for (int i = t; i < R * D; i += NCT) {
       const int r = i / D, d = i - r * D;
       const int hq = kvh * g + r / M, m = r % M;
-      q_s[i] = ld_tagged(qkv_word(p, m, hq * D + d), qtag) * p.attn_scale;
-      o_s[i] = 0.f;
+      const float qv = ld_tagged(qkv_word(p, m, hq * D + d), qtag) * p.attn_scale;
+      if (tc) {
+        const __half hi = __float2half_rn(qv);
+        const int o = r * D + (((d >> 3) ^ (r & 7)) << 3) + (d & 7);
+        qh[o] = hi;
+        qh[R * D + o] = __float2half_rn(qv - __half2float(hi));
+      } else {
+        q_s[i] = qv;
+        o_s[i] = 0.f;
+      }
     }
     if (t < R) { ms->att_m[t] = -INFINITY; ms->att_l[t] = 0.f; }
     warp_stamp(p, layer, WS_A_Q);
-    if (M == 1 && D == 64 && 3 * R <= NCW && t1 - t0 == 1) {
+    if (tc) {
+      // output pieces a warp owns (16 rows x 8 dims each): one, so rows * dims / 128 <= NCW (the host's tc check;
+      // two pieces a warp spill 48 bytes in the long object)
+      constexpr int NU = 1;
+      float oacc[NU][4];
+#pragma unroll
+      for (int u = 0; u < NU; ++u)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) oacc[u][e] = 0.f;
+      const int npv = mrt * (D / 8);
+      float* S = o_s;                                  // [R][ATT_T] fp32 scores of the tile
+      __half* Ph = reinterpret_cast<__half*>(s_s);     // [R][ATT_T] hi, then [R][ATT_T] lo (swizzled chunks)
+      const uint32_t qh_a = smem_u32(qh), ph_a = smem_u32(Ph);
+      // this lane's ldmatrix row of an A piece (16 rows): rows past R read row 0 (their results are dropped)
+      auto arow = [&](int mt) { const int r = mt * 16 + (lane & 15); return r < R ? r : 0; };
+      // NB - 1 tiles in flight: one commit group per tile (empty past the split's end), so "at most NB - 2 groups
+      // pending" means this tile's group landed
+      for (int k = 1; k < NB - 1; ++k) {
+        if (t0 + k < t1) load_tile(t0 + k, k); else cp_async_commit();
+      }
+      for (int tile = t0; tile < t1; ++tile) {
+        const int buf = (tile - t0) % NB;
+        cp_async_wait<NB - 2>();
+        cbar();  // the tile (and q) landed; every warp is past the previous tile's P V (buffers, P, alpha free)
+        if (tile + NB - 1 < t1) load_tile(tile + NB - 1, (tile - t0 + NB - 1) % NB); else cp_async_commit();
+        warp_stamp(p, layer, WS_A_TILE);
+        const int j0 = tile * ATT_T;
+        const int nvalid = min(ATT_T, Ltot - j0);
+        const uint32_t kt_a = smem_u32(Kb + (size_t)buf * ATT_T * D), vt_a = smem_u32(Vb + (size_t)buf * ATT_T * D);
+        // S = Q K^T: piece (mt, nt) = rows [16 mt, 16 mt + 16) x keys [8 nt, 8 nt + 8)
+        for (int task = warp; task < mrt * 8; task += NCW) {
+          const int mt = task >> 3, n0 = (task & 7) * 8;
+          const int ra = arow(mt);
+          float sc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 1
+          for (int k0 = 0; k0 < D / 8; k0 += 4) {  // four 8-dim chunks = two k-steps of 16
+            uint32_t b[4];
+            const int kj = n0 + (lane & 7), kc = k0 + (lane >> 3);
+            ldsm_x4(kt_a + (uint32_t)((kj * D + ((kc ^ (kj & 7)) << 3)) * 2), b[0], b[1], b[2], b[3]);
+#pragma unroll
+            for (int hs = 0; hs < 2; ++hs) {
+              const int qc = k0 + 2 * hs + (lane >> 4);
+              const uint32_t qa = qh_a + (uint32_t)((ra * D + ((qc ^ (ra & 7)) << 3)) * 2);
+              uint32_t a0, a1, a2, a3;
+              ldsm_x4(qa, a0, a1, a2, a3);
+              mkmma::mma_16816(sc, a0, a1, a2, a3, b[2 * hs], b[2 * hs + 1]);
+              ldsm_x4(qa + (uint32_t)(R * D * 2), a0, a1, a2, a3);
+              mkmma::mma_16816(sc, a0, a1, a2, a3, b[2 * hs], b[2 * hs + 1]);
+            }
+          }
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = mt * 16 + (lane >> 2) + (e >> 1) * 8, j = n0 + (lane & 3) * 2 + (e & 1);
+            if (r < R) S[r * ATT_T + j] = j < nvalid && j0 + j <= start + r % M ? sc[e] : -INFINITY;
+          }
+        }
+        cbar();
+        warp_stamp(p, layer, WS_A_SCORES);
+        // online softmax statistics, warp per row; P as fp16 hi + lo
+        for (int r = warp; r < R; r += NCW) {
+          const float v0 = S[r * ATT_T + lane], v1 = S[r * ATT_T + lane + 32];
+          const float mo = ms->att_m[r];
+          const float mn = fmaxf(mo, warp_max(fmaxf(v0, v1)));
+          float p0 = 0.f, p1 = 0.f, alpha = 1.f;
+          if (mn != -INFINITY) {
+            p0 = expf(v0 - mn);
+            p1 = expf(v1 - mn);
+            alpha = expf(mo - mn);
+          }
+          const __half h0 = __float2half_rn(p0), h1 = __float2half_rn(p1);
+          const int o0 = r * ATT_T + (((lane >> 3) ^ (r & 7)) << 3) + (lane & 7);
+          const int o1 = r * ATT_T + ((((lane >> 3) + 4) ^ (r & 7)) << 3) + (lane & 7);
+          Ph[o0] = h0;
+          Ph[o1] = h1;
+          Ph[R * ATT_T + o0] = __float2half_rn(p0 - __half2float(h0));
+          Ph[R * ATT_T + o1] = __float2half_rn(p1 - __half2float(h1));
+          const float ps = warp_sum(p0 + p1);
+          __syncwarp();  // every lane has read att_m[r] before lane 0 overwrites it
+          if (lane == 0) {
+            ms->att_l[r] = ms->att_l[r] * alpha + ps;
+            ms->att_m[r] = mn;
+            ms->att_alpha[r] = alpha;
+          }
+        }
+        cbar();
+        warp_stamp(p, layer, WS_A_SOFTMAX);
+        // O = O alpha + P V: piece (mt, nt) = rows [16 mt, ..) x dims [8 nt, 8 nt + 8), keys in 4 k-steps of 16
+#pragma unroll
+        for (int u = 0; u < NU; ++u) {
+          const int task = warp + u * NCW;
+          if (task < npv) {
+            const int mt = task / (D / 8), d0 = (task % (D / 8)) * 8;
+            const int r0 = mt * 16 + (lane >> 2);
+            const float al0 = r0 < R ? ms->att_alpha[r0] : 0.f, al1 = r0 + 8 < R ? ms->att_alpha[r0 + 8] : 0.f;
+            oacc[u][0] *= al0; oacc[u][1] *= al0; oacc[u][2] *= al1; oacc[u][3] *= al1;
+            const int ra = arow(mt);
+#pragma unroll 1
+            for (int k0 = 0; k0 < ATT_T; k0 += 32) {  // two k-steps of 16 keys per V ldmatrix
+              uint32_t b[4];
+              const int vj = k0 + lane, vc = d0 >> 3;
+              ldsm_x4_trans(vt_a + (uint32_t)((vj * D + ((vc ^ (vj & 7)) << 3)) * 2), b[0], b[1], b[2], b[3]);
+#pragma unroll
+              for (int hs = 0; hs < 2; ++hs) {
+                const int pc = (k0 >> 3) + 2 * hs + (lane >> 4);
+                const uint32_t pa = ph_a + (uint32_t)((ra * ATT_T + ((pc ^ (ra & 7)) << 3)) * 2);
+                uint32_t a0, a1, a2, a3;
+                ldsm_x4(pa, a0, a1, a2, a3);
+                mkmma::mma_16816(oacc[u], a0, a1, a2, a3, b[2 * hs], b[2 * hs + 1]);
+                ldsm_x4(pa + (uint32_t)(R * ATT_T * 2), a0, a1, a2, a3);
+                mkmma::mma_16816(oacc[u], a0, a1, a2, a3, b[2 * hs], b[2 * hs + 1]);
+              }
+            }
+          }
+        }
+        warp_stamp(p, layer, WS_A_PV);
+      }
+      cp_async_wait<0>();  // (only empty groups can be pending)
+      // (every warp is past the last tile's softmax barrier: nobody reads the scores in o_s any more)
+#pragma unroll
+      for (int u = 0; u < NU; ++u) {
+        const int task = warp + u * NCW;
+        if (task < npv) {
+          const int mt = task / (D / 8), d0 = (task % (D / 8)) * 8;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = mt * 16 + (lane >> 2) + (e >> 1) * 8, d = d0 + (lane & 3) * 2 + (e & 1);
+            if (r < R) o_s[r * D + d] = oacc[u][e];
+          }
+        }
+      }
+      cbar();
+    } else if (one_tile) {
       cp_async_wait<0>();
       cbar();  // the tile and q_s are in
       warp_stamp(p, layer, WS_A_TILE);
@@ -152,16 +309,11 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
       }
       cbar();
       warp_stamp(p, layer, WS_A_PV);
-    } else {
-    // NB - 1 tiles in flight: one commit group per tile (empty past the split's end), so "all but the newest NB - 2
-    // groups landed" means this tile's group has
-    for (int k = 1; k < NB - 1; ++k) {
-      if (t0 + k < t1) load_tile(t0 + k, k); else cp_async_commit();
-    }
+    } else
     for (int tile = t0; tile < t1; ++tile) {
-      const int buf = (tile - t0) % NB;
-      if (tile + NB - 1 < t1) load_tile(tile + NB - 1, (tile - t0 + NB - 1) % NB); else cp_async_commit();
-      cp_async_wait_dyn(NB - 1);
+      const int buf = (tile - t0) & 1;
+      if (tile + 1 < t1) { load_tile(tile + 1, buf ^ 1); cp_async_wait<1>(); }
+      else cp_async_wait<0>();
       cbar();
       warp_stamp(p, layer, WS_A_TILE);
       const int j0 = tile * ATT_T;
@@ -264,8 +416,6 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
       }
       cbar();
       warp_stamp(p, layer, WS_A_PV);
-    }
-    cp_async_wait<0>();  // (only empty groups can be pending here)
     }
     // write the result (one split) or the partial (m, l, o) for the merge
     if (nsplit == 1) {

@@ -82,9 +82,6 @@ struct Params {
   // greedy_run (M = 1): where this launch also writes its argmax (as int64), or nullptr (no device-to-device copy
   // queued between two launches)
   long long* argmax_out;
-  // M = 1: a vocabulary bitmask [ceil(V / 32)] (bit i & 31 of word i >> 5: token i may be chosen) that the argmax
-  // honours (structured output), or nullptr; the logits are written unmasked
-  const uint32_t* vmask;
 };
 
 // Shared-memory layout (byte offsets) and per-matrix work split, computed on the host per M.
@@ -108,7 +105,6 @@ struct Smem {
   int pstride;       // floats per ring slot of partial sums (max parts * 16 * M)
   int ds_cpt;        // FFN split-K: down-slice tiles per ring slot (one chunk)
   int actb;          // FFN split-K: [M][kf] fp32, this FFN block's act slice (written by its gate|up epilogues)
-  int att_nbuf;      // attention K/V tile buffers in uni (kAttNbufShort, or kAttNbufLong in the long-context layout)
 };
 
 struct MiscSmem {

@@ -3,6 +3,8 @@
 // Three come from the build (flint/kernels/build.py sets them per object; nothing else does):
 //   FLINT_MK_M    tokens per launch, 1..8: one object per M (plain decode is M = 1, a verify of k drafts M = k + 1)
 //   FLINT_MK_GU8  1 in the extra M = 1 object that runs gate|up on the integer dot (groups of 128: Granite)
+//   FLINT_MK_LONG 1 in the M = 1 objects launched when attention splits walk several tiles (long context): their
+//                 attention runs on the tensor cores with kAttNbufLong K/V tile buffers
 //   MK_TRACE      1 in the traced library only (FLINT_MK_TRACE=1): stage and warp stamps compiled in
 // The rest are constants of the design, each with the measurement that chose it (docs/megakernel-log.md has
 // every alternative that was tried).
@@ -13,6 +15,9 @@
 #endif
 #ifndef FLINT_MK_GU8
 #define FLINT_MK_GU8 0
+#endif
+#ifndef FLINT_MK_LONG
+#define FLINT_MK_LONG 0
 #endif
 #ifndef MK_TRACE
 #define MK_TRACE 0
@@ -32,12 +37,11 @@ constexpr int kLmInflight = 2;
 // M = 1); up to kTmSeqSplits the sequential tagged merge runs, beyond them the counter merge.
 constexpr int kTmMaxSplits = 12;
 constexpr int kTmSeqSplits = 32;
-// Attention K/V tiles (64 keys, 16 KiB at head_dim 64) buffered per block when a context split walks at least
-// kAttLongTiles tiles: kAttNbufLong - 1 tiles in flight while one is used. The host then lays shared memory out with
-// fewer weight-ring slots (a second layout per M, picked per launch by the context length); shorter contexts keep two.
-constexpr int kAttNbufShort = 2;
-constexpr int kAttNbufLong = 5;
-constexpr int kAttNbufMax = 8;
-constexpr int kAttLongTiles = 4;
+// The long-context M = 1 objects (FLINT_MK_LONG): attention splits of several 64-key tiles on the tensor cores, with
+// kAttNbufLong tile buffers (kAttNbufLong - 1 tiles in flight). The host launches them from kAttLongTiles tiles per
+// split, with a shared-memory layout of their own (the extra buffers take weight-ring slots).
+constexpr bool kLongObj = FLINT_MK_LONG != 0;
+constexpr int kAttNbufLong = 4;
+constexpr int kAttLongTiles = 2;
 
 }  // namespace mk

@@ -122,12 +122,10 @@ __device__ __forceinline__ void pair_epilogue(Ctx<M>& c, int mi, int layer, int 
     if (act && n0 < p.V) {
       float* lp_ = p.logits + (size_t)mm * p.V;
       lp_[n0] = l0;
-      // (n0 is even: both rows' bits are in one mask word)
-      const uint32_t mw = M == 1 && p.vmask != nullptr ? __ldg(p.vmask + (n0 >> 5)) >> (n0 & 31) : 3u;
-      if (mw & 1u) { bv = l0; bi = n0; }
+      bv = l0; bi = n0;
       if (n0 + 1 < p.V) {
         lp_[n0 + 1] = l1;
-        if ((mw & 2u) && l1 > bv) { bv = l1; bi = n0 + 1; }
+        if (l1 > bv) { bv = l1; bi = n0 + 1; }
       }
     }
 #pragma unroll
