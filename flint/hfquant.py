@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .params import LoadError
-from .quant import GROUP_SIZES, Int4Weight, check_shape, pack_int4
+from .quant import GROUP_SIZES, Int4Weight, check_shape, pack_int4, unpack_int4
 
 METHODS = ("gptq", "awq", "compressed-tensors")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i] of its 8
@@ -380,8 +380,10 @@ def _layout_weight(p: _Parts, g: int, name: str, source: str):
     exact_min = -(p.zeros.repeat_interleave(rep, dim=1).to(torch.float32) * s32)  # exact in fp32
     s16 = s32.to(torch.float16)
     if not torch.equal(s16.to(torch.float32), s32):
-        w = Int4Weight(p.qweight, s32, exact_min, g).dequantize(torch.float32)
-        return w, "scales"
+        # the format's (q - u) s, one rounding as the format computes it (q s - u s would round twice)
+        q = unpack_int4(p.qweight).to(torch.float32).view(n, k // p.group, p.group)
+        w = (q - p.zeros.to(torch.float32)[..., None]) * p.scales.to(torch.float32)[..., None]
+        return w.view(n, k), "scales"
     m16 = exact_min.to(torch.float16)
     if not torch.isfinite(m16).all():
         raise LoadError(f"{source}: tensor '{name}': a zero point times its scale overflows fp16")

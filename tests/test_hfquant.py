@@ -154,7 +154,7 @@ def ct_reference(t, scheme) -> torch.Tensor:
 # ------------------------------------------------------------------ writing a checkpoint
 
 def quantized_dir(path: Path, family: str, method: str, g: int | None, sym: bool, seed: int = 0,
-                  v1: bool = True, ct_strategy: str = "group", **overrides):
+                  v1: bool = True, ct_strategy: str = "group", scale_dtype=torch.float16, **overrides):
     """Write a tiny random model quantized in ``method``; returns (dir, {flint name: (ref W, codes)})."""
     over = dict(SHAPE, **(GRANITE if family != "llama" else {}), **overrides)
     if family == "granitemoehybrid":
@@ -169,6 +169,7 @@ def quantized_dir(path: Path, family: str, method: str, g: int | None, sym: bool
         prefix = name[: -len(".weight")]
         gs = g or w.shape[1]
         q, s, u = rtn(w, gs, sym, (1, 15) if method == "gptq" and v1 else (0, 15))
+        s = s.to(scale_dtype)  # bf16: what llm-compressor writes for a bf16 model
         if method == "gptq":
             t = gptq_tensors(q, s, u, gs, v1)
             ref = gptq_reference(t, gs, v1)
@@ -229,6 +230,8 @@ CASES = {
     "ct-sym-g128-granite": ("granite", "compressed-tensors", 128, True, {}),
     "ct-asym-g64-granitemoehybrid": ("granitemoehybrid", "compressed-tensors", 64, False, {}),
     "ct-channel-asym-llama": ("llama", "compressed-tensors", None, False, dict(ct_strategy="channel")),
+    "ct-asym-g128-bf16-scales-granite": ("granite", "compressed-tensors", 128, False,
+                                         dict(scale_dtype=torch.bfloat16)),
 }
 
 
@@ -293,6 +296,21 @@ def test_int4_backends_keep_the_loaded_weights(case):
     q = quantize_params(lm.params, 128)
     assert all(q[fl] is lm.params[fl] for fl in refs)
     assert {w.group_size for fl, w in q.items() if isinstance(w, Int4Weight) and fl != "lm_head"} == {g}
+
+
+def test_scales_fp16_cannot_hold_load_as_the_formats_float_values(gptq_dir, capsys):
+    """A scale fp16 cannot hold (fp32 with more than 11 significant bits): that tensor loads as
+    float32, exactly the format's values, and the load says the int4 backends requantize it."""
+    p = "model.layers.0.mlp.up_proj"
+    edit_tensors(gptq_dir, lambda sd: sd.update({f"{p}.scales": sd[f"{p}.scales"].float() * (1 + 2.0 ** -20)}))
+    sd = load_file(str(gptq_dir / "model.safetensors"))
+    ref = gptq_reference({k: sd[f"{p}.{k}"] for k in ("qweight", "qzeros", "scales", "g_idx")}, 32, True)
+    lm = load_model(str(gptq_dir))
+    w = lm.params["layers.0.w_up"]
+    assert not isinstance(w, Int4Weight) and torch.equal(w, ref)
+    assert isinstance(lm.params["layers.0.w_gate"], Int4Weight)
+    err = capsys.readouterr().err
+    assert "1 gptq tensors load as float32" in err and p in err and "requantize" in err
 
 
 # ------------------------------------------------------------------ refusals
