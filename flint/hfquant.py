@@ -37,7 +37,8 @@ the low bits of s allow. A tensor with any inexact min becomes an ``ExactMinInt4
 reference backend runs) uses the exact float32 -u s, i.e. the format's own values. On the int4
 kernels a weight then differs from the format's by at most half an fp16 ulp of its min, at most
 s/128 (1/128 of the quantization step): the codes are not rounded again. On a simulated
-asymmetric g128 tensor 57% of the groups' mins are inexact in fp16 (bench/results/hfquant_mins_2026-12-02.md).
+asymmetric tensor 52-57% of the groups' mins (G = 128..32) are inexact in fp16, off by at most
+0.0056 s (bench/results/hfquant_mins_2026-12-02.md).
 
 Group sizes: flint-int4-v1 has G in {32, 64, 128}. A larger source group (256, or per-channel:
 GPTQ ``group_size: -1``, compressed-tensors strategy channel) is expressed exactly by repeating

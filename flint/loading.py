@@ -1,5 +1,6 @@
 """Loading checkpoints into flint's params dict: HF directories, hub ids, GGUF files, flint's own
-quantized checkpoints, and synthetic random models.
+quantized checkpoints, GPTQ / AWQ / compressed-tensors int4 directories (their packings are read
+by flint.hfquant), and synthetic random models.
 
 Every loader returns a ``LoadedModel`` (config, params, tokenizer). ``params`` maps flint names
 ("embed", "layers.{i}.wq", ..., "norm", "lm_head") to float tensors or ``Int4Weight``; a tied head
@@ -14,7 +15,8 @@ by entry (float dtypes for float weights, sizes, bounds, no overlaps or holes); 
 ranges (ModelConfig.validate: norm epsilon, rope base and scales finite and > 0, token ids inside
 the vocabulary); and check_params: the layer count equal to the layers present, every tensor's
 name, shape and dtype.
-Tests: ``pytest tests/test_loading.py tests/test_gguf.py tests/test_kquants.py tests/test_loader_fuzz.py``.
+Tests: ``pytest tests/test_loading.py tests/test_gguf.py tests/test_kquants.py tests/test_loader_fuzz.py
+tests/test_hfquant.py``.
 """
 from __future__ import annotations
 
@@ -220,6 +222,10 @@ def load_hf_dir(d: str | Path, dtype=torch.float32) -> LoadedModel:
     qc = cfg_json.get("quantization_config") or {}
     if not isinstance(qc, dict):
         raise LoadError(f"{d / 'config.json'}: field 'quantization_config' must be an object")
+    if not qc and (d / "quantize_config.json").exists():
+        raise LoadError(f"{d / 'config.json'}: no field 'quantization_config', but {d / 'quantize_config.json'} "
+                        "(an older AutoGPTQ layout) is there; flint reads the config from config.json: "
+                        "copy its fields there as 'quantization_config' with \"quant_method\": \"gptq\"")
     # GPTQ / AWQ / compressed-tensors: the fields are checked before any tensor is read
     spec = hfquant.parse_config(qc, str(d / "config.json")) if qc.get("quant_method") in hfquant.METHODS else None
     files = _safetensor_files(d)

@@ -456,6 +456,13 @@ def test_compressed_tensors_act_order_refused(tmp_path):
     refused(d, "model.layers.0.mlp.down_proj.weight_g_idx", "act-order")
 
 
+def test_old_autogptq_quantize_config_json_is_named(gptq_dir):
+    cfg = json.loads((gptq_dir / "config.json").read_text())
+    (gptq_dir / "quantize_config.json").write_text(json.dumps(cfg.pop("quantization_config")))
+    (gptq_dir / "config.json").write_text(json.dumps(cfg))
+    refused(gptq_dir, "quantize_config.json", "quantization_config")
+
+
 # ------------------------------------------------------------------ the CLI
 
 def test_cli_generate_and_quantize(gptq_src, tmp_path, capsys):
