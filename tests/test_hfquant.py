@@ -298,6 +298,23 @@ def test_int4_backends_keep_the_loaded_weights(case):
     assert {w.group_size for fl, w in q.items() if isinstance(w, Int4Weight) and fl != "lm_head"} == {g}
 
 
+def test_compiled_backend_runs_the_loaded_weights(case):
+    """The compiled backend (int4 through torch's tinygemm ops, eager on CPU) on the loaded model
+    against the reference decoder on what the int4 kernels read (the fp16 mins)."""
+    from flint.compiled import CompiledBackend
+
+    name, _, refs, lm = case
+    g = next(iter(lm.params[fl] for fl in refs)).group_size
+    kernel_view = {k: Int4Weight(w.qweight, w.scales, w.mins, w.group_size) if isinstance(w, Int4Weight) else w
+                   for k, w in lm.params.items()}
+    be = CompiledBackend(lm.cfg, lm.params, 32, device="cpu", int4=True, group_size=g)
+    ids = torch.randint(0, lm.cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(4))
+    a = be.forward(ids, 0)
+    b = Transformer(lm.cfg, quantize_params(kernel_view, g), max_seq_len=32).forward(ids, 0)
+    err = float((a - b).abs().max())
+    assert err <= 1e-4 * float(b.abs().max()), f"{name}: max |diff| {err:.3g}"
+
+
 def test_scales_fp16_cannot_hold_load_as_the_formats_float_values(gptq_dir, capsys):
     """A scale fp16 cannot hold (fp32 with more than 11 significant bits): that tensor loads as
     float32, exactly the format's values, and the load says the int4 backends requantize it."""
@@ -311,6 +328,32 @@ def test_scales_fp16_cannot_hold_load_as_the_formats_float_values(gptq_dir, caps
     assert isinstance(lm.params["layers.0.w_gate"], Int4Weight)
     err = capsys.readouterr().err
     assert "1 gptq tensors load as float32" in err and p in err and "requantize" in err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)),
+                    reason="needs a CUDA sm_90 (Hopper) GPU")
+def test_megakernel_runs_a_gptq_checkpoint(tmp_path):
+    """The megakernel on a loaded asymmetric GPTQ model (exact-min weights among them) against the
+    reference decoder on what the kernel reads (fp16 mins), within test_megakernel.py's bound."""
+    from flint.megakernel import MegakernelBackend
+
+    d, _ = quantized_dir(tmp_path / "mk", "llama", "gptq", 64, False, v1=False, hidden_size=256,
+                         intermediate_size=512, num_attention_heads=4, num_key_value_heads=1, head_dim=128)
+    lm = load_model(str(d))
+    params = quantize_params(lm.params, 64)  # the float head to int4, as the backend factory does
+    assert any(isinstance(w, ExactMinInt4Weight) for w in params.values())
+    kernel_view = {k: Int4Weight(w.qweight, w.scales, w.mins, w.group_size) if isinstance(w, Int4Weight) else w
+                   for k, w in params.items()}
+    mk = MegakernelBackend(lm.cfg, params, 64)
+    ref = Transformer(lm.cfg, kernel_view, 64, device="cuda")
+    toks = torch.randint(0, lm.cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(1))
+    mk.forward(toks[:16], 0)
+    ref.forward(toks[:16], 0)
+    for pos in range(16, 24):
+        a, b = mk.forward(toks[pos:pos + 1], pos), ref.forward(toks[pos:pos + 1], pos)
+        rel = float((a.float() - b.float()).norm() / b.float().norm())
+        assert torch.isfinite(a).all() and rel < 1e-2, f"position {pos}: rel {rel:.3e}"
 
 
 # ------------------------------------------------------------------ refusals
