@@ -248,7 +248,8 @@ def load_hf_dir(d: str | Path, dtype=torch.float32) -> LoadedModel:
         params = _map_hf(cfg, cfg_json.get("model_type"), hfquant.decode(spec, flat, source), source)
     elif qc:
         raise LoadError(f"{d / 'config.json'}: field 'quantization_config' method "
-                        f"{qc.get('quant_method')!r} is not supported")
+                        f"{qc.get('quant_method')!r} is not supported (flint reads "
+                        f"{', '.join((QUANT_METHOD, *hfquant.METHODS))})")
     else:
         params = _map_hf(cfg, cfg_json.get("model_type"), flat, source)
     if "lm_head" not in params and cfg.tie_word_embeddings and "embed" in params:

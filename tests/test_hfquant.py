@@ -434,23 +434,33 @@ def test_wrong_dtype_and_shape_refused(gptq_dir):
     refused(gptq_dir, "model.layers.0.mlp.up_proj.qzeros", "shape")
 
 
+def each_refused_then_loads(d: Path, cases) -> None:
+    """Each (mutate(quantization_config), needles) is refused naming config.json and the needles;
+    the untouched config then loads."""
+    base = json.loads((d / "config.json").read_text())
+    for mutate, needles in cases:
+        cfg = json.loads(json.dumps(base))
+        mutate(cfg["quantization_config"])
+        (d / "config.json").write_text(json.dumps(cfg))
+        refused(d, "config.json", *needles)
+    (d / "config.json").write_text(json.dumps(base))
+    assert isinstance(load_model(str(d)).params["layers.0.wo"], Int4Weight)
+
+
 def test_awq_config_refused(tmp_path):
     d, _ = quantized_dir(tmp_path / "awq", "llama", "awq", 32, False, num_hidden_layers=1)
+    cases = []
     for fields, needles in [(dict(version="gemv"), ["quantization_config.version", "gemv"]),
                             (dict(zero_point=False), ["quantization_config.zero_point"]),
                             (dict(bits=8), ["quantization_config.bits"]),
                             (dict(backend="llm-awq"), ["quantization_config.backend"])]:
-        keep = json.loads((d / "config.json").read_text())
-        edit_qc(d, **fields)
-        refused(d, *needles)
-        (d / "config.json").write_text(json.dumps(keep))
-    assert isinstance(load_model(str(d)).params["layers.0.wo"], Int4Weight)
+        cases.append((lambda qc, f=fields: qc.update(f), needles))
+    each_refused_then_loads(d, cases)
 
 
 def test_compressed_tensors_config_refused(tmp_path):
     pytest.importorskip("compressed_tensors", reason="the compressed-tensors package is not installed")
     d, _ = quantized_dir(tmp_path / "ct", "llama", "compressed-tensors", 32, False, num_hidden_layers=1)
-    base = json.loads((d / "config.json").read_text())
     w = "config_groups.group_0.weights"
 
     def weights(**f):
@@ -474,13 +484,7 @@ def test_compressed_tensors_config_refused(tmp_path):
          ["config_groups.group_0.input_activations"]),
         (second_group, ["quantization_config.config_groups", "mixed"]),
     ]
-    for mutate, needles in cases:
-        cfg = json.loads(json.dumps(base))
-        mutate(cfg["quantization_config"])
-        (d / "config.json").write_text(json.dumps(cfg))
-        refused(d, "config.json", *needles)
-    (d / "config.json").write_text(json.dumps(base))
-    assert isinstance(load_model(str(d)).params["layers.0.wo"], Int4Weight)
+    each_refused_then_loads(d, cases)
 
 
 def test_compressed_tensors_act_order_refused(tmp_path):
