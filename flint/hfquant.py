@@ -30,7 +30,7 @@ scale fp16 cannot hold exactly (a bf16 or fp32 one out of fp16's range or precis
 tensor load as float32, the format's values exactly; the int4 backends then requantize it, and
 the load says so, as for GGUF K-quants.
 
-mins: -u s is exact in float32 (at most 16 significant bits) but fp16 keeps 11. For u in
+mins: -u s is exact in float32 (at most 15 significant bits) but fp16 keeps 11. For u in
 {0, 1, 2, 4, 8, 16} (every symmetric checkpoint: u = 8) it is always exact, for other u only when
 the low bits of s allow. A tensor with any inexact min becomes an ``ExactMinInt4Weight``: its fp16
 ``mins`` (what the kernels read) are -u s rounded once to fp16, and its ``dequantize`` (what the
