@@ -18,7 +18,8 @@ The formats (per linear module ``P``, weight W [N, K] = [out_features, in_featur
 * compressed-tensors (``quant_method: compressed-tensors``, format ``pack-quantized``, int
   weights, strategy group or channel): ``P.weight_packed`` int32 [N, K/8], k = 8c + i in bits 4i
   of word c, each value stored + 8; ``P.weight_scale`` [N, K/G]; ``P.weight_zero_point`` int32
-  [N/8, K/G] packed along N, also + 8 (asymmetric only; symmetric means zero point 0);
+  [N/8, K/G] packed along N, also + 8 (asymmetric only; symmetric means zero point 0; an
+  unpacked int8 [N, K/G] one is read too, and for a symmetric scheme must be all 0);
   ``P.weight_shape`` [2] = [N, K]. W = s (q - zp).
 
 Into the layout: every format's stored nibble already is flint's code (compressed-tensors' signed
@@ -77,7 +78,7 @@ _SUFFIXES = {
     "gptq": {"qweight": ("I32",), "qzeros": ("I32",), "scales": _FLOATS, "g_idx": ("I32",)},
     "awq": {"qweight": ("I32",), "qzeros": ("I32",), "scales": _FLOATS},
     "compressed-tensors": {"weight_packed": ("I32",), "weight_scale": _FLOATS,
-                           "weight_zero_point": ("I32",), "weight_shape": ("I64", "I32"),
+                           "weight_zero_point": ("I32", "I8"), "weight_shape": ("I64", "I32"),
                            "weight_g_idx": ("I32", "I64")},
 }
 _CODES = {"gptq": "qweight", "awq": "qweight", "compressed-tensors": "weight_packed"}
@@ -350,14 +351,19 @@ def _ct(flat: dict, prefix: str, spec: Spec, source: str) -> _Parts:
     g = _groups(k, spec.group_size, prefix, source)
     _shape(packed, (n, k // 8), f"{prefix}.weight_packed", source)
     _shape(sc, (n, k // g), f"{prefix}.weight_scale", source)
-    if spec.symmetric:
-        if zp is not None:
-            raise LoadError(f"{source}: tensor '{prefix}.weight_zero_point' is present, but the config "
-                            "says symmetric (zero point 0)")
+    if zp is None:  # symmetric: zero point 0
         zeros = torch.full((n, k // g), 8, dtype=torch.int32)
+    elif zp.dtype == torch.int8:  # unpacked signed zero points, as the library dequantizes with
+        _shape(zp, (n, k // g), f"{prefix}.weight_zero_point", source)
+        zeros = zp.to(torch.int32) + 8
     else:
         _shape(zp, ((n + 7) // 8, k // g), f"{prefix}.weight_zero_point", source)
-        zeros = _nibbles(zp.T)[:, :n].T.to(torch.int32)  # packed along N: words of 8 rows
+        zeros = _nibbles(zp.T)[:, :n].T.to(torch.int32)  # packed along N: words of 8 rows, + 8
+    if spec.symmetric and not bool((zeros == 8).all()):
+        raise LoadError(f"{source}: tensor '{prefix}.weight_zero_point' has nonzero zero points, but "
+                        "the config says symmetric")
+    if not bool(((zeros >= 0) & (zeros <= 15)).all()):
+        raise LoadError(f"{source}: tensor '{prefix}.weight_zero_point' holds values outside int4's -8..7")
     _check_g_idx(g_idx, k, g, f"{prefix}.weight_g_idx", spec, source)
     return _Parts(packed.contiguous().view(torch.uint8), sc, zeros, g)
 

@@ -154,7 +154,8 @@ def ct_reference(t, scheme) -> torch.Tensor:
 # ------------------------------------------------------------------ writing a checkpoint
 
 def quantized_dir(path: Path, family: str, method: str, g: int | None, sym: bool, seed: int = 0,
-                  v1: bool = True, ct_strategy: str = "group", scale_dtype=torch.float16, **overrides):
+                  v1: bool = True, ct_strategy: str = "group", scale_dtype=torch.float16, head: bool = False,
+                  **overrides):
     """Write a tiny random model quantized in ``method``; returns (dir, {flint name: (ref W, codes)})."""
     over = dict(SHAPE, **(GRANITE if family != "llama" else {}), **overrides)
     if family == "granitemoehybrid":
@@ -164,7 +165,8 @@ def quantized_dir(path: Path, family: str, method: str, g: int | None, sym: bool
     sd = load_file(str(d / "model.safetensors"))
     scheme = ct_scheme(g, sym, ct_strategy) if method == "compressed-tensors" else None
     refs = {}
-    for name in [k for k in sd if k.endswith("_proj.weight") or "shared_mlp" in k]:
+    heads = ["lm_head.weight"] if head else []  # GPTQModel's lm_head: true
+    for name in [k for k in sd if k.endswith("_proj.weight") or "shared_mlp" in k] + heads:
         w = sd.pop(name).float()
         prefix = name[: -len(".weight")]
         gs = g or w.shape[1]
@@ -181,6 +183,9 @@ def quantized_dir(path: Path, family: str, method: str, g: int | None, sym: bool
             ref = ct_reference(t, scheme)
             q = ct_codes(t, w.shape)
         sd.update({f"{prefix}.{k}": v for k, v in t.items()})
+        if prefix == "lm_head":
+            refs["lm_head"] = (ref, q)
+            continue
         li = int(prefix.split(".")[2])
         rest = prefix.split(".", 3)[3]
         if rest == "shared_mlp.input_linear":
@@ -219,7 +224,7 @@ def edit_tensors(d: Path, fn) -> None:
 
 # id -> (family, method, group size (None: per channel), symmetric, extra)
 CASES = {
-    "gptq-v1-asym-g32-llama": ("llama", "gptq", 32, False, {}),
+    "gptq-v1-asym-g32-llama-int4-head": ("llama", "gptq", 32, False, dict(head=True, vocab_size=264)),
     "gptq-v2-asym-g64-granite": ("granite", "gptq", 64, False, dict(v1=False)),
     "gptq-v1-sym-g128-llama": ("llama", "gptq", 128, True, {}),
     "gptq-v2-perchannel-granitemoehybrid": ("granitemoehybrid", "gptq", None, False, dict(v1=False)),
@@ -508,6 +513,33 @@ def test_old_autogptq_quantize_config_json_is_named(gptq_dir):
     (gptq_dir / "quantize_config.json").write_text(json.dumps(cfg.pop("quantization_config")))
     (gptq_dir / "config.json").write_text(json.dumps(cfg))
     refused(gptq_dir, "quantize_config.json", "quantization_config")
+
+
+def test_compressed_tensors_unpacked_int8_zero_points(tmp_path):
+    """Zero points stored unpacked as int8 [N, K/G] (the form the library dequantizes with) load to
+    the same weights; on a symmetric scheme they must be 0."""
+    pytest.importorskip("compressed_tensors", reason="the compressed-tensors package is not installed")
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    d, refs = quantized_dir(tmp_path / "ct", "llama", "compressed-tensors", 32, False, num_hidden_layers=1)
+    before = load_model(str(d)).params
+
+    def unpack(sd):
+        for k in [k for k in sd if k.endswith(".weight_zero_point")]:
+            shape = sd[k[: -len("zero_point")] + "shape"]
+            sd[k] = unpack_from_int32(sd[k], 4, (int(shape[0]), sd[k].shape[1]), packed_dim=0).contiguous()
+    edit_tensors(d, unpack)
+    after = load_model(str(d)).params
+    for fl, (ref, _) in refs.items():
+        assert torch.equal(after[fl].dequantize(), before[fl].dequantize())
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = True
+    (d / "config.json").write_text(json.dumps(cfg))
+    refused(d, ".weight_zero_point", "nonzero", "symmetric")
+    edit_tensors(d, lambda sd: sd.update({k: torch.zeros_like(v) for k, v in sd.items()
+                                          if k.endswith(".weight_zero_point")}))
+    assert all(torch.equal(w.mins, -8 * w.scales) for k, w in load_model(str(d)).params.items()
+               if isinstance(w, Int4Weight))
 
 
 # ------------------------------------------------------------------ the CLI
