@@ -403,6 +403,8 @@ def decode(spec: Spec, flat: dict, source: str, log=print) -> dict:
     """Replace every quantized module's tensors in ``flat`` (the checkpoint's names) by
     ``P.weight``: an Int4Weight (or ExactMinInt4Weight), or float32 where fp16 cannot hold the
     scales. Other tensors (embeddings, norms, float linears) pass through."""
+    if sys.byteorder != "little":  # the int32 words are read as their little-endian bytes
+        raise LoadError(f"{source}: {spec.method} int4 words are read on little-endian hosts only")
     code = _CODES[spec.method]
     prefixes = sorted(k[: -len(code) - 1] for k in flat if k.endswith("." + code))
     if not prefixes:
