@@ -1,5 +1,6 @@
 """Loading checkpoints into flint's params dict: HF directories, hub ids, GGUF files, flint's own
-quantized checkpoints, and synthetic random models.
+quantized checkpoints, GPTQ / AWQ / compressed-tensors int4 directories (their packings are read
+by flint.hfquant), and synthetic random models.
 
 Every loader returns a ``LoadedModel`` (config, params, tokenizer). ``params`` maps flint names
 ("embed", "layers.{i}.wq", ..., "norm", "lm_head") to float tensors or ``Int4Weight``; a tied head
@@ -14,7 +15,8 @@ by entry (float dtypes for float weights, sizes, bounds, no overlaps or holes); 
 ranges (ModelConfig.validate: norm epsilon, rope base and scales finite and > 0, token ids inside
 the vocabulary); and check_params: the layer count equal to the layers present, every tensor's
 name, shape and dtype.
-Tests: ``pytest tests/test_loading.py tests/test_gguf.py tests/test_kquants.py tests/test_loader_fuzz.py``.
+Tests: ``pytest tests/test_loading.py tests/test_gguf.py tests/test_kquants.py tests/test_loader_fuzz.py
+tests/test_hfquant.py``.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from . import hfquant
 from .config import ConfigError, ModelConfig, from_hf_dict
 from .params import LoadedModel, LoadError, check_params, expected_shapes
 from .quant import (Int4Weight, dequant_q4_k_blocks, dequant_q5_k_blocks, dequant_q6_k_blocks,
@@ -103,10 +106,15 @@ def _no_duplicate_keys(pairs):
     return d
 
 
-def _check_safetensors_header(f: Path, hdr, data_size: int) -> None:
+def _flint_dtypes(name: str, default: tuple) -> tuple:
+    return ("U8",) if name.endswith(".qweight") else default  # flint's int4 codes, else float
+
+
+def _check_safetensors_header(f: Path, hdr, data_size: int, dtypes=_flint_dtypes) -> None:
     """Every tensor entry typed, sized by its shape and dtype, inside the data and not overlapping
-    another; float weights in a float dtype (int4 codes in U8). The safetensors library checks
-    most of this too, but its messages do not name the tensor."""
+    another; float weights in a float dtype, the rest as ``dtypes(name, floats)`` says (flint's
+    int4 codes in U8; GPTQ / AWQ / compressed-tensors: flint.hfquant). The safetensors library
+    checks most of this too, but its messages do not name the tensor."""
     if not isinstance(hdr, dict):
         raise LoadError(f"{f}: the safetensors header is not a JSON object")
     spans = []
@@ -120,7 +128,7 @@ def _check_safetensors_header(f: Path, hdr, data_size: int) -> None:
                 or not isinstance(offs, list) or len(offs) != 2 or not all(type(x) is int for x in offs)):
             raise LoadError(f"{f}: tensor {k!r}: entry needs 'dtype', 'shape' (non-negative integers) "
                             f"and 'data_offsets' [begin, end], got {v!r}"[:400])
-        need = ("U8",) if k.endswith(".qweight") else _FLOAT_DTYPES  # int4 codes, else float
+        need = dtypes(k, _FLOAT_DTYPES)
         if dt not in need:
             raise LoadError(f"{f}: tensor {k!r} has dtype {dt!r}, it needs {' or '.join(need)}")
         begin, end = offs
@@ -145,7 +153,7 @@ def _check_safetensors_header(f: Path, hdr, data_size: int) -> None:
                             "(an entry missing, or wrong data_offsets)")
 
 
-def _read_safetensors(files: list[Path], desc: str) -> dict[str, torch.Tensor]:
+def _read_safetensors(files: list[Path], desc: str, dtypes=_flint_dtypes) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
     out = {}
@@ -165,7 +173,7 @@ def _read_safetensors(files: list[Path], desc: str) -> dict[str, torch.Tensor]:
                     hdr = json.loads(fh.read(n), object_pairs_hook=_no_duplicate_keys)
                 except LoadError as e:
                     raise LoadError(f"{f}: safetensors header: {e}") from None
-            _check_safetensors_header(f, hdr, size - 8 - n)
+            _check_safetensors_header(f, hdr, size - 8 - n, dtypes)
             handles.append(safe_open(str(f), framework="pt"))
         except LoadError:
             raise
@@ -211,10 +219,18 @@ def load_hf_dir(d: str | Path, dtype=torch.float32) -> LoadedModel:
             cfg.validate(str(d / "generation_config.json"))
         except ConfigError as e:
             raise LoadError(str(e)) from None
-    files = _safetensor_files(d)
-    flat = _read_safetensors(files, f"loading {d.name}")
-    source = str(files[0]) if len(files) == 1 else str(d)  # the file the tensors came from
     qc = cfg_json.get("quantization_config") or {}
+    if not isinstance(qc, dict):
+        raise LoadError(f"{d / 'config.json'}: field 'quantization_config' must be an object")
+    if not qc and (d / "quantize_config.json").exists():
+        raise LoadError(f"{d / 'config.json'}: no field 'quantization_config', but {d / 'quantize_config.json'} "
+                        "(an older AutoGPTQ layout) is there; flint reads the config from config.json: "
+                        "copy its fields there as 'quantization_config' with \"quant_method\": \"gptq\"")
+    # GPTQ / AWQ / compressed-tensors: the fields are checked before any tensor is read
+    spec = hfquant.parse_config(qc, str(d / "config.json")) if qc.get("quant_method") in hfquant.METHODS else None
+    files = _safetensor_files(d)
+    flat = _read_safetensors(files, f"loading {d.name}", spec.tensor_dtypes if spec else _flint_dtypes)
+    source = str(files[0]) if len(files) == 1 else str(d)  # the file the tensors came from
     params = {}
     if qc.get("quant_method") == QUANT_METHOD:
         g = qc.get("group_size")
@@ -228,9 +244,12 @@ def load_hf_dir(d: str | Path, dtype=torch.float32) -> LoadedModel:
             params[name] = _int4_from_flat(flat, name, g)
         for k in list(flat):  # the float tensors; check_params refuses any name it does not expect
             params["embed" if k == "embed.weight" else k] = flat.pop(k)
+    elif spec:
+        params = _map_hf(cfg, cfg_json.get("model_type"), hfquant.decode(spec, flat, source), source)
     elif qc:
         raise LoadError(f"{d / 'config.json'}: field 'quantization_config' method "
-                        f"{qc.get('quant_method')!r} is not supported")
+                        f"{qc.get('quant_method')!r} is not supported (flint reads "
+                        f"{', '.join((QUANT_METHOD, *hfquant.METHODS))})")
     else:
         params = _map_hf(cfg, cfg_json.get("model_type"), flat, source)
     if "lm_head" not in params and cfg.tie_word_embeddings and "embed" in params:
@@ -259,11 +278,13 @@ def _map_hf(cfg: ModelConfig, model_type: str, flat: dict, source: str) -> dict:
         elif (m := pat.fullmatch(k)):
             li, rest = int(m.group(1)), m.group(2)
             if rest == "shared_mlp.input_linear.weight":
-                if t.dim() != 2:
+                if len(t.shape) != 2:
                     raise LoadError(f"{source}: tensor {k!r} has shape {list(t.shape)}, expected 2-D")
                 inter = t.shape[0] // 2
-                params[f"layers.{li}.w_gate"] = t[:inter]
-                params[f"layers.{li}.w_up"] = t[inter:]
+                # an int4 one (GPTQ / AWQ / compressed-tensors) splits by rows too, exactly
+                part = t.rows if isinstance(t, Int4Weight) else t.__getitem__
+                params[f"layers.{li}.w_gate"] = part(slice(0, inter))
+                params[f"layers.{li}.w_up"] = part(slice(inter, None))
             elif rest in _HF_LAYER:
                 params[f"layers.{li}.{_HF_LAYER[rest]}"] = t
             elif rest.endswith("rotary_emb.inv_freq"):
