@@ -45,8 +45,9 @@ def traced_step_stamps(mk, step):
     return mk.block_stamps()
 
 
-def warm_granite(layers: int | None = None, pos: int = 511, warmup: int = 4, m: int = 1, traced: bool = False):
-    """The synthetic Granite-4.1-3B int4 G128 backend (max_seq_len 1024), warmed up with `warmup`
+def warm_granite(layers: int | None = None, pos: int = 511, warmup: int = 4, m: int = 1, traced: bool = False,
+                 max_seq: int = 1024):
+    """The synthetic Granite-4.1-3B int4 G128 backend (max_seq_len max_seq), warmed up with `warmup`
     steps of `m` tokens (M = m, a verify step when m > 1) at position `pos`; returns (backend, a
     function running one more such step). The trace tools (mk_prof, mk_blocks, mk_warps) start
     from this; traced=True exits unless FLINT_MK_TRACE=1 (the traced library) is set."""
@@ -57,7 +58,7 @@ def warm_granite(layers: int | None = None, pos: int = 511, warmup: int = 4, m: 
     if layers is not None:
         cfg.num_layers = layers
     params = synthetic_params(cfg, seed=0, int4_group_size=128, dtype=torch.float32, device="cuda")
-    mk = MegakernelBackend(cfg, params, 1024)
+    mk = MegakernelBackend(cfg, params, max_seq)
     tok = torch.full((m,), 7, device="cuda")
 
     def step():
