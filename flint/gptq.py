@@ -139,16 +139,20 @@ def output_error(w: torch.Tensor, q: Int4Weight, h: torch.Tensor) -> float:
     return float(((d @ h.double()) * d).sum())
 
 
-def gptq_params(cfg, params: dict, names: list[str], group_sizes: dict, ids: list[int],
-                progress: bool = True) -> dict:
+def gptq_params(cfg, params: dict, names: list[str], group_sizes: dict, ids: list[int] | None = None,
+                hessians: dict | None = None, progress: bool = True) -> dict:
     """{name: Int4Weight} for ``names`` (linear weights and/or "lm_head") by GPTQ at
-    ``group_sizes[name]``, Hessians from ``params`` as they are (the source's weights)."""
-    hs = collect_hessians(cfg, params, ids, progress=progress)
+    ``group_sizes[name]``, with ``hessians`` (collect_hessians), or collected here from ``params``
+    as they are (the source's weights) over ``ids``."""
+    if hessians is None:
+        if ids is None:
+            raise ValueError("gptq_params: pass the calibration ids or the Hessians")
+        hessians = collect_hessians(cfg, params, ids, progress=progress)
     out = {}
     for name in tqdm(names, desc="gptq", unit="tensor", disable=not progress or None):
         if name != "lm_head" and name.rsplit(".", 1)[-1] not in LINEAR_NAMES:
             raise ValueError(f"gptq: {name!r} is not a linear weight or the LM head")
         w = params[name]
         dense = w.dequantize(torch.float32) if isinstance(w, Int4Weight) else w.float()
-        out[name] = gptq_int4(dense, hs[name], group_sizes[name], name)
+        out[name] = gptq_int4(dense, hessians[name], group_sizes[name], name)
     return out

@@ -400,15 +400,19 @@ def concat_rows(weights: list[Int4Weight], name: str = "weight") -> Int4Weight:
                       torch.cat([w.mins for w in weights]), g)
 
 
-def requantize_params(params: dict, group_size: int, float_head: bool = False) -> dict:
-    """Every linear weight and the LM head re-fitted round-to-nearest at ``group_size``.
+def requantize_params(params: dict, group_size: int, float_head: bool = False, head: str = "rtn") -> dict:
+    """Every linear weight and the LM head re-fitted at ``group_size``, round-to-nearest.
 
     Unlike quantize_params, int4 weights are NOT kept: they are dequantized (exactly, to fp32)
     and quantized again, a second rounding. That is what `flint eval --quantize` measures. Where
     ``group_size`` does not divide a tensor's K, the largest group size that does is used
-    (fit_group_size). With ``float_head`` the head stays (or becomes) a float tensor.
-    "embed" (the lookup copy) is never touched.
+    (fit_group_size). With ``float_head`` (or ``head="float"``) the head stays (or becomes) a float
+    tensor; ``head="searched"`` fits it with quantize_int4_searched. "embed" (the lookup copy) is
+    never touched.
     """
+    if head not in ("rtn", "searched", "float"):
+        raise ValueError(f"requantize_params: head {head!r} is not one of rtn, searched, float")
+    float_head = float_head or head == "float"
     out = dict(params)
     targets = [k for k in params if k.rsplit(".", 1)[-1] in LINEAR_NAMES]
     if not float_head:
@@ -416,10 +420,27 @@ def requantize_params(params: dict, group_size: int, float_head: bool = False) -
     for k in targets:
         w = params[k]
         dense = w.dequantize(torch.float32) if isinstance(w, Int4Weight) else w
-        out[k] = quantize_int4(dense, fit_group_size(dense.shape[1], group_size, k), name=k)
+        fit = quantize_int4_searched if k == "lm_head" and head == "searched" else quantize_int4
+        out[k] = fit(dense, fit_group_size(dense.shape[1], group_size, k), name=k)
     if float_head and isinstance(params["lm_head"], Int4Weight):
         out["lm_head"] = params["lm_head"].dequantize(torch.float32)
     return out
+
+
+def int8_rows(w: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, int]:
+    """(the values of ``w`` [N, K] after symmetric 8-bit quantization per group of ``group_size``
+    along K, as float32; the bytes that format takes: one int8 per value, one fp16 scale per group).
+
+    The scale is max|w| / 127 rounded to fp16 (GGUF Q8_0's rule at G = 32). flint's kernels do not
+    read an 8-bit head yet: this measures what one would cost and buy (`flint eval ...:int8-head`).
+    """
+    n, k = w.shape
+    check_shape("lm_head", n, k, group_size)
+    wf = w.detach().to(torch.float32).view(n, k // group_size, group_size)
+    d = (wf.abs().amax(-1) / 127.0).half().float()
+    safe = torch.where(d > 0, d, torch.ones_like(d)).unsqueeze(-1)
+    q = torch.round(wf / safe).clamp_(-127, 127)
+    return (q * d.unsqueeze(-1)).view(n, k), n * k + 2 * n * (k // group_size)
 
 
 def int4_group_size(params: dict) -> int | None:
