@@ -24,6 +24,10 @@ scale = d sc and min = -dmin m: exact in fp32, but only sometimes an fp16 value,
 float32 values). Kernels may repack scales/mins (interleave them)
 at load; they never re-round codes.
 
+Fits into the layout: ``quantize_int4`` (round-to-nearest from each group's min and max),
+``quantize_int4_searched`` (each group's scale and min searched to minimise its squared error), and
+GPTQ in flint/gptq.py (errors compensated over calibration activations).
+
 Run ``pytest tests/test_quant.py`` for the round-trip tests, ``tests/test_kquants.py`` for the K-quants.
 """
 from __future__ import annotations
@@ -365,7 +369,8 @@ def quantize_params(params: dict, group_size: int = 128, names=None) -> dict:
 
     Weights already in int4 (GGUF Q4_0/Q4_1/Q4_K, a flint checkpoint) are kept as they are; float
     ones are quantized round-to-nearest at ``group_size`` (layer weights next to int4 ones at the
-    smallest group size among those). "embed" stays a float copy for the lookup.
+    smallest group size among those). "embed" (the lookup's copy) is left as it is: float, or int4
+    from a checkpoint written with ``flint quantize --embed int4``.
     """
     out = dict(params)
     linear = [k for k in params if k.rsplit(".", 1)[-1] in LINEAR_NAMES]

@@ -5,10 +5,21 @@ A 3B model is quantized once, then loads in seconds. OUT holds:
 * ``model.safetensors``: every linear weight and the LM head as ``<name>.qweight`` (uint8),
   ``<name>.scales`` and ``<name>.mins`` (fp16) in the flint-int4-v1 layout (flint/quant.py), and
   the float tensors under their flint names ("embed", "norm", "layers.{i}.attn_norm", ...).
-  "embed" is the embedding lookup's own copy and keeps the source's float dtype (fp32 for a GGUF
-  source, whose Q8_0 embedding dequantizes exactly only in fp32; bf16 for a bf16 checkpoint): the
-  lookup reads one row per token, so an exact copy costs nothing at decode time. The head of a
-  tied model is a separate int4 tensor quantized from that embedding.
+  "embed" is the embedding lookup's own copy (``--embed``, embedding_for_checkpoint): by default
+  int4 where that layout holds the source's values exactly (a GGUF Q4_0 / Q4_1 embedding), else
+  fp16 for an fp32 source (a GGUF's Q8_0 embedding dequantizes to fp32; fp16 keeps it within 0.02%
+  of its largest value, far below the int4 weights' error), else the source's dtype (bf16 stays
+  bf16). The lookup reads one row per token, so its size is file size, not decode time. Every
+  backend reads each form (flint.model.dense; the megakernel converts the table to fp32 at load).
+  An embedding stored in int4 that equals the int4 head of a tied model is stored once. On the
+  embedded SmolLM2 (a 98.4 MB GGUF) the checkpoint is 140.9 MB (fp16 embedding; 197.5 MB with the
+  fp32 one, ``--embed source``) and 84.3 MB with ``--embed int4``.
+* The LM head (``--head``): int4 round-to-nearest (``rtn``), ``searched`` (each group's scale and
+  min searched to minimise its squared error, flint.quant.quantize_int4_searched), ``gptq``, or
+  ``float``. ``--method gptq`` quantizes the float linear weights by GPTQ (flint/gptq.py) over
+  flint/data/calibration.txt (or ``--calibration PATH``). Int4 weights already at the group size
+  are kept as they are whatever the method. What each choice costs on SmolLM2: docs/eval.md.
+  The command prints one line each on the linear weights, the head and the embedding.
 * ``config.json`` in HF form (model_type llama / granite / granitemoehybrid) with
   ``"quantization_config": {"quant_method": "flint-int4-v1", "group_size": G}``; for an HF source
   it is the source's own config.json plus that field.
@@ -18,9 +29,9 @@ A 3B model is quantized once, then loads in seconds. OUT holds:
 
 Group size: int4 weights already in the source (GGUF Q4_0 / Q4_1 at G = 32) are kept as they are
 when G matches and re-fitted (a second rounding, printed) when it does not; float weights are
-quantized round-to-nearest. The default G is the source's int4 group size, else 128, or the largest
+quantized round-to-nearest (or by GPTQ). The default G is the source's int4 group size, else 128, or the largest
 smaller one that divides every K (64 for SmolLM2's K = 576). A G that does not divide some K is an
-error naming the tensor. Test: ``pytest tests/test_quant.py -k checkpoint``.
+error naming the tensor. Test: ``pytest tests/test_quant.py -k checkpoint tests/test_quantize_head.py``.
 
 Writing: the checkpoint is written into a hidden folder next to OUT and renamed to OUT at the end,
 so an interrupted or failed run leaves nothing under OUT (the partial folder is removed). A
@@ -216,7 +227,8 @@ def embedding_for_checkpoint(src: dict, out: dict, mode: str, group_size: int) -
     dt = torch.float16 if mode == "fp16" else torch.bfloat16
     t = e.to(dt)
     if not torch.isfinite(t).all():
-        raise QuantizeError(f"--embed {mode}: the embedding has values {dt} cannot hold; pass --embed bf16 or source")
+        raise QuantizeError(f"--embed {mode}: the embedding has values {dt} cannot hold; "
+                            "pass --embed bf16 or source")
     err = float((t.float() - e.float()).abs().max()) if e.numel() else 0.0
     top = float(e.float().abs().max()) if e.numel() else 0.0
     rel = f", {err / top:.2%} of the largest |value|" if top else ""
@@ -404,7 +416,8 @@ def calibrator(lm: LoadedModel, text: str | Path | None = None, log=print):
         raise QuantizeError(str(e)) from None
 
     def calibrate(names, group_sizes):
-        log(f"flint quantize: GPTQ on {len(names)} tensors, calibration {len(ids)} tokens of "
+        what = f"{len(names)} tensor" + "s" * (len(names) != 1)
+        log(f"flint quantize: GPTQ on {what}, calibration {len(ids)} tokens of "
             f"{Path(text).name if text else gptq.CALIBRATION_TEXT.name}", file=sys.stderr)
         return gptq.gptq_params(lm.cfg, lm.params, names, group_sizes, ids)
     return calibrate
