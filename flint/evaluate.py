@@ -279,7 +279,8 @@ def run_eval(model: str | None = None, text_path: str | None = None, against: st
         if "h" not in hs:
             from . import gptq
 
-            hs["h"] = gptq.collect_hessians(lm.cfg, lm.params, gptq.calibration_ids(lm.tokenizer))
+            hs["h"] = gptq.collect_hessians(lm.cfg, lm.params, gptq.calibration_ids(lm.tokenizer),
+                                            device=device)
         return hs["h"]
 
     for v in variants:

@@ -12,9 +12,14 @@ columns not yet quantized in proportion to H's inverse, so that the layer's outp
 * Hessians are collected in one pass of the reference decoder (fp32) over the calibration text, with
   the source's weights (not layer by layer on the already-quantized model: simpler, one forward).
 * Damping: 1% of H's mean diagonal is added, which also covers inputs that never vary on the text.
+* Where it runs: on the CPU by default, or on a GPU (``device="cuda"``, `flint quantize --device
+  cuda`), which a 3B model needs (its fp32 weights for the calibration pass and 28 GB of Hessians).
+  SmolLM2-135M on a 2-core CPU: 20 s for the calibration pass, 23 s for the head, 0.4-1.8 s a
+  layer weight (measured on a loaded machine).
 
 The calibration text is flint/data/calibration.txt (written for flint, disjoint from the eval
-corpus: see flint/data/README.md), about 1,250 SmolLM2 tokens. Test: ``pytest tests/test_gptq.py``.
+corpus: see flint/data/README.md), 1,252 SmolLM2 tokens. What GPTQ buys on SmolLM2: docs/eval.md.
+Test: ``pytest tests/test_gptq.py`` (the CUDA path: its ``gpu`` test, skipped without a GPU).
 """
 from __future__ import annotations
 
@@ -50,13 +55,19 @@ def calibration_ids(tokenizer, path: str | Path | None = None) -> list[int]:
 
 
 @torch.inference_mode()
-def collect_hessians(cfg, params: dict, ids: list[int], window: int = 512, progress: bool = True) -> dict:
-    """{weight name: H [K, K] float64} for every linear weight and "lm_head", from the reference
-    decoder run over ``ids`` in consecutive windows of ``window`` tokens (each from position 0)."""
+def collect_hessians(cfg, params: dict, ids: list[int], window: int = 512, progress: bool = True,
+                     device="cpu") -> dict:
+    """{weight name: H [K, K] float64 on ``device``} for every linear weight and "lm_head", from
+    the reference decoder (fp32, on ``device``) run over ``ids`` in consecutive windows of
+    ``window`` tokens (each from position 0). Weights that read the same input share one tensor.
+
+    Memory: 8 * sum(K^2) bytes over the 4 inputs per layer and the head's: 0.8 GB for SmolLM2-135M,
+    28 GB for Granite-4.1-3B (its 40 w_down inputs of K = 8192 take 21 GB): run a 3B model with
+    ``device="cuda"`` (`flint quantize --device cuda`)."""
     from .model import Transformer
 
     window = min(window, cfg.max_position_embeddings)
-    model = Transformer(cfg, params, max_seq_len=window, dtype=torch.float32)
+    model = Transformer(cfg, params, max_seq_len=window, device=device, dtype=torch.float32)
     sites = 4 * cfg.num_layers + 1
     acc: list[torch.Tensor | None] = [None] * sites
     calls = [0]
@@ -87,8 +98,9 @@ def _fit_rtn(wf):
 
 def gptq_int4(w: torch.Tensor, h: torch.Tensor, group_size: int, name: str = "weight",
               damp: float = DAMP, fit: str = "searched") -> Int4Weight:
-    """GPTQ of a [N, K] weight against the input second moments ``h`` [K, K]; ``fit`` picks how a
-    group's (scale, min) are chosen: "searched" (fit_groups_searched) or "rtn" (its min and max)."""
+    """GPTQ of a [N, K] weight against the input second moments ``h`` [K, K], on ``h``'s device;
+    the result is on the CPU. ``fit`` picks how a group's (scale, min) are chosen: "searched"
+    (fit_groups_searched) or "rtn" (its min and max)."""
     fit_groups = {"searched": fit_groups_searched, "rtn": _fit_rtn}[fit]
     if w.dim() != 2:
         raise ValueError(f"{name}: expected a 2-D weight, got shape {tuple(w.shape)}")
@@ -96,7 +108,8 @@ def gptq_int4(w: torch.Tensor, h: torch.Tensor, group_size: int, name: str = "we
     check_shape(name, n, k, group_size)
     if tuple(h.shape) != (k, k):
         raise ValueError(f"{name}: Hessian shape {tuple(h.shape)} does not match in_features K={k}")
-    W = w.detach().to(torch.float32).clone()
+    dev = h.device
+    W = w.detach().to(dev, torch.float32).clone()
     H = h.detach().to(torch.float64).clone()
     diag = torch.diagonal(H)
     diag[diag <= 0] = 1.0  # an input that is always zero on the text: no correlations to use
@@ -107,8 +120,8 @@ def gptq_int4(w: torch.Tensor, h: torch.Tensor, group_size: int, name: str = "we
     except RuntimeError:  # torch.linalg.LinAlgError: not positive definite even damped
         raise ValueError(f"{name}: the calibration Hessian is not positive definite; "
                          "use a longer calibration text") from None
-    codes = torch.empty((n, k), dtype=torch.uint8)
-    scales = torch.empty((n, k // group_size), dtype=torch.float16)
+    codes = torch.empty((n, k), dtype=torch.uint8, device=dev)
+    scales = torch.empty((n, k // group_size), dtype=torch.float16, device=dev)
     mins = torch.empty_like(scales)
     for b0 in range(0, k, BLOCK):
         b1 = min(b0 + BLOCK, k)
@@ -130,24 +143,25 @@ def gptq_int4(w: torch.Tensor, h: torch.Tensor, group_size: int, name: str = "we
             W1[:, i:] -= err[:, None] * U1[i, i:][None, :]
             E1[:, i] = err
         W[:, b1:] -= E1 @ U[b0:b1, b1:]
-    return Int4Weight(pack_int4(codes), scales, mins, group_size)
+    return Int4Weight(pack_int4(codes).cpu(), scales.cpu(), mins.cpu(), group_size)
 
 
 def output_error(w: torch.Tensor, q: Int4Weight, h: torch.Tensor) -> float:
     """tr((W - Wq) H (W - Wq)^T): the squared output error summed over the calibration tokens."""
-    d = (w.float() - q.dequantize()).double()
-    return float(((d @ h.double()) * d).sum())
+    d = (w.float().cpu() - q.dequantize()).double()
+    return float(((d @ h.double().cpu()) * d).sum())
 
 
 def gptq_params(cfg, params: dict, names: list[str], group_sizes: dict, ids: list[int] | None = None,
-                hessians: dict | None = None, progress: bool = True) -> dict:
+                hessians: dict | None = None, progress: bool = True, device="cpu") -> dict:
     """{name: Int4Weight} for ``names`` (linear weights and/or "lm_head") by GPTQ at
-    ``group_sizes[name]``, with ``hessians`` (collect_hessians), or collected here from ``params``
-    as they are (the source's weights) over ``ids``."""
+    ``group_sizes[name]``, with ``hessians`` (collect_hessians), or collected here on ``device``
+    from ``params`` as they are (the source's weights) over ``ids``. GPTQ runs where the Hessians
+    are."""
     if hessians is None:
         if ids is None:
             raise ValueError("gptq_params: pass the calibration ids or the Hessians")
-        hessians = collect_hessians(cfg, params, ids, progress=progress)
+        hessians = collect_hessians(cfg, params, ids, progress=progress, device=device)
     out = {}
     for name in tqdm(names, desc="gptq", unit="tensor", disable=not progress or None):
         if name != "lm_head" and name.rsplit(".", 1)[-1] not in LINEAR_NAMES:

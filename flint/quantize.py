@@ -403,9 +403,10 @@ def write_dir_atomically(out: Path, write) -> Path:
     return out
 
 
-def calibrator(lm: LoadedModel, text: str | Path | None = None, log=print):
+def calibrator(lm: LoadedModel, text: str | Path | None = None, log=print, device="cpu"):
     """``calibrate(names, group_sizes)`` for quantize_for_checkpoint: GPTQ (flint.gptq) with
-    Hessians from ``lm``'s own weights over the calibration text (default: the shipped one)."""
+    Hessians from ``lm``'s own weights over the calibration text (default: the shipped one), the
+    calibration pass and the solves on ``device``."""
     from . import gptq
 
     if lm.tokenizer is None:
@@ -419,17 +420,18 @@ def calibrator(lm: LoadedModel, text: str | Path | None = None, log=print):
         what = f"{len(names)} tensor" + "s" * (len(names) != 1)
         log(f"flint quantize: GPTQ on {what}, calibration {len(ids)} tokens of "
             f"{Path(text).name if text else gptq.CALIBRATION_TEXT.name}", file=sys.stderr)
-        return gptq.gptq_params(lm.cfg, lm.params, names, group_sizes, ids)
+        return gptq.gptq_params(lm.cfg, lm.params, names, group_sizes, ids, device=device)
     return calibrate
 
 
 def quantize_checkpoint(model: str | None, out: str | Path, group_size: int | None = None,
                         float_head: bool = False, log=print, force: bool = False, head: str | None = None,
-                        method: str = "rtn", embed: str = "auto", calibration: str | None = None) -> Path:
+                        method: str = "rtn", embed: str = "auto", calibration: str | None = None,
+                        device: str = "cpu") -> Path:
     """Load ``model`` (any load_model spec), quantize it and write it to ``out``; a non-empty
     ``out`` is refused unless ``force`` (then replaced as a whole). ``head``, ``method``: see
     quantize_for_checkpoint; ``embed``: see embedding_for_checkpoint; ``calibration``: a UTF-8
-    text for GPTQ instead of the shipped one."""
+    text for GPTQ instead of the shipped one; ``device``: where GPTQ runs."""
     out = Path(out)
     for flag, v, ok in (("--method", method, METHODS), ("--head", head, HEADS + (None,)),
                         ("--embed", embed, EMBEDS)):
@@ -437,10 +439,12 @@ def quantize_checkpoint(model: str | None, out: str | Path, group_size: int | No
             raise QuantizeError(f"{flag} {v!r} is not one of {', '.join(x for x in ok if x)}")
     if calibration and "gptq" not in (method, head):
         raise QuantizeError("--calibration is only read by GPTQ (--method gptq or --head gptq)")
+    if device != "cpu" and "gptq" not in (method, head):
+        raise QuantizeError(f"--device {device} is only used by GPTQ (--method gptq or --head gptq)")
     check_out_dir(model, out, force)
     lm = load_model(model)
     g = group_size or default_group_size(lm.params)
-    cal = calibrator(lm, calibration, log) if "gptq" in (method, head) else None
+    cal = calibrator(lm, calibration, log, device) if "gptq" in (method, head) else None
     params = quantize_for_checkpoint(lm.params, g, float_head, log, head=head, method=method, calibrate=cal)
     params["embed"], what = embedding_for_checkpoint(lm.params, params, embed, g)
     log(f"flint quantize: embedding: {what}", file=sys.stderr)
@@ -455,7 +459,8 @@ def quantize_checkpoint(model: str | None, out: str | Path, group_size: int | No
 
 def _run(args) -> int:
     quantize_checkpoint(args.model, args.out, args.group_size, args.float_head, force=args.force,
-                        head=args.head, method=args.method, embed=args.embed, calibration=args.calibration)
+                        head=args.head, method=args.method, embed=args.embed, calibration=args.calibration,
+                        device=args.device or "cpu")
     return 0
 
 
@@ -483,6 +488,9 @@ def register(sub) -> None:
                         "fp32 source, else the source's dtype), fp16, bf16, int4 (lossy), source")
     p.add_argument("--calibration", default=None, metavar="PATH",
                    help="UTF-8 text for GPTQ (default: the shipped flint/data/calibration.txt)")
+    p.add_argument("--device", default=None,
+                   help="where GPTQ's calibration pass and solves run: cpu (default) or cuda (a 3B model "
+                        "needs its fp32 weights and about 28 GB of Hessians there)")
     p.add_argument("--force", action="store_true",
                    help="replace a non-empty OUT (the old folder is deleted once the new one is complete)")
     p.set_defaults(func=_run)

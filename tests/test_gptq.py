@@ -66,6 +66,7 @@ def test_hessians_are_collected_at_each_weights_input(tiny_llama):
         _, hidden = m.forward(torch.tensor(ids[i:i + 32]), 0, return_hidden=True)
         xs.append(rms_norm(hidden, m.norm, cfg.rms_norm_eps))
     x = torch.cat(xs).double()
+    assert hs["lm_head"].dtype == torch.float64
     assert torch.allclose(hs["lm_head"], x.T @ x, rtol=1e-4, atol=1e-6)
     assert hs["layers.1.wq"] is hs["layers.1.wk"] is hs["layers.1.wv"]
     assert hs["layers.0.w_gate"] is hs["layers.0.w_up"] and hs["layers.0.w_gate"] is not hs["layers.0.wq"]
@@ -97,3 +98,20 @@ def test_shipped_calibration_text():
     # disjoint from the eval corpus: no sentence of one is in the other
     for sentence in (s.strip() for s in text.split(".") if len(s.strip()) > 40):
         assert sentence not in corpus
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gptq_on_the_gpu(tiny_llama):
+    """Hessians and solves on CUDA: the same sites, the result on the CPU and as good as the CPU's."""
+    cfg, params = tiny_llama.cfg, tiny_llama.params
+    ids = list(range(3, 60))
+    hc = collect_hessians(cfg, params, ids, window=32, progress=False)
+    hg = collect_hessians(cfg, params, ids, window=32, progress=False, device="cuda")
+    assert hg["lm_head"].device.type == "cuda"
+    assert torch.allclose(hg["lm_head"].cpu(), hc["lm_head"], rtol=1e-3, atol=1e-4)
+    w = params["layers.0.w_up"].float()
+    qg, qc = gptq_int4(w, hg["layers.0.w_up"], 32, "w_up"), gptq_int4(w, hc["layers.0.w_up"], 32, "w_up")
+    assert qg.qweight.device.type == "cpu"
+    h = hc["layers.0.w_up"]
+    assert output_error(w, qg, h) == pytest.approx(output_error(w, qc, h), rel=0.05)

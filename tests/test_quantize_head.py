@@ -125,6 +125,8 @@ def test_refusals(tiny_llama_dir, tmp_path, capsys):
         quantize_checkpoint(str(tiny_llama_dir), tmp_path / "a", float_head=True, head="searched", log=print)
     with pytest.raises(QuantizeError, match="--calibration is only read by GPTQ"):
         quantize_checkpoint(str(tiny_llama_dir), tmp_path / "b", calibration="x.txt", log=print)
+    with pytest.raises(QuantizeError, match="--device cuda is only used by GPTQ"):
+        quantize_checkpoint(str(tiny_llama_dir), tmp_path / "b", device="cuda", log=print)
     with pytest.raises(QuantizeError, match="--embed 'fp8' is not one of"):
         quantize_checkpoint(str(tiny_llama_dir), tmp_path / "c", embed="fp8", log=print)
     cfg = tmp_path / "config.json"
