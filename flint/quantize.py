@@ -29,9 +29,10 @@ A 3B model is quantized once, then loads in seconds. OUT holds:
 
 Group size: int4 weights already in the source (GGUF Q4_0 / Q4_1 at G = 32) are kept as they are
 when G matches and re-fitted (a second rounding, printed) when it does not; float weights are
-quantized round-to-nearest (or by GPTQ). The default G is the source's int4 group size, else 128, or the largest
-smaller one that divides every K (64 for SmolLM2's K = 576). A G that does not divide some K is an
-error naming the tensor. Test: ``pytest tests/test_quant.py -k checkpoint tests/test_quantize_head.py``.
+quantized round-to-nearest (or by GPTQ). The default G is the source's int4 group size, else 128,
+or the largest smaller one that divides every K (64 for SmolLM2's K = 576). A G that does not
+divide some K is an error naming the tensor. Test: ``pytest tests/test_quant.py -k checkpoint``
+and ``pytest tests/test_quantize_head.py``.
 
 Writing: the checkpoint is written into a hidden folder next to OUT and renamed to OUT at the end,
 so an interrupted or failed run leaves nothing under OUT (the partial folder is removed). A
@@ -144,16 +145,16 @@ def quantize_for_checkpoint(params: dict, group_size: int, float_head: bool = Fa
                 continue
             refit.append(name)
         todo.append(name)
-    dense = {n: params[n].dequantize(torch.float32) if isinstance(params[n], Int4Weight) else params[n]
-             for n in todo}
     gptq = [n for n in todo if (head if n == "lm_head" else method) == "gptq"]
     if gptq:
         out.update(calibrate(gptq, {n: group_size for n in gptq}))
     for name in todo:
         if name in gptq:
             continue
+        w = params[name]  # dequantized one at a time: a 3B model's fp32 copy would be 13 GB
+        w = w.dequantize(torch.float32) if isinstance(w, Int4Weight) else w
         fit = quantize_int4_searched if name == "lm_head" and head == "searched" else quantize_int4
-        out[name] = fit(dense[name], group_size, name=name)
+        out[name] = fit(w, group_size, name=name)
     if head == "float" and isinstance(params["lm_head"], Int4Weight):
         out["lm_head"] = params["lm_head"].dequantize(torch.float32)
     lin = [n for n in targets if n != "lm_head"]
@@ -199,14 +200,15 @@ def embedding_for_checkpoint(src: dict, out: dict, mode: str, group_size: int) -
         raise QuantizeError(f"--embed {mode!r} is not one of {', '.join(EMBEDS)}")
     e = src["embed"]
     tie = src["lm_head"] is src["embed"] or isinstance(src["lm_head"], Int4Weight) and _tied_int4(src)
+    name, was = _describe(e), _mb(_nbytes(e))
     if isinstance(e, Int4Weight):  # a flint checkpoint stored with --embed int4
         if mode in ("auto", "source", "int4") and e.group_size == group_size:
             return _shared(e, out, tie), f"kept as the source's int4 g{group_size}, {_mb(e.nbytes)}"
         e = e.dequantize(torch.float32)
-    name = str(e.dtype).replace("torch.", "")
     if mode == "source":
         return e, f"{name}, as in the source, {_mb(_nbytes(e))}"
-    if mode in ("auto", "int4"):
+    # only an fp32 embedding can be an int4 one dequantized (the GGUF loader's copy of Q4_0 / Q4_1)
+    if mode == "int4" or (mode == "auto" and e.dtype == torch.float32):
         try:
             check_shape("embed", *e.shape, group_size)
             q = quantize_int4(e, group_size, name="embed")
@@ -218,7 +220,7 @@ def embedding_for_checkpoint(src: dict, out: dict, mode: str, group_size: int) -
             q = _shared(q, out, tie)
             how = "round-to-nearest (lossy)" if mode == "int4" else "the source's values exactly"
             tied = ", the same tensor as the LM head" if q is out["lm_head"] else ""
-            return q, f"int4 g{group_size}, {how}{tied}, {_mb(q.nbytes)} (the source's {name}: {_mb(_nbytes(e))})"
+            return q, f"int4 g{group_size}, {how}{tied}, {_mb(q.nbytes)} (the source's {name}: {was})"
     if mode == "auto":
         if e.dtype != torch.float32:
             return e, f"{name}, as in the source, {_mb(_nbytes(e))}"
@@ -233,7 +235,7 @@ def embedding_for_checkpoint(src: dict, out: dict, mode: str, group_size: int) -
     top = float(e.float().abs().max()) if e.numel() else 0.0
     rel = f", {err / top:.2%} of the largest |value|" if top else ""
     return t, (f"{str(dt).replace('torch.', '')} from the source's {name} (largest rounding error "
-               f"{err:.2g}{rel}), {_mb(_nbytes(t))} (was {_mb(_nbytes(e))})")
+               f"{err:.2g}{rel}), {_mb(_nbytes(t))} (was {was})")
 
 
 def _tied_int4(src: dict) -> bool:
