@@ -6,10 +6,17 @@
 * Against a reference (``--against REF``, or the loaded model itself when ``--quantize`` makes the
   variants): per scored token KL(P_ref || P_model) over the whole vocabulary, reported as its mean
   and 99th percentile, and top-1 agreement (same argmax). Both models read the same windows.
-* ``--quantize 64,32,32:float-head`` re-fits the model's weights in memory, one variant per item:
-  every linear weight and the LM head dequantized (exactly) and quantized again round-to-nearest
-  at group size G (the largest group size dividing K where G does not); ``:float-head`` keeps the
-  head as it was (float, or dequantized from int4).
+* ``--quantize 64,32:searched-head,64:gptq`` re-fits the model's weights in memory, one variant
+  per item: every linear weight and the LM head dequantized (exactly) and quantized again
+  round-to-nearest at group size G (the largest group size dividing K where G does not). Options
+  after ':': ``float-head`` keeps the head as it was (float, or dequantized from int4);
+  ``searched-head`` fits the int4 head's (scale, min) per group by search
+  (flint.quant.quantize_int4_searched); ``gptq-head`` quantizes the head by GPTQ; ``int8-head``
+  holds the head as symmetric 8-bit per 32 values (what an 8-bit head would cost; no kernel reads
+  it yet); ``gptq`` quantizes the linear weights and the head by GPTQ (flint/gptq.py, calibrated on
+  flint/data/calibration.txt, a text disjoint from the eval corpus); ``int4-embed`` makes the
+  embedding lookup read int4 rows too. "MB/token" is what a decode step streams: the linear
+  weights and the head as held, one embedding row, the norms (K/V not included).
 
 The default text is flint/data/eval-corpus.txt (written for flint; see flint/data/README.md).
 Logits come from the reference decoder in fp32 (``--backend`` picks another for the model under
@@ -27,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-from .quant import GROUP_SIZES, Int4Weight, requantize_params
+from .quant import (GROUP_SIZES, Int4Weight, fit_group_size, int8_rows, quantize_int4,
+                    requantize_params)
 
 DEFAULT_CORPUS = Path(__file__).parent / "data" / "eval-corpus.txt"
 
@@ -45,6 +53,7 @@ class EvalRow:
     kl_mean: float | None = None  # vs the reference, nats per token
     kl_p99: float | None = None
     top1_agree: float | None = None
+    weight_mb: float | None = None  # linear weights + head as a decode step streams them, MB per token
 
 
 def windows(n: int, window: int, stride: int) -> list[tuple[int, int, int]]:
@@ -67,32 +76,107 @@ def windows(n: int, window: int, stride: int) -> list[tuple[int, int, int]]:
         begin += stride
 
 
-def describe_weights(params: dict) -> str:
-    """e.g. 'int4 g32 x210, head float32' / 'int4 g64 x181 + g128 x30, head int4 g64'."""
-    sizes = Counter(w.group_size for k, w in params.items() if isinstance(w, Int4Weight) and k != "lm_head")
+def describe_weights(params: dict, head: str | None = None) -> str:
+    """e.g. 'int4 g32 x210, head float32' / 'int4 g64 x181 + g128 x30, head int4 g64'; ``head``
+    overrides the head's part (an 8-bit head held as its float values)."""
+    sizes = Counter(w.group_size for k, w in params.items()
+                    if isinstance(w, Int4Weight) and k not in ("lm_head", "embed"))
     body = " + ".join(f"g{g} x{n}" for g, n in sorted(sizes.items())) or "none"
-    head = params["lm_head"]
-    head_s = f"int4 g{head.group_size}" if isinstance(head, Int4Weight) else str(head.dtype).replace("torch.", "")
-    return f"int4 {body}, head {head_s}"
+    w = params["lm_head"]
+    head = head or (f"int4 g{w.group_size}" if isinstance(w, Int4Weight) else str(w.dtype).replace("torch.", ""))
+    emb = params["embed"]
+    emb_s = f", embed int4 g{emb.group_size}" if isinstance(emb, Int4Weight) else ""
+    return f"int4 {body}, head {head}{emb_s}"
 
 
-def parse_variants(spec: str) -> list[tuple[int, bool]]:
-    """'64,32,32:float-head' -> [(64, False), (32, False), (32, True)]."""
+def weight_bytes(params: dict, head_bytes: int | None = None) -> int:
+    """What a decode step streams: every linear weight and the head as held (int4 codes + scales +
+    mins, or a float tensor at its dtype; ``head_bytes`` overrides the head), plus one embedding
+    row and the norms, which are small."""
+    def size(w):
+        return w.nbytes if isinstance(w, Int4Weight) else w.numel() * w.element_size()
+
+    n = sum(size(w) for k, w in params.items() if k not in ("embed", "lm_head"))
+    e = params["embed"]
+    row = e.nbytes // e.shape[0] if isinstance(e, Int4Weight) else e.shape[1] * e.element_size()
+    return n + (head_bytes if head_bytes is not None else size(params["lm_head"])) + row
+
+
+HEAD_OPTIONS = {"float-head": "float", "searched-head": "searched", "gptq-head": "gptq", "int8-head": "int8"}
+OPTIONS = (*HEAD_OPTIONS, "gptq", "int4-embed")
+_HEAD_LABEL = {"float": "float head", "searched": "searched head", "gptq": "GPTQ head", "int8": "8-bit head",
+               "rtn": "RTN head"}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One ``--quantize`` item: G[:option...]."""
+
+    group_size: int
+    head: str = "rtn"  # rtn, searched, gptq, float, int8
+    method: str = "rtn"  # the linear weights: rtn or gptq
+    int4_embed: bool = False
+
+    @property
+    def label(self) -> str:
+        words = [f"{'GPTQ' if self.method == 'gptq' else 'requantized'} g{self.group_size}"]
+        if self.head != self.method:
+            words.append(_HEAD_LABEL[self.head])
+        if self.int4_embed:
+            words.append("int4 embedding")
+        return ", ".join(words)
+
+
+def parse_variants(spec: str) -> list[Variant]:
+    """'64,32:searched-head,64:gptq' -> Variant per item. Options: float-head, searched-head,
+    gptq-head, int8-head (at most one of these), gptq (linears and head), int4-embed."""
     out = []
     for item in (x.strip() for x in spec.split(",") if x.strip()):
-        g, _, opt = item.partition(":")
-        if opt not in ("", "float-head"):
-            raise EvalError(f"--quantize item {item!r}: unknown option {opt!r} (only ':float-head')")
+        g, *opts = item.split(":")
+        for o in opts:
+            if o not in OPTIONS:
+                raise EvalError(f"--quantize item {item!r}: unknown option {o!r} (one of {', '.join(OPTIONS)})")
+        heads = [HEAD_OPTIONS[o] for o in opts if o in HEAD_OPTIONS]
+        if len(heads) > 1 or len(set(opts)) != len(opts):
+            raise EvalError(f"--quantize item {item!r}: repeats an option or names two heads")
         try:
             gi = int(g.lstrip("g"))
         except ValueError:
             raise EvalError(f"--quantize item {item!r}: group size must be one of {GROUP_SIZES}") from None
         if gi not in GROUP_SIZES:
             raise EvalError(f"--quantize item {item!r}: group size must be one of {GROUP_SIZES}")
-        out.append((gi, opt == "float-head"))
+        method = "gptq" if "gptq" in opts else "rtn"
+        out.append(Variant(gi, heads[0] if heads else method, method, "int4-embed" in opts))
     if not out:
         raise EvalError("--quantize: empty list")
     return out
+
+
+def variant_params(lm, v: Variant, hessians=None) -> tuple[dict, str | None, int | None]:
+    """(params of ``lm`` re-fitted as ``v`` says, the head's description when the params hold
+    it as float values of another format, the head's bytes then). ``hessians()`` gives GPTQ's
+    (flint.gptq.collect_hessians, computed once per run by the caller)."""
+    from . import gptq
+
+    params = requantize_params(lm.params, v.group_size, head=v.head if v.head in ("rtn", "searched", "float")
+                               else "rtn" if v.head == "gptq" else "float")
+    names = [k for k in params if k.rsplit(".", 1)[-1] in gptq.LINEAR_NAMES] if v.method == "gptq" else []
+    if v.head == "gptq":
+        names.append("lm_head")
+    if names:
+        sizes = {n: fit_group_size(lm.params[n].shape[1], v.group_size, n) for n in names}
+        params.update(gptq.gptq_params(lm.cfg, lm.params, names, sizes, hessians=hessians()))
+    head_desc = head_bytes = None
+    if v.head == "int8":
+        w = lm.params["lm_head"]
+        w = w.dequantize(torch.float32) if isinstance(w, Int4Weight) else w
+        params["lm_head"], head_bytes = int8_rows(w, 32)
+        head_desc = "int8 g32"
+    if v.int4_embed:
+        e = lm.params["embed"]
+        e = e.dequantize(torch.float32) if isinstance(e, Int4Weight) else e
+        params["embed"] = quantize_int4(e, fit_group_size(e.shape[1], v.group_size, "embed"), name="embed")
+    return params, head_desc, head_bytes
 
 
 def _reference_decoder(cfg, params, window: int, device):
@@ -183,36 +267,47 @@ def run_eval(model: str | None = None, text_path: str | None = None, against: st
             raise EvalError(f"--against {against}: vocabulary size {ref_lm.cfg.vocab_size} differs from the "
                             f"model's {lm.cfg.vocab_size}")
         ref = (against, _reference_decoder(ref_lm.cfg, ref_lm.params, window, device))
-        weights[against] = describe_weights(ref_lm.params)
+        weights[against] = (describe_weights(ref_lm.params), weight_bytes(ref_lm.params))
         cands.append((model_label, build(lm.params)))
-        weights[model_label] = describe_weights(lm.params)
+        weights[model_label] = (describe_weights(lm.params), weight_bytes(lm.params))
     else:
         ref = (model_label, _reference_decoder(lm.cfg, lm.params, window, device))
-        weights[model_label] = describe_weights(lm.params)
-    for g, float_head in variants:
-        params = requantize_params(lm.params, g, float_head)
-        label = f"requantized g{g}" + (", float head" if float_head else "")
-        cands.append((label, build(params)))
-        weights[label] = describe_weights(params)
+        weights[model_label] = (describe_weights(lm.params), weight_bytes(lm.params))
+    hs = {}
+
+    def hessians():
+        if "h" not in hs:
+            from . import gptq
+
+            hs["h"] = gptq.collect_hessians(lm.cfg, lm.params, gptq.calibration_ids(lm.tokenizer),
+                                            device=device)
+        return hs["h"]
+
+    for v in variants:
+        params, head_desc, head_bytes = variant_params(lm, v, hessians)
+        cands.append((v.label, build(params)))
+        weights[v.label] = (describe_weights(params, head_desc), weight_bytes(params, head_bytes))
     log(f"flint eval: {len(ids)} tokens, window {window}, stride {stride}, {1 + len(cands)} model(s)",
         file=sys.stderr)
     rows = evaluate(ids, ref, cands, window, stride,
                     progress=lambda i, n: log(f"  window {i}/{n}", file=sys.stderr) if i % 4 == 0 or i == n else None)
     for r in rows:
-        r.weights = weights[r.label]
+        r.weights, nbytes = weights[r.label]
+        r.weight_mb = nbytes / 1e6
     return rows
 
 
 def markdown_table(rows: list[EvalRow]) -> str:
     ref_ppl = rows[0].ppl
-    lines = ["| model | weights | PPL | ΔPPL | KL mean | KL p99 | top-1 agree |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| model | weights | MB/token | PPL | ΔPPL | KL mean | KL p99 | top-1 agree |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for i, r in enumerate(rows):
+        mb = f"{r.weight_mb:.1f}" if r.weight_mb is not None else ""
         if i == 0:
-            lines.append(f"| {r.label} (reference) | {r.weights} | {r.ppl:.3f} | | | | |")
+            lines.append(f"| {r.label} (reference) | {r.weights} | {mb} | {r.ppl:.3f} | | | | |")
         else:
-            lines.append(f"| {r.label} | {r.weights} | {r.ppl:.3f} | {r.ppl - ref_ppl:+.3f} | {r.kl_mean:.4f} | "
-                         f"{r.kl_p99:.4f} | {r.top1_agree:.2%} |")
+            lines.append(f"| {r.label} | {r.weights} | {mb} | {r.ppl:.3f} | {r.ppl - ref_ppl:+.3f} | "
+                         f"{r.kl_mean:.4f} | {r.kl_p99:.4f} | {r.top1_agree:.2%} |")
     return "\n".join(lines)
 
 
@@ -233,8 +328,9 @@ def register(sub) -> None:
     p.add_argument("--file", default=None, help=f"UTF-8 text (default: the shipped corpus, {DEFAULT_CORPUS.name})")
     p.add_argument("--against", default=None, metavar="REF", help="reference model spec for KL / top-1")
     p.add_argument("--quantize", default=None, metavar="G[,G...]",
-                   help="also evaluate the model re-quantized in memory at these group sizes, "
-                        "each optionally ':float-head', e.g. 64,32,32:float-head")
+                   help="also evaluate the model re-quantized in memory at these group sizes, each "
+                        "with options after ':' (float-head, searched-head, gptq-head, int8-head, gptq, "
+                        "int4-embed), e.g. 64,32:searched-head,64:gptq")
     p.add_argument("--window", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--stride", type=int, default=None, help="window advance (default: half the window)")
     p.add_argument("--max-tokens", type=int, default=None, help="only the first N tokens of the text")

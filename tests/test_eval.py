@@ -11,6 +11,7 @@ import torch
 
 from flint.evaluate import (DEFAULT_CORPUS, EvalError, evaluate, main, markdown_table, parse_variants,
                             run_eval, windows)
+from conftest import BYTE_VOCAB, TINY
 from flint.model import Transformer
 
 TEXT = ("The lighthouse keeper climbed the stairs every evening and wrote the time in the logbook. "
@@ -62,6 +63,27 @@ def test_kl_and_top1(tiny_llama_dir, tmp_path):
     assert "(reference)" in table and "requantized g32, float head" in table
 
 
+def test_head_and_calibrated_variants(tiny_llama_dir, tmp_path, torch_one_thread):
+    """searched / GPTQ / 8-bit heads, GPTQ linears and an int4 embedding run end to end; each
+    row's weights and bytes per token say what it holds, and each differs from the plain RTN row."""
+    f = tmp_path / "t.txt"
+    f.write_text(TEXT)
+    spec = "32,32:searched-head,32:gptq-head,32:int8-head,32:gptq,32:int4-embed"
+    rows = run_eval(str(tiny_llama_dir), str(f), quantize=spec, window=64, stride=32, log=_quiet)
+    ref, rtn, searched, gptq_head, int8, gptq, emb = rows
+    assert [r.label for r in rows[1:]] == [v.label for v in parse_variants(spec)]
+    assert gptq.label == "GPTQ g32" and int8.label == "requantized g32, 8-bit head"
+    assert "head int8 g32" in int8.weights and "embed int4 g32" in emb.weights
+    for r in rows[1:]:
+        assert r.kl_mean > 0 and r.weight_mb > 0
+    for r in (searched, gptq_head, int8, gptq, emb):
+        assert r.ppl != rtn.ppl, r.label
+    # the 8-bit head streams 1 + 1/16 bytes a value, the int4 one 1/2 + 1/8
+    v, h = BYTE_VOCAB, TINY["hidden_size"]
+    assert int8.weight_mb - rtn.weight_mb == pytest.approx((v * h * (1 + 2 / 32) - v * h * (0.5 + 4 / 32)) / 1e6)
+    assert searched.weight_mb == rtn.weight_mb == gptq.weight_mb
+
+
 def test_shipped_corpus_is_there():
     text = DEFAULT_CORPUS.read_text(encoding="utf-8")
     assert len(text.split()) > 3000
@@ -78,7 +100,9 @@ def test_bad_arguments_are_clear_errors(tiny_llama_dir, tmp_path, capsys):
     with pytest.raises(EvalError, match="group size must be one of"):
         parse_variants("48")
     with pytest.raises(EvalError, match="unknown option"):
-        parse_variants("32:int8-head")
+        parse_variants("32:int9-head")
+    with pytest.raises(EvalError, match="names two heads"):
+        parse_variants("32:searched-head:float-head")
     with pytest.raises(EvalError, match="file not found"):
         run_eval(str(tiny_llama_dir), str(tmp_path / "nope.txt"), log=_quiet)
     cfg = tmp_path / "config.json"

@@ -124,8 +124,10 @@ def test_quantize_checkpoint_round_trip_hf(tiny_llama_dir, tmp_path):
     assert lm.cfg.to_json() | {"name": ""} == src.cfg.to_json() | {"name": ""}
     for name, w in src.params.items():
         got = lm.params[name]
-        if name == "embed" or w.dim() == 1:
-            assert torch.equal(got, w), name  # float tensors are stored as they are
+        if name == "embed":  # an fp32 embedding is stored in fp16 (--embed auto)
+            assert got.dtype == torch.float16 and torch.equal(got, w.half()), name
+        elif w.dim() == 1:
+            assert torch.equal(got, w), name  # the norms are stored as they are
         else:
             assert isinstance(got, Int4Weight) and got.group_size == 32, name
             want = quantize_int4(w, 32)
@@ -256,9 +258,56 @@ def test_quantize_checkpoint_from_gguf_writes_config_and_tokenizer(smollm2_token
     assert back.cfg.to_json() | {"name": ""} == cfg.to_json() | {"name": ""}
     assert torch.equal(back.params["layers.0.wq"].qweight, params["layers.0.wq"].qweight)
     assert torch.equal(back.params["embed"], params["embed"]) and back.params["embed"].dtype == torch.float32
+    # (save_checkpoint stores what it is given; quantize_checkpoint's --embed choice: test_quantize_head.py)
     text = "The quick brown fox, 1234 <|im_start|> naïve 日本"
     assert back.tokenizer.encode(text) == tok.encode(text)
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 42"}]
     assert back.tokenizer.apply_chat_template(msgs) == tok.apply_chat_template(msgs)
     assert back.tokenizer.encode_chat(msgs) == tok.encode_chat(msgs)
     assert back.tokenizer.eos_token == tok.eos_token and back.cfg.eos_token_ids == [2, 7]
+
+
+# ---------------------------------------------------------------- the searched int4 fit, the 8-bit head
+
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_searched_fit_never_worse_than_rtn_group_by_group(group_size):
+    """Same layout, every group's squared error <= round-to-nearest's, the total clearly lower on
+    heavy-tailed weights (where shrinking the range pays), and exact where RTN already is."""
+    from flint.quant import quantize_int4_searched
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(96, 256, generator=g) ** 3
+    rtn, srch = quantize_int4(w, group_size), quantize_int4_searched(w, group_size, chunk_rows=40)
+    assert srch.qweight.shape == rtn.qweight.shape and srch.scales.dtype == torch.float16
+    assert srch.scales.shape == rtn.scales.shape and srch.group_size == group_size
+
+    def group_err(q):
+        return (q.dequantize() - w).square().view(96, -1, group_size).sum(-1)
+
+    assert bool((group_err(srch) <= group_err(rtn)).all())
+    assert float(group_err(srch).sum()) < 0.85 * float(group_err(rtn).sum())
+    exact = rtn.dequantize()  # values on an int4 grid whose groups span codes 0..15: RTN is exact
+    again = quantize_int4_searched(exact, group_size)
+    assert torch.equal(again.dequantize(), quantize_int4(exact, group_size).dequantize())
+
+
+def test_searched_fit_constant_group_and_errors():
+    from flint.quant import quantize_int4_searched
+
+    w = torch.zeros(2, 64)
+    w[1] = 0.25
+    q = quantize_int4_searched(w, 32)
+    assert torch.equal(q.dequantize(), w)
+    with pytest.raises(ValueError, match="does not divide"):
+        quantize_int4_searched(torch.randn(4, 96), 64, name="lm_head")
+
+
+def test_int8_rows_error_and_bytes():
+    from flint.quant import int8_rows
+
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(10, 64, generator=g)
+    v, nbytes = int8_rows(w, 32)
+    step = (w.view(10, 2, 32).abs().amax(-1) / 127).half().float()
+    assert bool(((v - w).abs().view(10, 2, 32) <= step.unsqueeze(-1) / 2 * (1 + 1e-3)).all())
+    assert nbytes == 10 * 64 + 2 * 10 * 2
