@@ -230,6 +230,11 @@ SYNTHETIC = {
         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
         rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
         max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001),
+    "llama-3-70b": dict(  # (Llama-3.x-70B's shapes; untied head)
+        model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+        rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+        max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001),
     "smollm2-135m": dict(
         model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,

@@ -41,6 +41,11 @@ def load_library(traced: bool = False):
     return lib
 
 
+
+# The FFN split-K's fixed-point residual stages a whole row in one round of loads: 8 values per consumer thread
+# (megakernel.cu refuses a larger hidden size with the split); wider models run the plain down stage.
+FX_MAX_HIDDEN = 8 * 15 * 32
+
 def bind_library(lib: ctypes.CDLL) -> ctypes.CDLL:
     """Set the ctypes signatures of a loaded libflint_mk.so (also used by lab/mk_ab1.py, which loads
     several variants' libraries into one process)."""
@@ -386,6 +391,8 @@ class MegakernelBackend:
         if mode not in ("auto", "0", "1"):
             raise ValueError(f"megakernel: {src}={mode!r}: expected auto, 0 or 1")
         plan = ffn_split_plan(self.cfg.intermediate_size, group, self.nblocks)
+        if plan is not None and self.cfg.hidden_size > FX_MAX_HIDDEN:
+            plan = None  # (the split's fixed-point residual stages whole rows in one round of loads)
         if mode == "1" and plan is None:
             raise ValueError(f"megakernel: {src}=1 but intermediate_size={self.cfg.intermediate_size} at group "
                              f"size {group} has no FFN split-K plan over {self.nblocks} blocks")
