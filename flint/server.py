@@ -682,10 +682,9 @@ def _constraint(req, state: ServerState, plan: ToolPlan | None):
             raise APIError(400, "structured_outputs: give exactly one of json, regex, choice, grammar",
                            param="structured_outputs", code="invalid_value")
         (name, v), = given
-        param = f"structured_outputs.{name}"
-        build = {"json": lambda: g.json_schema(v, param), "regex": lambda: g.regex(v, param),
-                 "choice": lambda: g.choice(v, param), "grammar": lambda: g.lark(v, param)}[name]
-        asked.append(("structured_outputs", build))
+        where = f"structured_outputs.{name}"
+        compile_ = {"json": g.json_schema, "regex": g.regex, "choice": g.choice, "grammar": g.lark}[name]
+        asked.append(("structured_outputs", lambda: compile_(v, where)))
     if req.grammar is not None:
         asked.append(("grammar", lambda: g.gbnf(req.grammar, "grammar")))
     if plan is not None and plan.force is not None:
