@@ -647,7 +647,7 @@ def _tool_plan(req, state: ServerState) -> ToolPlan:
             force = call_grammar(state.grammars, fmt, chosen, parallel)
         else:  # auto: the schemas must still be ones the engine could force
             for i, t in enumerate(tools):
-                if "parameters" in t:
+                if "parameters" in t["function"]:
                     state.grammars.json_schema(t["function"]["parameters"], f"tools.{i}.function.parameters")
     except GrammarError as e:
         raise APIError(400, str(e), param=e.param, code="invalid_value") from None
