@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import time
 
@@ -50,34 +49,16 @@ INSTANCE = {"name": "Ada Lovelace", "age": 36, "email": "ada@example.org", "role
 
 def vocabularies():
     """(name, tokenizer.json text, vocab size, eos id, the instance's token ids) for both vocabularies."""
-    from tokenizers import Tokenizer
-
+    from flint.bench import proxy_tokenizer
     from flint.loading import load_model
 
-    lm = load_model("embedded:smollm2")
-    base = lm.tokenizer.tk
-    text = json.dumps(INSTANCE)
-    ids = base.encode(text, add_special_tokens=False).ids
-    eos = lm.tokenizer.eos_token_ids[0]
-    out = [("SmolLM2 (49152)", base.to_str(), base.get_vocab_size(), eos, ids)]
-    spec = json.loads(base.to_str())
-    vocab = spec["model"]["vocab"]
-    merges = spec["model"]["merges"]
-    inv = sorted(vocab.items(), key=lambda kv: kv[1])
-    rng = random.Random(0)
-    n, target = len(vocab), 100352
-    pool = [t for t, i in inv[:20000] if i >= 32]  # the first ids are specials and lone bytes
-    while n < target:
-        a, b = rng.choice(pool), rng.choice(pool)
-        if a + b in vocab:
-            continue
-        vocab[a + b] = n
-        merges.append([a, b] if isinstance(merges[0], list) else f"{a} {b}")
-        n += 1
-    big = Tokenizer.from_str(json.dumps(spec))
-    assert big.get_vocab_size() == target, big.get_vocab_size()
-    out.append(("Granite-size proxy (100352)", big.to_str(), target, eos, ids))
-    return out
+    base = load_model("embedded:smollm2").tokenizer
+    ids = base.encode(json.dumps(INSTANCE), add_special_tokens=False)
+    eos = base.eos_token_ids[0]
+    big = proxy_tokenizer(100352)
+    assert big.vocab_size == 100352, big.vocab_size
+    return [("SmolLM2 (49152)", base.tk.to_str(), base.vocab_size, eos, ids),
+            ("Granite-size proxy (100352)", big.tk.to_str(), 100352, eos, ids)]
 
 
 def byte_level_vocab(tok_json: str, size: int) -> list[bytes]:
