@@ -8,9 +8,9 @@ Token masks (grammar-constrained decoding): a backend with ``supports_token_mask
 ``set_token_mask(mask)``, a contiguous int32 tensor of ceil(V / 32) words on its device (bit i & 31 of
 word i >> 5 set = token i allowed), or None to clear it; it applies to the argmax of every following
 ``greedy_next`` / ``greedy_run`` call until set again, never to ``forward()``'s logits (logprobs stay the
-model's distribution). An all-zero mask is the caller's error (the result is undefined). ``check_token_mask``
-and ``mask_logits`` here are the shared torch side (the reference and compiled backends use them; the
-engine uses ``mask_logits`` before sampling). Test: ``pytest tests/test_structured.py -k mask``.
+model's distribution). An all-zero mask is the caller's error (the result is undefined). flint.token_mask
+holds the shared torch side (``check_token_mask``, ``mask_logits``: the reference and compiled backends
+use them, the engine masks logits with it before sampling). Test: ``pytest tests/test_structured.py -k mask``.
 
 Backends: reference (eager PyTorch), compiled / compiled-bf16 (torch.compile baselines,
 flint.compiled), megakernel (the persistent CUDA kernel, flint.megakernel).
@@ -21,40 +21,11 @@ import sys
 
 import torch
 
-from .model import Transformer
 from .backend_api import BackendError  # noqa: F401  (re-exported: callers catch flint.backend.BackendError)
+from .model import Transformer
+from .token_mask import check_token_mask, mask_logits  # noqa: F401  (mask_logits re-exported)
 
 BACKENDS = ("reference", "compiled", "compiled-bf16", "megakernel")
-
-
-def check_token_mask(backend, mask):
-    """``mask`` as set_token_mask takes it (None clears), else ValueError naming what is wrong."""
-    if mask is None:
-        return None
-    name = getattr(backend, "name", type(backend).__name__)
-    words = (backend.cfg.vocab_size + 31) // 32
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.int32 or mask.dim() != 1 \
-            or mask.numel() != words or not mask.is_contiguous():
-        got = f"{mask.dtype} {list(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise ValueError(f"{name}: set_token_mask takes a contiguous int32 tensor of {words} words "
-                         f"(vocabulary {backend.cfg.vocab_size}), got {got}")
-    if mask.device != torch.device(backend.device):
-        raise ValueError(f"{name}: the token mask is on {mask.device}, the backend on {backend.device}")
-    return mask
-
-
-_SHIFTS: dict = {}
-
-
-def mask_logits(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``logits`` [..., V] with every token the bitmask does not allow at -inf (torch ops on the logits'
-    device: no copy to the host)."""
-    v = logits.shape[-1]
-    shifts = _SHIFTS.get(mask.device)
-    if shifts is None:
-        shifts = _SHIFTS[mask.device] = torch.arange(32, dtype=torch.int32, device=mask.device)
-    allowed = ((mask.view(-1, 1) >> shifts) & 1).view(-1)[:v].bool()
-    return logits.masked_fill(~allowed, float("-inf"))
 
 
 class ReferenceBackend(Transformer):

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .backend import check_token_mask, mask_logits
+from .token_mask import check_token_mask, mask_logits
 from .backend_api import BackendError, check_greedy_run
 from .config import ModelConfig
 from .model import apply_rope, dense, rms_norm, rope_tables

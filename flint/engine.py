@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .backend import mask_logits
+from .token_mask import mask_logits
 
 
 class ContextError(ValueError):

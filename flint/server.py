@@ -615,19 +615,21 @@ class ToolPlan:
     """How one chat request uses tools: the format its template speaks, the tools shown to the model, whether
     the output is parsed for calls, and the grammar that forces a call (tool_choice required or named)."""
 
-    def __init__(self, fmt, tools: list[dict] | None, parse: bool, force=None, keep_special: bool = False):
+    def __init__(self, fmt, tools: list[dict] | None, parse: bool, force=None, keep_special: bool = False,
+                 param: str = "tool_choice"):
         self.fmt, self.tools, self.parse, self.force, self.keep_special = fmt, tools, parse, force, keep_special
+        self.param = param  # the field the grammar comes from: tool_choice (a forced call), tools (strict, auto)
 
 
 def _tool_plan(req, state: ServerState) -> ToolPlan:
     from .grammar import GrammarError
-    from .tools import call_grammar, check_tools, detect_format
+    from .tools import auto_grammar, call_grammar, check_tools, detect_format
 
     fmt = detect_format(state.lm.tokenizer.chat_template)
     if not req.tools or req.tool_choice == "none":  # "none": the tools are not shown, the output is text
         return ToolPlan(fmt, None, False)
     tools = [t.model_dump(exclude_none=True) for t in req.tools]
-    force = None
+    force, param = None, "tool_choice"
     try:
         check_tools(tools)
         choice = req.tool_choice
@@ -645,6 +647,12 @@ def _tool_plan(req, state: ServerState) -> ToolPlan:
                                     "speculative decoding (this server runs --draft) does not apply",
                                param="tool_choice", code="unsupported_parameter")
             force = call_grammar(state.grammars, fmt, chosen, parallel)
+        elif any(t["function"].get("strict") for t in tools):  # auto, strict: text, or calls valid for their schemas
+            if state.engine.unsupported(_probe_constraint()):
+                raise APIError(400, "tools: strict function schemas need grammar-constrained decoding, which "
+                                    "speculative decoding (this server runs --draft) does not apply",
+                               param="tools", code="unsupported_parameter")
+            force, param = auto_grammar(state.grammars, fmt, tools, req.parallel_tool_calls is not False), "tools"
         else:  # auto: the schemas must still be ones the engine could force
             for i, t in enumerate(tools):
                 if "parameters" in t["function"]:
@@ -653,7 +661,7 @@ def _tool_plan(req, state: ServerState) -> ToolPlan:
         raise APIError(400, str(e), param=e.param, code="invalid_value") from None
     tok = state.lm.tokenizer
     specials = {t.content for t in tok.tk.get_added_tokens_decoder().values() if t.special}
-    return ToolPlan(fmt, tools, True, force, keep_special=bool({fmt.begin, fmt.end} & specials))
+    return ToolPlan(fmt, tools, True, force, keep_special=bool({fmt.begin, fmt.end} & specials), param=param)
 
 
 def _probe_constraint():
@@ -688,7 +696,7 @@ def _constraint(req, state: ServerState, plan: ToolPlan | None):
     if req.grammar is not None:
         asked.append(("grammar", lambda: g.gbnf(req.grammar, "grammar")))
     if plan is not None and plan.force is not None:
-        asked.append(("tool_choice", lambda: plan.force))
+        asked.append((plan.param, lambda: plan.force))
     if not asked:
         return None
     if len(asked) > 1:

@@ -218,29 +218,52 @@ def _call_schema(tool: dict, fmt: ToolFormat) -> dict:
             "required": ["name", fmt.args_key], "additionalProperties": False}
 
 
-def call_grammar(grammars, fmt: ToolFormat, tools: list[dict], parallel: bool, param: str = "tool_choice"):
-    """The Constraint that makes the output a call of one of ``tools`` (several when ``parallel`` and the format
-    allows them), each tool's schema checked first."""
-    for i, t in enumerate(tools):  # each schema alone first, so an error names its tool
-        grammars.json_schema(t["function"].get("parameters") or NO_PARAMETERS,
-                             f"tools.{i}.function.parameters")
+def _calls_rule(grammars, fmt: ToolFormat, tools: list[dict], many: bool) -> str:
+    """Lark rules whose ``calls`` is one call (several when ``many``) of one of ``tools``."""
     schemas = [_call_schema(t, fmt) for t in tools]
     one = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     one = dict(one, **{"x-guidance": JSON_OPTIONS})
-    many = parallel and fmt.parallel
     if fmt.listed:
         arr = {"type": "array", "items": one, "minItems": 1, **({} if many else {"maxItems": 1}),
                "x-guidance": JSON_OPTIONS}
-        lark = f"start: {grammars.literal(fmt.begin)} %json {json.dumps(arr)}"
-    elif fmt.begin is None:
-        lark = f"start: %json {json.dumps(one)}"
-    else:
-        call = f'{grammars.literal(fmt.begin)} "\\n" %json {json.dumps(one)} "\\n" {grammars.literal(fmt.end)}'
-        lark = f'start: call ("\\n" call)*\ncall: {call}' if many else f"start: {call}"
+        return f"calls: {grammars.literal(fmt.begin)} %json {json.dumps(arr)}"
+    if fmt.begin is None:
+        return f"calls: %json {json.dumps(one)}"
+    call = f'{grammars.literal(fmt.begin)} "\\n" %json {json.dumps(one)} "\\n" {grammars.literal(fmt.end)}'
+    return f'calls: call ("\\n" call)*\ncall: {call}' if many else f"calls: {call}"
+
+
+def _compile(grammars, lark: str, tools: list[dict], param: str):
+    for i, t in enumerate(tools):  # each schema alone first, so an error names its tool
+        grammars.json_schema(t["function"].get("parameters") or NO_PARAMETERS, f"tools.{i}.function.parameters")
     try:
         return grammars.lark(lark, param)
     except GrammarError as e:
         raise GrammarError(f"{param}: the tools' call grammar cannot be compiled ({e})", param) from None
+
+
+def call_grammar(grammars, fmt: ToolFormat, tools: list[dict], parallel: bool, param: str = "tool_choice"):
+    """The Constraint that makes the output a call of one of ``tools`` (several when ``parallel`` and the format
+    allows them), each tool's schema checked first."""
+    rules = _calls_rule(grammars, fmt, tools, parallel and fmt.parallel)
+    return _compile(grammars, "start: calls\n" + rules, tools, param)
+
+
+_REGEX_META = set("\\.+*?()|[]{}^$&~")
+
+
+def auto_grammar(grammars, fmt: ToolFormat, tools: list[dict], parallel: bool, param: str = "tools"):
+    """tool_choice auto with strict tools: the output is either text with no call in it, or calls whose arguments
+    are valid for their schemas (text before a call is not allowed under this grammar)."""
+    if fmt.begin is None:  # a bare-JSON format: text is anything that does not open an object
+        text = r"/[^{ \t\n](.|\n)*/"
+    elif grammars.literal(fmt.begin).startswith("<["):  # a special token: text can never produce it
+        text = r"/(.|\n)+/"
+    else:
+        marker = "".join("\\" + c if c in _REGEX_META else c for c in fmt.begin)
+        text = rf"/(.|\n)+/ & ~/(.|\n)*{marker}(.|\n)*/"
+    rules = _calls_rule(grammars, fmt, tools, parallel and fmt.parallel)
+    return _compile(grammars, f"start: TEXT | calls\nTEXT: {text}\n" + rules, tools, param)
 
 
 def check_tools(tools: list[dict]) -> None:

@@ -159,7 +159,8 @@ def test_forced_calls_streamed_and_not(smol):
 
 @needs_smollm2
 def test_agent_loop(smol):
-    """A forced call, the tool's answer sent back, the final answer (tool_choice auto, then none)."""
+    """A forced call, the tool's answer sent back, the final answer (tool_choice auto with a strict schema, then
+    none)."""
     messages = list(ASK)
     r = smol.client.chat.completions.create(model=smol.model, messages=messages, tools=[WEATHER],
                                             tool_choice="required", parallel_tool_calls=False, max_tokens=40,
@@ -168,15 +169,16 @@ def test_agent_loop(smol):
     check_call(call)
     messages += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                  {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 degrees C"}]
-    r = smol.client.chat.completions.create(model=smol.model, messages=messages, tools=[WEATHER], max_tokens=24,
+    strict = {"type": "function", "function": dict(WEATHER["function"], strict=True)}
+    r = smol.client.chat.completions.create(model=smol.model, messages=messages, tools=[strict], max_tokens=40,
                                             temperature=0)
-    m = r.choices[0].message  # auto: either shape is valid; whichever came must be well formed
+    m = r.choices[0].message  # auto, strict: text, or calls whose arguments follow the schema
     if m.tool_calls:
-        assert r.choices[0].finish_reason in ("tool_calls", "length")
+        assert r.choices[0].finish_reason == "tool_calls" and m.content is None
         for c in m.tool_calls:
-            assert c.function.name == "get_weather" and isinstance(json.loads(c.function.arguments), dict)
+            check_call(c)
     else:
-        assert isinstance(m.content, str) and m.content
+        assert isinstance(m.content, str) and m.content and "<tool_call>" not in m.content
     r = smol.client.chat.completions.create(model=smol.model, messages=messages, tools=[WEATHER], tool_choice="none",
                                             max_tokens=24, temperature=0)
     m = r.choices[0].message
@@ -202,3 +204,26 @@ def test_tool_errors_are_400s_naming_the_field(smol):
         with pytest.raises(openai.BadRequestError) as e:
             smol.client.chat.completions.create(model=smol.model, **{"messages": ASK, **kw}, max_tokens=4)
         assert e.value.body["param"] == param, (kw, e.value.body)
+
+
+def test_strict_tools_under_auto_allow_text_or_valid_calls(tiny_llama):
+    from flint.grammar import Grammars
+    from flint.tools import auto_grammar
+
+    tok = tiny_llama.tokenizer
+    g = Grammars(tok, tiny_llama.cfg.vocab_size, tok.eos_token_ids[0])
+    strict = {"type": "function", "function": dict(WEATHER["function"], strict=True)}
+
+    def accepts(fmt, text: str) -> bool:
+        m = auto_grammar(g, fmt, [strict], True).matcher()
+        for t in tok.encode(text, add_special_tokens=False):
+            if not m.m.consume_token(t):
+                return False
+        return m.accepting
+
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}\n</tool_call>'
+    assert accepts(FALLBACK, "Just text.") and accepts(FALLBACK, call)
+    assert not accepts(FALLBACK, call.replace('"C"', '"K"'))  # arguments outside the schema
+    assert not accepts(FALLBACK, "text then " + call)  # text with a call in it
+    assert accepts(LLAMA3, '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "F"}}')
+    assert accepts(LLAMA3, "Plain answer") and not accepts(LLAMA3, '{"name": "other", "parameters": {}}')
