@@ -675,7 +675,7 @@ def proxy_tokenizer(vocab_size: int):
 
 def run_constrained_bench(models: list[str | None], backends: list[str], schema: dict, n_tokens: int = 64,
                           repeats: int = 3, device: str | None = None, group_size: int = 128, seed: int = 0,
-                          log=print) -> dict:
+                          log=print, prompt: str = BENCH_PROMPT) -> dict:
     """Constrained against unconstrained decode tok/s in one run (see the module doc); returns the JSON doc."""
     from .engine import Engine, SamplingParams
     from .grammar import Grammars
@@ -692,8 +692,7 @@ def run_constrained_bench(models: list[str | None], backends: list[str], schema:
         name = spec or "embedded:smollm2"
         tok = lm.tokenizer or proxy_tokenizer(lm.cfg.vocab_size)
         eos = tok.eos_token_ids[:1]
-        ids = tok.encode_chat([{"role": "user", "content": BENCH_PROMPT}]) if tok.chat_template else \
-            tok.encode(BENCH_PROMPT)
+        ids = tok.encode_chat([{"role": "user", "content": prompt}]) if tok.chat_template else tok.encode(prompt)
         grammars = Grammars(tok, lm.cfg.vocab_size, eos[0])
         constraint = grammars.json_schema(schema, "--response-format")
         for bname in backends:

@@ -94,10 +94,20 @@ class Grammars:
         self.tokenizer, self.vocab, self.eos = tokenizer, vocab, eos
 
     @functools.cached_property
-    def lltok(self):
+    def _lltok(self):
+        """llguidance's view of the tokenizer, or the reason it cannot be built (kept: it is not retried)."""
         import llguidance
 
-        return llguidance.LLTokenizer(self.tokenizer.tk.to_str(), n_vocab=self.vocab, eos_token=self.eos)
+        try:
+            return llguidance.LLTokenizer(self.tokenizer.tk.to_str(), n_vocab=self.vocab, eos_token=self.eos)
+        except (ValueError, RuntimeError, TypeError) as e:
+            return f"grammar constraints are not available for this tokenizer (llguidance: {e})"
+
+    @property
+    def lltok(self):
+        if isinstance(self._lltok, str):
+            raise GrammarError(self._lltok)
+        return self._lltok
 
     def _check(self, grammar: str, param: str, kind: str, schema: dict | None = None) -> Constraint:
         import llguidance

