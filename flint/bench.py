@@ -35,9 +35,11 @@ Constrained decoding (``--response-format json`` or ``--response-format SCHEMA.j
 the engine decodes the same prompt greedily without a constraint (``--tokens`` tokens, ignore_eos: the
 greedy_run bursts where the backend has them) and under the JSON schema (llguidance's mask each step, the
 backend's masked argmax where it has ``set_token_mask``), ``--repeats`` times each after a warm-up, and
-reports both decode tok/s (median) and their ratio; every constrained output is parsed and validated
-against the schema (jsonschema), and the row counts the valid ones. The default schema is bounded (short
-strings, bounded integers), so a model with random weights also finishes its document. A model without a
+reports both decode tok/s (median), their ratio and the grammar's own host time per token (llguidance's
+mask fill and advance); every constrained output is parsed and validated against the schema (jsonschema),
+and the row counts the valid ones. The built-in schema (``json``) has free strings, bounded integers, an
+enum and a boolean; on a synthetic model its strings get maxLength 24 (random weights never close a free
+string), which costs llguidance ~5x more per token at 100k tokens (bench/results). A model without a
 tokenizer (``synthetic:``) gets the embedded SmolLM2's extended to its vocabulary size with merges of two
 tokens (``proxy_tokenizer``: a Granite-size vocabulary for the mask's cost; its text means nothing).
 
@@ -638,11 +640,15 @@ def draft_table(doc: dict) -> str:
 # ------------------------------------------------------------------ constrained decoding
 
 BENCH_SCHEMA = {"type": "object",
-                "properties": {"city": {"type": "string", "maxLength": 24},
-                               "country": {"type": "string", "maxLength": 24},
+                "properties": {"city": {"type": "string"}, "country": {"type": "string"},
                                "population": {"type": "integer", "minimum": 0, "maximum": 100000000},
                                "kind": {"enum": ["capital", "port", "village"]}, "coastal": {"type": "boolean"}},
                 "required": ["city", "country", "population", "kind", "coastal"], "additionalProperties": False}
+# random weights never close a free string (a closing token is a few of ~1e5 allowed): synthetic models get
+# strings of at most 24 characters, which cost llguidance more per token (bench/results/grammar_engines_2026-12-02.md)
+BENCH_SCHEMA_BOUNDED = {**BENCH_SCHEMA, "properties": {**BENCH_SCHEMA["properties"],
+                                                       "city": {"type": "string", "maxLength": 24},
+                                                       "country": {"type": "string", "maxLength": 24}}}
 BENCH_PROMPT = "Describe Lisbon as a JSON object: city, country, population, kind, coastal."
 
 
@@ -673,7 +679,7 @@ def proxy_tokenizer(vocab_size: int):
                      base.eos_token_ids)
 
 
-def run_constrained_bench(models: list[str | None], backends: list[str], schema: dict, n_tokens: int = 64,
+def run_constrained_bench(models: list[str | None], backends: list[str], schema: dict | None, n_tokens: int = 64,
                           repeats: int = 3, device: str | None = None, group_size: int = 128, seed: int = 0,
                           log=print, prompt: str = BENCH_PROMPT) -> dict:
     """Constrained against unconstrained decode tok/s in one run (see the module doc); returns the JSON doc."""
@@ -684,13 +690,16 @@ def run_constrained_bench(models: list[str | None], backends: list[str], schema:
         import jsonschema
     except ImportError:
         raise BenchError("--response-format validates every output with jsonschema: pip install jsonschema") from None
-    jsonschema.Draft202012Validator.check_schema(schema)
+    given = schema
+    if given is not None:
+        jsonschema.Draft202012Validator.check_schema(given)
     dev = torch.device(device or default_device())
-    doc = {"device": device_name(dev), "schema": schema, "constrained": []}
+    doc = {"device": device_name(dev), "constrained": []}
     for spec in models:
         lm = load_bench_model(spec, group_size if any(b in INT4_BACKENDS for b in backends) else None, dev, seed)
         name = spec or "embedded:smollm2"
         tok = lm.tokenizer or proxy_tokenizer(lm.cfg.vocab_size)
+        schema = given or (BENCH_SCHEMA_BOUNDED if spec and spec.startswith("synthetic:") else BENCH_SCHEMA)
         eos = tok.eos_token_ids[:1]
         ids = tok.encode_chat([{"role": "user", "content": prompt}]) if tok.chat_template else tok.encode(prompt)
         grammars = Grammars(tok, lm.cfg.vocab_size, eos[0])
@@ -703,13 +712,15 @@ def run_constrained_bench(models: list[str | None], backends: list[str], schema:
             bound = SamplingParams(max_new_tokens=4 * n_tokens, constraint=constraint)
             engine.generate(ids, free)  # warm-up: compiles, captures, places scratch
             engine.generate(ids, bound)
-            plain, masked, valid, lengths, errors = [], [], 0, [], []
+            plain, masked, valid, lengths, errors, grammar_s = [], [], 0, [], [], []
             for _ in range(repeats):
                 engine.cached = []  # the same prefill every pass
                 plain.append(engine.generate(ids, free).decode_tok_s)
                 engine.cached = []
+                constraint.seconds = 0.0
                 r = engine.generate(ids, bound)
                 masked.append(r.decode_tok_s)
+                grammar_s.append(constraint.seconds / max(1, len(r.token_ids)))
                 lengths.append(len(r.token_ids))
                 try:
                     jsonschema.validate(json.loads(r.text), schema)
@@ -720,7 +731,9 @@ def run_constrained_bench(models: list[str | None], backends: list[str], schema:
                    "constrained_tok_s": round(statistics.median(masked), 2),
                    "ratio": round(statistics.median(masked) / statistics.median(plain), 4),
                    "kernel_mask": bool(getattr(backend, "supports_token_mask", False)),
-                   "outputs": repeats, "valid": valid, "constrained_tokens": lengths, "vocab": lm.cfg.vocab_size}
+                   "grammar_us_per_token": round(statistics.median(grammar_s) * 1e6, 1),
+                   "outputs": repeats, "valid": valid, "constrained_tokens": lengths, "vocab": lm.cfg.vocab_size,
+                   "schema": schema}
             if errors:
                 row["invalid"] = errors
             doc["constrained"].append(row)
@@ -735,12 +748,12 @@ def run_constrained_bench(models: list[str | None], backends: list[str], schema:
 
 
 def constrained_table(doc: dict) -> str:
-    lines = ["| model | backend | vocab | unconstrained tok/s | constrained tok/s | ratio | kernel mask | valid |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | backend | vocab | unconstrained tok/s | constrained tok/s | ratio | grammar us/token | "
+             "kernel mask | valid |", "|---|---|---|---|---|---|---|---|---|"]
     for r in doc["constrained"]:
         lines.append(f"| {r['model']} | {r['backend']} | {r['vocab']} | {r['unconstrained_tok_s']} | "
-                     f"{r['constrained_tok_s']} | {r['ratio']:.1%} | {'yes' if r['kernel_mask'] else 'no'} | "
-                     f"{r['valid']}/{r['outputs']} |")
+                     f"{r['constrained_tok_s']} | {r['ratio']:.1%} | {r['grammar_us_per_token']} | "
+                     f"{'yes' if r['kernel_mask'] else 'no'} | {r['valid']}/{r['outputs']} |")
     return "\n".join(lines)
 
 
@@ -783,7 +796,7 @@ def _run(args) -> int:
         return 0
     if args.response_format:
         if args.response_format == "json":
-            schema = BENCH_SCHEMA
+            schema = None  # BENCH_SCHEMA, or its bounded-strings form on a synthetic model
         else:
             try:
                 schema = json.loads(Path(args.response_format).read_text())

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 
 import torch
 
@@ -50,19 +51,25 @@ class Matcher:
         if self.m.is_error():
             raise GrammarError(self.m.get_error(), constraint.param)
         self.words = mask_words(constraint.grammars.vocab)
+        self.constraint = constraint
 
     def fill(self, mask: torch.Tensor) -> torch.Tensor:
         """Write the next step's allowed tokens into ``mask`` (int32 [ceil(V / 32)], on the CPU, contiguous)."""
         if mask.dtype != torch.int32 or mask.device.type != "cpu" or not mask.is_contiguous() \
                 or mask.numel() != self.words:
             raise ValueError(f"the token mask must be a contiguous CPU int32 tensor of {self.words} words")
+        t0 = time.perf_counter()
         self.m.unsafe_compute_mask_ptr(mask.data_ptr(), self.words * 4)
+        self.constraint.seconds += time.perf_counter() - t0
         if self.m.is_error():
             raise RuntimeError(f"grammar: {self.m.get_error()}")
         return mask
 
     def consume(self, token: int) -> None:
-        if not self.m.consume_token(int(token)):
+        t0 = time.perf_counter()
+        ok = self.m.consume_token(int(token))
+        self.constraint.seconds += time.perf_counter() - t0
+        if not ok:
             raise RuntimeError(f"grammar: token {int(token)} was not allowed ({self.m.get_error()})")
 
     @property
@@ -81,6 +88,7 @@ class Constraint:
     def __init__(self, grammars: "Grammars", grammar: str, param: str | None, kind: str,
                  schema: dict | None = None):
         self.grammars, self.grammar, self.param, self.kind, self.schema = grammars, grammar, param, kind, schema
+        self.seconds = 0.0  # host time its matchers spent in fill and consume (flint bench reports it)
 
     def matcher(self) -> Matcher:
         return Matcher(self)
