@@ -5,7 +5,10 @@
 Routes: GET|HEAD /health (503 while the model loads, 200 after), GET /v1/models[/{id}], POST /v1/completions,
 POST /v1/chat/completions (SSE streaming with ``stream``; ``stream_options.include_usage``; logprobs as
 OpenAI shapes them; llama.cpp's ``timings`` in each answer), GET /metrics (Prometheus), POST /tokenize and
-/detokenize (vLLM's and llama.cpp's field names).
+/detokenize (vLLM's and llama.cpp's field names). Structured output (``response_format``, vLLM's
+``structured_outputs``, llama.cpp's ``grammar``) compiles to a flint.grammar constraint the engine applies
+each step; ``tools`` / ``tool_choice`` go through flint.tools (rendered by the chat template, the output
+parsed into ``tool_calls``, a forced call constrained to the function's schema).
 The engine decodes one sequence at a time: requests wait in a FIFO (``--max-queue`` waiting
 requests at most, 429 beyond) and one worker thread owns the engine; a client that goes away
 cancels its generation at the next token (or the next prefill chunk). Every error is an OpenAI
@@ -18,7 +21,8 @@ tokenizing runs on its own thread. Without an API key only loopback Host names a
 request heads and bodies have deadlines and open connections a cap. SIGTERM drains: running and
 queued requests finish (up to --drain-timeout), new ones get 503. One log line per request (id,
 prompt/completion tokens, queue wait, TTFT, decode tok/s). Usage: docs/serve.md. Tests:
-``pytest tests/test_server.py tests/test_server_guard.py tests/test_server_ops.py``.
+``pytest tests/test_server.py tests/test_server_guard.py tests/test_server_ops.py tests/test_structured.py
+tests/test_tools.py``.
 
 Heavy imports (fastapi, pydantic, uvicorn, torch) happen inside functions: `flint` imports this
 module to build its parser, and other subcommands should not pay for them.
@@ -122,7 +126,7 @@ def schemas():
         name: str
         description: str | None = None
         parameters: dict | None = None  # a JSON schema of the arguments
-        strict: bool | None = None  # the arguments are constrained to the schema when a call is forced
+        strict: bool | None = None  # true: the output is constrained under tool_choice auto too (forced calls always are)
 
     class Tool(_Base):
         type: Literal["function"]
@@ -645,16 +649,10 @@ def _tool_plan(req, state: ServerState) -> ToolPlan:
                                        "tool_choice.function.name")
             # a named function is called once; "required" allows several when parallel_tool_calls permits
             parallel = choice == "required" and req.parallel_tool_calls is not False
-            if state.engine.unsupported(_probe_constraint()):
-                raise APIError(400, "tool_choice: forcing a tool call needs grammar-constrained decoding, which "
-                                    "speculative decoding (this server runs --draft) does not apply",
-                               param="tool_choice", code="unsupported_parameter")
+            _refuse_on_draft(state, "tool_choice", "forcing a tool call")
             force = call_grammar(state.grammars, fmt, chosen, parallel)
         elif any(t["function"].get("strict") for t in tools):  # auto, strict: text, or calls valid for their schemas
-            if state.engine.unsupported(_probe_constraint()):
-                raise APIError(400, "tools: strict function schemas need grammar-constrained decoding, which "
-                                    "speculative decoding (this server runs --draft) does not apply",
-                               param="tools", code="unsupported_parameter")
+            _refuse_on_draft(state, "tools", "strict function schemas")
             force, param = auto_grammar(state.grammars, fmt, tools, req.parallel_tool_calls is not False), "tools"
         else:  # auto: the schemas must still be ones the engine could force
             for i, t in enumerate(tools):
@@ -667,10 +665,13 @@ def _tool_plan(req, state: ServerState) -> ToolPlan:
     return ToolPlan(fmt, tools, True, force, keep_special=bool({fmt.begin, fmt.end} & specials), param=param)
 
 
-def _probe_constraint():
+def _refuse_on_draft(state: ServerState, param: str, what: str) -> None:
+    """A 400 naming ``param`` when the engine cannot apply a grammar (speculative decoding: no token mask)."""
     from .engine import SamplingParams
 
-    return SamplingParams(constraint=object())
+    if state.engine.unsupported(SamplingParams(constraint=object())):
+        raise APIError(400, f"{param}: {what} needs grammar-constrained decoding, which speculative decoding "
+                            "(this server runs --draft) does not apply", param=param, code="unsupported_parameter")
 
 
 def _constraint(req, state: ServerState, plan: ToolPlan | None):
@@ -709,9 +710,7 @@ def _constraint(req, state: ServerState, plan: ToolPlan | None):
     if req.ignore_eos:
         raise APIError(400, f"ignore_eos cannot be combined with {param} (the grammar ends the output)",
                        param="ignore_eos", code="invalid_value")
-    if state.engine.unsupported(_probe_constraint()):
-        raise APIError(400, f"{param}: grammar-constrained decoding is not supported with speculative decoding "
-                            "(this server runs --draft)", param=param, code="unsupported_parameter")
+    _refuse_on_draft(state, param, "this output constraint")
     try:
         return build()
     except GrammarError as e:
