@@ -4,6 +4,14 @@ Every backend serves the decode-step API described in flint.backend_api (forward
 greedy_next, greedy_run, max_chunk), with ``BackendError`` (re-exported here) and
 ``check_greedy_run``.
 
+Token masks (grammar-constrained decoding): a backend with ``supports_token_mask = True`` takes
+``set_token_mask(mask)``, a contiguous int32 tensor of ceil(V / 32) words on its device (bit i & 31 of
+word i >> 5 set = token i allowed), or None to clear it; it applies to the argmax of every following
+``greedy_next`` / ``greedy_run`` call until set again, never to ``forward()``'s logits (logprobs stay the
+model's distribution). An all-zero mask is the caller's error (the result is undefined). flint.token_mask
+holds the shared torch side (``check_token_mask``, ``mask_logits``: the reference and compiled backends
+use them, the engine masks logits with it before sampling). Test: ``pytest tests/test_structured.py -k mask``.
+
 Backends: reference (eager PyTorch), compiled / compiled-bf16 (torch.compile baselines,
 flint.compiled), megakernel (the persistent CUDA kernel, flint.megakernel).
 """
@@ -14,8 +22,26 @@ import sys
 import torch
 
 from .backend_api import BackendError  # noqa: F401  (re-exported: callers catch flint.backend.BackendError)
+from .model import Transformer
+from .token_mask import check_token_mask, mask_logits  # noqa: F401  (mask_logits re-exported)
 
 BACKENDS = ("reference", "compiled", "compiled-bf16", "megakernel")
+
+
+class ReferenceBackend(Transformer):
+    """The reference decoder (flint.model) with the M = 1 argmax step ``greedy_next`` and its token mask."""
+
+    supports_token_mask = True
+    token_mask = None
+
+    def set_token_mask(self, mask) -> None:
+        self.token_mask = check_token_mask(self, mask)
+
+    def greedy_next(self, token: int, pos: int) -> int:
+        logits = self.forward(torch.tensor([int(token)], dtype=torch.long), pos)[-1]
+        if self.token_mask is not None:
+            logits = mask_logits(logits, self.token_mask)
+        return int(torch.argmax(logits))
 
 
 def cuda_sm90() -> bool:
@@ -48,13 +74,11 @@ def make_backend(name: str, lm, max_seq_len: int | None = None, device: str | No
                            f"{cfg.max_position_embeddings}")
     device = device or default_device()
     if name == "reference":
-        from .model import Transformer
-
         if dtype is None:
             dtype = "float32" if torch.device(device).type == "cpu" else "bfloat16"
         if dtype not in ("float32", "bfloat16"):
             raise BackendError(f"--dtype {dtype!r}: the reference runs float32 or bfloat16")
-        return Transformer(cfg, lm.params, max_seq_len, device=device, dtype=getattr(torch, dtype))
+        return ReferenceBackend(cfg, lm.params, max_seq_len, device=device, dtype=getattr(torch, dtype))
     if name in ("compiled", "compiled-bf16"):
         from .compiled import CompiledBackend
 

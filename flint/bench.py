@@ -31,8 +31,21 @@ of M tokens at every ctx, a speculative verify step of M - 1 drafts: ``"us_per_s
 step: the verify curve), rewritten after every result; ``--plot PATH.png`` draws tok/s against context per backend with each backend's
 bandwidth ceiling (bandwidth / bytes per token) dashed.
 
+Constrained decoding (``--response-format json`` or ``--response-format SCHEMA.json``): per model x backend,
+the engine decodes the same prompt greedily without a constraint (``--tokens`` tokens, ignore_eos: the
+greedy_run bursts where the backend has them) and under the JSON schema (llguidance's mask each step, the
+backend's masked argmax where it has ``set_token_mask``), ``--repeats`` times each after a warm-up, and
+reports both decode tok/s (median), their ratio and the grammar's own host time per token (llguidance's
+mask fill and advance); every constrained output is parsed and validated against the schema (jsonschema),
+and the row counts the valid ones. The built-in schema (``json``) has free strings, bounded integers, an
+enum and a boolean; on a synthetic model its strings get maxLength 24 (random weights never close a free
+string), which costs llguidance ~5x more per token at 100k tokens (bench/results). A model without a
+tokenizer (``synthetic:``) gets the embedded SmolLM2's extended to its vocabulary size with merges of two
+tokens (``proxy_tokenizer``: a Granite-size vocabulary for the mask's cost; its text means nothing).
+
 Run: ``flint bench --model synthetic:granite-4.1-3b --backend reference,compiled,compiled-bf16
---ctx 512,2048`` (or ``python -m flint.bench ...``). Test: ``pytest tests/test_bench.py``.
+--ctx 512,2048`` (or ``python -m flint.bench ...``); ``flint bench --model synthetic:granite-4.1-3b
+--backend megakernel --response-format json``. Test: ``pytest tests/test_bench.py``.
 """
 from __future__ import annotations
 
@@ -624,6 +637,126 @@ def draft_table(doc: dict) -> str:
     return "\n".join(lines) + "\n\ntokens_per_step counts the target's own token (1 + accepted drafts)." + note
 
 
+# ------------------------------------------------------------------ constrained decoding
+
+BENCH_SCHEMA = {"type": "object",
+                "properties": {"city": {"type": "string"}, "country": {"type": "string"},
+                               "population": {"type": "integer", "minimum": 0, "maximum": 100000000},
+                               "kind": {"enum": ["capital", "port", "village"]}, "coastal": {"type": "boolean"}},
+                "required": ["city", "country", "population", "kind", "coastal"], "additionalProperties": False}
+# random weights never close a free string (a closing token is a few of ~1e5 allowed): synthetic models get
+# strings of at most 24 characters, which cost llguidance more per token (bench/results/grammar_engines_2026-12-02.md)
+BENCH_SCHEMA_BOUNDED = {**BENCH_SCHEMA, "properties": {**BENCH_SCHEMA["properties"],
+                                                       "city": {"type": "string", "maxLength": 24},
+                                                       "country": {"type": "string", "maxLength": 24}}}
+BENCH_PROMPT = "Describe Lisbon as a JSON object: city, country, population, kind, coastal."
+
+
+def proxy_tokenizer(vocab_size: int):
+    """The embedded SmolLM2 tokenizer grown to ``vocab_size`` tokens with merges of two of its first 20000
+    tokens (seeded): a vocabulary of a real model's size and byte-level shape, for timing grammar masks."""
+    import random
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from .loading import load_model
+    from .tokenizer import Tokenizer
+
+    base = load_model("embedded:smollm2").tokenizer
+    spec = json.loads(base.tk.to_str())
+    vocab, merges = spec["model"]["vocab"], spec["model"]["merges"]
+    if vocab_size < len(vocab):
+        raise BenchError(f"proxy tokenizer: vocabulary {vocab_size} is smaller than SmolLM2's {len(vocab)}")
+    pool = [t for t, i in sorted(vocab.items(), key=lambda kv: kv[1])[:20000] if i >= 32]  # not specials
+    rng, n = random.Random(0), len(vocab)
+    while n < vocab_size:
+        a, b = rng.choice(pool), rng.choice(pool)
+        if a + b not in vocab:
+            vocab[a + b] = n
+            merges.append([a, b] if merges and isinstance(merges[0], list) else f"{a} {b}")
+            n += 1
+    return Tokenizer(HFTokenizer.from_str(json.dumps(spec)), base.chat_template, base.bos_token, base.eos_token,
+                     base.eos_token_ids)
+
+
+def run_constrained_bench(models: list[str | None], backends: list[str], schema: dict | None, n_tokens: int = 64,
+                          repeats: int = 3, device: str | None = None, group_size: int = 128, seed: int = 0,
+                          log=print, prompt: str = BENCH_PROMPT) -> dict:
+    """Constrained against unconstrained decode tok/s in one run (see the module doc); returns the JSON doc."""
+    from .engine import Engine, SamplingParams
+    from .grammar import Grammars
+
+    try:
+        import jsonschema
+    except ImportError:
+        raise BenchError("--response-format validates every output with jsonschema: pip install jsonschema") from None
+    given = schema
+    if given is not None:
+        jsonschema.Draft202012Validator.check_schema(given)
+    dev = torch.device(device or default_device())
+    doc = {"device": device_name(dev), "constrained": []}
+    for spec in models:
+        lm = load_bench_model(spec, group_size if any(b in INT4_BACKENDS for b in backends) else None, dev, seed)
+        name = spec or "embedded:smollm2"
+        tok = lm.tokenizer or proxy_tokenizer(lm.cfg.vocab_size)
+        schema = given or (BENCH_SCHEMA_BOUNDED if spec and spec.startswith("synthetic:") else BENCH_SCHEMA)
+        eos = tok.eos_token_ids[:1]
+        ids = tok.encode_chat([{"role": "user", "content": prompt}]) if tok.chat_template else tok.encode(prompt)
+        grammars = Grammars(tok, lm.cfg.vocab_size, eos[0])
+        constraint = grammars.json_schema(schema, "--response-format")
+        for bname in backends:
+            backend = make_backend(bname, lm, max_seq_len=len(ids) + 4 * n_tokens + 8, device=str(dev),
+                                   group_size=group_size)
+            engine = Engine(backend, tok, eos_token_ids=eos)
+            free = SamplingParams(max_new_tokens=n_tokens, ignore_eos=True)
+            bound = SamplingParams(max_new_tokens=4 * n_tokens, constraint=constraint)
+            engine.generate(ids, free)  # warm-up: compiles, captures, places scratch
+            engine.generate(ids, bound)
+            plain, masked, valid, lengths, errors, grammar_s = [], [], 0, [], [], []
+            for _ in range(repeats):
+                engine.cached = []  # the same prefill every pass
+                plain.append(engine.generate(ids, free).decode_tok_s)
+                engine.cached = []
+                constraint.seconds = 0.0
+                r = engine.generate(ids, bound)
+                masked.append(r.decode_tok_s)
+                grammar_s.append(constraint.seconds / max(1, len(r.token_ids)))
+                lengths.append(len(r.token_ids))
+                try:
+                    jsonschema.validate(json.loads(r.text), schema)
+                    valid += 1
+                except (ValueError, jsonschema.ValidationError) as e:
+                    errors.append(f"{type(e).__name__}: {str(e)[:120]} in {r.text[:200]!r}")
+            row = {"model": name, "backend": bname, "unconstrained_tok_s": round(statistics.median(plain), 2),
+                   "constrained_tok_s": round(statistics.median(masked), 2),
+                   "ratio": round(statistics.median(masked) / statistics.median(plain), 4),
+                   "kernel_mask": bool(getattr(backend, "supports_token_mask", False)),
+                   "grammar_us_per_token": round(statistics.median(grammar_s) * 1e6, 1),
+                   "outputs": repeats, "valid": valid, "constrained_tokens": lengths, "vocab": lm.cfg.vocab_size,
+                   "schema": schema}
+            if errors:
+                row["invalid"] = errors
+            doc["constrained"].append(row)
+            log(f"  {name} {bname}: unconstrained {row['unconstrained_tok_s']} tok/s, constrained "
+                f"{row['constrained_tok_s']} tok/s ({row['ratio']:.1%}), {valid}/{repeats} outputs valid",
+                file=sys.stderr)
+            del engine, backend
+            gc.collect()
+        del lm
+        gc.collect()
+    return doc
+
+
+def constrained_table(doc: dict) -> str:
+    lines = ["| model | backend | vocab | unconstrained tok/s | constrained tok/s | ratio | grammar us/token | "
+             "kernel mask | valid |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["constrained"]:
+        lines.append(f"| {r['model']} | {r['backend']} | {r['vocab']} | {r['unconstrained_tok_s']} | "
+                     f"{r['constrained_tok_s']} | {r['ratio']:.1%} | {r['grammar_us_per_token']} | "
+                     f"{'yes' if r['kernel_mask'] else 'no'} | {r['valid']}/{r['outputs']} |")
+    return "\n".join(lines)
+
+
 def default_backends(device: torch.device) -> str:
     from .backend import cuda_sm90
 
@@ -661,6 +794,22 @@ def _run(args) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
         return 0
+    if args.response_format:
+        if args.response_format == "json":
+            schema = None  # BENCH_SCHEMA, or its bounded-strings form on a synthetic model
+        else:
+            try:
+                schema = json.loads(Path(args.response_format).read_text())
+            except (OSError, ValueError) as e:
+                raise BenchError(f"--response-format {args.response_format}: not a readable JSON schema file "
+                                 f"({e})") from None
+        doc = run_constrained_bench([m or None for m in (args.model.split(",") if args.model else [None])],
+                                    _parse_list(args.backend, "backend"), schema, args.tokens, args.repeats,
+                                    device=str(dev), group_size=args.group_size, seed=args.seed)
+        print(constrained_table(doc))
+        if args.json:
+            Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+        return 0 if all(r["valid"] == r["outputs"] for r in doc["constrained"]) else 1
     ctx_default = "128,512,2048,8192" if dev.type == "cuda" else "128,512"
     doc = run_bench(
         models=[m or None for m in (args.model.split(",") if args.model else [None])],
@@ -721,6 +870,10 @@ def register(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="with --draft: sample at this temperature (lossless speculative sampling; default 0 = greedy)")
     p.add_argument("--draft-prompts", type=int, default=2, help="held-out prompts per kind (default 2)")
+    p.add_argument("--response-format", default=None, metavar="json|SCHEMA.json",
+                   help="constrained decoding: greedy decode tok/s under a JSON schema (json: a built-in bounded "
+                        "one; or a schema file) beside unconstrained in the same run, every output validated; "
+                        "exit 1 if any is invalid")
     p.set_defaults(func=_run)
 
 

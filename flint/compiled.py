@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .token_mask import check_token_mask, mask_logits
 from .backend_api import BackendError, check_greedy_run
 from .config import ModelConfig
 from .model import apply_rope, dense, rms_norm, rope_tables
@@ -148,6 +149,7 @@ class CompiledBackend:
     step. On CPU both backends therefore run eagerly: the CPU is where they are tested, not timed."""
 
     max_chunk = 512  # prefill chunk: bounds the eager attention scores to M x A
+    supports_token_mask = True  # set_token_mask: the argmax of greedy_next / greedy_run only
 
     def __init__(self, cfg: ModelConfig, params: dict, max_seq_len: int | None = None, device="cuda",
                  int4: bool = True, group_size: int = 128, compile: bool | None = None,
@@ -208,6 +210,7 @@ class CompiledBackend:
         self.hidden_buf = torch.zeros(1, cfg.hidden_size, dtype=dtype, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
+        self.token_mask = None  # set_token_mask's bitmask, or None
 
     # -------------------------------------------------------------- weights
     def _prepare(self, ws: list, name: str, group_size: int) -> tuple:
@@ -363,7 +366,13 @@ class CompiledBackend:
             raise ValueError(f"position {pos} exceeds max_seq_len {self.max_seq_len}")
         self.tok_buf.fill_(int(token))
         self._decode(pos)
+        if self.token_mask is not None:  # the masked argmax, outside the captured step (which stays unmasked)
+            return int(torch.argmax(mask_logits(self.logits_buf[0], self.token_mask)))
         return int(self.next_buf)
+
+    def set_token_mask(self, mask) -> None:
+        """The allowed-token bitmask (flint.backend's contract) for the argmax of the following greedy steps."""
+        self.token_mask = check_token_mask(self, mask)
 
     @torch.inference_mode()
     def greedy_run(self, token: int, pos: int, n: int) -> list[int]:
@@ -374,6 +383,9 @@ class CompiledBackend:
         self.tok_buf.fill_(int(token))
         for i in range(n):
             self._decode(pos + i)
-            hist[i: i + 1].copy_(self.next_buf)
-            self.tok_buf.copy_(self.next_buf)
+            nxt = self.next_buf
+            if self.token_mask is not None:
+                nxt = torch.argmax(mask_logits(self.logits_buf, self.token_mask), dim=-1)
+            hist[i: i + 1].copy_(nxt)
+            self.tok_buf.copy_(nxt)
         return hist.tolist()

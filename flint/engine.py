@@ -7,6 +7,14 @@ alternatives), KV reuse of the common prefix between calls (multi-turn chat re-s
 conversation and only the new tail is prefilled), a prefill in chunks that asks the caller between
 chunks whether to go on, and per-call stats (prompt tokens, new tokens, time to first token,
 decode tok/s). Test: ``pytest tests/test_engine.py`` (logprobs: ``tests/test_server_ops.py``).
+
+Grammar constraints (``sp.constraint``, a flint.grammar.Constraint): each step the host advances the
+grammar with the chosen token and fills the next step's allowed-token bitmask into a pinned buffer, which
+is copied to the device (non-blocking); greedy decoding on a backend with ``supports_token_mask`` then
+sets it and takes ``greedy_next`` (the argmax is masked on the device, no logits reach the host), other
+decoding masks the logits on the device before sampling. Constrained greedy decoding runs one token per
+host round trip (the next mask needs the token before it), not in ``greedy_run`` bursts. Test:
+``pytest tests/test_structured.py``.
 """
 from __future__ import annotations
 
@@ -15,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
+from .token_mask import mask_logits
 
 
 class ContextError(ValueError):
@@ -57,6 +67,8 @@ class SamplingParams:
     # log-softmax of the logits the token was drawn from, after bias and penalties, before temperature
     # and truncation: the model's distribution, as OpenAI reports it)
     logprobs: int | None = None
+    constraint: object | None = None  # a flint.grammar.Constraint: only tokens its grammar allows
+    skip_special: bool = True  # special tokens' text left out of the decoded text (tool-call markers keep it)
 
     # the fields that change logits before sampling (min_p acts on the distribution)
     LOGIT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
@@ -89,6 +101,8 @@ class SamplingParams:
                 raise ValueError(f"logit_bias: the bias of token {t} must be in [-100, 100], got {b}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0 alternatives, got {self.logprobs}")
+        if self.constraint is not None and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with a grammar constraint (the grammar ends the output)")
         if self.seed is not None and not -(1 << 63) <= self.seed <= MASK64:
             raise ValueError(f"seed must be a 64-bit integer, got {self.seed}")
         return self
@@ -242,7 +256,8 @@ class Engine:
         distributions) does not apply logit bias, penalties or min_p."""
         if type(self)._tokens is Engine._tokens:
             return []
-        return sp.adjusted() + (["min_p"] if sp.min_p else []) + (["logprobs"] if sp.logprobs is not None else [])
+        return (sp.adjusted() + (["min_p"] if sp.min_p else []) + (["logprobs"] if sp.logprobs is not None else [])
+                + (["constraint"] if sp.constraint is not None else []))
 
     def prefill(self, ids: list[int], return_hidden: bool = False):
         """Bring the cache to ``ids`` (reusing the common prefix), in chunks of PREFILL_CHUNK tokens at most
@@ -277,6 +292,9 @@ class Engine:
         adjust = None
         if sp.adjusted():  # the logits change every step: no on-device argmax shortcut
             adjust = LogitAdjuster(sp, prompt_ids, self.backend.cfg.vocab_size, logits.device)
+        if sp.constraint is not None:
+            yield from self._constrained(logits, pos, sp, gen, adjust)
+            return
         # the on-device greedy shortcuts return no logits: logprobs take the logits path
         greedy = sp.temperature == 0 and adjust is None and sp.logprobs is None
         burst = greedy and hasattr(self.backend, "greedy_run")
@@ -308,6 +326,50 @@ class Engine:
                     self.step_logprobs.append(token_logprob(logits, tok, sp.logprobs))
             pos += 1
             produced += 1
+
+    def _constrained(self, logits, pos: int, sp: SamplingParams, gen, adjust):
+        """_tokens under a grammar: every token drawn from the grammar's allowed set (see the module doc)."""
+        b = self.backend
+        matcher = sp.constraint.matcher()
+        words = (b.cfg.vocab_size + 31) // 32
+        on_cpu = logits.device.type == "cpu"
+        host = torch.zeros(words, dtype=torch.int32, pin_memory=not on_cpu and torch.cuda.is_available())
+        dev = host if on_cpu else torch.empty(words, dtype=torch.int32, device=logits.device)
+        # the kernel's masked argmax: greedy, no logit changes, no logprobs (they need the logits)
+        kernel = (sp.temperature == 0 and adjust is None and sp.logprobs is None
+                  and getattr(b, "supports_token_mask", False) and hasattr(b, "greedy_next"))
+
+        def next_mask() -> torch.Tensor:
+            matcher.fill(host)
+            if dev is not host:  # the previous step's read of dev is done: its token came back
+                dev.copy_(host, non_blocking=True)
+            return dev
+
+        def choose(logits) -> int:
+            if adjust:
+                logits = adjust(logits)
+            tok = sample(mask_logits(logits, next_mask()), sp, gen)
+            if sp.logprobs is not None:  # the model's distribution, not the grammar's
+                self.step_logprobs.append(token_logprob(logits, tok, sp.logprobs))
+            return tok
+
+        tok = choose(logits)
+        try:
+            while True:
+                matcher.consume(tok)
+                yield tok
+                if kernel:
+                    b.set_token_mask(next_mask())
+                    tok = b.greedy_next(tok, pos)
+                else:
+                    logits = b.forward(torch.tensor([tok], dtype=torch.long), pos)[-1]
+                    if adjust:
+                        adjust.add(tok)
+                    tok = choose(logits)
+                pos += 1
+        finally:
+            if kernel:
+                b.set_token_mask(None)
 
     def _on_start(self) -> None:
         """Hook: a generation begins (subclasses reset their per-call stats)."""
@@ -342,7 +404,7 @@ class Engine:
             gen = torch.Generator(device=self.backend.device)
             seed = sp.seed if sp.seed is not None else int.from_bytes(os.urandom(8), "little")
             gen.manual_seed(generator_seed(seed))
-        dec = self.tokenizer.stream() if self.tokenizer is not None else None
+        dec = self.tokenizer.stream(sp.skip_special) if self.tokenizer is not None else None
         self.last = None
         self.step_logprobs = []
         self._on_start()

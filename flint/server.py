@@ -5,7 +5,10 @@
 Routes: GET|HEAD /health (503 while the model loads, 200 after), GET /v1/models[/{id}], POST /v1/completions,
 POST /v1/chat/completions (SSE streaming with ``stream``; ``stream_options.include_usage``; logprobs as
 OpenAI shapes them; llama.cpp's ``timings`` in each answer), GET /metrics (Prometheus), POST /tokenize and
-/detokenize (vLLM's and llama.cpp's field names).
+/detokenize (vLLM's and llama.cpp's field names). Structured output (``response_format``, vLLM's
+``structured_outputs``, llama.cpp's ``grammar``) compiles to a flint.grammar constraint the engine applies
+each step; ``tools`` / ``tool_choice`` go through flint.tools (rendered by the chat template, the output
+parsed into ``tool_calls``, a forced call constrained to the function's schema).
 The engine decodes one sequence at a time: requests wait in a FIFO (``--max-queue`` waiting
 requests at most, 429 beyond) and one worker thread owns the engine; a client that goes away
 cancels its generation at the next token (or the next prefill chunk). Every error is an OpenAI
@@ -18,7 +21,8 @@ tokenizing runs on its own thread. Without an API key only loopback Host names a
 request heads and bodies have deadlines and open connections a cap. SIGTERM drains: running and
 queued requests finish (up to --drain-timeout), new ones get 503. One log line per request (id,
 prompt/completion tokens, queue wait, TTFT, decode tok/s). Usage: docs/serve.md. Tests:
-``pytest tests/test_server.py tests/test_server_guard.py tests/test_server_ops.py``.
+``pytest tests/test_server.py tests/test_server_guard.py tests/test_server_ops.py tests/test_structured.py
+tests/test_tools.py``.
 
 Heavy imports (fastapi, pydantic, uvicorn, torch) happen inside functions: `flint` imports this
 module to build its parser, and other subcommands should not pay for them.
@@ -103,10 +107,55 @@ def schemas():
         type: Literal["text"]
         text: str
 
+    class CallFunction(_Base):
+        name: str
+        arguments: str  # JSON text, as OpenAI sends it
+
+    class ToolCall(_Base):
+        id: str
+        type: Literal["function"]
+        function: CallFunction
+
     class ChatMessage(_Base):
         role: str
         content: str | list[TextPart] | None = None
         tool_call_id: str | None = None  # goes to the chat template with the message
+        tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+
+    class FunctionDef(_Base):
+        name: str
+        description: str | None = None
+        parameters: dict | None = None  # a JSON schema of the arguments
+        strict: bool | None = None  # true: the output is constrained under tool_choice auto too (forced calls always are)
+
+    class Tool(_Base):
+        type: Literal["function"]
+        function: FunctionDef
+
+    class ChoiceFunction(_Base):
+        name: str
+
+    class NamedToolChoice(_Base):
+        type: Literal["function"]
+        function: ChoiceFunction
+
+    class JsonSchemaSpec(_Base):
+        model_config = ConfigDict(extra="forbid", populate_by_name=True)
+        name: str
+        description: str | None = None
+        schema_: dict | None = Field(None, alias="schema")
+        strict: bool | None = None
+
+    class ResponseFormat(_Base):
+        type: Literal["text", "json_object", "json_schema"]
+        json_schema: JsonSchemaSpec | None = None
+
+    class StructuredOutputs(_Base):  # vLLM's extension: one of these
+        model_config = ConfigDict(extra="forbid", populate_by_name=True)
+        json_: dict | None = Field(None, alias="json")
+        regex: str | None = None
+        choice: list[str] | None = None
+        grammar: str | None = None  # Lark (llguidance's dialect)
 
     class StreamOptions(_Base):
         include_usage: bool = False
@@ -130,6 +179,8 @@ def schemas():
         min_p: float | None = Field(None, ge=0, le=1)
         repetition_penalty: float | None = Field(None, gt=0, le=10)
         ignore_eos: bool = False
+        structured_outputs: StructuredOutputs | None = None  # vLLM's spelling
+        grammar: str | None = None  # llama.cpp's: a GBNF grammar
 
     class ChatRequest(Common):
         messages: list[ChatMessage] = Field(min_length=1)
@@ -137,11 +188,11 @@ def schemas():
         logprobs: bool | None = None
         top_logprobs: int | None = None
         metadata: dict[str, str] | None = None  # labels: change no output
-        # accepted only at their neutral values (see _refuse_unsupported)
-        response_format: dict | None = None
-        tools: list | None = None
-        tool_choice: str | dict | None = None
+        response_format: ResponseFormat | None = None
+        tools: list[Tool] | None = None
+        tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
         parallel_tool_calls: bool | None = None
+        # the deprecated function-calling fields: refused (see _refuse_unsupported), tools replace them
         functions: list | None = None
         function_call: str | dict | None = None
 
@@ -417,6 +468,7 @@ class ServerState:
         self.created = int(time.time())
         self.lm = None
         self.engine = None
+        self.grammars = None  # flint.grammar.Grammars of the model's tokenizer
         self.scheduler: Scheduler | None = None
         self.ready = threading.Event()
         self.metrics = Metrics()
@@ -437,6 +489,14 @@ class ServerState:
             raise ValueError(f"model {self.model_id!r} has no tokenizer; flint serve needs text in and out")
         lm.tokenizer.max_token_chars  # computed once here, not in the first request
         self.lm, self.engine = lm, engine
+        from .grammar import Grammars
+
+        eos = next((t for t in lm.tokenizer.eos_token_ids if t in engine.eos), min(engine.eos))
+        self.grammars = Grammars(lm.tokenizer, lm.cfg.vocab_size, eos)
+        try:
+            self.grammars.lltok  # built once here (~0.3 s), not in the first constrained request
+        except ValueError as e:  # the server still serves unconstrained requests; constrained ones get a 400
+            log.warning("%s", e)
         self.scheduler = Scheduler(engine, self.max_queue, self.should_stop, self.metrics)
         self.ready.set()
         log.info("model %s ready on backend %s (context %d tokens) in %.1fs", self.model_id,
@@ -516,15 +576,16 @@ def _refuse_unsupported(req, state: ServerState) -> None:
             if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
                 refuse("top_logprobs", f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {req.top_logprobs}",
                        "invalid_value")
-        if req.response_format not in (None, {"type": "text"}):
-            refuse("response_format", "response_format: JSON mode and structured outputs are not supported yet "
-                                      "(only {\"type\": \"text\"})")
-        for name in ("tools", "functions"):
-            if getattr(req, name):
-                refuse(name, f"{name}: tool calling is not supported yet")
-        for name in ("tool_choice", "function_call"):
-            if getattr(req, name) not in (None, "none", "auto"):
-                refuse(name, f"{name}: tool calling is not supported yet")
+        for name in ("functions", "function_call"):
+            if getattr(req, name) is not None:
+                refuse(name, f"{name}: the deprecated function-calling field is not supported; use tools and "
+                             "tool_choice")
+        if req.tool_choice not in (None, "none") and not req.tools:
+            refuse("tool_choice", "tool_choice needs tools", "invalid_value")
+        rf = req.response_format
+        if rf is not None and rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema_ is None):
+            refuse("response_format.json_schema.schema", "response_format: type json_schema needs "
+                   "json_schema.schema", "invalid_value")
     else:
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
             refuse("logprobs", f"logprobs must be in 0..{MAX_TOP_LOGPROBS} (alternatives per token), got "
@@ -557,7 +618,106 @@ def _logprobs_wanted(req) -> int | None:
     return req.logprobs
 
 
-def _sampling(req, state: ServerState, n_prompt: int, prompt_param: str):
+class ToolPlan:
+    """How one chat request uses tools: the format its template speaks, the tools shown to the model, whether
+    the output is parsed for calls, and the grammar that forces a call (tool_choice required or named)."""
+
+    def __init__(self, fmt, tools: list[dict] | None, parse: bool, force=None, keep_special: bool = False,
+                 param: str = "tool_choice"):
+        self.fmt, self.tools, self.parse, self.force, self.keep_special = fmt, tools, parse, force, keep_special
+        self.param = param  # the field the grammar comes from: tool_choice (a forced call), tools (strict, auto)
+
+
+def _tool_plan(req, state: ServerState) -> ToolPlan:
+    from .grammar import GrammarError
+    from .tools import auto_grammar, call_grammar, check_tools, detect_format
+
+    fmt = detect_format(state.lm.tokenizer.chat_template)
+    if not req.tools or req.tool_choice == "none":  # "none": the tools are not shown, the output is text
+        return ToolPlan(fmt, None, False)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    force, param = None, "tool_choice"
+    try:
+        check_tools(tools)
+        choice = req.tool_choice
+        if choice == "required" or not isinstance(choice, (str, type(None))):
+            chosen = tools
+            if choice != "required":
+                chosen = [t for t in tools if t["function"]["name"] == choice.function.name]
+                if not chosen:
+                    raise GrammarError(f"tool_choice: no tool is named {choice.function.name[:80]!r}",
+                                       "tool_choice.function.name")
+            # a named function is called once; "required" allows several when parallel_tool_calls permits
+            parallel = choice == "required" and req.parallel_tool_calls is not False
+            _refuse_on_draft(state, "tool_choice", "forcing a tool call")
+            force = call_grammar(state.grammars, fmt, chosen, parallel)
+        elif any(t["function"].get("strict") for t in tools):  # auto, strict: text, or calls valid for their schemas
+            _refuse_on_draft(state, "tools", "strict function schemas")
+            force, param = auto_grammar(state.grammars, fmt, tools, req.parallel_tool_calls is not False), "tools"
+        else:  # auto: the schemas must still be ones the engine could force
+            for i, t in enumerate(tools):
+                if "parameters" in t["function"]:
+                    state.grammars.json_schema(t["function"]["parameters"], f"tools.{i}.function.parameters")
+    except GrammarError as e:
+        raise APIError(400, str(e), param=e.param or "tools", code="invalid_value") from None
+    tok = state.lm.tokenizer
+    specials = {t.content for t in tok.tk.get_added_tokens_decoder().values() if t.special}
+    return ToolPlan(fmt, tools, True, force, keep_special=bool({fmt.begin, fmt.end} & specials), param=param)
+
+
+def _refuse_on_draft(state: ServerState, param: str, what: str) -> None:
+    """A 400 naming ``param`` when the engine cannot apply a grammar (speculative decoding: no token mask)."""
+    from .engine import SamplingParams
+
+    if state.engine.unsupported(SamplingParams(constraint=object())):
+        raise APIError(400, f"{param}: {what} needs grammar-constrained decoding, which speculative decoding "
+                            "(this server runs --draft) does not apply", param=param, code="unsupported_parameter")
+
+
+def _constraint(req, state: ServerState, plan: ToolPlan | None):
+    """The grammar constraint a request asks for (at most one source), compiled; None without one."""
+    from .grammar import GrammarError
+
+    g = state.grammars
+    asked = []  # (param, build)
+    rf = getattr(req, "response_format", None)
+    if rf is not None and rf.type == "json_object":
+        asked.append(("response_format", lambda: g.json_object("response_format")))
+    elif rf is not None and rf.type == "json_schema":
+        asked.append(("response_format", lambda: g.json_schema(rf.json_schema.schema_,
+                                                               "response_format.json_schema.schema")))
+    so = req.structured_outputs
+    if so is not None:
+        given = [(n, v) for n, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                     ("grammar", so.grammar)) if v is not None]
+        if len(given) != 1:
+            raise APIError(400, "structured_outputs: give exactly one of json, regex, choice, grammar",
+                           param="structured_outputs", code="invalid_value")
+        (name, v), = given
+        where = f"structured_outputs.{name}"
+        compile_ = {"json": g.json_schema, "regex": g.regex, "choice": g.choice, "grammar": g.lark}[name]
+        asked.append(("structured_outputs", lambda: compile_(v, where)))
+    if req.grammar is not None:
+        asked.append(("grammar", lambda: g.gbnf(req.grammar, "grammar")))
+    if plan is not None and plan.force is not None:
+        asked.append((plan.param, lambda: plan.force))
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise APIError(400, f"{asked[1][0]}: only one output constraint per request ({asked[0][0]} is given too)",
+                       param=asked[1][0], code="invalid_value")
+    param, build = asked[0]
+    if req.ignore_eos:
+        raise APIError(400, f"ignore_eos cannot be combined with {param} (the grammar ends the output)",
+                       param="ignore_eos", code="invalid_value")
+    _refuse_on_draft(state, param, "this output constraint")
+    try:
+        return build()
+    except GrammarError as e:
+        raise APIError(400, str(e), param=e.param or param, code="invalid_value") from None
+
+
+def _sampling(req, state: ServerState, n_prompt: int, prompt_param: str, plan: ToolPlan | None = None):
     """SamplingParams for a validated request, with the context checked (400 before any work)."""
     from .engine import ContextError, SamplingParams
 
@@ -596,7 +756,8 @@ def _sampling(req, state: ServerState, n_prompt: int, prompt_param: str):
                         presence_penalty=req.presence_penalty or 0.0,
                         frequency_penalty=req.frequency_penalty or 0.0,
                         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                        logit_bias=bias, logprobs=_logprobs_wanted(req))
+                        logit_bias=bias, logprobs=_logprobs_wanted(req), constraint=_constraint(req, state, plan),
+                        skip_special=not (plan is not None and plan.keep_special))
     try:
         sp.validate()
     except ValueError as e:
@@ -624,14 +785,33 @@ def _chat_messages(req, state: ServerState) -> list[dict]:
         msg = {"role": role, "content": c or ""}
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            if role != "assistant":
+                raise APIError(400, f"messages.{i}.tool_calls: only assistant messages have tool calls",
+                               param=f"messages.{i}.tool_calls", code="invalid_value")
+            for j, tc in enumerate(m.tool_calls):
+                try:
+                    json.loads(tc.function.arguments)
+                except ValueError:
+                    raise APIError(400, f"messages.{i}.tool_calls.{j}.function.arguments: not valid JSON",
+                                   param=f"messages.{i}.tool_calls.{j}.function.arguments",
+                                   code="invalid_value") from None
+            msg["tool_calls"] = [tc.model_dump() for tc in m.tool_calls]
         messages.append(msg)
-    _check_length(sum(len(m["content"]) for m in messages), req, state, "messages")
+    extra = sum(len(json.dumps(t.model_dump(exclude_none=True))) for t in (getattr(req, "tools", None) or []))
+    extra += sum(len(json.dumps(m["tool_calls"])) for m in messages if "tool_calls" in m)
+    _check_length(sum(len(m["content"]) for m in messages) + extra, req, state, "messages")
     return messages
 
 
-def _encode_chat(messages: list[dict], state: ServerState, add_generation_prompt: bool = True) -> list[int]:
+def _encode_chat(messages: list[dict], state: ServerState, add_generation_prompt: bool = True,
+                 plan: ToolPlan | None = None) -> list[int]:
+    from .tools import FALLBACK, detect_format, render
+
+    fmt = plan.fmt if plan is not None else detect_format(state.lm.tokenizer.chat_template)
+    messages, tools = render(messages, plan.tools if plan is not None else None, fmt or FALLBACK)
     try:
-        return state.lm.tokenizer.encode_chat(messages, add_generation_prompt)
+        return state.lm.tokenizer.encode_chat(messages, add_generation_prompt, tools)
     except ValueError as e:  # no chat template, or the template rejects the conversation
         raise APIError(400, str(e), param="messages", code="invalid_value") from None
     except Exception as e:  # a template error (jinja) on unusual input
@@ -884,8 +1064,11 @@ def create_app(state: ServerState):
             return APIError(400, str(e), code="invalid_value")
         return APIError(500, f"generation failed ({type(e).__name__})", "server_error")
 
-    async def respond(request: Request, req, prompt_ids: list[int], chat: bool):
-        sp = _sampling(req, state, len(prompt_ids), "messages" if chat else "prompt")
+    async def respond(request: Request, req, prompt_ids: list[int], chat: bool, plan: ToolPlan | None = None):
+        from .tools import ToolStream
+
+        sp = _sampling(req, state, len(prompt_ids), "messages" if chat else "prompt", plan)
+        parsing = plan is not None and plan.parse
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         job = submit(rid, prompt_ids, sp)
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
@@ -929,16 +1112,46 @@ def create_app(state: ServerState):
             def chunk(choices: list, **extra) -> str:
                 return sse({**head, "choices": choices, **({"usage": None} if with_usage else {}), **extra})
 
+            calls = ToolStream(plan.fmt) if parsing else None
+            n_calls = 0
+
+            def deltas(parsed: list, entries) -> list[str]:
+                """SSE chunks of the tool parser's events (the first carries the tokens' logprobs)."""
+                nonlocal n_calls
+                out = []
+                for kind, v in parsed:
+                    if kind == "content":
+                        out.append(chunk([{"index": 0, "delta": {"content": v}, "logprobs": logprobs(entries),
+                                           "finish_reason": None}]))
+                    else:
+                        delta = {"tool_calls": [{"index": n_calls, **v}]}
+                        n_calls += 1
+                        out.append(chunk([{"index": 0, "delta": delta, "logprobs": logprobs(entries),
+                                           "finish_reason": None}]))
+                    entries = None
+                if entries:  # text held back (it may begin a call): the tokens' logprobs go out now
+                    out.append(chunk([{"index": 0, "delta": {}, "logprobs": logprobs(entries), "finish_reason": None}]))
+                return out
+
             async def body():
                 if chat:
                     yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
                                   "logprobs": None, "finish_reason": None}])
                 async with aclosing(events(request, job)) as evs:
                     async for kind, value in evs:
-                        if kind == "text":
+                        if kind == "text" and calls is not None:
+                            for c in deltas(calls.feed(value[0]), value[1]):
+                                yield c
+                        elif kind == "text":
                             yield chunk([choice(value[0], None, value[1])])
                         elif kind == "done":
-                            yield chunk([choice(None if chat else "", value.finish_reason)],
+                            finish = value.finish_reason
+                            if calls is not None:
+                                for c in deltas(calls.finish(), None):
+                                    yield c
+                                if n_calls and finish == "stop":
+                                    finish = "tool_calls"
+                            yield chunk([choice(None if chat else "", finish)],
                                         timings=timings(job, value))
                             if with_usage:
                                 yield sse({**head, "choices": [], "usage": usage(value)})
@@ -962,8 +1175,15 @@ def create_app(state: ServerState):
                     r = value
         out = "".join(text)
         if chat:
-            first = {"index": 0, "message": {"role": "assistant", "content": out}, "logprobs": logprobs(entries),
-                     "finish_reason": r.finish_reason}
+            message, finish = {"role": "assistant", "content": out}, r.finish_reason
+            if parsing:
+                from .tools import parse
+
+                content, tool_calls = parse(out, plan.fmt)
+                if tool_calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": tool_calls}
+                    finish = "tool_calls" if finish == "stop" else finish
+            first = {"index": 0, "message": message, "logprobs": logprobs(entries), "finish_reason": finish}
             obj = "chat.completion"
         else:
             first = {"index": 0, "text": out, "logprobs": logprobs(entries), "finish_reason": r.finish_reason}
@@ -979,8 +1199,9 @@ def create_app(state: ServerState):
     async def chat_completions(request: Request):
         req = await read_request(request, ChatRequest)
         messages = _chat_messages(req, state)
-        ids = await tokenize(lambda m: _encode_chat(m, state), messages)
-        return await respond(request, req, ids, chat=True)
+        plan = _tool_plan(req, state)
+        ids = await tokenize(lambda m: _encode_chat(m, state, plan=plan), messages)
+        return await respond(request, req, ids, chat=True, plan=plan)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

