@@ -37,6 +37,9 @@ static const occ_fn kOcc[mk::MAX_M + 1] = {nullptr,
 
 static thread_local char g_err[512];
 
+// the long-context objects run from two tiles per split on: a one-tile split is the short objects' own path
+static constexpr int kLongFromTiles = 2;
+
 static int fail(const char* msg, int code = 1) {
   snprintf(g_err, sizeof(g_err), "%s", msg);
   return code ? code : 1;
@@ -268,7 +271,7 @@ extern "C" int flint_mk_smem_info(void* hv, int M, int* out4) {
 extern "C" int flint_mk_long_layout_info(void* hv, int* out5) {
   Handle* h = (Handle*)hv;
   out5[0] = h->ready_long; out5[1] = h->sl_long.total; out5[2] = h->sl_long.nslots; out5[3] = mk::kAttNbufLong;
-  out5[4] = mk::kAttLongTiles;
+  out5[4] = kLongFromTiles;
   return 0;
 }
 
@@ -298,7 +301,7 @@ static int launch(Handle* h, int M, int start, const long long* tokens, int tok0
   // M = 1 on a model in groups of 128: the object with gate|up's integer dot (v15)
   const bool gu8 = M == 1 && h->p.mat[mk::MAT_GU].G == 128;
   // M = 1 whose attention splits walk several tiles: the long-context object (when its layout fits)
-  const bool lng = M == 1 && h->ready_long && att_tiles_per_split(h->p, start + M) >= mk::kAttLongTiles;
+  const bool lng = M == 1 && h->ready_long && att_tiles_per_split(h->p, start + M) >= kLongFromTiles;
   const launch_fn lf = lng ? (gu8 ? flint_mk_launch_m1_gu8_long : flint_mk_launch_m1_long)
                            : gu8 ? flint_mk_launch_m1_gu8 : kLaunch[M];
   const occ_fn of = lng ? (gu8 ? flint_mk_occupancy_m1_gu8_long : flint_mk_occupancy_m1_long)

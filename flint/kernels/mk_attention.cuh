@@ -46,7 +46,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
 
   // the long-context objects: the tensor-core path with NB tile buffers (the host checks the rows fit, tc_fit); the
   // others: the one-tile path or the generic one, two buffers
-  constexpr bool kTc = M == 1 && kLongObj;
+  constexpr bool kTc = M == 1 && FLINT_MK_LONG;
   constexpr int NB = kTc ? kAttNbufLong : 2;
   __half* Kb = reinterpret_cast<__half*>(uni);              // [NB][ATT_T][D] (swizzled 16B chunks)
   __half* Vb = Kb + NB * ATT_T * D;                         // [NB][ATT_T][D]
