@@ -498,14 +498,9 @@ class MegakernelBackend:
         set (bit i & 31 of int32 word i >> 5), in a small kernel that re-reads the step's logits on the device (the
         megakernel's own argmax stays unmasked: plain decoding pays nothing); None clears it. ``forward``'s logits
         are never masked. The tensor is kept, not copied: refill it in place on the current stream."""
-        if mask is not None:
-            words = (self.cfg.vocab_size + 31) // 32
-            if not isinstance(mask, torch.Tensor) or mask.dtype != torch.int32 or mask.device.type != "cuda" \
-                    or torch.device("cuda", mask.device.index or 0) != torch.device("cuda", self.device.index or 0) \
-                    or mask.numel() != words or not mask.is_contiguous():
-                raise ValueError(f"megakernel: the token mask must be a contiguous int32 tensor of {words} words on "
-                                 f"{self.device}")
-        self._token_mask = mask
+        from flint.token_mask import check_token_mask
+
+        self._token_mask = check_token_mask(self, mask)
 
     def greedy_next(self, token: int, pos: int) -> int:
         """One M = 1 step for ``token`` at ``pos``; returns the argmax (over the allowed tokens when a token mask

@@ -19,9 +19,16 @@ def check_token_mask(backend, mask):
         got = f"{mask.dtype} {list(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise ValueError(f"{name}: set_token_mask takes a contiguous int32 tensor of {words} words "
                          f"(vocabulary {backend.cfg.vocab_size}), got {got}")
-    if mask.device != torch.device(backend.device):
+    if not _same_device(mask.device, torch.device(backend.device)):
         raise ValueError(f"{name}: the token mask is on {mask.device}, the backend on {backend.device}")
     return mask
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    # "cuda" names the current device: a tensor's device always carries its index ("cuda:0")
+    def idx(d):
+        return d.index if d.index is not None else (torch.cuda.current_device() if d.type == "cuda" else 0)
+    return a.type == b.type and idx(a) == idx(b)
 
 
 _SHIFTS: dict = {}

@@ -77,7 +77,7 @@ def test_build_compiles_without_spills(tmp_path, monkeypatch):
     lib = build.build()
     assert lib.exists()
     funcs = build.parse_ptxas((lib.parent / "ptxas.txt").read_text())
-    assert len(funcs) == len(build.M_VALUES) + len(build.EXTRA_OBJECTS) + 1  # + the draft rollout kernel
+    assert len(funcs) == len(build.M_VALUES) + len(build.EXTRA_OBJECTS) + 2  # + the draft rollout, the masked argmax
     assert all(f["spill_stores"] == 0 and f["spill_loads"] == 0 for f in funcs)
 
 
@@ -318,6 +318,8 @@ def test_token_mask_in_the_argmax():
     mk.set_token_mask(None)
     with pytest.raises(ValueError, match="int32"):
         mk.set_token_mask(torch.zeros(words, dtype=torch.int64, device=mk.device))
+    with pytest.raises(ValueError, match="is on cpu"):
+        mk.set_token_mask(torch.zeros(words, dtype=torch.int32))
 
 
 @gpu
