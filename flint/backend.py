@@ -8,7 +8,10 @@ Token masks (grammar-constrained decoding): a backend with ``supports_token_mask
 ``set_token_mask(mask)``, a contiguous int32 tensor of ceil(V / 32) words on its device (bit i & 31 of
 word i >> 5 set = token i allowed), or None to clear it; it applies to the argmax of every following
 ``greedy_next`` / ``greedy_run`` call until set again, never to ``forward()``'s logits (logprobs stay the
-model's distribution). An all-zero mask is the caller's error (the result is undefined). flint.token_mask
+model's distribution). An all-zero mask is the caller's error (the result is undefined). A backend may also
+split the masked step in two, ``greedy_launch(token, pos)`` (enqueue the step, return at once) and
+``greedy_finish(mask) -> int`` (the argmax of that step's logits over ``mask``, or unmasked for None): the
+engine then fills the next mask on the host while the device runs the step. flint.token_mask
 holds the shared torch side (``check_token_mask``, ``mask_logits``: the reference and compiled backends
 use them, the engine masks logits with it before sampling). Test: ``pytest tests/test_structured.py -k mask``.
 
@@ -33,14 +36,24 @@ class ReferenceBackend(Transformer):
 
     supports_token_mask = True
     token_mask = None
+    _launched = None
 
     def set_token_mask(self, mask) -> None:
         self.token_mask = check_token_mask(self, mask)
 
     def greedy_next(self, token: int, pos: int) -> int:
-        logits = self.forward(torch.tensor([int(token)], dtype=torch.long), pos)[-1]
-        if self.token_mask is not None:
-            logits = mask_logits(logits, self.token_mask)
+        self.greedy_launch(token, pos)
+        return self.greedy_finish(self.token_mask)
+
+    def greedy_launch(self, token: int, pos: int) -> None:
+        self._launched = self.forward(torch.tensor([int(token)], dtype=torch.long), pos)[-1]
+
+    def greedy_finish(self, mask) -> int:
+        logits, self._launched = self._launched, None
+        if logits is None:
+            raise RuntimeError(f"{self.name}: greedy_finish without a greedy_launch before it")
+        if mask is not None:
+            logits = mask_logits(logits, check_token_mask(self, mask))
         return int(torch.argmax(logits))
 
 

@@ -13,7 +13,9 @@ grammar with the chosen token and fills the next step's allowed-token bitmask in
 is copied to the device (non-blocking); greedy decoding on a backend with ``supports_token_mask`` then
 sets it and takes ``greedy_next`` (the argmax is masked on the device, no logits reach the host), other
 decoding masks the logits on the device before sampling. Constrained greedy decoding runs one token per
-host round trip (the next mask needs the token before it), not in ``greedy_run`` bursts. Test:
+host round trip (the next mask needs the token before it), not in ``greedy_run`` bursts; on a backend with
+``greedy_launch`` / ``greedy_finish`` the step is enqueued first and the mask filled while it runs (the mask
+is read only by the argmax after the step). Test:
 ``pytest tests/test_structured.py``.
 """
 from __future__ import annotations
@@ -338,6 +340,7 @@ class Engine:
         # the kernel's masked argmax: greedy, no logit changes, no logprobs (they need the logits)
         kernel = (sp.temperature == 0 and adjust is None and sp.logprobs is None
                   and getattr(b, "supports_token_mask", False) and hasattr(b, "greedy_next"))
+        split = kernel and hasattr(b, "greedy_launch") and hasattr(b, "greedy_finish")
 
         def next_mask() -> torch.Tensor:
             matcher.fill(host)
@@ -354,11 +357,19 @@ class Engine:
             return tok
 
         tok = choose(logits)
+        pending = False
         try:
             while True:
                 matcher.consume(tok)
+                # the step first (where the context has room); the consumer's work and the next mask overlap it
+                pending = split and pos < b.max_seq_len
+                if pending:
+                    b.greedy_launch(tok, pos)
                 yield tok
-                if kernel:
+                if pending:
+                    pending = False
+                    tok = b.greedy_finish(next_mask())
+                elif kernel:
                     b.set_token_mask(next_mask())
                     tok = b.greedy_next(tok, pos)
                 else:
@@ -368,7 +379,9 @@ class Engine:
                     tok = choose(logits)
                 pos += 1
         finally:
-            if kernel:
+            if pending:  # the consumer stopped after a launch: take the step's token so the backend is idle
+                b.greedy_finish(None)
+            if kernel and not split:
                 b.set_token_mask(None)
 
     def _on_start(self) -> None:

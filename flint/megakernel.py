@@ -69,9 +69,11 @@ def bind_library(lib: ctypes.CDLL) -> ctypes.CDLL:
     if hasattr(lib, "flint_mk_long_layout_info"):  # (variant libraries of older revisions lack it)
         lib.flint_mk_long_layout_info.argtypes = [vp, ctypes.POINTER(ctypes.c_int)]
         lib.flint_mk_long_layout_info.restype = ctypes.c_int
-    if hasattr(lib, "flint_mk_greedy_masked"):  # (variant libraries of older revisions lack it)
-        lib.flint_mk_greedy_masked.argtypes = [vp, ctypes.c_int, ctypes.c_int, vp, vp, ctypes.POINTER(ctypes.c_int)]
-        lib.flint_mk_greedy_masked.restype = ctypes.c_int
+    if hasattr(lib, "flint_mk_finish_argmax"):  # (variant libraries of older revisions lack them)
+        lib.flint_mk_launch_token.argtypes = [vp, ctypes.c_int, ctypes.c_int, vp]
+        lib.flint_mk_launch_token.restype = ctypes.c_int
+        lib.flint_mk_finish_argmax.argtypes = [vp, vp, vp, ctypes.POINTER(ctypes.c_int)]
+        lib.flint_mk_finish_argmax.restype = ctypes.c_int
     if hasattr(lib, "flint_draft_rollout"):  # (variant libraries of older revisions lack the draft kernel)
         lib.flint_draft_rollout.argtypes = [c_ll_p, ctypes.POINTER(vp), ctypes.POINTER(ctypes.c_float), vp]
         lib.flint_draft_rollout.restype = ctypes.c_int
@@ -492,6 +494,7 @@ class MegakernelBackend:
 
     supports_token_mask = True
     _token_mask = None
+    _launched = False
 
     def set_token_mask(self, mask: torch.Tensor | None) -> None:
         """Structured output: every following ``greedy_next`` picks the largest logit among the tokens whose bit is
@@ -509,17 +512,42 @@ class MegakernelBackend:
             raise ValueError(f"megakernel: token id {token} is outside the vocabulary")
         if not 0 <= pos < self.max_seq_len:
             raise ValueError(f"megakernel: position {pos} exceeds max_seq_len {self.max_seq_len}")
+        if self._token_mask is not None:
+            self.greedy_launch(token, pos)
+            return self.greedy_finish(self._token_mask)
         out = ctypes.c_int()
         stream = torch.cuda.current_stream(self.device)
-        if self._token_mask is not None:
-            _check(self._lib.flint_mk_greedy_masked(self._h, int(token), int(pos),
-                                                    ctypes.c_void_p(self._token_mask.data_ptr()),
-                                                    ctypes.c_void_p(stream.cuda_stream), ctypes.byref(out)), self._lib)
-            if out.value < 0:
-                raise RuntimeError("megakernel: the token mask allows no token")
-            return out.value
         _check(self._lib.flint_mk_greedy(self._h, int(token), int(pos), ctypes.c_void_p(stream.cuda_stream),
                                          ctypes.byref(out)), self._lib)
+        return out.value
+
+    def greedy_launch(self, token: int, pos: int) -> None:
+        """Enqueue the M = 1 step for ``token`` at ``pos`` and return at once (greedy_finish reads its token):
+        the host's work in between (the next grammar mask) overlaps the step."""
+        if not 0 <= token < self.cfg.vocab_size:
+            raise ValueError(f"megakernel: token id {token} is outside the vocabulary")
+        if not 0 <= pos < self.max_seq_len:
+            raise ValueError(f"megakernel: position {pos} exceeds max_seq_len {self.max_seq_len}")
+        stream = torch.cuda.current_stream(self.device)
+        _check(self._lib.flint_mk_launch_token(self._h, int(token), int(pos), ctypes.c_void_p(stream.cuda_stream)),
+               self._lib)
+        self._launched = True
+
+    def greedy_finish(self, mask: torch.Tensor | None) -> int:
+        """The launched step's argmax, over ``mask`` (a token mask as set_token_mask takes, filled on the current
+        stream; None: unmasked), by a one-block kernel after the step; one stream sync."""
+        from flint.token_mask import check_token_mask
+
+        if not self._launched:
+            raise RuntimeError("megakernel: greedy_finish without a greedy_launch before it")
+        self._launched = False
+        mask = check_token_mask(self, mask)
+        out = ctypes.c_int()
+        stream = torch.cuda.current_stream(self.device)
+        _check(self._lib.flint_mk_finish_argmax(self._h, None if mask is None else ctypes.c_void_p(mask.data_ptr()),
+                                                ctypes.c_void_p(stream.cuda_stream), ctypes.byref(out)), self._lib)
+        if out.value < 0:
+            raise RuntimeError("megakernel: the token mask allows no token")
         return out.value
 
     def greedy_run(self, token: int, pos: int, n: int) -> list[int]:

@@ -307,6 +307,10 @@ def test_token_mask_in_the_argmax():
         want = int(torch.where(allowed, logits, torch.tensor(-float("inf"))).argmax())
         assert mk.greedy_next(int(toks[8]), 8) == want
         assert torch.equal(mk.forward(toks[8:9], 8)[0].cpu(), logits)  # unmasked
+        mk.greedy_launch(int(toks[8]), 8)  # the split step: the mask may be filled in between
+        assert mk.greedy_finish(mask) == want
+    with pytest.raises(RuntimeError, match="without a greedy_launch"):
+        mk.greedy_finish(None)
     with pytest.raises(ValueError, match="greedy_run cannot honour"):
         mk.greedy_run(int(toks[8]), 8, 2)
     mk.set_token_mask(None)

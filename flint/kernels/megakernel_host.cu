@@ -390,16 +390,23 @@ __global__ void __launch_bounds__(kMaskThreads) masked_argmax_kernel(const float
   }
 }
 
-// M = 1 greedy step whose argmax honours a vocabulary bitmask (device memory, ceil(V / 32) words); one stream sync.
-// *out = -1: the mask allows no token.
-extern "C" int flint_mk_greedy_masked(void* hv, int token, int pos, const void* mask, void* stream, int* out) {
+// The M = 1 step in two halves, so that the host can work between them (structured output fills the next mask while
+// the step runs): flint_mk_launch_token enqueues the step for `token` at `pos` and returns; flint_mk_finish_argmax
+// enqueues the argmax over `mask` (device memory, ceil(V / 32) words; nullptr: the step's own argmax), copies it back
+// and synchronizes the stream. *out = -1: the mask allows no token.
+extern "C" int flint_mk_launch_token(void* hv, int token, int pos, void* stream) {
+  return launch((Handle*)hv, 1, pos, nullptr, token, (cudaStream_t)stream);
+}
+
+extern "C" int flint_mk_finish_argmax(void* hv, const void* mask, void* stream, int* out) {
   Handle* h = (Handle*)hv;
   cudaStream_t s = (cudaStream_t)stream;
-  if (mask == nullptr || ((uintptr_t)mask & 3)) return fail("megakernel greedy_masked: mask must be 4-byte aligned device memory");
-  int e = launch(h, 1, pos, nullptr, token, s);
-  if (e) return e;
-  masked_argmax_kernel<<<1, kMaskThreads, 0, s>>>(h->p.logits, (const uint32_t*)mask, h->p.V, h->p.argmax);
-  if ((e = cudaGetLastError())) return cuda_fail("masked argmax launch", e);
+  int e;
+  if ((uintptr_t)mask & 3) return fail("megakernel finish_argmax: the mask is not 4-byte aligned");
+  if (mask != nullptr) {
+    masked_argmax_kernel<<<1, kMaskThreads, 0, s>>>(h->p.logits, (const uint32_t*)mask, h->p.V, h->p.argmax);
+    if ((e = cudaGetLastError())) return cuda_fail("masked argmax launch", e);
+  }
   if ((e = cudaMemcpyAsync(h->h_argmax, h->p.argmax, sizeof(int), cudaMemcpyDeviceToHost, s)))
     return cuda_fail("megakernel argmax copy", e);
   if ((e = cudaStreamSynchronize(s))) return cuda_fail("megakernel step", e);
