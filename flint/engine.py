@@ -360,11 +360,12 @@ class Engine:
         pending = False
         try:
             while True:
-                matcher.consume(tok)
-                # the step first (where the context has room); the consumer's work and the next mask overlap it
+                # the step first (where the context has room); the grammar's advance, the consumer's work and the
+                # next mask overlap it
                 pending = split and pos < b.max_seq_len
                 if pending:
                     b.greedy_launch(tok, pos)
+                matcher.consume(tok)
                 yield tok
                 if pending:
                     pending = False
