@@ -199,8 +199,9 @@ def add_kv_cache_arg(p: argparse.ArgumentParser) -> None:
     from .model import KV_CACHE_FORMATS
 
     p.add_argument("--kv-cache", default="fp16", choices=KV_CACHE_FORMATS,
-                   help="KV cache format: fp16, or 8-bit values with an fp16 scale per row (int8, fp8; the "
-                        "reference backend only; docs/eval.md gives their cost)")
+                   help="KV cache format: fp16 (the backend's float cache; the reference's is its --dtype), or "
+                        "8-bit values with an fp16 scale per row (int8, fp8; the reference backend only; "
+                        "docs/eval.md gives their cost)")
 
 
 def check_kv_cache_arg(args, backend: str | None = None) -> None:

@@ -23,16 +23,21 @@ The KV cache (``kv_cache=``, the CLI's ``--kv-cache``; flint.evaluate measures w
   scales, fp16 [layers, batch, kv_heads, max_seq_len]: row (l, b, h, p) is
   ``values[l, b, h, p, :].float() * scale[l, b, h, p]``. A kernel reads a tile of positions as
   head_dim bytes per row plus a contiguous run of 2-byte scales (one per row), so the 8-bit cache
-  costs head_dim + 2 bytes per row against 2 x head_dim for fp16 (130 / 256 at head_dim 128).
+  costs head_dim + 2 bytes per row against 2 x head_dim for fp16 (66 / 128 bytes at head_dim 64,
+  130 / 256 at 128).
   The scale is the row's max |x| over the format's largest value (127 for int8, 448 for e4m3),
   rounded *up* to fp16, so no value leaves the code range and none is clipped: int8 codes are
   round(x / scale) in [-127, 127] (symmetric: -128 unused), the error at most scale / 2 per value;
   fp8 values are x / scale cast to e4m3 (round to nearest), the error at most 2^-4 of |x| (3
   mantissa bits), or scale x 2^-10 in e4m3's subnormal range. The scale is fp16 rather than fp32
   because it halves the scale's bytes and fp16's 11-bit significand changes it by at most 2^-10
-  (rounded up): far below the 8-bit values' own step; an all-zero row gets scale 0 (decoded as 0).
+  (rounded up; more for a row whose scale is an fp16 subnormal, max |x| < 7.8e-3 for int8, where
+  the error bound above still holds with the stored scale): far below the 8-bit values' own step.
+  An all-zero row gets scale 0 (decoded as 0). What each format costs: docs/eval.md.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +74,7 @@ KV_CACHE_FORMATS = ("fp16", "int8", "fp8")
 KV_QMAX = {"int8": 127.0, "fp8": 448.0}  # largest code magnitude: int8's symmetric range, e4m3's finite max
 
 
+@functools.lru_cache(maxsize=None)  # the fp8 probe cast runs once, not every layer and step
 def kv_value_dtype(fmt: str):
     """The cache values' dtype for an 8-bit format; refuses a format or a torch that cannot hold it."""
     if fmt == "int8":
