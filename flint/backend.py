@@ -17,6 +17,11 @@ use them, the engine masks logits with it before sampling). Test: ``pytest tests
 
 Backends: reference (eager PyTorch), compiled / compiled-bf16 (torch.compile baselines,
 flint.compiled), megakernel (the persistent CUDA kernel, flint.megakernel).
+
+KV cache formats (``kv_cache``, the CLI's ``--kv-cache``): fp16 (every backend's float cache), int8
+and fp8 (8-bit values with an fp16 scale per row, flint.model's docstring gives the layout). Only the
+reference reads the 8-bit caches so far; ``check_kv_cache`` refuses them for the other backends (the
+CLI calls it before any weights load). Test: ``pytest tests/test_kv_cache.py``.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ import sys
 import torch
 
 from .backend_api import BackendError  # noqa: F401  (re-exported: callers catch flint.backend.BackendError)
-from .model import Transformer
+from .model import KV_CACHE_FORMATS, Transformer, kv_value_dtype
 from .token_mask import check_token_mask, mask_logits  # noqa: F401  (mask_logits re-exported)
 
 BACKENDS = ("reference", "compiled", "compiled-bf16", "megakernel")
@@ -75,11 +80,29 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+KV_CACHE_BACKENDS = {"fp16": BACKENDS, "int8": ("reference",), "fp8": ("reference",)}
+
+
+def check_kv_cache(name: str, kv_cache: str) -> None:
+    """Raises BackendError unless backend ``name`` can hold a ``kv_cache`` cache."""
+    if kv_cache not in KV_CACHE_FORMATS:
+        raise BackendError(f"--kv-cache {kv_cache!r}: choose one of {', '.join(KV_CACHE_FORMATS)}")
+    if name not in KV_CACHE_BACKENDS[kv_cache]:
+        raise BackendError(f"--kv-cache {kv_cache}: backend {name!r} has no {kv_cache} KV cache (it holds fp16 "
+                           f"K/V); backends that read it: {', '.join(KV_CACHE_BACKENDS[kv_cache])}")
+    if kv_cache != "fp16":
+        try:
+            kv_value_dtype(kv_cache)  # fp8 needs a torch with float8_e4m3fn casts
+        except ValueError as e:
+            raise BackendError(str(e)) from None
+
+
 def make_backend(name: str, lm, max_seq_len: int | None = None, device: str | None = None,
-                 group_size: int = 128, dtype: str | None = None):
-    """Build backend ``name`` for a LoadedModel ``lm``."""
+                 group_size: int = 128, dtype: str | None = None, kv_cache: str = "fp16"):
+    """Build backend ``name`` for a LoadedModel ``lm`` with a ``kv_cache`` KV cache (KV_CACHE_FORMATS)."""
     if name not in BACKENDS:
         raise BackendError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    check_kv_cache(name, kv_cache)
     cfg = lm.cfg
     max_seq_len = max_seq_len or cfg.max_position_embeddings
     if max_seq_len > cfg.max_position_embeddings:
@@ -91,7 +114,8 @@ def make_backend(name: str, lm, max_seq_len: int | None = None, device: str | No
             dtype = "float32" if torch.device(device).type == "cpu" else "bfloat16"
         if dtype not in ("float32", "bfloat16"):
             raise BackendError(f"--dtype {dtype!r}: the reference runs float32 or bfloat16")
-        return ReferenceBackend(cfg, lm.params, max_seq_len, device=device, dtype=getattr(torch, dtype))
+        return ReferenceBackend(cfg, lm.params, max_seq_len, device=device, dtype=getattr(torch, dtype),
+                                kv_cache=kv_cache)
     if name in ("compiled", "compiled-bf16"):
         from .compiled import CompiledBackend
 

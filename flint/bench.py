@@ -11,9 +11,10 @@ as gpt-fast's generate loop does; ``host``: every step ends in a host sync (gree
 argmax), as a loop that must see each token before the next (sampling on the host) does.
 
 * bytes per token = what one decode step reads: the backend's weights as it holds them (int4 codes
-  + scales + mins/zeros, LM head included, norms, one embedding row) + K and V at ``ctx``. A
+  + scales + mins/zeros, LM head included, norms, one embedding row) + K and V at ``ctx`` in the
+  cache's format (``--kv-cache``: int8 / fp8 count 1 byte a value and a 2-byte scale a row). A
   backend may say itself (``weight_bytes_per_token``, ``kv_bytes(ctx)``); the reference is counted
-  from its tensors.
+  from its tensors (its fp16 cache is held in its dtype: 4 bytes a value in fp32).
 * read bandwidth: a torch ``sum`` over a buffer far larger than any cache (4 GiB bf16 on a GPU,
   1 GiB fp32 on a CPU), median of 5. MBU = bytes per token x tok/s / that bandwidth. On a CPU
   the same holds against the CPU's measured memory bandwidth.
@@ -25,7 +26,7 @@ argmax), as a loop that must see each token before the next (sampling on the hos
 
 Prints a llama-bench-style markdown table; ``--json PATH`` writes
 ``{"device", "hbm_read_GBps", "results": [{"model", "backend", "ctx", "loop", "tok_s", "ms_per_token",
-"bytes_per_token", "mbu"}]}`` (the megakernel's rows also ``"placement"``: its scratch sets' step times at load and
+"bytes_per_token", "mbu"}]}`` (with ``--kv-cache`` int8 / fp8 also ``"kv_cache"``; the megakernel's rows also ``"placement"``: its scratch sets' step times at load and
 the one kept), plus ``"ttft"`` rows with --prompt-len and ``"verify"`` rows with ``--verify 1,2,...,8`` (one forward
 of M tokens at every ctx, a speculative verify step of M - 1 drafts: ``"us_per_step"``, ``"x_m1"`` = × the M = 1
 step: the verify curve), rewritten after every result; ``--plot PATH.png`` draws tok/s against context per backend with each backend's
@@ -62,7 +63,7 @@ from pathlib import Path
 
 import torch
 
-from .backend import BACKENDS, BackendError, default_device, make_backend
+from .backend import BACKENDS, BackendError, check_kv_cache, default_device, make_backend
 
 INT4_BACKENDS = ("compiled", "megakernel")
 DEFAULT_BACKENDS = "reference,compiled,compiled-bf16"
@@ -309,12 +310,15 @@ def load_bench_model(spec: str | None, int4_group_size: int | None, device: torc
 def run_bench(models: list[str | None], backends: list[str], ctxs: list[int], n_tokens: int = 32,
               repeats: int = 3, prompt_len: int | None = None, device: str | None = None,
               group_size: int = 128, json_path: str | None = None, bw_bytes: int | None = None,
-              seed: int = 0, log=print, loop: str = "device", verify: list[int] | None = None) -> dict:
+              seed: int = 0, log=print, loop: str = "device", verify: list[int] | None = None,
+              kv_cache: str = "fp16") -> dict:
     """Run the benchmark; returns the JSON document (also written to json_path after every row). verify: token
-    counts M of a verify step to time at every ctx (the "verify" rows: µs per step and the ratio to M = 1)."""
+    counts M of a verify step to time at every ctx (the "verify" rows: µs per step and the ratio to M = 1).
+    kv_cache: the KV cache format of every backend (flint.model.KV_CACHE_FORMATS)."""
     for b in backends:
         if b not in BACKENDS:
             raise BackendError(f"unknown backend {b!r}; choose from {', '.join(BACKENDS)}")
+        check_kv_cache(b, kv_cache)
     if n_tokens < 1 or repeats < 1:
         raise BenchError("--tokens and --repeats must be >= 1")
     if any(c < 0 for c in ctxs):
@@ -360,7 +364,7 @@ def run_bench(models: list[str | None], backends: list[str], ctxs: list[int], n_
         for bname in backends:
             try:
                 _bench_backend(doc, save, lm, name, bname, ctxs, n_tokens, repeats, prompt_len, dev,
-                               need, group_size, gen, l2, log, loop, verify)
+                               need, group_size, gen, l2, log, loop, verify, kv_cache)
             except Exception as e:  # noqa: BLE001
                 # one backend failing (no sm_90 for the megakernel, a compile error) leaves the rest
                 # of the sweep standing; the error is printed and recorded, and the exit code is 1
@@ -382,9 +386,9 @@ _FLUSH: dict = {}  # the L2-flush buffer, made once
 
 
 def _bench_backend(doc, save, lm, name, bname, ctxs, n_tokens, repeats, prompt_len, dev, need,
-                   group_size, gen, l2, log, loop="device", verify=()) -> None:
+                   group_size, gen, l2, log, loop="device", verify=(), kv_cache="fp16") -> None:
     """All rows of one model x backend."""
-    backend = make_backend(bname, lm, max_seq_len=need, device=str(dev), group_size=group_size)
+    backend = make_backend(bname, lm, max_seq_len=need, device=str(dev), group_size=group_size, kv_cache=kv_cache)
     wbytes = weight_bytes_per_token(backend)
     flush = None
     if dev.type == "cuda" and wbytes < 2 * l2:
@@ -406,6 +410,8 @@ def _bench_backend(doc, save, lm, name, bname, ctxs, n_tokens, repeats, prompt_l
                "tok_s": round(tok_s, 2),
                "ms_per_token": round(s * 1e3, 4), "bytes_per_token": int(nbytes),
                "mbu": round(nbytes * tok_s / (doc["hbm_read_GBps"] * 1e9), 4)}
+        if kv_cache != "fp16":
+            row["kv_cache"] = kv_cache
         if getattr(backend, "placement", None):  # the megakernel's scratch sets timed at load (docs/bench.md)
             row["placement"] = backend.placement
         doc["results"].append(row)
@@ -451,7 +457,9 @@ def markdown_table(doc: dict) -> str:
              "| model | backend | ctx | loop | tok/s | ms/token | GB/token | MBU |",
              "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: |"]
     for r in doc["results"]:
-        lines.append(f"| {r['model']} | {r['backend']} | {r['ctx']} | {r.get('loop', 'host')} | {r['tok_s']:.2f} | "
+        kv = r.get("kv_cache", "fp16")
+        bname = r["backend"] + ("" if kv == "fp16" else f" ({kv} KV cache)")
+        lines.append(f"| {r['model']} | {bname} | {r['ctx']} | {r.get('loop', 'host')} | {r['tok_s']:.2f} | "
                      f"{r['ms_per_token']:.3f} | {r['bytes_per_token'] / 1e9:.4f} | {r['mbu']:.1%} |")
     ratios = ratio_rows(doc)
     if ratios:
@@ -818,7 +826,7 @@ def _run(args) -> int:
         n_tokens=args.tokens, repeats=args.repeats, prompt_len=args.prompt_len, device=str(dev),
         group_size=args.group_size, json_path=args.json,
         bw_bytes=int(args.bw_gib * (1 << 30)) if args.bw_gib else None, seed=args.seed, loop=args.loop,
-        verify=_parse_list(args.verify, "verify", int) if args.verify else None)
+        verify=_parse_list(args.verify, "verify", int) if args.verify else None, kv_cache=args.kv_cache)
     print(markdown_table(doc))
     if doc.get("verify"):
         print("\n" + verify_table(doc))
@@ -828,6 +836,8 @@ def _run(args) -> int:
 
 
 def register(sub) -> None:
+    from .cli import add_kv_cache_arg
+
     p = sub.add_parser("bench", help="batch-1 decode tok/s, bytes per token and MBU per backend and context",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None,
@@ -848,6 +858,7 @@ def register(sub) -> None:
     p.add_argument("--bw-gib", type=float, default=None,
                    help="buffer for the bandwidth measurement in GiB (default 4 on a GPU, 1 on a CPU)")
     p.add_argument("--seed", type=int, default=0, help="seed of synthetic weights and random tokens")
+    add_kv_cache_arg(p)
     p.add_argument("--loop", default="device", choices=("device", "host"),
                    help="greedy decode loop: device = each argmax feeds the next step on the GPU, no host sync "
                         "between tokens (gpt-fast's loop; backends with greedy_run), host = one round trip "

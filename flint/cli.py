@@ -195,6 +195,27 @@ def set_threads(n: int | None) -> None:
         pass  # only settable once per process, before inter-op work; decode speed is intra-op
 
 
+def add_kv_cache_arg(p: argparse.ArgumentParser) -> None:
+    from .model import KV_CACHE_FORMATS
+
+    p.add_argument("--kv-cache", default="fp16", choices=KV_CACHE_FORMATS,
+                   help="KV cache format: fp16 (the backend's float cache; the reference's is its --dtype), or "
+                        "8-bit values with an fp16 scale per row (int8, fp8; the reference backend only; "
+                        "docs/eval.md gives their cost)")
+
+
+def check_kv_cache_arg(args, backend: str | None = None) -> None:
+    """Refuses --kv-cache for a backend that cannot hold it, before any model loads."""
+    from .backend import BackendError, check_kv_cache, default_backend
+
+    if args.kv_cache == "fp16":
+        return
+    try:
+        check_kv_cache(backend or default_backend(quiet=True), args.kv_cache)
+    except BackendError as e:
+        raise ValueError(str(e)) from None
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     from .backend import BACKENDS
 
@@ -210,6 +231,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="reference backend precision (default: float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--group-size", type=int, default=128, choices=(32, 64, 128),
                    help="int4 group size for weights not already int4 (kernel backends)")
+    add_kv_cache_arg(p)
+    p.set_defaults(model_args=True)  # check_args checks --kv-cache against --backend
     p.add_argument("--draft", default=None,
                    help="speculative decoding with this draft: a draft head (a path, or a shipped name: smollm2-135m), "
                         "or ngram (prompt-lookup proposals, any model, no draft model)")
@@ -230,7 +253,7 @@ def load_engine(args, quiet: bool = False):
     name = args.backend or default_backend(quiet=quiet)
     max_seq = args.max_seq_len or min(lm.cfg.max_position_embeddings, 8192)
     backend = make_backend(name, lm, max_seq, device=args.device, group_size=args.group_size,
-                           dtype=getattr(args, "dtype", None))
+                           dtype=getattr(args, "dtype", None), kv_cache=getattr(args, "kv_cache", "fp16"))
     engine = Engine(backend, lm.tokenizer)
     draft_path = getattr(args, "draft", None)
     if draft_path:
@@ -457,6 +480,8 @@ def check_args(args) -> None:
         check_device(args.device)
     if getattr(args, "sampling", False):
         _params(args)
+    if getattr(args, "model_args", False):
+        check_kv_cache_arg(args, args.backend)
 
 
 def main(argv=None) -> int:

@@ -18,6 +18,12 @@
   embedding lookup read int4 rows too. "MB/token" is what a decode step streams: the linear
   weights and the head as held, one embedding row, the norms (K/V not included).
 
+* ``--kv-cache int8,fp8`` also evaluates the model (the loaded one, the model under test) with
+  each 8-bit KV cache (flint.model's docstring: the layout), one row each, against the fp16 cache
+  (the reference row, or ``--against``): the rows measure what quantizing K and V costs at the
+  window's context lengths (every scored token sees window - stride .. window - 1 tokens after
+  the first window), with the weights unchanged.
+
 The default text is flint/data/eval-corpus.txt (written for flint; see flint/data/README.md).
 Logits come from the reference decoder in fp32 (``--backend`` picks another for the model under
 test). Run: ``flint eval --quantize 64,32`` (SmolLM2 on a CPU: about two minutes). Test:
@@ -54,6 +60,7 @@ class EvalRow:
     kl_p99: float | None = None
     top1_agree: float | None = None
     weight_mb: float | None = None  # linear weights + head as a decode step streams them, MB per token
+    kv_cache: str = "fp16"  # the KV cache format (flint.model.KV_CACHE_FORMATS)
 
 
 def windows(n: int, window: int, stride: int) -> list[tuple[int, int, int]]:
@@ -179,10 +186,23 @@ def variant_params(lm, v: Variant, hessians=None) -> tuple[dict, str | None, int
     return params, head_desc, head_bytes
 
 
-def _reference_decoder(cfg, params, window: int, device):
+def parse_kv_caches(spec: str) -> list[str]:
+    """'int8,fp8' -> ['int8', 'fp8'] (fp16, the reference's cache, adds no row)."""
+    from .model import KV_CACHE_FORMATS
+
+    out = [x.strip() for x in spec.split(",") if x.strip()]
+    for f in out:
+        if f not in KV_CACHE_FORMATS:
+            raise EvalError(f"--kv-cache item {f!r}: choose from {', '.join(KV_CACHE_FORMATS)}")
+    if not out or len(set(out)) != len(out):
+        raise EvalError(f"--kv-cache {spec!r}: an empty list or a repeated format")
+    return [f for f in out if f != "fp16"]
+
+
+def _reference_decoder(cfg, params, window: int, device, kv_cache: str = "fp16"):
     from .model import Transformer
 
-    return Transformer(cfg, params, max_seq_len=window, device=device, dtype=torch.float32)
+    return Transformer(cfg, params, max_seq_len=window, device=device, dtype=torch.float32, kv_cache=kv_cache)
 
 
 @torch.inference_mode()
@@ -235,10 +255,14 @@ def read_corpus(path: str | Path | None) -> str:
 def run_eval(model: str | None = None, text_path: str | None = None, against: str | None = None,
              quantize: str | None = None, window: int = 512, stride: int | None = None,
              max_tokens: int | None = None, backend: str = "reference", device: str = "cpu",
-             log=print) -> list[EvalRow]:
+             log=print, kv_caches: str | None = None) -> list[EvalRow]:
+    from .backend import check_kv_cache
     from .loading import load_model
 
     variants = parse_variants(quantize) if quantize else []  # bad specs fail before any load
+    kv_formats = parse_kv_caches(kv_caches) if kv_caches else []
+    for f in kv_formats:
+        check_kv_cache(backend, f)
     lm = load_model(model)
     if lm.tokenizer is None:
         raise EvalError(f"model {lm.source}: has no tokenizer (synthetic?); flint eval reads text")
@@ -250,14 +274,14 @@ def run_eval(model: str | None = None, text_path: str | None = None, against: st
     stride = stride or window // 2
     windows(len(ids), window, stride)  # validates before the models are built
 
-    def build(params, name=backend):
+    def build(params, name=backend, kv_cache="fp16"):
         if name == "reference":
-            return _reference_decoder(lm.cfg, params, window, device)
+            return _reference_decoder(lm.cfg, params, window, device, kv_cache)
         from .backend import make_backend
         from .loading import LoadedModel
 
         return make_backend(name, LoadedModel(lm.cfg, params, None, lm.source), max_seq_len=window,
-                            device=device)
+                            device=device, kv_cache=kv_cache)
 
     model_label = model or "embedded:smollm2"
     cands, weights = [], {}
@@ -287,6 +311,12 @@ def run_eval(model: str | None = None, text_path: str | None = None, against: st
         params, head_desc, head_bytes = variant_params(lm, v, hessians)
         cands.append((v.label, build(params)))
         weights[v.label] = (describe_weights(params, head_desc), weight_bytes(params, head_bytes))
+    kv_labels = {}
+    for f in kv_formats:  # the model's own weights, an 8-bit K/V cache
+        label = f"{model_label}, {f} KV cache"
+        cands.append((label, build(lm.params, kv_cache=f)))
+        weights[label] = (describe_weights(lm.params), weight_bytes(lm.params))
+        kv_labels[label] = f
     log(f"flint eval: {len(ids)} tokens, window {window}, stride {stride}, {1 + len(cands)} model(s)",
         file=sys.stderr)
     rows = evaluate(ids, ref, cands, window, stride,
@@ -294,6 +324,7 @@ def run_eval(model: str | None = None, text_path: str | None = None, against: st
     for r in rows:
         r.weights, nbytes = weights[r.label]
         r.weight_mb = nbytes / 1e6
+        r.kv_cache = kv_labels.get(r.label, "fp16")
     return rows
 
 
@@ -313,7 +344,7 @@ def markdown_table(rows: list[EvalRow]) -> str:
 
 def _run(args) -> int:
     rows = run_eval(args.model, args.file, args.against, args.quantize, args.window, args.stride,
-                    args.max_tokens, args.backend, args.device or "cpu")
+                    args.max_tokens, args.backend, args.device or "cpu", kv_caches=args.kv_cache)
     print(f"{rows[0].tokens} tokens scored, window {args.window}, stride {args.stride or args.window // 2}")
     print(markdown_table(rows))
     if args.json:
@@ -331,6 +362,9 @@ def register(sub) -> None:
                    help="also evaluate the model re-quantized in memory at these group sizes, each "
                         "with options after ':' (float-head, searched-head, gptq-head, int8-head, gptq, "
                         "int4-embed), e.g. 64,32:searched-head,64:gptq")
+    p.add_argument("--kv-cache", default=None, metavar="FMT[,FMT...]",
+                   help="also evaluate the model with these KV cache formats (int8, fp8), each against the fp16 "
+                        "cache, e.g. int8,fp8")
     p.add_argument("--window", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--stride", type=int, default=None, help="window advance (default: half the window)")
     p.add_argument("--max-tokens", type=int, default=None, help="only the first N tokens of the text")

@@ -10,8 +10,34 @@ back. ``tokens`` may also be [B, M] when the model was built with batch_size=B (
 
 int4 weights (flint.quant.Int4Weight) are dequantized once at construction; the codes stay
 available in ``params`` for the kernels. Test: ``pytest tests/test_hf_parity.py``.
+
+The KV cache (``kv_cache=``, the CLI's ``--kv-cache``; flint.evaluate measures what each costs):
+
+* ``"fp16"`` (default): the unquantized cache, held at the decoder's own dtype (fp32 on a CPU, bf16
+  on a GPU; the name is the kernels', whose float cache is fp16). ``k_cache`` / ``v_cache``
+  [layers, batch, kv_heads, max_seq_len, head_dim].
+* ``"int8"`` and ``"fp8"``: 8-bit values with one scale per written row, i.e. per (layer, batch,
+  kv head, position) over that row's head_dim values, quantized on write and dequantized on read.
+  ``k_cache`` / ``v_cache`` hold the values (int8, or torch.float8_e4m3fn) in the same
+  [layers, batch, kv_heads, max_seq_len, head_dim] layout, and ``k_scale`` / ``v_scale`` the
+  scales, fp16 [layers, batch, kv_heads, max_seq_len]: row (l, b, h, p) is
+  ``values[l, b, h, p, :].float() * scale[l, b, h, p]``. A kernel reads a tile of positions as
+  head_dim bytes per row plus a contiguous run of 2-byte scales (one per row), so the 8-bit cache
+  costs head_dim + 2 bytes per row against 2 x head_dim for fp16 (66 / 128 bytes at head_dim 64,
+  130 / 256 at 128).
+  The scale is the row's max |x| over the format's largest value (127 for int8, 448 for e4m3),
+  rounded *up* to fp16, so no value leaves the code range and none is clipped: int8 codes are
+  round(x / scale) in [-127, 127] (symmetric: -128 unused), the error at most scale / 2 per value;
+  fp8 values are x / scale cast to e4m3 (round to nearest), the error at most 2^-4 of |x| (3
+  mantissa bits), or scale x 2^-10 in e4m3's subnormal range. The scale is fp16 rather than fp32
+  because it halves the scale's bytes and fp16's 11-bit significand changes it by at most 2^-10
+  (rounded up; more for a row whose scale is an fp16 subnormal, max |x| < 7.8e-3 for int8, where
+  the error bound above still holds with the stored scale): far below the 8-bit values' own step.
+  An all-zero row gets scale 0 (decoded as 0). What each format costs: docs/eval.md.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +70,50 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
+KV_CACHE_FORMATS = ("fp16", "int8", "fp8")
+KV_QMAX = {"int8": 127.0, "fp8": 448.0}  # largest code magnitude: int8's symmetric range, e4m3's finite max
+
+
+@functools.lru_cache(maxsize=None)  # the fp8 probe cast runs once, not every layer and step
+def kv_value_dtype(fmt: str):
+    """The cache values' dtype for an 8-bit format; refuses a format or a torch that cannot hold it."""
+    if fmt == "int8":
+        return torch.int8
+    if fmt == "fp8":
+        dt = getattr(torch, "float8_e4m3fn", None)
+        try:
+            if dt is None:
+                raise TypeError("no torch.float8_e4m3fn")
+            torch.ones(2).to(dt).float()
+        except (TypeError, RuntimeError) as e:
+            raise ValueError(f"--kv-cache fp8: this torch build ({torch.__version__}) cannot cast to and from "
+                             f"float8_e4m3fn ({e}); use --kv-cache int8") from None
+        return dt
+    raise ValueError(f"--kv-cache {fmt!r}: choose one of {', '.join(KV_CACHE_FORMATS)}")
+
+
+def kv_quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., head_dim] -> (8-bit values [..., head_dim], fp16 scales [...]): one scale per row,
+    max |x| / KV_QMAX[fmt] rounded up to fp16 (the layout in the module docstring)."""
+    xf = x.float()
+    s = xf.abs().amax(-1) / KV_QMAX[fmt]
+    s16 = s.to(torch.float16)
+    s16 = torch.where(s16.float() < s, torch.nextafter(s16, torch.full_like(s16, float("inf"))), s16)
+    sf = s16.float()
+    y = xf / torch.where(sf > 0, sf, torch.ones_like(sf))[..., None]
+    qmax = KV_QMAX[fmt]
+    if fmt == "int8":  # |y| <= 127 up to fp32 rounding: the clamp only guards that last ulp
+        q = y.round().clamp_(-qmax, qmax).to(torch.int8)
+    else:  # e4m3fn has no infinity: a value past 448 would cast to NaN
+        q = y.clamp_(-qmax, qmax).to(kv_value_dtype(fmt))
+    return q, s16
+
+
+def kv_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
+    """The inverse of kv_quantize: values [..., head_dim] x scales [...] -> ``dtype``."""
+    return (q.float() * scale.float()[..., None]).to(dtype)
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -54,8 +124,11 @@ class Transformer:
     name = "reference"
 
     def __init__(self, cfg: ModelConfig, params: dict, max_seq_len: int | None = None,
-                 device="cpu", dtype=torch.float32, batch_size: int = 1):
+                 device="cpu", dtype=torch.float32, batch_size: int = 1, kv_cache: str = "fp16"):
+        if kv_cache not in KV_CACHE_FORMATS:
+            raise ValueError(f"--kv-cache {kv_cache!r}: choose one of {', '.join(KV_CACHE_FORMATS)}")
         self.cfg = cfg
+        self.kv_cache = kv_cache
         self.device = torch.device(device)
         self.dtype = dtype
         self.max_seq_len = min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -78,11 +151,39 @@ class Transformer:
             self.layers.append(L)
         self.cos, self.sin = rope_tables(cfg, self.max_seq_len, dev)
         shape = (cfg.num_layers, batch_size, cfg.num_kv_heads, self.max_seq_len, cfg.head_dim)
-        self.k_cache = torch.zeros(shape, device=dev, dtype=dtype)
-        self.v_cache = torch.zeros(shape, device=dev, dtype=dtype)
+        if kv_cache == "fp16":
+            self.k_cache = torch.zeros(shape, device=dev, dtype=dtype)
+            self.v_cache = torch.zeros(shape, device=dev, dtype=dtype)
+        else:
+            vdt = kv_value_dtype(kv_cache)
+            self.k_cache = torch.zeros(shape, device=dev, dtype=vdt)
+            self.v_cache = torch.zeros(shape, device=dev, dtype=vdt)
+            self.k_scale = torch.zeros(shape[:-1], device=dev, dtype=torch.float16)
+            self.v_scale = torch.zeros(shape[:-1], device=dev, dtype=torch.float16)
         # optional f(x) applied to the input of every linear and of the head: numerics studies only
         # (lab/int8_x_study.py); None in every product path
         self.linear_input = None
+
+    def kv_bytes(self, ctx: int) -> int:
+        """Bytes of K and V (values and scales) one decode step of one sequence reads at context ``ctx``."""
+        c = self.cfg
+        row = c.head_dim * self.k_cache.element_size() + (0 if self.kv_cache == "fp16" else 2)
+        return 2 * c.num_layers * c.num_kv_heads * ctx * row
+
+    def _write_read_kv(self, li: int, b: int, start_pos: int, end: int, k, v):
+        """Writes K/V [B, M, KV, D] at start_pos..end-1 of layer li; returns the cache's K, V [B, KV, end, D]."""
+        if self.kv_cache == "fp16":
+            self.k_cache[li, :b, :, start_pos:end] = k.transpose(1, 2)
+            self.v_cache[li, :b, :, start_pos:end] = v.transpose(1, 2)
+            return self.k_cache[li, :b, :, :end], self.v_cache[li, :b, :, :end]
+        out = []
+        for x, vals, scales in ((k, self.k_cache, self.k_scale), (v, self.v_cache, self.v_scale)):
+            q, s = kv_quantize(x.transpose(1, 2), self.kv_cache)
+            vals[li, :b, :, start_pos:end] = q
+            scales[li, :b, :, start_pos:end] = s
+            # every row is read back quantized, the ones just written included (as a kernel reading the cache)
+            out.append(kv_dequantize(vals[li, :b, :, :end], scales[li, :b, :, :end], x.dtype))
+        return out
 
     def reset(self) -> None:
         """Nothing to clear: positions at or after start_pos are never read before being written."""
@@ -120,10 +221,7 @@ class Transformer:
             v = qkv[..., (nh + nkv) * d:].view(b, m, nkv, d)
             if cfg.use_rope:
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            self.k_cache[li, :b, :, start_pos:end] = k.transpose(1, 2)
-            self.v_cache[li, :b, :, start_pos:end] = v.transpose(1, 2)
-            kk = self.k_cache[li, :b, :, :end]
-            vv = self.v_cache[li, :b, :, :end]
+            kk, vv = self._write_read_kv(li, b, start_pos, end, k, v)
             # GQA without materializing repeated K/V (a copy of the whole cache per layer per step)
             att = F.scaled_dot_product_attention(q.transpose(1, 2), kk, vv, attn_mask=mask,
                                                  scale=cfg.attn_scale, enable_gqa=nh != nkv)
