@@ -1,7 +1,7 @@
 """Write a Q4_K_M-like GGUF of a GGUF model (default: the embedded SmolLM2), to measure what
 flint's K-quant load path costs (`flint eval`, docs/eval.md).
 
-    python3 bench/make_q4km.py OUT.gguf [--src PATH] [--check]
+    python3 bench/make_q4km.py OUT.gguf [--src PATH] [--check] [--report]
 
 Each matrix is dequantized (gguf.quants.dequantize) and quantized again with the types llama.cpp's
 Q4_K_M recipe assigns: Q6_K for the output head (the token embedding when the head is tied) and
@@ -18,7 +18,8 @@ The Q4_K / Q6_K quantizers are this file's own: per sub-block a least-squares fi
 min, Q4_K) to the codes, a few rounds; the super-block scales in fp16 and the 6-bit / 8-bit
 sub-scales rounded to nearest; the codes chosen against the rounded scales. The block layouts are
 those gguf.quants.dequantize reads; tests/test_q4km.py checks the round trip bit for bit.
-``--check`` loads the written file with flint and compares every tensor with gguf's dequantize.
+``--check`` loads the written file with flint and compares every tensor with gguf's dequantize;
+``--report`` prints what the int4 backends requantize, at which group size, and its error.
 """
 from __future__ import annotations
 
@@ -213,12 +214,66 @@ def check(path: str) -> int:
     return n
 
 
+def requant_report(path: str, group_sizes=(32, 128), log=print) -> None:
+    """What the int4 backends do to ``path``'s matrices (flint.quant.quantize_params at each
+    ``--group-size``): per source type, how many tensors, the group size they get, and the
+    relative RMS error of the int4 values against the file's; and the share of Q4_K sub-blocks
+    whose (d sc, dmin m) fp16 holds exactly (only a tensor with all of them exact stays int4)."""
+    from collections import defaultdict
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from flint.loading import _GGUF_LAYER, load_model
+    from flint.quant import Int4Weight, quantize_params
+
+    r = gguf.GGUFReader(path)
+    ours = {v: k for k, v in _GGUF_LAYER.items()}
+    types = {t.name: t.tensor_type.name for t in r.tensors}
+    lm = load_model(path)
+
+    def source_type(fl):
+        if fl == "lm_head":
+            return types.get("output.weight", types["token_embd.weight"]) + " head"
+        _, i, n = fl.split(".")
+        return types[f"blk.{i}.{ours[n]}"]
+
+    for g in group_sizes:
+        acc = defaultdict(lambda: [0, 0.0, 0.0, set()])
+        for k, w in quantize_params(lm.params, g).items():
+            if k == "embed" or not isinstance(w, Int4Weight):
+                continue
+            src = lm.params[k]
+            kind = source_type(k) + (" (kept as int4)" if w is src else "")
+            a = src.dequantize() if isinstance(src, Int4Weight) else src
+            row = acc[kind]
+            row[0] += 1
+            row[1] += float(((w.dequantize() - a) ** 2).sum())
+            row[2] += float((a ** 2).sum())
+            row[3].add(w.group_size)
+        for kind, (n, se, ss, gs) in sorted(acc.items()):
+            log(f"--group-size {g}: {kind}: {n} tensors -> int4 g{'/'.join(map(str, sorted(gs)))}, "
+                f"rel. RMS error vs the file {np.sqrt(se / ss):.4f}")
+    exact = total = 0
+    for t in r.tensors:
+        if t.tensor_type == QT.Q4_K:
+            b = np.asarray(t.data).reshape(-1, 144)
+            d = b[:, 0:2].copy().view(np.float16).astype(np.float32)
+            dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+            sc, m = gguf.quants.Q4_K.get_scale_min(b[:, 4:16].copy())
+            prods = (d * sc.astype(np.float32), dmin * m.astype(np.float32))
+            ok = np.logical_and(*(p.astype(np.float16).astype(np.float32) == p for p in prods))
+            exact, total = exact + int(ok.sum()), total + ok.size
+    if total:
+        log(f"Q4_K sub-blocks whose (d sc, dmin m) fp16 holds exactly: {exact} of {total} ({exact / total:.1%})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", help="the GGUF file to write")
     ap.add_argument("--src", default=None, help="source GGUF (default: the embedded SmolLM2)")
     ap.add_argument("--check", action="store_true", help="load the result with flint and compare "
                     "every tensor with gguf's dequantize")
+    ap.add_argument("--report", action="store_true", help="print what the int4 backends requantize "
+                    "in the result, at which group size, and its error")
     a = ap.parse_args()
     src = a.src
     if src is None:
@@ -230,11 +285,14 @@ def main() -> None:
         raise SystemExit(f"--src {src}: no such file")
     groups: dict[tuple[str, str], Counter] = {}
     for name, want, kind in convert(src, a.out):
-        groups.setdefault((want, kind), Counter())[name.split(".", 2)[-1].removesuffix(".weight")] += 1
+        short = name.split(".", 2)[-1] if name.startswith("blk.") else name
+        groups.setdefault((want, kind), Counter())[short.removesuffix(".weight")] += 1
     for (want, kind), names in sorted(groups.items()):
         print(f"  recipe {want}, written {kind}: " + ", ".join(f"{k} x{v}" for k, v in sorted(names.items())))
     if a.check:
         print(f"--check: {check(a.out)} tensors equal gguf's dequantize bit for bit")
+    if a.report:
+        requant_report(a.out)
 
 
 if __name__ == "__main__":
