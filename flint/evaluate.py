@@ -15,8 +15,11 @@
   holds the head as symmetric 8-bit per 32 values (what an 8-bit head would cost; no kernel reads
   it yet); ``gptq`` quantizes the linear weights and the head by GPTQ (flint/gptq.py, calibrated on
   flint/data/calibration.txt, a text disjoint from the eval corpus); ``int4-embed`` makes the
-  embedding lookup read int4 rows too. "MB/token" is what a decode step streams: the linear
-  weights and the head as held, one embedding row, the norms (K/V not included).
+  embedding lookup read int4 rows too; ``kernel`` is the model as the int4 backends run it at
+  ``--group-size G`` (flint.quant.quantize_params: int4 weights kept, float ones such as a GGUF's
+  Q6_K / Q8_0 / non-exact Q4_K requantized), ``kernel:float-head`` the same with the head left as
+  loaded (to separate the head's share). "MB/token" is what a decode step streams: the
+  linear weights and the head as held, one embedding row, the norms (K/V not included).
 
 * ``--kv-cache int8,fp8`` also evaluates the model (the loaded one, the model under test) with
   each 8-bit KV cache (flint.model's docstring: the layout), one row each, against the fp16 cache
@@ -41,7 +44,7 @@ from pathlib import Path
 import torch
 
 from .quant import (GROUP_SIZES, Int4Weight, fit_group_size, int8_rows, quantize_int4,
-                    requantize_params)
+                    quantize_params, requantize_params)
 
 DEFAULT_CORPUS = Path(__file__).parent / "data" / "eval-corpus.txt"
 
@@ -110,7 +113,7 @@ def weight_bytes(params: dict, head_bytes: int | None = None) -> int:
 
 
 HEAD_OPTIONS = {"float-head": "float", "searched-head": "searched", "gptq-head": "gptq", "int8-head": "int8"}
-OPTIONS = (*HEAD_OPTIONS, "gptq", "int4-embed")
+OPTIONS = (*HEAD_OPTIONS, "gptq", "int4-embed", "kernel")
 _HEAD_LABEL = {"float": "float head", "searched": "searched head", "gptq": "GPTQ head", "int8": "8-bit head",
                "rtn": "RTN head"}
 
@@ -123,9 +126,12 @@ class Variant:
     head: str = "rtn"  # rtn, searched, gptq, float, int8
     method: str = "rtn"  # the linear weights: rtn or gptq
     int4_embed: bool = False
+    kernel: bool = False  # as the int4 backends see it: quantize_params, nothing else
 
     @property
     def label(self) -> str:
+        if self.kernel:
+            return f"int4 kernels, --group-size {self.group_size}" + (", float head" if self.head == "float" else "")
         words = [f"{'GPTQ' if self.method == 'gptq' else 'requantized'} g{self.group_size}"]
         if self.head != self.method:
             words.append(_HEAD_LABEL[self.head])
@@ -152,8 +158,12 @@ def parse_variants(spec: str) -> list[Variant]:
             raise EvalError(f"--quantize item {item!r}: group size must be one of {GROUP_SIZES}") from None
         if gi not in GROUP_SIZES:
             raise EvalError(f"--quantize item {item!r}: group size must be one of {GROUP_SIZES}")
+        if "kernel" in opts and not set(opts) <= {"kernel", "float-head"}:
+            raise EvalError(f"--quantize item {item!r}: 'kernel' takes no option but float-head (it "
+                            "is the model as the int4 backends load it)")
         method = "gptq" if "gptq" in opts else "rtn"
-        out.append(Variant(gi, heads[0] if heads else method, method, "int4-embed" in opts))
+        out.append(Variant(gi, heads[0] if heads else method, method, "int4-embed" in opts,
+                           "kernel" in opts))
     if not out:
         raise EvalError("--quantize: empty list")
     return out
@@ -165,6 +175,10 @@ def variant_params(lm, v: Variant, hessians=None) -> tuple[dict, str | None, int
     (flint.gptq.collect_hessians, computed once per run by the caller)."""
     from . import gptq
 
+    if v.kernel:
+        linear = [k for k in lm.params if k.rsplit(".", 1)[-1] in gptq.LINEAR_NAMES]
+        names = linear if v.head == "float" else linear + ["lm_head"]
+        return quantize_params(lm.params, v.group_size, names), None, None
     params = requantize_params(lm.params, v.group_size, head=v.head if v.head in ("rtn", "searched", "float")
                                else "rtn" if v.head == "gptq" else "float")
     names = [k for k in params if k.rsplit(".", 1)[-1] in gptq.LINEAR_NAMES] if v.method == "gptq" else []
@@ -361,7 +375,7 @@ def register(sub) -> None:
     p.add_argument("--quantize", default=None, metavar="G[,G...]",
                    help="also evaluate the model re-quantized in memory at these group sizes, each "
                         "with options after ':' (float-head, searched-head, gptq-head, int8-head, gptq, "
-                        "int4-embed), e.g. 64,32:searched-head,64:gptq")
+                         "int4-embed; or kernel: as the int4 backends load it), e.g. 64,32:searched-head,128:kernel")
     p.add_argument("--kv-cache", default=None, metavar="FMT[,FMT...]",
                    help="also evaluate the model with these KV cache formats (int8, fp8), each against the fp16 "
                         "cache, e.g. int8,fp8")
