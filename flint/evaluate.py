@@ -375,7 +375,7 @@ def register(sub) -> None:
     p.add_argument("--quantize", default=None, metavar="G[,G...]",
                    help="also evaluate the model re-quantized in memory at these group sizes, each "
                         "with options after ':' (float-head, searched-head, gptq-head, int8-head, gptq, "
-                         "int4-embed; or kernel: as the int4 backends load it), e.g. 64,32:searched-head,128:kernel")
+                        "int4-embed; or kernel: as the int4 backends load it), e.g. 64,32:searched-head,128:kernel")
     p.add_argument("--kv-cache", default=None, metavar="FMT[,FMT...]",
                    help="also evaluate the model with these KV cache formats (int8, fp8), each against the fp16 "
                         "cache, e.g. int8,fp8")
