@@ -129,37 +129,30 @@ class Grammars:
             raise GrammarError(f"{param}: the {kind} cannot be compiled ({err})", param)
         return Constraint(self, grammar, param, kind, schema)
 
-    def json_schema(self, schema, param: str = "response_format.json_schema.schema") -> Constraint:
+    def _compile(self, make, param: str, what: str, schema=None) -> Constraint:
+        """``make(LLMatcher)`` builds the grammar; its failure is a GrammarError naming ``param``."""
         import llguidance
 
+        try:
+            grammar = make(llguidance.LLMatcher)
+        except (ValueError, RuntimeError, TypeError) as e:
+            raise GrammarError(f"{param}: the {what} cannot be compiled ({e})", param) from None
+        return self._check(grammar, param, what, schema)
+
+    def json_schema(self, schema, param: str = "response_format.json_schema.schema") -> Constraint:
         if not isinstance(schema, dict):
             raise GrammarError(f"{param}: a JSON schema must be an object", param)
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-        except (ValueError, RuntimeError, TypeError) as e:
-            raise GrammarError(f"{param}: the JSON schema cannot be compiled ({e})", param) from None
-        return self._check(grammar, param, "JSON schema", schema)
+        return self._compile(lambda m: m.grammar_from_json_schema(schema, defaults=JSON_OPTIONS), param,
+                             "JSON schema", schema)
 
     def json_object(self, param: str = "response_format") -> Constraint:
         return self.json_schema({"type": "object"}, param)
 
     def regex(self, pattern: str, param: str) -> Constraint:
-        import llguidance
-
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_regex(pattern)
-        except (ValueError, RuntimeError) as e:
-            raise GrammarError(f"{param}: the regular expression cannot be compiled ({e})", param) from None
-        return self._check(grammar, param, "regular expression")
+        return self._compile(lambda m: m.grammar_from_regex(pattern), param, "regular expression")
 
     def lark(self, text: str, param: str) -> Constraint:
-        import llguidance
-
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_lark(text)
-        except (ValueError, RuntimeError) as e:
-            raise GrammarError(f"{param}: the grammar cannot be compiled ({e})", param) from None
-        return self._check(grammar, param, "grammar")
+        return self._compile(lambda m: m.grammar_from_lark(text), param, "grammar")
 
     def gbnf(self, text: str, param: str) -> Constraint:
         from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark

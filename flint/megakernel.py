@@ -505,15 +505,18 @@ class MegakernelBackend:
 
         self._token_mask = check_token_mask(self, mask)
 
-    def greedy_next(self, token: int, pos: int) -> int:
-        """One M = 1 step for ``token`` at ``pos``; returns the argmax (over the allowed tokens when a token mask
-        is set). One launch (two with a mask) + one 4-byte copy."""
+    def _check_step(self, token: int, pos: int) -> None:
         if not 0 <= token < self.cfg.vocab_size:
             raise ValueError(f"megakernel: token id {token} is outside the vocabulary")
         if not 0 <= pos < self.max_seq_len:
             raise ValueError(f"megakernel: position {pos} exceeds max_seq_len {self.max_seq_len}")
+
+    def greedy_next(self, token: int, pos: int) -> int:
+        """One M = 1 step for ``token`` at ``pos``; returns the argmax (over the allowed tokens when a token mask
+        is set). One launch (two with a mask) + one 4-byte copy."""
+        self._check_step(token, pos)
         if self._token_mask is not None:
-            self.greedy_launch(token, pos)
+            self.greedy_launch(token, pos)  # (checks again: cheap, and the mask path is not the hot one)
             return self.greedy_finish(self._token_mask)
         out = ctypes.c_int()
         stream = torch.cuda.current_stream(self.device)
@@ -524,10 +527,7 @@ class MegakernelBackend:
     def greedy_launch(self, token: int, pos: int) -> None:
         """Enqueue the M = 1 step for ``token`` at ``pos`` and return at once (greedy_finish reads its token):
         the host's work in between (the next grammar mask) overlaps the step."""
-        if not 0 <= token < self.cfg.vocab_size:
-            raise ValueError(f"megakernel: token id {token} is outside the vocabulary")
-        if not 0 <= pos < self.max_seq_len:
-            raise ValueError(f"megakernel: position {pos} exceeds max_seq_len {self.max_seq_len}")
+        self._check_step(token, pos)
         stream = torch.cuda.current_stream(self.device)
         _check(self._lib.flint_mk_launch_token(self._h, int(token), int(pos), ctypes.c_void_p(stream.cuda_stream)),
                self._lib)

