@@ -1,0 +1,115 @@
+"""Where a constrained greedy token's time goes on the megakernel: the engine's split loop (greedy_launch, the
+grammar's consume and fill while the step runs, greedy_finish) timed per token from the host, beside the same
+model's unconstrained per-token loop (greedy_next, no mask) and its device loop (greedy_run), in one process.
+
+    FLINT_KERNEL_DIR=build/kernels python3 lab/constrained_trace.py [synthetic:granite-4.1-3b|embedded:smollm2] [--json F]
+
+Per token it records: the launch call, consume, the yield to the consumer, fill, and the wait inside greedy_finish
+(the step's remaining time plus the mask copy and the one-block argmax). If fill + consume stay under the step, the
+constrained token costs the unconstrained per-token loop's token plus the finish's tail; a fill longer than the step
+shows as finish time near zero and a longer token.
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from flint import grammar  # noqa: E402
+from flint.backend import make_backend  # noqa: E402
+from flint.bench import BENCH_PROMPT, BENCH_SCHEMA, BENCH_SCHEMA_BOUNDED, load_bench_model, proxy_tokenizer  # noqa: E402
+from flint.engine import Engine, SamplingParams  # noqa: E402
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model", nargs="?", default="synthetic:granite-4.1-3b")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    lm = load_bench_model(a.model, 128, dev, 0)
+    tok = lm.tokenizer or proxy_tokenizer(lm.cfg.vocab_size)
+    schema = BENCH_SCHEMA_BOUNDED if a.model.startswith("synthetic:") else BENCH_SCHEMA
+    eos = tok.eos_token_ids[:1]
+    ids = tok.encode_chat([{"role": "user", "content": BENCH_PROMPT}]) if tok.chat_template else tok.encode(BENCH_PROMPT)
+    cons = grammar.Grammars(tok, lm.cfg.vocab_size, eos[0]).json_schema(schema, "schema")
+    be = make_backend("megakernel", lm, max_seq_len=len(ids) + 4 * a.tokens + 8, device="cuda", group_size=128)
+    eng = Engine(be, tok, eos_token_ids=eos)
+
+    ev = []  # (name, t) stamps
+
+    def wrap(obj, name):
+        f = getattr(obj, name)
+
+        def g(*args, **kw):
+            t0 = time.perf_counter()
+            r = f(*args, **kw)
+            ev.append((name, t0, time.perf_counter()))
+            return r
+        setattr(obj, name, g)
+
+    for n in ("greedy_launch", "greedy_finish", "greedy_next"):
+        wrap(be, n)
+    for n in ("fill", "consume"):
+        orig = getattr(grammar.Matcher, n)
+
+        def g(self, *args, _f=orig, _n=n, **kw):
+            t0 = time.perf_counter()
+            r = _f(self, *args, **kw)
+            ev.append((_n, t0, time.perf_counter()))
+            return r
+        setattr(grammar.Matcher, n, g)
+
+    free = SamplingParams(max_new_tokens=a.tokens, ignore_eos=True)
+    bound = SamplingParams(max_new_tokens=4 * a.tokens, constraint=cons)
+    eng.generate(ids, free)
+    eng.generate(ids, bound)
+    rows = {"greedy_run": [], "greedy_next": [], "constrained": []}
+    per = {k: [] for k in ("greedy_launch", "consume", "fill", "greedy_finish", "token")}
+    for _ in range(a.repeats):
+        eng.cached = []
+        rows["greedy_run"].append(1e6 / eng.generate(ids, free).decode_tok_s)
+        # the unconstrained per-token host loop: greedy_next token by token (what the constrained loop replaces)
+        eng.cached = []
+        r = eng.generate(ids, SamplingParams(max_new_tokens=1))
+        t, p = r.token_ids[-1], len(ids)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(a.tokens):
+            t = be.greedy_next(t, p + i)
+        rows["greedy_next"].append((time.perf_counter() - t0) * 1e6 / a.tokens)
+        eng.cached = []
+        ev.clear()
+        r = eng.generate(ids, bound)
+        rows["constrained"].append(1e6 / r.decode_tok_s)
+        fin = [e for e in ev if e[0] == "greedy_finish"]
+        for name in ("greedy_launch", "consume", "fill", "greedy_finish"):
+            per[name] += [(e[2] - e[1]) * 1e6 for e in ev if e[0] == name][1:]
+        per["token"] += [(b[2] - a_[2]) * 1e6 for a_, b in zip(fin, fin[1:])]
+    out = {"model": a.model, "us_per_token": {k: statistics.median(v) for k, v in rows.items()},
+           "per_token": {k: {"median": statistics.median(v), "p90": pct(v, 0.9), "max": max(v), "n": len(v)}
+                         for k, v in per.items() if v}}
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+    print(f"{a.model}: us per token, median of {a.repeats}: " +
+          ", ".join(f"{k} {v:.1f}" for k, v in out["us_per_token"].items()))
+    print("| per constrained token (us) | median | p90 | max |\n|---|---:|---:|---:|")
+    for k, v in out["per_token"].items():
+        print(f"| {k} | {v['median']:.1f} | {v['p90']:.1f} | {v['max']:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
