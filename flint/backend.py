@@ -11,7 +11,12 @@ word i >> 5 set = token i allowed), or None to clear it; it applies to the argma
 model's distribution). An all-zero mask is the caller's error (the result is undefined). A backend may also
 split the masked step in two, ``greedy_launch(token, pos)`` (enqueue the step, return at once) and
 ``greedy_finish(mask) -> int`` (the argmax of that step's logits over ``mask``, or unmasked for None): the
-engine then fills the next mask on the host while the device runs the step. flint.token_mask
+engine then fills the next mask on the host while the device runs the step. A backend may go one further and
+pipeline the masked steps, so that no host round trip sits between two steps: ``pipe_begin(token, pos)``
+enqueues the step and its masked argmax, which waits until the host has filled ``pipe_mask`` (a CPU int32 tensor
+of the same words) and called ``pipe_publish()``; ``pipe_ahead(pos)`` enqueues the next step, whose token is the
+latest enqueued argmax's (it never leaves the device); ``pipe_token()`` returns the oldest published argmax's token
+(RuntimeError when its mask allowed nothing); ``pipe_close()`` releases whatever still waits. flint.token_mask
 holds the shared torch side (``check_token_mask``, ``mask_logits``: the reference and compiled backends
 use them, the engine masks logits with it before sampling). Test: ``pytest tests/test_structured.py -k mask``.
 
@@ -60,6 +65,44 @@ class ReferenceBackend(Transformer):
         if mask is not None:
             logits = mask_logits(logits, check_token_mask(self, mask))
         return int(torch.argmax(logits))
+
+    # the pipelined masked step (the contract above), run in order: a step is computed when its mask is published
+    def pipe_begin(self, token: int, pos: int) -> None:
+        self._pipe = [(int(pos), int(token))]
+        self._pipe_out: list[int] = []
+        self._pipe_last = None
+
+    def pipe_ahead(self, pos: int) -> None:
+        if getattr(self, "_pipe", None) is None:
+            raise RuntimeError(f"{self.name}: pipe_ahead without a pipe_begin before it")
+        self._pipe.append((int(pos), None))
+
+    @property
+    def pipe_mask(self) -> torch.Tensor:
+        if getattr(self, "_pipe_words", None) is None:
+            self._pipe_words = torch.zeros((self.cfg.vocab_size + 31) // 32, dtype=torch.int32)
+        return self._pipe_words
+
+    def pipe_publish(self) -> None:
+        if not getattr(self, "_pipe", None):
+            raise RuntimeError(f"{self.name}: pipe_publish with no step waiting")
+        pos, tok = self._pipe.pop(0)
+        self.greedy_launch(self._pipe_last if tok is None else tok, pos)
+        mask = self.pipe_mask.to(self.device)
+        t = self.greedy_finish(mask) if bool(mask.any()) else -1
+        self._pipe_last = max(t, 0)
+        self._pipe_out.append(t)
+
+    def pipe_token(self) -> int:
+        if not getattr(self, "_pipe_out", None):
+            raise RuntimeError(f"{self.name}: pipe_token with no published step")
+        t = self._pipe_out.pop(0)
+        if t < 0:
+            raise RuntimeError(f"{self.name}: the token mask allows no token")
+        return t
+
+    def pipe_close(self) -> None:
+        self._pipe, self._pipe_out = None, []
 
 
 def cuda_sm90() -> bool:

@@ -15,7 +15,9 @@ sets it and takes ``greedy_next`` (the argmax is masked on the device, no logits
 decoding masks the logits on the device before sampling. Constrained greedy decoding runs one token per
 host round trip (the next mask needs the token before it), not in ``greedy_run`` bursts; on a backend with
 ``greedy_launch`` / ``greedy_finish`` the step is enqueued first and the mask filled while it runs (the mask
-is read only by the argmax after the step). Test:
+is read only by the argmax after the step); on one with the pipelined step (``pipe_begin`` ..., the megakernel)
+the next step is enqueued too before the mask is filled and takes its token on the device, so no host round trip
+sits between two steps. Test:
 ``pytest tests/test_structured.py``.
 """
 from __future__ import annotations
@@ -357,6 +359,8 @@ class Engine:
             return tok
 
         tok = choose(logits)
+        if kernel and hasattr(b, "pipe_begin") and pos < b.max_seq_len:
+            tok, pos = yield from self._piped(b, matcher, tok, pos)
         pending = False
         try:
             while True:
@@ -384,6 +388,31 @@ class Engine:
                 b.greedy_finish(None)
             if kernel and not split:
                 b.set_token_mask(None)
+
+    @staticmethod
+    def _piped(b, matcher, tok: int, pos: int):
+        """The pipelined masked steps (flint.backend's contract): step n + 1 is enqueued before step n's mask is
+        filled, and takes step n's token on the device, so the device runs step after step while the host consumes
+        a token and fills the next mask. Returns (token, pos) where the context has no room for one more step."""
+        b.pipe_begin(tok, pos)
+        try:
+            while pos + 1 < b.max_seq_len:
+                b.pipe_ahead(pos + 1)
+                matcher.consume(tok)
+                yield tok
+                matcher.fill(b.pipe_mask)
+                b.pipe_publish()
+                tok = b.pipe_token()
+                pos += 1
+            matcher.consume(tok)  # the last position: its step, then the sequential loop (which ends there)
+            yield tok
+            matcher.fill(b.pipe_mask)
+            b.pipe_publish()
+            tok = b.pipe_token()
+            pos += 1
+        finally:
+            b.pipe_close()
+        return tok, pos
 
     def _on_start(self) -> None:
         """Hook: a generation begins (subclasses reset their per-call stats)."""

@@ -74,6 +74,15 @@ def bind_library(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.flint_mk_launch_token.restype = ctypes.c_int
         lib.flint_mk_finish_argmax.argtypes = [vp, vp, vp, ctypes.POINTER(ctypes.c_int)]
         lib.flint_mk_finish_argmax.restype = ctypes.c_int
+    if hasattr(lib, "flint_mk_pipe_step"):  # (variant libraries of older revisions lack them)
+        lib.flint_mk_pipe_mask.argtypes = [vp]
+        lib.flint_mk_pipe_mask.restype = vp
+        lib.flint_mk_pipe_step.argtypes = [vp, ctypes.c_int, ctypes.c_int, ctypes.c_int, vp]
+        lib.flint_mk_pipe_publish.argtypes = [vp]
+        lib.flint_mk_pipe_token.argtypes = [vp, vp, ctypes.POINTER(ctypes.c_int)]
+        lib.flint_mk_pipe_close.argtypes = [vp, vp]
+        for f in ("step", "publish", "token", "close"):
+            getattr(lib, f"flint_mk_pipe_{f}").restype = ctypes.c_int
     if hasattr(lib, "flint_draft_rollout"):  # (variant libraries of older revisions lack the draft kernel)
         lib.flint_draft_rollout.argtypes = [c_ll_p, ctypes.POINTER(vp), ctypes.POINTER(ctypes.c_float), vp]
         lib.flint_draft_rollout.restype = ctypes.c_int
@@ -549,6 +558,55 @@ class MegakernelBackend:
         if out.value < 0:
             raise RuntimeError("megakernel: the token mask allows no token")
         return out.value
+
+    # The pipelined masked step (structured output with no host round trip between steps; flint.backend's docstring
+    # has the contract, megakernel_host.cu the protocol): each step's masked argmax waits on the device for the host
+    # to publish its mask, then hands its token to the next step, enqueued while the mask was being filled.
+    @property
+    def pipe_mask(self) -> torch.Tensor:
+        """The mask the host fills before pipe_publish: ceil(V / 32) int32 words of mapped pinned memory."""
+        if getattr(self, "_pipe_mask", None) is None:
+            ptr = self._lib.flint_mk_pipe_mask(self._h)
+            if not ptr:
+                _check(1, self._lib)
+            words = (self.cfg.vocab_size + 31) // 32
+            self._pipe_mask = torch.frombuffer((ctypes.c_int32 * words).from_address(ptr), dtype=torch.int32)
+        return self._pipe_mask
+
+    def _pipe_step(self, token: int, pos: int, from_slot: int) -> None:
+        stream = torch.cuda.current_stream(self.device)
+        _check(self._lib.flint_mk_pipe_step(self._h, int(token), int(pos), from_slot,
+                                            ctypes.c_void_p(stream.cuda_stream)), self._lib)
+
+    def pipe_begin(self, token: int, pos: int) -> None:
+        """Enqueue the step for ``token`` at ``pos`` and its masked argmax (it waits for pipe_publish)."""
+        self._check_step(token, pos)
+        self.pipe_mask  # (allocated before the first launch)
+        self._pipe_step(token, pos, 0)
+
+    def pipe_ahead(self, pos: int) -> None:
+        """Enqueue the step at ``pos`` whose token is the latest enqueued argmax's (read on the device)."""
+        self._check_step(0, pos)
+        self._pipe_step(0, pos, 1)
+
+    def pipe_publish(self) -> None:
+        """The oldest waiting argmax may read pipe_mask now."""
+        _check(self._lib.flint_mk_pipe_publish(self._h), self._lib)
+
+    def pipe_token(self) -> int:
+        """The oldest published argmax's token (waits for it)."""
+        out = ctypes.c_int()
+        stream = torch.cuda.current_stream(self.device)
+        _check(self._lib.flint_mk_pipe_token(self._h, ctypes.c_void_p(stream.cuda_stream), ctypes.byref(out)),
+               self._lib)
+        if out.value < 0:
+            raise RuntimeError("megakernel: the token mask allows no token")
+        return out.value
+
+    def pipe_close(self) -> None:
+        """Release every waiting argmax and drain the stream (their tokens are dropped)."""
+        stream = torch.cuda.current_stream(self.device)
+        _check(self._lib.flint_mk_pipe_close(self._h, ctypes.c_void_p(stream.cuda_stream)), self._lib)
 
     def greedy_run(self, token: int, pos: int, n: int) -> list[int]:
         """``n`` greedy M = 1 steps from ``token`` at ``pos``; returns their argmax tokens. Step i + 1 reads

@@ -1,13 +1,14 @@
-"""Where a constrained greedy token's time goes on the megakernel: the engine's split loop (greedy_launch, the
-grammar's consume and fill while the step runs, greedy_finish) timed per token from the host, beside the same
-model's unconstrained per-token loop (greedy_next, no mask) and its device loop (greedy_run), in one process.
+"""Where a constrained greedy token's time goes on the megakernel: the engine's pipelined loop (pipe_ahead, the
+grammar's consume and fill while the step runs, pipe_publish, the wait in pipe_token) timed per token from the
+host, beside the same model's unconstrained per-token loop (greedy_next, no mask) and its device loop (greedy_run),
+in one process. ``--split`` hides the pipelined step, so the engine takes the launch / finish loop instead.
 
     FLINT_KERNEL_DIR=build/kernels python3 lab/constrained_trace.py [synthetic:granite-4.1-3b|embedded:smollm2] [--json F]
 
-Per token it records: the launch call, consume, the yield to the consumer, fill, and the wait inside greedy_finish
-(the step's remaining time plus the mask copy and the one-block argmax). If fill + consume stay under the step, the
-constrained token costs the unconstrained per-token loop's token plus the finish's tail; a fill longer than the step
-shows as finish time near zero and a longer token.
+Per token it records each call's host time: the enqueue (pipe_ahead or greedy_launch), consume, fill, publish, and
+the wait (pipe_token or greedy_finish: the step's remaining time plus the argmax). While fill + consume stay under
+the step, the pipelined token costs the device loop's token plus the argmax; a fill longer than the step shows as
+a wait near zero and a longer token.
 """
 import argparse
 import json
@@ -36,6 +37,7 @@ def main() -> int:
     ap.add_argument("model", nargs="?", default="synthetic:granite-4.1-3b")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--split", action="store_true", help="hide the pipelined step (the launch / finish loop)")
     ap.add_argument("--json")
     a = ap.parse_args()
     dev = torch.device("cuda")
@@ -46,7 +48,14 @@ def main() -> int:
     ids = tok.encode_chat([{"role": "user", "content": BENCH_PROMPT}]) if tok.chat_template else tok.encode(BENCH_PROMPT)
     cons = grammar.Grammars(tok, lm.cfg.vocab_size, eos[0]).json_schema(schema, "schema")
     be = make_backend("megakernel", lm, max_seq_len=len(ids) + 4 * a.tokens + 8, device="cuda", group_size=128)
-    eng = Engine(be, tok, eos_token_ids=eos)
+
+    class NoPipe:  # the backend without the pipelined step: the engine takes the launch / finish loop
+        def __getattr__(self, name):
+            if name.startswith("pipe_"):
+                raise AttributeError(name)
+            return getattr(be, name)
+
+    eng = Engine(NoPipe() if a.split else be, tok, eos_token_ids=eos)
 
     ev = []  # (name, t) stamps
 
@@ -60,7 +69,7 @@ def main() -> int:
             return r
         setattr(obj, name, g)
 
-    for n in ("greedy_launch", "greedy_finish", "greedy_next"):
+    for n in ("greedy_launch", "greedy_finish", "pipe_ahead", "pipe_publish", "pipe_token"):
         wrap(be, n)
     for n in ("fill", "consume"):
         orig = getattr(grammar.Matcher, n)
@@ -77,7 +86,9 @@ def main() -> int:
     eng.generate(ids, free)
     eng.generate(ids, bound)
     rows = {"greedy_run": [], "greedy_next": [], "constrained": []}
-    per = {k: [] for k in ("greedy_launch", "consume", "fill", "greedy_finish", "token")}
+    names = ("greedy_launch", "consume", "fill", "greedy_finish") if a.split else \
+        ("pipe_ahead", "consume", "fill", "pipe_publish", "pipe_token")
+    per = {k: [] for k in names + ("token",)}
     for _ in range(a.repeats):
         eng.cached = []
         rows["greedy_run"].append(1e6 / eng.generate(ids, free).decode_tok_s)
@@ -94,11 +105,12 @@ def main() -> int:
         ev.clear()
         r = eng.generate(ids, bound)
         rows["constrained"].append(1e6 / r.decode_tok_s)
-        fin = [e for e in ev if e[0] == "greedy_finish"]
-        for name in ("greedy_launch", "consume", "fill", "greedy_finish"):
+        wait = "greedy_finish" if a.split else "pipe_token"
+        fin = [e for e in ev if e[0] == wait]
+        for name in per:
             per[name] += [(e[2] - e[1]) * 1e6 for e in ev if e[0] == name][1:]
         per["token"] += [(b[2] - a_[2]) * 1e6 for a_, b in zip(fin, fin[1:])]
-    out = {"model": a.model, "us_per_token": {k: statistics.median(v) for k, v in rows.items()},
+    out = {"model": a.model, "loop": "split" if a.split else "pipelined", "us_per_token": {k: statistics.median(v) for k, v in rows.items()},
            "per_token": {k: {"median": statistics.median(v), "p90": pct(v, 0.9), "max": max(v), "n": len(v)}
                          for k, v in per.items() if v}}
     if a.json:

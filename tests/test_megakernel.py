@@ -9,6 +9,7 @@ the same int4 weights: logits ||delta|| / ||ref|| < 1e-2 (measured ~3e-4: the fp
 from __future__ import annotations
 
 import os
+import time
 import warnings
 
 import pytest
@@ -324,6 +325,57 @@ def test_token_mask_in_the_argmax():
         mk.set_token_mask(torch.zeros(words, dtype=torch.int64, device=mk.device))
     with pytest.raises(ValueError, match="is on cpu"):
         mk.set_token_mask(torch.zeros(words, dtype=torch.int32))
+
+
+@gpu
+@needs_sm90
+def test_pipelined_masked_steps():
+    """The pipelined masked step (pipe_begin / pipe_ahead / pipe_publish / pipe_token): six steps whose tokens pass
+    from argmax to step on the device give the tokens of greedy_launch / greedy_finish over the same masks from the
+    same cache; the mask is filled after the next step was enqueued (it waits on the device); an all-zero mask is an
+    error and pipe_close releases what still waits, after which plain steps run as before."""
+    cfg = _granite(2)
+    mk, _ = _pair(cfg, 128, 64)
+    V = cfg.vocab_size
+    words = (V + 31) // 32
+    toks = torch.randint(0, V, (8,), generator=torch.Generator().manual_seed(11))
+    gen = torch.Generator().manual_seed(3)
+    masks = [torch.randint(-2**31, 2**31 - 1, (words,), dtype=torch.int32, generator=gen) for _ in range(6)]
+    masks[2] = torch.zeros(words, dtype=torch.int32)
+    masks[2][1] = 1 << 4  # one token allowed: 36
+    mk.forward(toks, 0)
+    want, tok = [], int(toks[-1])
+    for i, m in enumerate(masks):
+        mk.greedy_launch(tok, 8 + i)
+        tok = mk.greedy_finish(m.to(mk.device))
+        want.append(tok)
+    assert want[2] == 36
+    mk.forward(toks, 0)  # (the same cache again)
+    got = []
+    mk.pipe_begin(int(toks[-1]), 8)
+    for i, m in enumerate(masks):
+        if i + 1 < len(masks):
+            mk.pipe_ahead(9 + i)
+        time.sleep(0.002)  # the argmax waits for the mask on the device
+        mk.pipe_mask.copy_(m)
+        mk.pipe_publish()
+        got.append(mk.pipe_token())
+    mk.pipe_close()
+    assert got == want
+    mk.pipe_begin(int(toks[-1]), 8)
+    mk.pipe_ahead(9)
+    mk.pipe_mask.zero_()
+    mk.pipe_publish()
+    with pytest.raises(RuntimeError, match="allows no token"):
+        mk.pipe_token()
+    mk.pipe_close()  # (the step at 9 and its argmax, never published, are released)
+    from flint.megakernel import MegakernelError
+
+    with pytest.raises(MegakernelError, match="no pipelined argmax"):
+        mk.pipe_ahead(9)
+    mk.forward(toks, 0)
+    mk.greedy_launch(int(toks[-1]), 8)
+    assert mk.greedy_finish(masks[0].to(mk.device)) == want[0]
 
 
 @gpu

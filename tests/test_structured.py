@@ -86,28 +86,96 @@ SMALL = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0,
          "required": ["a", "b"], "additionalProperties": False}
 
 
-def test_overlapped_mask_gives_the_same_tokens(tiny_llama, grammars):
-    """The launch / fill the mask / finish loop (greedy_launch, greedy_finish) emits exactly the tokens of the
-    sequential one (set_token_mask, greedy_next) on the same backend."""
+PIPE = ("pipe_begin", "pipe_ahead", "pipe_mask", "pipe_publish", "pipe_token", "pipe_close")
+
+
+class _Without:
+    """A backend with some of its methods hidden (the engine then takes another loop)."""
+
+    def __init__(self, b, hidden):
+        self._b, self._hidden = b, hidden
+
+    def __getattr__(self, name):
+        if name in self._hidden:
+            raise AttributeError(name)
+        return getattr(self._b, name)
+
+
+@pytest.mark.parametrize("max_seq", [96, 16])
+def test_overlapped_mask_gives_the_same_tokens(tiny_llama, grammars, max_seq):
+    """The pipelined loop (pipe_begin / pipe_ahead / fill / pipe_publish / pipe_token) and the launch / fill the mask /
+    finish loop (greedy_launch, greedy_finish) emit exactly the tokens of the sequential one (set_token_mask,
+    greedy_next) on the same backend; with a context that ends inside the output too."""
     from flint.backend import make_backend
     from flint.engine import Engine, SamplingParams
 
-    class Sequential:  # the same backend without the split step
-        def __init__(self, b):
-            self._b = b
+    c = grammars.json_schema(SMALL)
+    ids = tiny_llama.tokenizer.encode("q")
+    sp = SamplingParams(max_new_tokens=max_seq - len(ids), temperature=0.0, constraint=c)
+    runs = []
+    for hidden in ((), PIPE, PIPE + ("greedy_launch", "greedy_finish")):
+        backend = make_backend("reference", tiny_llama, max_seq, device="cpu")
+        runs.append(Engine(_Without(backend, hidden), tiny_llama.tokenizer).generate(ids, sp))
+    a, b, c_ = runs
+    assert a.token_ids == b.token_ids == c_.token_ids and a.text == b.text == c_.text
+    assert a.finish_reason == b.finish_reason == c_.finish_reason == ("stop" if max_seq == 96 else "length")
 
-        def __getattr__(self, name):
-            if name in ("greedy_launch", "greedy_finish"):
-                raise AttributeError(name)
-            return getattr(self._b, name)
+
+def test_pipelined_loop_stops_cleanly(tiny_llama, grammars):
+    """A consumer that stops after a few tokens leaves the pipe closed (every waiting step released), and the next
+    generation on the engine is the same as on a fresh one."""
+    from flint.backend import make_backend
+    from flint.engine import Engine, SamplingParams
 
     backend = make_backend("reference", tiny_llama, 96, device="cpu")
-    c = grammars.json_schema(SMALL)
-    sp = SamplingParams(max_new_tokens=40, temperature=0.0, constraint=c)
+    calls = []
+    real = backend.pipe_close
+    backend.pipe_close = lambda: (calls.append(1), real())[1]
+    engine = Engine(backend, tiny_llama.tokenizer)
+    sp = SamplingParams(max_new_tokens=40, temperature=0.0, constraint=grammars.json_schema(SMALL))
     ids = tiny_llama.tokenizer.encode("q")
-    a = Engine(backend, tiny_llama.tokenizer).generate(ids, sp)
-    b = Engine(Sequential(make_backend("reference", tiny_llama, 96, device="cpu")), tiny_llama.tokenizer).generate(ids, sp)
-    assert a.token_ids == b.token_ids and a.text == b.text and a.finish_reason == b.finish_reason == "stop"
+    it = engine.stream(ids, sp)
+    first = [next(it) for _ in range(3)]
+    it.close()
+    assert calls == [1] and backend._pipe is None
+    full = engine.generate(ids, sp)
+    assert [t for t, _ in first] == full.token_ids[:3]
+    assert full.token_ids == Engine(make_backend("reference", tiny_llama, 96, device="cpu"),
+                                    tiny_llama.tokenizer).generate(ids, sp).token_ids
+
+
+def test_reference_pipe_contract(tiny_llama):
+    """The reference backend's pipelined step: tokens equal greedy_finish over the same masks; a step from the device
+    token needs a begin; an all-zero mask is an error, not a token."""
+    from flint.backend import make_backend
+
+    b = make_backend("reference", tiny_llama, 32, device="cpu")
+    with pytest.raises(RuntimeError, match="without a pipe_begin"):
+        b.pipe_ahead(1)
+    words = (tiny_llama.cfg.vocab_size + 31) // 32
+    g = torch.Generator().manual_seed(0)
+    masks = [torch.randint(-2**31, 2**31 - 1, (words,), dtype=torch.int32, generator=g) for _ in range(3)]
+    b.pipe_begin(5, 0)
+    got = []
+    for i, m in enumerate(masks):
+        if i + 1 < len(masks):
+            b.pipe_ahead(i + 1)
+        b.pipe_mask.copy_(m)
+        b.pipe_publish()
+        got.append(b.pipe_token())
+    b.pipe_close()
+    want, tok = [], 5
+    for i, m in enumerate(masks):
+        b.greedy_launch(tok, i)
+        tok = b.greedy_finish(m)
+        want.append(tok)
+    assert got == want
+    b.pipe_begin(5, 0)
+    b.pipe_mask.zero_()
+    b.pipe_publish()
+    with pytest.raises(RuntimeError, match="allows no token"):
+        b.pipe_token()
+    b.pipe_close()
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -117,8 +185,8 @@ def test_engine_output_follows_the_schema(tiny_llama, grammars, temperature):
 
     backend = make_backend("reference", tiny_llama, 96, device="cpu")
     calls = []
-    real = backend.greedy_finish
-    backend.greedy_finish = lambda m: (calls.append(m is not None), real(m))[1]
+    real = backend.pipe_publish
+    backend.pipe_publish = lambda: (calls.append(True), real())[1]
     engine = Engine(backend, tiny_llama.tokenizer)
     c = grammars.json_schema(SMALL)
     for seed in range(2):
@@ -126,9 +194,9 @@ def test_engine_output_follows_the_schema(tiny_llama, grammars, temperature):
             max_new_tokens=40, temperature=temperature, seed=seed, constraint=c))
         assert r.finish_reason == "stop", r.text
         jsonschema.validate(json.loads(r.text), SMALL)
-    # greedy goes through the backend's masked argmax: each step launched, then finished over its mask (filled
-    # while the step ran; a step launched after the last token is drained unmasked); sampling masks the logits
-    assert (sum(calls) >= 2 and len(calls) - sum(calls) <= 2) if temperature == 0 else calls == []
+    # greedy goes through the backend's pipelined masked argmax (each step's mask published while the step before
+    # it is consumed); sampling masks the logits
+    assert len(calls) >= 2 if temperature == 0 else calls == []
     assert backend.token_mask is None
 
 

@@ -49,6 +49,8 @@ static int cuda_fail(const char* what, int e) {
   return e ? e : 1;
 }
 
+struct Pipe;  // (the pipelined masked step's shared words, below)
+
 struct Handle {
   mk::Params p;
   mk::Smem sl[mk::MAX_M + 1];
@@ -57,6 +59,11 @@ struct Handle {
   bool ready_long;
   int* h_argmax;  // pinned
   int smem_optin;
+  Pipe* pipe_h = nullptr;  // the pipelined masked step (flint_mk_pipe_*): mapped pinned memory, host and device views
+  Pipe* pipe_d = nullptr;
+  long long* pipe_slot = nullptr;   // the token one pipelined step hands the next, on the device
+  int pipe_seq = 0, pipe_pub = 0, pipe_read = 0;  // argmaxes enqueued, published, read
+  bool pipe_live = false;  // a pipelined argmax since the last close: the slot holds its token
 };
 
 extern "C" const char* flint_mk_last_error() { return g_err; }
@@ -249,6 +256,14 @@ extern "C" void flint_mk_destroy(void* hv) {
   Handle* h = (Handle*)hv;
   if (!h) return;
   if (h->h_argmax) cudaFreeHost(h->h_argmax);
+  if (h->pipe_h) {  // an argmax still waiting for its mask would read freed memory: release it and wait
+    if (h->pipe_pub < h->pipe_seq) {
+      __atomic_store_n((int*)h->pipe_h, h->pipe_seq, __ATOMIC_RELEASE);  // (Pipe::flag, the first word)
+      cudaDeviceSynchronize();
+    }
+    cudaFreeHost(h->pipe_h);
+  }
+  if (h->pipe_slot) cudaFree(h->pipe_slot);
   delete h;
 }
 
@@ -361,13 +376,54 @@ extern "C" int flint_mk_greedy(void* hv, int token, int pos, void* stream, int* 
 // when the mask allows nothing.
 static constexpr int kMaskThreads = 1024;
 
+// The pipelined form (flint_mk_pipe_*, below) reads its mask from mapped host memory once the host has published
+// it: `pipe` non-null makes thread 0 wait for pipe->flag >= seq (an acquire at system scope, the host's release
+// store after it filled the mask), read the mask with volatile loads, and hand the token to the next step through
+// `slot` (device int64, the next launch's input) and to the host through pipe->tok / pipe->done.
+struct Pipe {
+  int flag;  // host -> device: the mask for argmax `flag` is written
+  int done;  // device -> host: argmax `done` wrote tok[done & 1]
+  int tok[2];
+  uint32_t mask[1];  // ceil(V / 32) words (allocated past the struct)
+};
+static constexpr long long kPipeWaitNs = 60ll * 1000 * 1000 * 1000;  // a host that never publishes: fail, not hang
+
+__device__ __forceinline__ int ld_acquire_sys(const int* p) {
+  int v;
+  asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_sys(int* p, int v) {
+  asm volatile("st.release.sys.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ unsigned long long globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
 __global__ void __launch_bounds__(kMaskThreads) masked_argmax_kernel(const float* logits, const uint32_t* mask, int V,
-                                                                     int* out) {
+                                                                     int* out, Pipe* pipe, int seq, long long* slot) {
+  __shared__ int timed_out;
+  if (pipe != nullptr) {
+    if (threadIdx.x == 0) {
+      const unsigned long long t0 = globaltimer();
+      int late = 0;
+      while (ld_acquire_sys(&pipe->flag) - seq < 0) {
+        if (globaltimer() - t0 > (unsigned long long)kPipeWaitNs) { late = 1; break; }
+        __nanosleep(128);
+      }
+      timed_out = late;
+    }
+    __syncthreads();
+    mask = pipe->mask;
+  }
+  const volatile uint32_t* vm = mask;  // (mapped host memory when piped: no cached copies)
   float bv = -INFINITY;
   int bi = 0x7fffffff;
   for (int i = threadIdx.x; i < V; i += kMaskThreads) {  // ascending per thread: ">" keeps the first of equals
     const float v = logits[i];
-    if (((mask[i >> 5] >> (i & 31)) & 1u) && (v > bv || bi == 0x7fffffff)) { bv = v; bi = i; }
+    if (((vm[i >> 5] >> (i & 31)) & 1u) && (v > bv || bi == 0x7fffffff)) { bv = v; bi = i; }
   }
   for (int o = 16; o > 0; o >>= 1) {
     const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
@@ -381,7 +437,15 @@ __global__ void __launch_bounds__(kMaskThreads) masked_argmax_kernel(const float
   if (threadIdx.x == 0) {
     for (int w = 1; w < kMaskThreads / 32; ++w)
       if (si[w] != 0x7fffffff && (bi == 0x7fffffff || sv[w] > bv || (sv[w] == bv && si[w] < bi))) { bv = sv[w]; bi = si[w]; }
-    *out = bi == 0x7fffffff ? -1 : bi;
+    const int tok = bi == 0x7fffffff ? -1 : bi;
+    if (pipe == nullptr) {
+      *out = tok;
+    } else {
+      const int r = timed_out ? -2 : tok;
+      *slot = r < 0 ? 0 : r;  // (a valid token for the step behind it; the host raises on r < 0)
+      pipe->tok[seq & 1] = r;
+      st_release_sys(&pipe->done, seq);
+    }
   }
 }
 
@@ -399,7 +463,8 @@ extern "C" int flint_mk_finish_argmax(void* hv, const void* mask, void* stream, 
   int e;
   if ((uintptr_t)mask & 3) return fail("megakernel finish_argmax: the mask is not 4-byte aligned");
   if (mask != nullptr) {
-    masked_argmax_kernel<<<1, kMaskThreads, 0, s>>>(h->p.logits, (const uint32_t*)mask, h->p.V, h->p.argmax);
+    masked_argmax_kernel<<<1, kMaskThreads, 0, s>>>(h->p.logits, (const uint32_t*)mask, h->p.V, h->p.argmax,
+                                                      nullptr, 0, nullptr);
     if ((e = cudaGetLastError())) return cuda_fail("masked argmax launch", e);
   }
   if ((e = cudaMemcpyAsync(h->h_argmax, h->p.argmax, sizeof(int), cudaMemcpyDeviceToHost, s)))
@@ -407,4 +472,81 @@ extern "C" int flint_mk_finish_argmax(void* hv, const void* mask, void* stream, 
   if ((e = cudaStreamSynchronize(s))) return cuda_fail("megakernel step", e);
   *out = h->h_argmax[0];
   return 0;
+}
+
+// ---- structured output, pipelined: no host round trip between the steps. flint_mk_pipe_step enqueues the M = 1 step
+// at `pos` (its token: `token`, or with from_slot the previous pipelined argmax's, read on the device) and behind it
+// the masked argmax numbered `seq`, which waits for the host to publish that step's mask. The host fills the mask
+// (flint_mk_pipe_mask: ceil(V / 32) words of mapped pinned memory), publishes it (flint_mk_pipe_publish), and reads
+// the token (flint_mk_pipe_token); by then the next step, enqueued before the mask was filled, is already running.
+// One argmax is outstanding at a time, so one mask buffer serves: the host fills mask n + 1 only after reading token
+// n, which argmax n writes after its last read of the mask. flint_mk_pipe_close publishes every enqueued argmax and
+// drains the stream (a consumer that stops mid-way).
+static int pipe_open(Handle* h) {
+  if (h->pipe_h) return 0;
+  const size_t bytes = sizeof(Pipe) + sizeof(uint32_t) * (size_t)((h->p.V + 31) / 32);
+  int e;
+  if ((e = cudaHostAlloc((void**)&h->pipe_h, bytes, cudaHostAllocMapped))) return cuda_fail("pipe cudaHostAlloc", e);
+  memset(h->pipe_h, 0, bytes);
+  if ((e = cudaHostGetDevicePointer((void**)&h->pipe_d, h->pipe_h, 0))) return cuda_fail("pipe device pointer", e);
+  if ((e = cudaMalloc((void**)&h->pipe_slot, sizeof(long long)))) return cuda_fail("pipe slot", e);
+  h->pipe_seq = h->pipe_pub = h->pipe_read = 0;
+  return 0;
+}
+
+extern "C" void* flint_mk_pipe_mask(void* hv) {
+  Handle* h = (Handle*)hv;
+  return pipe_open(h) ? nullptr : (void*)h->pipe_h->mask;
+}
+
+extern "C" int flint_mk_pipe_step(void* hv, int token, int pos, int from_slot, void* stream) {
+  Handle* h = (Handle*)hv;
+  cudaStream_t s = (cudaStream_t)stream;
+  int e;
+  if ((e = pipe_open(h))) return e;
+  if (from_slot && !h->pipe_live) return fail("megakernel pipe: a step from the slot with no pipelined argmax before it");
+  if ((e = launch(h, 1, pos, from_slot ? h->pipe_slot : nullptr, token, s))) return e;
+  h->pipe_live = true;
+  const int seq = ++h->pipe_seq;
+  masked_argmax_kernel<<<1, kMaskThreads, 0, s>>>(h->p.logits, nullptr, h->p.V, nullptr, h->pipe_d, seq,
+                                                  h->pipe_slot);
+  if ((e = cudaGetLastError())) return cuda_fail("pipe argmax launch", e);
+  return 0;
+}
+
+extern "C" int flint_mk_pipe_publish(void* hv) {
+  Handle* h = (Handle*)hv;
+  if (!h->pipe_h || h->pipe_pub >= h->pipe_seq) return fail("megakernel pipe: publish with no argmax waiting");
+  __atomic_store_n(&h->pipe_h->flag, ++h->pipe_pub, __ATOMIC_RELEASE);
+  return 0;
+}
+
+extern "C" int flint_mk_pipe_token(void* hv, void* stream, int* out) {
+  Handle* h = (Handle*)hv;
+  if (!h->pipe_h || h->pipe_read >= h->pipe_pub) return fail("megakernel pipe: no published argmax to read");
+  const int want = h->pipe_read + 1;
+  for (unsigned spins = 1;; ++spins) {  // a busy wait, as cudaStreamSynchronize's default; the stream's errors end it
+    if (__atomic_load_n(&h->pipe_h->done, __ATOMIC_ACQUIRE) - want >= 0) break;
+    if ((spins & 1023) == 0) {
+      const int e = cudaStreamQuery((cudaStream_t)stream);
+      if (e != cudaSuccess && e != cudaErrorNotReady) return cuda_fail("megakernel pipelined step", e);
+      if (e == cudaSuccess && __atomic_load_n(&h->pipe_h->done, __ATOMIC_ACQUIRE) - want < 0)
+        return fail("megakernel pipe: the stream is idle and the argmax did not run");
+    }
+  }
+  h->pipe_read = want;
+  *out = h->pipe_h->tok[want & 1];
+  if (*out == -2) return fail("megakernel pipe: the argmax waited 60 s for its mask");
+  return 0;
+}
+
+extern "C" int flint_mk_pipe_close(void* hv, void* stream) {
+  Handle* h = (Handle*)hv;
+  if (!h->pipe_h) return 0;
+  h->pipe_pub = h->pipe_seq;
+  __atomic_store_n(&h->pipe_h->flag, h->pipe_pub, __ATOMIC_RELEASE);
+  h->pipe_read = h->pipe_seq;
+  h->pipe_live = false;
+  const int e = cudaStreamSynchronize((cudaStream_t)stream);
+  return e ? cuda_fail("megakernel pipe close", e) : 0;
 }
