@@ -402,8 +402,16 @@ __device__ __forceinline__ unsigned long long globaltimer() {
   return t;
 }
 
+__device__ __forceinline__ uint4 ld_relaxed_sys_v4(const uint32_t* p) {
+  uint4 v;
+  asm volatile("ld.relaxed.sys.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
+}
+
 __global__ void __launch_bounds__(kMaskThreads) masked_argmax_kernel(const float* logits, const uint32_t* mask, int V,
                                                                      int* out, Pipe* pipe, int seq, long long* slot) {
+  extern __shared__ uint32_t staged[];  // the piped mask, copied in once (one round of 16-byte loads over the bus)
   __shared__ int timed_out;
   if (pipe != nullptr) {
     if (threadIdx.x == 0) {
@@ -416,14 +424,23 @@ __global__ void __launch_bounds__(kMaskThreads) masked_argmax_kernel(const float
       timed_out = late;
     }
     __syncthreads();
-    mask = pipe->mask;
+    const int words = (V + 31) / 32;
+    for (int w = threadIdx.x * 4; w < words; w += kMaskThreads * 4) {
+      if (w + 4 <= words) {
+        const uint4 v = ld_relaxed_sys_v4(pipe->mask + w);
+        staged[w] = v.x; staged[w + 1] = v.y; staged[w + 2] = v.z; staged[w + 3] = v.w;
+      } else {
+        for (int j = w; j < words; ++j) staged[j] = ((const volatile uint32_t*)pipe->mask)[j];
+      }
+    }
+    __syncthreads();
+    mask = staged;
   }
-  const volatile uint32_t* vm = mask;  // (mapped host memory when piped: no cached copies)
   float bv = -INFINITY;
   int bi = 0x7fffffff;
   for (int i = threadIdx.x; i < V; i += kMaskThreads) {  // ascending per thread: ">" keeps the first of equals
     const float v = logits[i];
-    if (((vm[i >> 5] >> (i & 31)) & 1u) && (v > bv || bi == 0x7fffffff)) { bv = v; bi = i; }
+    if (((mask[i >> 5] >> (i & 31)) & 1u) && (v > bv || bi == 0x7fffffff)) { bv = v; bi = i; }
   }
   for (int o = 16; o > 0; o >>= 1) {
     const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
@@ -508,8 +525,9 @@ extern "C" int flint_mk_pipe_step(void* hv, int token, int pos, int from_slot, v
   if ((e = launch(h, 1, pos, from_slot ? h->pipe_slot : nullptr, token, s))) return e;
   h->pipe_live = true;
   const int seq = ++h->pipe_seq;
-  masked_argmax_kernel<<<1, kMaskThreads, 0, s>>>(h->p.logits, nullptr, h->p.V, nullptr, h->pipe_d, seq,
-                                                  h->pipe_slot);
+  const size_t staged = sizeof(uint32_t) * (size_t)((h->p.V + 31) / 32);
+  masked_argmax_kernel<<<1, kMaskThreads, staged, s>>>(h->p.logits, nullptr, h->p.V, nullptr, h->pipe_d, seq,
+                                                       h->pipe_slot);
   if ((e = cudaGetLastError())) return cuda_fail("pipe argmax launch", e);
   return 0;
 }
