@@ -24,9 +24,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flint.backend import make_backend  # noqa: E402
-from flint.draft import (  # noqa: E402
-    DraftHead, draft_config_for, draft_prompts, eval_acceptance, eval_prompts, harvest, load_draft,
-    load_harvest, num_parameters, print_eval_table, save_draft, train_draft)
+from flint.draft import DraftHead, draft_config_for, load_draft, num_parameters, save_draft  # noqa: E402
+from flint.draft_data import draft_prompts, eval_prompts, harvest, load_harvest  # noqa: E402
+from flint.draft_train import eval_acceptance, print_eval_table, train_draft  # noqa: E402
 from flint.engine import SamplingParams  # noqa: E402
 from flint.loading import load_model  # noqa: E402
 

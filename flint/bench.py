@@ -536,7 +536,9 @@ def run_draft_bench(model: str | None, backends: list[str], draft_path: str, k: 
     backend, k and drafting-vocabulary size: tokens per verify step (accepted drafts + the target's
     own token), acceptance rate, decode tok/s of both, and (greedy) whether the outputs were
     identical. ``temperature`` > 0 samples (lossless speculative sampling; plain samples too)."""
-    from .draft import eval_acceptance, eval_prompts, load_draft
+    from .draft import load_draft
+    from .draft_data import eval_prompts
+    from .draft_train import eval_acceptance
     from .engine import SamplingParams
     from .loading import load_model
 

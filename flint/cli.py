@@ -26,7 +26,7 @@ import sys
 
 from . import __version__
 
-SUBCOMMAND_MODULES = ("flint.server", "flint.bench", "flint.evaluate", "flint.quantize", "flint.draft")
+SUBCOMMAND_MODULES = ("flint.server", "flint.bench", "flint.evaluate", "flint.quantize", "flint.draft_cli")
 
 SELFTEST_PROMPT = "What is the capital of France? Answer in one sentence."
 SELFTEST_KEYWORD = "paris"

@@ -82,12 +82,12 @@ def test_bad_values_are_refused_before_the_model_loads(argv, needle, no_model_lo
 ])
 def test_other_subcommands_refuse_out_of_range_values_at_parse_time(argv, needle, monkeypatch, capsys):
     import flint.bench
-    import flint.draft
+    import flint.draft_cli
     import flint.server
 
     def ran(args):
         raise AssertionError(f"flint {args.command} ran with a bad value")
-    for mod, fn in ((flint.server, "cmd_serve"), (flint.draft, "cmd_harvest"), (flint.bench, "_run")):
+    for mod, fn in ((flint.server, "cmd_serve"), (flint.draft_cli, "cmd_harvest"), (flint.bench, "_run")):
         monkeypatch.setattr(mod, fn, ran)  # register() reads these names when main() builds the parser
     with pytest.raises(SystemExit) as info:
         main(argv)

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from flint.config import from_hf_dict
-from flint.draft import (KINDS, DraftError, DraftHead, accepted_runs, draft_config_for, draft_prompts,
-                         eval_prompts, harvest, load_draft, load_harvest, save_draft,
-                         simulated_acceptance, train_draft)
+from flint.draft import DraftError, DraftHead, draft_config_for, load_draft, save_draft
+from flint.draft_data import KINDS, draft_prompts, eval_prompts, harvest, load_harvest
+from flint.draft_train import accepted_runs, simulated_acceptance, train_draft
 from flint.engine import Engine, SamplingParams
 from flint.loading import LoadedModel, expected_shapes
 from flint.model import Transformer
@@ -168,16 +168,16 @@ def test_training_lowers_loss_and_val_acceptance_matches_engine(tmp_path):
 def test_cli_registers_draft_commands():
     import argparse
 
-    from flint import draft
+    from flint import draft_cli
 
     ap = argparse.ArgumentParser()
-    draft.register(ap.add_subparsers(dest="command"))
+    draft_cli.register(ap.add_subparsers(dest="command"))
     a = ap.parse_args(["draft", "train", "--data", "h", "--out", "d", "--depth", "2"])
-    assert a.func is draft.cmd_train and a.depth == 2 and a.k == 4
+    assert a.func is draft_cli.cmd_train and a.depth == 2 and a.k == 4
     a = ap.parse_args(["draft", "eval", "--draft", "d", "--k", "2,3"])
-    assert a.func is draft.cmd_eval
+    assert a.func is draft_cli.cmd_eval
     a = ap.parse_args(["draft", "harvest", "--out", "h"])
-    assert a.func is draft.cmd_harvest and a.batch_size == 64
+    assert a.func is draft_cli.cmd_harvest and a.batch_size == 64
 
 
 def test_inference_step_equals_training_step():
@@ -237,7 +237,9 @@ def test_drafting_vocabulary_is_the_full_draft_restricted(tmp_path):
 def test_vocab_ranking_saved_and_loaded(tmp_path, capsys):
     """The ranking counts generated tokens only; `flint draft vocab` writes it and the size;
     load_draft takes the first N; bad sizes, a missing ranking and ngram sizes are refused."""
-    from flint.draft import HarvestData, cmd_vocab, load_vocab_ranking, rank_vocab, save_vocab_ranking
+    from flint.draft import load_vocab_ranking, save_vocab_ranking
+    from flint.draft_cli import cmd_vocab
+    from flint.draft_data import HarvestData, rank_vocab
 
     lm = tiny_lm()
     tokens = torch.tensor([[9, 3, 3, 5, 0], [1, 5, 3, 7, 7]])  # region 0 = the last prompt token
