@@ -39,10 +39,14 @@ backend's masked argmax where it has ``set_token_mask``), ``--repeats`` times ea
 reports both decode tok/s (median), their ratio and the grammar's own host time per token (llguidance's
 mask fill and advance); every constrained output is parsed and validated against the schema (jsonschema),
 and the row counts the valid ones. The built-in schema (``json``) has free strings, bounded integers, an
-enum and a boolean; on a synthetic model its strings get maxLength 24 (random weights never close a free
-string), which costs llguidance ~5x more per token at 100k tokens (bench/results). A model without a
-tokenizer (``synthetic:``) gets the embedded SmolLM2's extended to its vocabulary size with merges of two
-tokens (``proxy_tokenizer``: a Granite-size vocabulary for the mask's cost; its text means nothing).
+enum and a boolean. A model without a tokenizer (``synthetic:``) gets the embedded SmolLM2's extended to its
+vocabulary size with merges of two tokens (``proxy_tokenizer``: a Granite-size vocabulary for the mask's cost;
+its text means nothing). Random weights never close a free string, so on a synthetic model the output is
+**forced** (the row says ``"forced": true``; benchmarking only, like ``--draft oracle``): each step llguidance
+computes the schema's real mask, then the mask handed to the backend allows only the next token of a fixed
+valid document (``FORCED_DOCUMENT``, tokenized; an error if the grammar refuses it), so the grammar does its real
+work on realistic text and the device its real masked step. (Bounding the strings instead, maxLength 24, makes
+llguidance re-walk the vocabulary on most in-string tokens: 1.5-3 ms spikes at 100k tokens, bench/results.)
 
 Run: ``flint bench --model synthetic:granite-4.1-3b --backend reference,compiled,compiled-bf16
 --ctx 512,2048`` (or ``python -m flint.bench ...``); ``flint bench --model synthetic:granite-4.1-3b
@@ -654,12 +658,54 @@ BENCH_SCHEMA = {"type": "object",
                                "population": {"type": "integer", "minimum": 0, "maximum": 100000000},
                                "kind": {"enum": ["capital", "port", "village"]}, "coastal": {"type": "boolean"}},
                 "required": ["city", "country", "population", "kind", "coastal"], "additionalProperties": False}
-# random weights never close a free string (a closing token is a few of ~1e5 allowed): synthetic models get
-# strings of at most 24 characters, which cost llguidance more per token (bench/results/grammar_engines_2026-12-02.md)
+# strings of at most 24 characters: what random weights would need to end a document unforced, and what costs
+# llguidance most per token (bench/constrained_host_cost.py, lab/constrained_trace.py --bounded)
 BENCH_SCHEMA_BOUNDED = {**BENCH_SCHEMA, "properties": {**BENCH_SCHEMA["properties"],
                                                        "city": {"type": "string", "maxLength": 24},
                                                        "country": {"type": "string", "maxLength": 24}}}
 BENCH_PROMPT = "Describe Lisbon as a JSON object: city, country, population, kind, coastal."
+FORCED_DOCUMENT = {"city": "Lisbon", "country": "Portugal", "population": 545923, "kind": "capital", "coastal": True}
+
+
+class ForcedConstraint:
+    """A constraint whose every mask allows one token: the next of ``ids`` (then eos), after the real grammar's mask
+    has been computed and checked to allow it (the module doc: synthetic models). Its ``seconds`` are the real
+    grammar's."""
+
+    def __init__(self, constraint, ids: list[int], eos: int):
+        self.inner, self.ids, self.eos = constraint, list(ids), eos
+
+    @property
+    def seconds(self) -> float:
+        return self.inner.seconds
+
+    @seconds.setter
+    def seconds(self, v: float) -> None:
+        self.inner.seconds = v
+
+    def matcher(self):
+        inner, ids, eos = self.inner.matcher(), self.ids, self.eos
+
+        class Forced:
+            n = 0
+
+            def fill(self, mask):
+                inner.fill(mask)
+                t = ids[self.n] if self.n < len(ids) else eos
+                if not (int(mask[t >> 5]) >> (t & 31)) & 1:
+                    raise BenchError(f"the forced document's token {self.n} ({t}) is not allowed by the schema")
+                mask.zero_()
+                bit = 1 << (t & 31)
+                mask[t >> 5] = bit - (1 << 32) if bit >= 1 << 31 else bit  # (int32 words)
+                return mask
+
+            def consume(self, token):
+                inner.consume(token)
+                self.n += 1
+
+            done = property(lambda self: inner.done)
+            accepting = property(lambda self: inner.accepting)
+        return Forced()
 
 
 def proxy_tokenizer(vocab_size: int):
@@ -709,11 +755,17 @@ def run_constrained_bench(models: list[str | None], backends: list[str], schema:
         lm = load_bench_model(spec, group_size if any(b in INT4_BACKENDS for b in backends) else None, dev, seed)
         name = spec or "embedded:smollm2"
         tok = lm.tokenizer or proxy_tokenizer(lm.cfg.vocab_size)
-        schema = given or (BENCH_SCHEMA_BOUNDED if spec and spec.startswith("synthetic:") else BENCH_SCHEMA)
+        forced = lm.tokenizer is None  # random weights: the output is forced (the module doc)
+        if forced and given is not None:
+            raise BenchError(f"--response-format SCHEMA on {name}: a random-weight model needs the built-in schema "
+                             "(its output is forced to a document valid for it); use --response-format json")
+        schema = given or BENCH_SCHEMA
         eos = tok.eos_token_ids[:1]
         ids = tok.encode_chat([{"role": "user", "content": prompt}]) if tok.chat_template else tok.encode(prompt)
         grammars = Grammars(tok, lm.cfg.vocab_size, eos[0])
         constraint = grammars.json_schema(schema, "--response-format")
+        if forced:
+            constraint = ForcedConstraint(constraint, tok.encode(json.dumps(FORCED_DOCUMENT)), eos[0])
         for bname in backends:
             backend = make_backend(bname, lm, max_seq_len=len(ids) + 4 * n_tokens + 8, device=str(dev),
                                    group_size=group_size)
@@ -743,7 +795,7 @@ def run_constrained_bench(models: list[str | None], backends: list[str], schema:
                    "kernel_mask": bool(getattr(backend, "supports_token_mask", False)),
                    "grammar_us_per_token": round(statistics.median(grammar_s) * 1e6, 1),
                    "outputs": repeats, "valid": valid, "constrained_tokens": lengths, "vocab": lm.cfg.vocab_size,
-                   "schema": schema}
+                   "schema": schema, "forced": forced}
             if errors:
                 row["invalid"] = errors
             doc["constrained"].append(row)
@@ -761,7 +813,8 @@ def constrained_table(doc: dict) -> str:
     lines = ["| model | backend | vocab | unconstrained tok/s | constrained tok/s | ratio | grammar us/token | "
              "kernel mask | valid |", "|---|---|---|---|---|---|---|---|---|"]
     for r in doc["constrained"]:
-        lines.append(f"| {r['model']} | {r['backend']} | {r['vocab']} | {r['unconstrained_tok_s']} | "
+        lines.append(f"| {r['model']}{' (forced)' if r.get('forced') else ''} | {r['backend']} | {r['vocab']} | "
+                     f"{r['unconstrained_tok_s']} | "
                      f"{r['constrained_tok_s']} | {r['ratio']:.1%} | {r['grammar_us_per_token']} | "
                      f"{'yes' if r['kernel_mask'] else 'no'} | {r['valid']}/{r['outputs']} |")
     return "\n".join(lines)

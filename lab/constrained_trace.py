@@ -23,7 +23,8 @@ import torch  # noqa: E402
 
 from flint import grammar  # noqa: E402
 from flint.backend import make_backend  # noqa: E402
-from flint.bench import BENCH_PROMPT, BENCH_SCHEMA, BENCH_SCHEMA_BOUNDED, load_bench_model, proxy_tokenizer  # noqa: E402
+from flint.bench import (BENCH_PROMPT, BENCH_SCHEMA, BENCH_SCHEMA_BOUNDED, FORCED_DOCUMENT, ForcedConstraint,  # noqa: E402
+                         load_bench_model, proxy_tokenizer)
 from flint.engine import Engine, SamplingParams  # noqa: E402
 
 
@@ -38,15 +39,19 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--split", action="store_true", help="hide the pipelined step (the launch / finish loop)")
+    ap.add_argument("--bounded", action="store_true",
+                    help="the schema with maxLength-24 strings, unforced (random weights end it by the bound)")
     ap.add_argument("--json")
     a = ap.parse_args()
     dev = torch.device("cuda")
     lm = load_bench_model(a.model, 128, dev, 0)
     tok = lm.tokenizer or proxy_tokenizer(lm.cfg.vocab_size)
-    schema = BENCH_SCHEMA_BOUNDED if a.model.startswith("synthetic:") else BENCH_SCHEMA
+    schema = BENCH_SCHEMA_BOUNDED if a.bounded else BENCH_SCHEMA
     eos = tok.eos_token_ids[:1]
     ids = tok.encode_chat([{"role": "user", "content": BENCH_PROMPT}]) if tok.chat_template else tok.encode(BENCH_PROMPT)
     cons = grammar.Grammars(tok, lm.cfg.vocab_size, eos[0]).json_schema(schema, "schema")
+    if lm.tokenizer is None and not a.bounded:  # random weights: forced, as flint bench does
+        cons = ForcedConstraint(cons, tok.encode(json.dumps(FORCED_DOCUMENT)), eos[0])
     be = make_backend("megakernel", lm, max_seq_len=len(ids) + 4 * a.tokens + 8, device="cuda", group_size=128)
 
     class NoPipe:  # the backend without the pipelined step: the engine takes the launch / finish loop

@@ -414,3 +414,21 @@ def test_bench_constrained_rows(tiny_llama_dir):
     assert row["unconstrained_tok_s"] > 0 and row["constrained_tok_s"] > 0
     assert row["ratio"] == pytest.approx(row["constrained_tok_s"] / row["unconstrained_tok_s"], rel=1e-3)
     assert "| reference |" in constrained_table(doc)
+
+
+def test_bench_forces_a_valid_document_on_random_weights():
+    """flint bench --response-format json on a synthetic model: the grammar's real mask each step, then only the
+    forced document's next token; the output is that document, valid, and the row says it was forced. A schema of
+    one's own is refused there (the forced document is the built-in schema's)."""
+    from flint.bench import FORCED_DOCUMENT, BenchError, run_constrained_bench
+
+    doc = run_constrained_bench(["synthetic:smollm2-135m"], ["reference"], None, n_tokens=12, repeats=1, device="cpu",
+                                log=lambda *a, **k: None)
+    (row,) = doc["constrained"]
+    assert row["forced"] is True and row["valid"] == row["outputs"] == 1
+    assert row["grammar_us_per_token"] > 0 and row["constrained_tok_s"] > 0
+    from flint.bench import proxy_tokenizer
+    assert row["constrained_tokens"] == [len(proxy_tokenizer(49152).encode(json.dumps(FORCED_DOCUMENT))) + 1]  # + eos
+    with pytest.raises(BenchError, match="random-weight model needs the built-in schema"):
+        run_constrained_bench(["synthetic:smollm2-135m"], ["reference"], {"type": "object"}, n_tokens=4, repeats=1,
+                              device="cpu", log=lambda *a, **k: None)
