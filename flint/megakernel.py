@@ -69,6 +69,9 @@ def bind_library(lib: ctypes.CDLL) -> ctypes.CDLL:
     if hasattr(lib, "flint_mk_long_layout_info"):  # (variant libraries of older revisions lack it)
         lib.flint_mk_long_layout_info.argtypes = [vp, ctypes.POINTER(ctypes.c_int)]
         lib.flint_mk_long_layout_info.restype = ctypes.c_int
+    if hasattr(lib, "flint_mk_kv_tma"):
+        lib.flint_mk_kv_tma.argtypes = [vp]
+        lib.flint_mk_kv_tma.restype = ctypes.c_int
     if hasattr(lib, "flint_mk_finish_argmax"):  # (variant libraries of older revisions lack them)
         lib.flint_mk_launch_token.argtypes = [vp, ctypes.c_int, ctypes.c_int, vp]
         lib.flint_mk_launch_token.restype = ctypes.c_int
@@ -713,4 +716,6 @@ class MegakernelBackend:
             _check(self._lib.flint_mk_long_layout_info(self._h, a5), self._lib)
             out["long_context"] = dict(ready=bool(a5[0]), smem_bytes=a5[1], ring_slots=a5[2], kv_tile_buffers=a5[3],
                                        from_tiles_per_split=a5[4])
+            if hasattr(self._lib, "flint_mk_kv_tma"):  # the K/V tiles by TMA (tensor maps made)
+                out["long_context"]["kv_tma"] = bool(self._lib.flint_mk_kv_tma(self._h))
         return out

@@ -37,8 +37,10 @@ static const occ_fn kOcc[mk::MAX_M + 1] = {nullptr,
 
 static thread_local char g_err[512];
 
-// the long-context objects run from two tiles per split on: a one-tile split is the short objects' own path
-static constexpr int kLongFromTiles = 2;
+// the long-context objects run from six tiles per split on: their per-item setup (fence, mbarrier init, the first TMA
+// tile's wait) cost 4.6% at 2 tiles (ctx 2048) and was repaid at 8 (-2.5%, ctx 8192; -15.5% at 32 tiles); a linear
+// fit of the two puts the crossover at 5.3 tiles
+static constexpr int kLongFromTiles = 6;
 
 static int fail(const char* msg, int code = 1) {
   snprintf(g_err, sizeof(g_err), "%s", msg);
@@ -69,6 +71,31 @@ struct Handle {
 extern "C" const char* flint_mk_last_error() { return g_err; }
 
 extern "C" int flint_mk_abi_version() { return 5; }
+
+// The long-context objects' K/V tensor maps (mk_common.cuh, Params::kv_map): the driver's encoder through the runtime's
+// entry-point query (no link against libcuda). 0 = made; otherwise the long objects copy their tiles with cp.async.
+static int make_kv_maps(mk::Params& p) {
+  p.kv_tma = 0;
+  if (p.D != 64) return 1;  // (one 128-byte row per key: the swizzle's span)
+  using encode_fn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q;
+  if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+      q != cudaDriverEntryPointSuccess || !fn)
+    return 1;
+  const cuuint64_t dims[2] = {(cuuint64_t)p.D, (cuuint64_t)p.L * p.nkv * p.max_seq};
+  const cuuint64_t strides[1] = {(cuuint64_t)p.D * 2};
+  const cuuint32_t box[2] = {(cuuint32_t)p.D, (cuuint32_t)mk::ATT_T}, estr[2] = {1, 1};
+  for (int i = 0; i < 2; ++i)
+    if (((encode_fn)fn)(&p.kv_map[i], CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, i ? (void*)p.vcache : (void*)p.kcache, dims,
+                        strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+      return 1;
+  p.kv_tma = 1;
+  return 0;
+}
 
 // iargs: see flint/megakernel.py (_pack_args) for the order; it is the one definition of it.
 extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, int n_f, void** out) {
@@ -123,6 +150,7 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
       return 1;
     }
   }
+  make_kv_maps(p);  // (p.kv_tma = 0 where it cannot: the long objects then copy by cp.async)
   if (p.nffn) {  // FFN split-K: slice f = gate|up tiles [f T, (f + 1) T) = act [f kf, (f + 1) kf)
     const mk::Mat& gu = p.mat[mk::MAT_GU];
     const mk::Mat& ds = p.mat[mk::MAT_DS];
@@ -215,11 +243,13 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
     s.actb = off; off += p.nffn ? al(M * p.mat[mk::MAT_DS].K * 4) : 0;
     s.xsum = off; off += al(ngx * mkmma::MMA_XSUM_FLOATS * 4);
     const int R = g * M;
-    const int att = nbuf * mk::ATT_T * p.D * 2 * 2 + R * p.D * 4 * 2 + R * mk::ATT_T * 4;
+    // (the long layout: its tiles' TMA mbarriers after the scores, and the tiles 1024-aligned for the 128-byte swizzle)
+    const int att = nbuf * mk::ATT_T * p.D * 2 * 2 + R * p.D * 4 * 2 + R * mk::ATT_T * 4 + (lng ? nbuf * 8 : 0);
     const int xs = 2 * M * s.xstride;
     const int red = p.nffn ? M * own_tiles * (p.nffn_pad / 8) * mk::TILE_ROWS * 4 : 0;  // ffn_down_reduce's chunk sums
     int un = att > xs ? att : xs;
     un = un > red ? un : red;
+    if (lng) off = (off + 1023) & ~1023;
     s.uni = off; off += al(un);
     const int pstride = max_parts * mk::TILE_ROWS * M * 4;  // bytes per slot of partial sums
     s.parts = off;
@@ -290,6 +320,8 @@ extern "C" int flint_mk_long_layout_info(void* hv, int* out5) {
   return 0;
 }
 
+extern "C" int flint_mk_kv_tma(void* hv) { return ((Handle*)hv)->p.kv_tma; }
+
 // 64-key tiles each attention split walks at context length Ltot (attention_stage's split rule)
 static int att_tiles_per_split(const mk::Params& p, int Ltot) {
   const int ntiles = (Ltot + mk::ATT_T - 1) / mk::ATT_T;
@@ -316,7 +348,8 @@ static int launch(Handle* h, int M, int start, const long long* tokens, int tok0
   // M = 1 on a model in groups of 128: the object with gate|up's integer dot (v15)
   const bool gu8 = M == 1 && h->p.mat[mk::MAT_GU].G == 128;
   // M = 1 whose attention splits walk several tiles: the long-context object (when its layout fits)
-  const bool lng = M == 1 && h->ready_long && att_tiles_per_split(h->p, start + M) >= kLongFromTiles;
+  // (their K/V tiles come by TMA: only where the tensor maps were made)
+  const bool lng = M == 1 && h->ready_long && h->p.kv_tma && att_tiles_per_split(h->p, start + M) >= kLongFromTiles;
   const launch_fn lf = lng ? (gu8 ? flint_mk_launch_m1_gu8_long : flint_mk_launch_m1_long)
                            : gu8 ? flint_mk_launch_m1_gu8 : kLaunch[M];
   const occ_fn of = lng ? (gu8 ? flint_mk_occupancy_m1_gu8_long : flint_mk_occupancy_m1_long)

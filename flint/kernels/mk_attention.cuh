@@ -53,6 +53,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
   float* q_s = reinterpret_cast<float*>(Vb + NB * ATT_T * D); // [R][D]
   float* o_s = q_s + R * D;                                 // [R][D]
   float* s_s = o_s + R * D;                                 // [R][ATT_T]
+  uint64_t* tbar = reinterpret_cast<uint64_t*>(s_s + R * ATT_T);  // long objects: [NB] mbarriers of the TMA tiles
   MiscSmem* ms = c.misc;
 
   const int mrt = (R + 15) >> 4;  // 16-row pieces of the tensor-core path
@@ -66,33 +67,53 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
     const size_t cbase = (((size_t)layer * p.nkv + kvh) * p.max_seq) * D;
     const __half* Kc = p.kcache + cbase;
     const __half* Vc = p.vcache + cbase;
+    // the long objects: every tile is two TMA copies (K, V) issued by thread 0, completing on the buffer's mbarrier;
+    // they land in the XOR chunk layout the tile loop reads (the 128-byte swizzle, on 1024-aligned buffers). The
+    // rows the cache does not hold yet (this step's, and past the context) are patched after the copy lands
+    // (patch_tile). The other objects: cp.async per 16-byte chunk, this step's rows from the tagged words.
     auto load_tile = [&](int tile, int buf) {
       const int j0 = tile * ATT_T;
-      for (int i = t; i < ATT_T * cpr * 2; i += NCT) {
-        const int isv = i >= ATT_T * cpr;
-        const int ii = isv ? i - ATT_T * cpr : i;
-        const int j = ii / cpr, ch = ii % cpr;
-        if (j0 + j >= start && j0 + j < Ltot) {  // this step's row: from the tagged words
-          const int m = j0 + j - start;
-          float4 a, b;
-          ld_tagged8(qkv_word(p, m, (p.nh + isv * p.nkv + kvh) * D + ch * 8), qtag, a, b);
-          const __half2 hv[4] = {__floats2half2_rn(a.x, a.y), __floats2half2_rn(a.z, a.w), __floats2half2_rn(b.x, b.y),
-                                 __floats2half2_rn(b.z, b.w)};
-          const uint32_t* h = reinterpret_cast<const uint32_t*>(hv);
-          __half* dst = isv ? Vb + ((size_t)buf * ATT_T + j) * D + ((tc ? ch ^ (j & 7) : ch) * 8)
-                            : Kb + ((size_t)buf * ATT_T + j) * D + ((ch ^ (j & 7)) * 8);
-          *reinterpret_cast<uint4*>(dst) = make_uint4(h[0], h[1], h[2], h[3]);
-        } else if (j0 + j < Ltot) {
-          if (isv)
-            cp_async16(Vb + ((size_t)buf * ATT_T + j) * D + ((tc ? ch ^ (j & 7) : ch) * 8), Vc + (size_t)(j0 + j) * D + ch * 8);
-          else
-            cp_async16(Kb + ((size_t)buf * ATT_T + j) * D + ((ch ^ (j & 7)) * 8), Kc + (size_t)(j0 + j) * D + ch * 8);
-        } else if (tc && isv) {  // past the context: P is 0 there, and 0 x (stale NaN bits) would not be
-          *reinterpret_cast<uint4*>(Vb + ((size_t)buf * ATT_T + j) * D + ch * 8) = make_uint4(0u, 0u, 0u, 0u);
+      if constexpr (tc) {
+        if (t == 0) {
+          const int row = (layer * p.nkv + kvh) * p.max_seq + j0;
+          mbar_expect_tx(&tbar[buf], 2 * ATT_T * D * 2);
+          tma_g2s_2d(Kb + (size_t)buf * ATT_T * D, &p.kv_map[0], 0, row, &tbar[buf]);
+          tma_g2s_2d(Vb + (size_t)buf * ATT_T * D, &p.kv_map[1], 0, row, &tbar[buf]);
         }
+      } else {
+        for (int i = t; i < ATT_T * cpr * 2; i += NCT) {
+          const int isv = i >= ATT_T * cpr;
+          const int ii = isv ? i - ATT_T * cpr : i;
+          const int j = ii / cpr, ch = ii % cpr;
+          if (j0 + j >= start && j0 + j < Ltot) {  // this step's row: from the tagged words
+            const int m = j0 + j - start;
+            float4 a, b;
+            ld_tagged8(qkv_word(p, m, (p.nh + isv * p.nkv + kvh) * D + ch * 8), qtag, a, b);
+            const __half2 hv[4] = {__floats2half2_rn(a.x, a.y), __floats2half2_rn(a.z, a.w),
+                                   __floats2half2_rn(b.x, b.y), __floats2half2_rn(b.z, b.w)};
+            const uint32_t* h = reinterpret_cast<const uint32_t*>(hv);
+            __half* dst = isv ? Vb + ((size_t)buf * ATT_T + j) * D + ch * 8
+                              : Kb + ((size_t)buf * ATT_T + j) * D + ((ch ^ (j & 7)) * 8);
+            *reinterpret_cast<uint4*>(dst) = make_uint4(h[0], h[1], h[2], h[3]);
+          } else if (j0 + j < Ltot) {
+            if (isv)
+              cp_async16(Vb + ((size_t)buf * ATT_T + j) * D + ch * 8, Vc + (size_t)(j0 + j) * D + ch * 8);
+            else
+              cp_async16(Kb + ((size_t)buf * ATT_T + j) * D + ((ch ^ (j & 7)) * 8), Kc + (size_t)(j0 + j) * D + ch * 8);
+          }
+        }
+        cp_async_commit();
       }
-      cp_async_commit();
     };
+    if constexpr (tc) {  // the region was written by other stages (generic proxy) and its barriers are new each item
+      if ((smem_u32(Kb) & 1023) != 0) __trap();  // (the host aligns the long layout's tiles: a broken invariant)
+      fence_proxy_async_smem();
+      if (t == 0) {
+        for (int b = 0; b < NB; ++b) mbar_init(&tbar[b], 1);
+        fence_mbar_init();
+      }
+      cbar();
+    }
     load_tile(t0, 0);
     __half* qh = reinterpret_cast<__half*>(q_s);  // tc: [R][D] hi, then [R][D] lo (swizzled chunks), in q_s
     for (int i = t; i < R * D; i += NCT) {
@@ -126,16 +147,33 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
       const uint32_t qh_a = smem_u32(qh), ph_a = smem_u32(Ph);
       // this lane's ldmatrix row of an A piece (16 rows): rows past R read row 0 (their results are dropped)
       auto arow = [&](int mt) { const int r = mt * 16 + (lane & 15); return r < R ? r : 0; };
-      // NB - 1 tiles in flight: one commit group per tile (empty past the split's end), so "at most NB - 2 groups
-      // pending" means this tile's group landed
-      for (int k = 1; k < NB - 1; ++k) {
-        if (t0 + k < t1) load_tile(t0 + k, k); else cp_async_commit();
-      }
+      // NB - 1 tiles in flight; buffer b's u-th tile of this item completes phase u of its mbarrier
+      for (int k = 1; k < NB - 1; ++k)
+        if (t0 + k < t1) load_tile(t0 + k, k);
       for (int tile = t0; tile < t1; ++tile) {
         const int buf = (tile - t0) % NB;
-        cp_async_wait<NB - 2>();
+        mbar_wait(&tbar[buf], ((tile - t0) / NB) & 1);
+        if ((tile + 1) * ATT_T > start) {  // the rows the cache does not hold: this step's (the tagged words), and
+          const int j0 = tile * ATT_T;     // V past the context zeroed (P is 0 there, and 0 x stale NaN bits is not)
+          for (int i = t; i < ATT_T * cpr * 2; i += NCT) {
+            const int isv = i >= ATT_T * cpr;
+            const int ii = isv ? i - ATT_T * cpr : i;
+            const int j = ii / cpr, ch = ii % cpr;
+            __half* dst = (isv ? Vb : Kb) + ((size_t)buf * ATT_T + j) * D + ((ch ^ (j & 7)) * 8);
+            if (j0 + j >= start && j0 + j < Ltot) {
+              float4 a, b;
+              ld_tagged8(qkv_word(p, j0 + j - start, (p.nh + isv * p.nkv + kvh) * D + ch * 8), qtag, a, b);
+              const __half2 hv[4] = {__floats2half2_rn(a.x, a.y), __floats2half2_rn(a.z, a.w),
+                                     __floats2half2_rn(b.x, b.y), __floats2half2_rn(b.z, b.w)};
+              const uint32_t* h = reinterpret_cast<const uint32_t*>(hv);
+              *reinterpret_cast<uint4*>(dst) = make_uint4(h[0], h[1], h[2], h[3]);
+            } else if (j0 + j >= Ltot && isv) {
+              *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+            }
+          }
+        }
         cbar();  // the tile (and q) landed; every warp is past the previous tile's P V (buffers, P, alpha free)
-        if (tile + NB - 1 < t1) load_tile(tile + NB - 1, (tile - t0 + NB - 1) % NB); else cp_async_commit();
+        if (tile + NB - 1 < t1) load_tile(tile + NB - 1, (tile - t0 + NB - 1) % NB);
         warp_stamp(p, layer, WS_A_TILE);
         const int j0 = tile * ATT_T;
         const int nvalid = min(ATT_T, Ltot - j0);
@@ -227,7 +265,8 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
         }
         warp_stamp(p, layer, WS_A_PV);
       }
-      cp_async_wait<0>();  // (only empty groups can be pending)
+      if (t == 0)  // every thread waited for its last tile before that tile's first barrier: no copy is in flight
+        for (int b = 0; b < NB; ++b) mbar_inval(&tbar[b]);
       // (every warp is past the last tile's softmax barrier: nobody reads the scores in o_s any more)
 #pragma unroll
       for (int u = 0; u < NU; ++u) {

@@ -7,6 +7,7 @@
 // Test:  `pytest tests/test_megakernel.py` (GPU tests need an sm_90 device).
 #pragma once
 #include <cuda_runtime.h>
+#include <cuda.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
 
@@ -82,6 +83,11 @@ struct Params {
   // greedy_run (M = 1): where this launch also writes its argmax (as int64), or nullptr (no device-to-device copy
   // queued between two launches)
   long long* argmax_out;
+  // the long-context objects' K/V tiles by TMA (mk_attention.cuh): tensor maps over the caches as [L * nkv * max_seq]
+  // rows of D fp16, boxes of ATT_T rows, 128-byte swizzle (the tiles' XOR chunk layout); kv_tma = 0 where they could
+  // not be made (head_dim != 64, no driver entry point): the tiles then come by cp.async
+  int kv_tma;
+  CUtensorMap kv_map[2];
 };
 
 // Shared-memory layout (byte offsets) and per-matrix work split, computed on the host per M.
