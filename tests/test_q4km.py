@@ -133,8 +133,11 @@ def test_eval_kernel_variant_is_what_the_int4_backends_load(tiny_q4km):
         if isinstance(w, Int4Weight):
             assert isinstance(got, Int4Weight) and got.group_size == w.group_size
             assert torch.equal(got.qweight, w.qweight) and torch.equal(got.scales, w.scales)
+            # the kept Q4_K codes evaluate as the kernels read them: the fp16 (scale, min)
+            assert not isinstance(got, ExactInt4Weight) and torch.equal(got.mins, w.mins)
         else:
             assert torch.equal(got, w)
+    assert any(isinstance(w, ExactInt4Weight) for w in want.values())
     (fh,) = parse_variants("32:kernel:float-head")
     params, _, _ = variant_params(lm, fh)
     assert params["lm_head"] is lm.params["lm_head"]
