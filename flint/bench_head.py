@@ -78,7 +78,7 @@ def head_variants(lm, name: str, groups: list[int] | None):
         yield f"{name} · head {label}", label, dataclasses.replace(lm, params=params)
 
 
-def int4_head_bytes(n: int, k: int, g: int) -> int:
-    """Bytes of an [n, k] int4 head at group size g in flint-int4-v1 (what the megakernel streams):
-    one nibble a weight, an fp16 scale and min a group."""
+def int4_bytes(n: int, k: int, g: int) -> int:
+    """Bytes of an [n, k] int4 matrix (a head) at group size g in flint-int4-v1, as the megakernel
+    streams it: one nibble a weight, an fp16 scale and min a group."""
     return n * k // 2 + 4 * n * (k // g)

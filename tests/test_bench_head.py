@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flint.bench import main, markdown_table, run_bench
-from flint.bench_head import HeadOptionError, head_variants, int4_head_bytes, parse_head_groups
+from flint.bench_head import HeadOptionError, head_variants, int4_bytes, parse_head_groups
 from flint.quant import Int4Weight
 from flint.synthetic import synthetic_model
 
@@ -58,7 +58,7 @@ def test_head_variants_replace_only_the_head(tiny_spec):
     (_, _, v32), (_, _, err) = out
     assert isinstance(err, HeadOptionError) and "K=96" in str(err)
     head = v32.params["lm_head"]
-    assert isinstance(head, Int4Weight) and head.group_size == 32 and head.nbytes == int4_head_bytes(256, 96, 32)
+    assert isinstance(head, Int4Weight) and head.group_size == 32 and head.nbytes == int4_bytes(256, 96, 32)
     assert all(v32.params[k] is w for k, w in lm.params.items() if k != "lm_head")
     assert lm.params["lm_head"] is not head  # the model itself is untouched
     assert list(head_variants(lm, "m", None)) == [("m", None, lm)]
@@ -83,7 +83,7 @@ def test_one_run_one_pass_per_head(tmp_path):
     assert b["int4 g32"] - b["int4 g64"] == v * (k // 32 - k // 64) * 8
     assert b["int4 g64"] - b["int4 g128"] == v * (k // 64 - k // 128) * 8
     # the megakernel's layout streams fp16 (scale, min): half of that
-    assert int4_head_bytes(v, k, 32) - int4_head_bytes(v, k, 64) == v * (k // 32 - k // 64) * 4
+    assert int4_bytes(v, k, 32) - int4_bytes(v, k, 64) == v * (k // 32 - k // 64) * 4
     table = markdown_table(doc)
     assert all(f"head {h}" in table for h in rows)
 
