@@ -207,3 +207,26 @@ def test_megakernel_repack_takes_the_kept_codes(tiny_q4km):
     mixed = [params["layers.0.w_down"], quantize_int4(params["layers.1.w_down"].dequantize(), 128)]
     with pytest.raises(ValueError, match=r"w_down: layer 1 .*G128, expected .*G32"):
         repack(mixed, "w_down", "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)),
+                    reason="needs a CUDA sm_90 (Hopper) GPU")
+def test_megakernel_runs_the_kept_codes(tiny_q4km):
+    """The megakernel on the tiny Q4_K_M model (kept Q4_K codes, Q6_K quantized at load) against the
+    reference decoder on what the kernel reads (fp16 scale / min), within test_megakernel.py's bound."""
+    from flint.megakernel import MegakernelBackend
+
+    lm = load_model(str(tiny_q4km[0]))
+    params = quantize_params(lm.params, 128)
+    assert any(isinstance(w, ExactInt4Weight) for w in params.values())
+    mk = MegakernelBackend(lm.cfg, params, 64)
+    ref = Transformer(lm.cfg, _kernel_view(params), 64, device="cuda")
+    toks = torch.randint(0, lm.cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(1))
+    for i in range(0, 16, 8):  # (the megakernel takes at most 8 tokens a step)
+        mk.forward(toks[i:i + 8], i)
+        ref.forward(toks[i:i + 8], i)
+    for pos in range(16, 24):
+        a, b = mk.forward(toks[pos:pos + 1], pos), ref.forward(toks[pos:pos + 1], pos)
+        rel = float((a.float() - b.float()).norm() / b.float().norm())
+        assert torch.isfinite(a).all() and rel < 1e-2, f"position {pos}: rel {rel:.3e}"
