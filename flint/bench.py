@@ -784,7 +784,8 @@ def default_backends(device: torch.device) -> str:
 def _run(args) -> int:
     dev = torch.device(args.device or default_device())
     args.backend = args.backend or default_backends(dev)
-    if args.head_group_size and (args.draft or args.response_format):
+    head_groups = getattr(args, "head_group_size", None)  # (a Namespace built by hand may lack it)
+    if head_groups and (args.draft or args.response_format):
         raise BenchError("--head-group-size times plain decoding; it does not combine with --draft or --response-format")
     if args.draft == "oracle":
         if not (args.model or "").startswith("synthetic:"):
@@ -839,7 +840,7 @@ def _run(args) -> int:
         group_size=args.group_size, json_path=args.json,
         bw_bytes=int(args.bw_gib * (1 << 30)) if args.bw_gib else None, seed=args.seed, loop=args.loop,
         verify=_parse_list(args.verify, "verify", int) if args.verify else None, kv_cache=args.kv_cache,
-        head_groups=parse_head_groups(args.head_group_size) if args.head_group_size else None)
+        head_groups=parse_head_groups(head_groups) if head_groups else None)
     print(markdown_table(doc))
     if doc.get("verify"):
         print("\n" + verify_table(doc))

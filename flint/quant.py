@@ -44,7 +44,7 @@ Run ``pytest tests/test_quant.py`` for the round-trip tests, ``tests/test_kquant
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -96,12 +96,13 @@ class ExactInt4Weight(Int4Weight):
     """An Int4Weight whose fp16 scales / mins are float32 values rounded once (module docstring);
     ``dequantize`` uses the float32 values (None: that fp16 field is exact)."""
 
-    exact_scales: torch.Tensor | None = None  # float32 [N, K // G]
-    exact_mins: torch.Tensor | None = None  # float32 [N, K // G]
+    # keyword-only: a positional float32 tensor cannot land in the wrong field
+    exact_scales: torch.Tensor | None = field(default=None, kw_only=True)  # float32 [N, K // G]
+    exact_mins: torch.Tensor | None = field(default=None, kw_only=True)  # float32 [N, K // G]
 
     def _like(self, w: Int4Weight, f) -> "ExactInt4Weight":
-        keep = [None if t is None else f(t) for t in (self.exact_scales, self.exact_mins)]
-        return ExactInt4Weight(w.qweight, w.scales, w.mins, w.group_size, *keep)
+        es, em = (None if t is None else f(t) for t in (self.exact_scales, self.exact_mins))
+        return ExactInt4Weight(w.qweight, w.scales, w.mins, w.group_size, exact_scales=es, exact_mins=em)
 
     def to(self, device) -> "ExactInt4Weight":
         return self._like(super().to(device), lambda t: t.to(device))
@@ -410,7 +411,7 @@ def from_q4_k_blocks(raw, n: int, k: int) -> Int4Weight | None:
     es, em = exact(s16, scale), exact(m16, mn)
     if es is None and em is None:
         return Int4Weight(*parts)
-    return ExactInt4Weight(*parts, es, em)
+    return ExactInt4Weight(*parts, exact_scales=es, exact_mins=em)
 
 
 def quantize_params(params: dict, group_size: int = 128, names=None, log=print) -> dict:

@@ -179,8 +179,8 @@ def test_kquant_wrong_size_is_refused():
 
 
 def kquant_encoder(seed: int, written: dict):
-    """Matrices cycle through fp16-exact Q4_K (int4), plain Q4_K (float), Q6_K and Q5_K; records
-    {HF name: the cycle's label} in ``written``."""
+    """Matrices cycle through fp16-exact Q4_K (an Int4Weight), plain Q4_K (an ExactInt4Weight),
+    Q6_K and Q5_K (float); records {HF name: the cycle's label} in ``written``."""
     rng = np.random.default_rng(seed)
     cycle = iter(["Q4_K exact", "Q4_K", "Q6_K", "Q5_K"] * 100)
 
