@@ -41,7 +41,7 @@ def zero_point_rtn(w: torch.Tensor, g: int) -> tuple[Int4Weight, torch.Tensor]:
     u = torch.round(-lo / sf).clamp(0, 15)
     q = (torch.round(wg / sf[..., None]) + u[..., None]).clamp(0, 15).to(torch.uint8).view(n, k)
     exact = -u * sf
-    w4 = ExactMinInt4Weight(pack_int4(q), s, exact.to(torch.float16), g, exact)
+    w4 = ExactMinInt4Weight(pack_int4(q), s, exact.to(torch.float16), g, exact_mins=exact)
     return w4, exact
 
 

@@ -19,7 +19,8 @@ min, Q4_K) to the codes, a few rounds; the super-block scales in fp16 and the 6-
 sub-scales rounded to nearest; the codes chosen against the rounded scales. The block layouts are
 those gguf.quants.dequantize reads; tests/test_q4km.py checks the round trip bit for bit.
 ``--check`` loads the written file with flint and compares every tensor with gguf's dequantize;
-``--report`` prints what the int4 backends requantize, at which group size, and its error.
+``--report`` prints what the int4 backends requantize, at which group size, and its error (and
+the kernel-side error of the kept Q4_K codes: their fp16 (scale, min)).
 """
 from __future__ import annotations
 
@@ -217,13 +218,14 @@ def check(path: str) -> int:
 def requant_report(path: str, group_sizes=(32, 128), log=print) -> None:
     """What the int4 backends do to ``path``'s matrices (flint.quant.quantize_params at each
     ``--group-size``): per source type, how many tensors, the group size they get, and the
-    relative RMS error of the int4 values against the file's; and the share of Q4_K sub-blocks
-    whose (d sc, dmin m) fp16 holds exactly (only a tensor with all of them exact stays int4)."""
+    relative RMS error of the int4 values the kernels read against the file's, and the largest
+    error of one weight in quantization steps (|error| / the group's scale); and the share of Q4_K
+    sub-blocks whose (d sc, dmin m) fp16 holds exactly (the others' fp16 pair is rounded once)."""
     from collections import defaultdict
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from flint.loading import _GGUF_LAYER, load_model
-    from flint.quant import Int4Weight, quantize_params
+    from flint.quant import ExactInt4Weight, Int4Weight, quantize_params
 
     r = gguf.GGUFReader(path)
     ours = {v: k for k, v in _GGUF_LAYER.items()}
@@ -237,21 +239,25 @@ def requant_report(path: str, group_sizes=(32, 128), log=print) -> None:
         return types[f"blk.{i}.{ours[n]}"]
 
     for g in group_sizes:
-        acc = defaultdict(lambda: [0, 0.0, 0.0, set()])
-        for k, w in quantize_params(lm.params, g).items():
+        acc = defaultdict(lambda: [0, 0.0, 0.0, set(), 0.0])
+        for k, w in quantize_params(lm.params, g, log=lambda *a, **kw: None).items():
             if k == "embed" or not isinstance(w, Int4Weight):
                 continue
             src = lm.params[k]
             kind = source_type(k) + (" (kept as int4)" if w is src else "")
             a = src.dequantize() if isinstance(src, Int4Weight) else src
+            kern = w.kernel_view() if isinstance(w, ExactInt4Weight) else w  # what the kernels read
+            d = kern.dequantize() - a
+            step = kern.scales.float().abs().repeat_interleave(w.group_size, 1)
             row = acc[kind]
             row[0] += 1
-            row[1] += float(((w.dequantize() - a) ** 2).sum())
+            row[1] += float((d ** 2).sum())
             row[2] += float((a ** 2).sum())
             row[3].add(w.group_size)
-        for kind, (n, se, ss, gs) in sorted(acc.items()):
+            row[4] = max(row[4], float((d.abs() / step)[step > 0].max()))
+        for kind, (n, se, ss, gs, steps) in sorted(acc.items()):
             log(f"--group-size {g}: {kind}: {n} tensors -> int4 g{'/'.join(map(str, sorted(gs)))}, "
-                f"rel. RMS error vs the file {np.sqrt(se / ss):.4f}")
+                f"rel. RMS error vs the file {np.sqrt(se / ss):.6f}, max {steps:.4f} steps")
     exact = total = 0
     for t in r.tensors:
         if t.tensor_type == QT.Q4_K:

@@ -21,6 +21,8 @@ argmax), as a loop that must see each token before the next (sampling on the hos
 * L2: when a backend's weights are smaller than 2x the GPU's L2 (60 MB on the H200: int4
   SmolLM2-135M is ~75 MB), a buffer of 4x L2 is streamed before each timed token and tokens are
   timed one by one, so weights come from HBM, as they would for a big model.
+* ``--head-group-size 32,64,128``: one pass per int4 group size of the LM head, the body as it is
+  (flint.bench_head says what the int4 backends can stream and what is refused).
 * synthetic models (``synthetic:NAME``) are built on the bench device with random int4 codes when
   an int4 backend is asked for (the bf16 backends then run those values dequantized), else bf16.
 
@@ -68,8 +70,7 @@ from pathlib import Path
 import torch
 
 from .backend import BACKENDS, BackendError, check_kv_cache, default_device, make_backend
-
-INT4_BACKENDS = ("compiled", "megakernel")
+from .bench_head import INT4_BACKENDS, check_head_backends, head_variants, parse_head_groups
 DEFAULT_BACKENDS = "reference,compiled,compiled-bf16"
 
 
@@ -315,10 +316,11 @@ def run_bench(models: list[str | None], backends: list[str], ctxs: list[int], n_
               repeats: int = 3, prompt_len: int | None = None, device: str | None = None,
               group_size: int = 128, json_path: str | None = None, bw_bytes: int | None = None,
               seed: int = 0, log=print, loop: str = "device", verify: list[int] | None = None,
-              kv_cache: str = "fp16") -> dict:
+              kv_cache: str = "fp16", head_groups: list[int] | None = None) -> dict:
     """Run the benchmark; returns the JSON document (also written to json_path after every row). verify: token
     counts M of a verify step to time at every ctx (the "verify" rows: µs per step and the ratio to M = 1).
-    kv_cache: the KV cache format of every backend (flint.model.KV_CACHE_FORMATS)."""
+    kv_cache: the KV cache format of every backend (flint.model.KV_CACHE_FORMATS). head_groups: one pass per
+    int4 group size of the LM head (flint.bench_head)."""
     for b in backends:
         if b not in BACKENDS:
             raise BackendError(f"unknown backend {b!r}; choose from {', '.join(BACKENDS)}")
@@ -330,6 +332,8 @@ def run_bench(models: list[str | None], backends: list[str], ctxs: list[int], n_
     if prompt_len is not None and prompt_len < 1:
         raise BenchError("--prompt-len must be >= 1")
     _check_loop(loop)
+    if head_groups:
+        check_head_backends(backends)
     verify = sorted(set(verify or []))
     if any(m < 1 or m > 64 for m in verify):
         raise BenchError(f"--verify values must be token counts 1..64, got {verify}")
@@ -363,23 +367,29 @@ def run_bench(models: list[str | None], backends: list[str], ctxs: list[int], n_
     log(f"flint bench: {doc['device']}, read bandwidth {doc['hbm_read_GBps']:.1f} GB/s", file=sys.stderr)
     for spec in models:
         lm = load_bench_model(spec, group_size if int4_needed else None, dev, seed)
-        name = spec or "embedded:smollm2"
-        check_context(lm.cfg, name)
-        for bname in backends:
-            try:
-                _bench_backend(doc, save, lm, name, bname, ctxs, n_tokens, repeats, prompt_len, dev,
-                               need, group_size, gen, l2, log, loop, verify, kv_cache)
-            except Exception as e:  # noqa: BLE001
-                # one backend failing (no sm_90 for the megakernel, a compile error) leaves the rest
-                # of the sweep standing; the error is printed and recorded, and the exit code is 1
-                doc.setdefault("errors", []).append({"model": name, "backend": bname,
-                                                     "error": f"{type(e).__name__}: {e}"})
-                save()
-                why = f"{e}" if isinstance(e, ValueError) else f"\n{traceback.format_exc(limit=-4)}"
-                log(f"flint bench: {name} {bname} failed: {why}", file=sys.stderr)
-            gc.collect()
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
+        check_context(lm.cfg, spec or "embedded:smollm2")
+        for name, head, hlm in head_variants(lm, spec or "embedded:smollm2", head_groups):
+            first = len(doc["results"])
+            for bname in backends:
+                try:
+                    if isinstance(hlm, Exception):
+                        raise hlm
+                    _bench_backend(doc, save, hlm, name, bname, ctxs, n_tokens, repeats, prompt_len, dev,
+                                   need, group_size, gen, l2, log, loop, verify, kv_cache)
+                except Exception as e:  # noqa: BLE001
+                    # one backend failing (no sm_90 for the megakernel, a compile error) leaves the rest
+                    # of the sweep standing; the error is printed and recorded, and the exit code is 1
+                    doc.setdefault("errors", []).append({"model": name, "backend": bname,
+                                                         "error": f"{type(e).__name__}: {e}"})
+                    save()
+                    why = f"{e}" if isinstance(e, ValueError) else f"\n{traceback.format_exc(limit=-4)}"
+                    log(f"flint bench: {name} {bname} failed: {why}", file=sys.stderr)
+                gc.collect()
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+            for r in doc["results"][first:] if head else ():
+                r["head"] = head
+            del hlm
         del lm
         gc.collect()
     save()
@@ -829,6 +839,9 @@ def default_backends(device: torch.device) -> str:
 def _run(args) -> int:
     dev = torch.device(args.device or default_device())
     args.backend = args.backend or default_backends(dev)
+    head_groups = getattr(args, "head_group_size", None)  # (a Namespace built by hand may lack it)
+    if head_groups and (args.draft or args.response_format):
+        raise BenchError("--head-group-size times plain decoding; it does not combine with --draft or --response-format")
     if args.draft == "oracle":
         if not (args.model or "").startswith("synthetic:"):
             raise BenchError("--draft oracle is for synthetic models (random weights accept nothing); a real model "
@@ -881,7 +894,8 @@ def _run(args) -> int:
         n_tokens=args.tokens, repeats=args.repeats, prompt_len=args.prompt_len, device=str(dev),
         group_size=args.group_size, json_path=args.json,
         bw_bytes=int(args.bw_gib * (1 << 30)) if args.bw_gib else None, seed=args.seed, loop=args.loop,
-        verify=_parse_list(args.verify, "verify", int) if args.verify else None, kv_cache=args.kv_cache)
+        verify=_parse_list(args.verify, "verify", int) if args.verify else None, kv_cache=args.kv_cache,
+        head_groups=parse_head_groups(head_groups) if head_groups else None)
     print(markdown_table(doc))
     if doc.get("verify"):
         print("\n" + verify_table(doc))
@@ -908,6 +922,9 @@ def register(sub) -> None:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--group-size", type=int, default=128, choices=(32, 64, 128),
                    help="int4 group size for weights quantized at load and synthetic int4 (default 128)")
+    p.add_argument("--head-group-size", default=None, metavar="G,...",
+                   help="one pass per int4 group size of the LM head (32,64,128; the body as loaded), for the "
+                        "int4 backends (compiled, megakernel): bytes per token and tok/s per head variant")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", default=None, metavar="PATH.png", help="plot tok/s against context")
     p.add_argument("--bw-gib", type=float, default=None,

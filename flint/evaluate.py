@@ -16,9 +16,10 @@
   it yet); ``gptq`` quantizes the linear weights and the head by GPTQ (flint/gptq.py, calibrated on
   flint/data/calibration.txt, a text disjoint from the eval corpus); ``int4-embed`` makes the
   embedding lookup read int4 rows too; ``kernel`` is the model as the int4 backends run it at
-  ``--group-size G`` (flint.quant.quantize_params: int4 weights kept, float ones such as a GGUF's
-  Q6_K / Q8_0 / non-exact Q4_K requantized), ``kernel:float-head`` the same with the head left as
-  loaded (to separate the head's share). "MB/token" is what a decode step streams: the
+  ``--group-size G`` (flint.quant.quantize_params: int4 weights kept, with the fp16 scale / min
+  the kernels read where the reference holds exact ones, as for a GGUF's Q4_K; float ones such as
+  Q6_K / Q8_0 requantized), ``kernel:float-head`` the same with the head left as loaded (to
+  separate the head's share). "MB/token" is what a decode step streams: the
   linear weights and the head as held, one embedding row, the norms (K/V not included).
 
 * ``--kv-cache int8,fp8`` also evaluates the model (the loaded one, the model under test) with
@@ -43,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from .quant import (GROUP_SIZES, Int4Weight, fit_group_size, int8_rows, quantize_int4,
+from .quant import (GROUP_SIZES, ExactInt4Weight, Int4Weight, fit_group_size, int8_rows, quantize_int4,
                     quantize_params, requantize_params)
 
 DEFAULT_CORPUS = Path(__file__).parent / "data" / "eval-corpus.txt"
@@ -178,7 +179,10 @@ def variant_params(lm, v: Variant, hessians=None) -> tuple[dict, str | None, int
     if v.kernel:
         linear = [k for k in lm.params if k.rsplit(".", 1)[-1] in gptq.LINEAR_NAMES]
         names = linear if v.head == "float" else linear + ["lm_head"]
-        return quantize_params(lm.params, v.group_size, names), None, None
+        params = quantize_params(lm.params, v.group_size, names)
+        # what the kernels read of an exact-values weight (a GGUF Q4_K, a GPTQ one): its fp16 fields
+        return {k: w.kernel_view() if isinstance(w, ExactInt4Weight) and k in names else w
+                for k, w in params.items()}, None, None
     params = requantize_params(lm.params, v.group_size, head=v.head if v.head in ("rtn", "searched", "float")
                                else "rtn" if v.head == "gptq" else "float")
     names = [k for k in params if k.rsplit(".", 1)[-1] in gptq.LINEAR_NAMES] if v.method == "gptq" else []

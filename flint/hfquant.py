@@ -29,11 +29,12 @@ compressed-tensors' code bytes are flint's qweight bytes as they are (little-end
 2j in the low nibble of byte j); AWQ's are unshuffled. Codes and scales are never rounded. A
 scale fp16 cannot hold exactly (a bf16 or fp32 one out of fp16's range or precision) makes that
 tensor load as float32, the format's values exactly; the int4 backends then requantize it, and
-the load says so, as for GGUF K-quants.
+the load says so, as for GGUF Q5_K / Q6_K.
 
 mins: -u s is exact in float32 (at most 15 significant bits) but fp16 keeps 11. For u in
 {0, 1, 2, 4, 8, 16} (every symmetric checkpoint: u = 8) it is always exact, for other u only when
-the low bits of s allow. A tensor with any inexact min becomes an ``ExactMinInt4Weight``: its fp16
+the low bits of s allow. A tensor with any inexact min becomes an ``ExactInt4Weight``
+(flint.quant; ``ExactMinInt4Weight`` here) with exact scales: its fp16
 ``mins`` (what the kernels read) are -u s rounded once to fp16, and its ``dequantize`` (what the
 reference backend runs) uses the exact float32 -u s, i.e. the format's own values. On the int4
 kernels a weight then differs from the format's by at most half an fp16 ulp of its min, at most
@@ -67,7 +68,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .params import LoadError
-from .quant import GROUP_SIZES, Int4Weight, check_shape, pack_int4, unpack_int4
+from .quant import GROUP_SIZES, ExactInt4Weight, Int4Weight, check_shape, pack_int4, unpack_int4
 
 METHODS = ("gptq", "awq", "compressed-tensors")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i] of its 8
@@ -84,24 +85,9 @@ _SUFFIXES = {
 _CODES = {"gptq": "qweight", "awq": "qweight", "compressed-tensors": "weight_packed"}
 
 
-@dataclass
-class ExactMinInt4Weight(Int4Weight):
-    """An Int4Weight whose fp16 ``mins`` are -u s rounded once (what the kernels read), with the
-    exact float32 ``exact_mins`` that ``dequantize`` (the reference backend) uses."""
-
-    exact_mins: torch.Tensor = field(default=None)  # float32 [N, K // G]
-
-    def to(self, device) -> "ExactMinInt4Weight":
-        w = super().to(device)
-        return ExactMinInt4Weight(w.qweight, w.scales, w.mins, w.group_size, self.exact_mins.to(device))
-
-    def rows(self, index) -> "ExactMinInt4Weight":
-        w = super().rows(index)
-        return ExactMinInt4Weight(w.qweight, w.scales, w.mins, w.group_size, self.exact_mins[index])
-
-    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
-        # codes * s + (-u s): both terms and their sum (q - u) s are exact in float32
-        return Int4Weight(self.qweight, self.scales, self.exact_mins, self.group_size).dequantize(dtype)
+# GPTQ / AWQ tensors with inexact fp16 mins: the shared exact-values weight of flint.quant, its
+# scales exact (exact_scales None), its mins -u s in float32
+ExactMinInt4Weight = ExactInt4Weight
 
 
 @dataclass
@@ -396,12 +382,12 @@ def _layout_weight(p: _Parts, g: int, name: str, source: str):
         raise LoadError(f"{source}: tensor '{name}': a zero point times its scale overflows fp16")
     if torch.equal(m16.to(torch.float32), exact_min):
         return Int4Weight(p.qweight.contiguous(), s16, m16, g), None
-    return ExactMinInt4Weight(p.qweight.contiguous(), s16, m16, g, exact_min), "mins"
+    return ExactInt4Weight(p.qweight.contiguous(), s16, m16, g, exact_mins=exact_min), "mins"
 
 
 def decode(spec: Spec, flat: dict, source: str, log=print) -> dict:
     """Replace every quantized module's tensors in ``flat`` (the checkpoint's names) by
-    ``P.weight``: an Int4Weight (or ExactMinInt4Weight), or float32 where fp16 cannot hold the
+    ``P.weight``: an Int4Weight (or ExactInt4Weight), or float32 where fp16 cannot hold the
     scales. Other tensors (embeddings, norms, float linears) pass through."""
     if sys.byteorder != "little":  # the int32 words are read as their little-endian bytes
         raise LoadError(f"{source}: {spec.method} int4 words are read on little-endian hosts only")

@@ -493,8 +493,9 @@ def _gguf_tensor(t, path: str):
         conv = {q.Q8_0: dequant_q8_0_blocks, q.Q4_1: from_q4_1_blocks, q.Q4_0: from_q4_0_blocks}[kind]
         return conv(data, shape[0], shape[1])
     if kind in (q.Q4_K, q.Q5_K, q.Q6_K) and len(shape) == 2:
-        # Q4_K stays int4 codes where fp16 holds its (scale, min) pairs exactly; the rest is
-        # float32, exactly gguf's values (the int4 backends requantize it: see load_gguf's notice)
+        # Q4_K keeps its codes as int4 G32 (flint.quant.from_q4_k_blocks: exact for the reference,
+        # fp16 (scale, min) rounded once for the kernels); Q5_K / Q6_K (5- and 6-bit codes) load as
+        # float32, exactly gguf's values, and the int4 backends requantize them (load_gguf's notice)
         conv = {q.Q4_K: dequant_q4_k_blocks, q.Q5_K: dequant_q5_k_blocks, q.Q6_K: dequant_q6_k_blocks}[kind]
         try:
             if kind == q.Q4_K and (w := from_q4_k_blocks(data, shape[0], shape[1])) is not None:
@@ -547,10 +548,10 @@ def load_gguf(path: str | Path, dtype=torch.float32) -> LoadedModel:
     if requant:
         counts = {k: list(requant.values()).count(k) for k in sorted(set(requant.values()))}
         kinds = ", ".join(f"{v} {k}" for k, v in counts.items())
-        print(f"flint: {path}: {kinds} tensors load as float32 (exact; Q4_K where fp16 cannot hold "
-              "its scales exactly); the int4 backends requantize them to int4, a second rounding "
-              "(closest to the file at --group-size 32)",
-              file=sys.stderr)
+        why = " (Q4_K: a scale or min beyond fp16's range)" if "Q4_K" in counts else ""
+        print(f"flint: {path}: {kinds} tensors load as float32, exactly the file's values (the reference "
+              f"backend runs them as they are); the int4 backends requantize them to int4, a second "
+              f"rounding{why}. Q4_K tensors keep their 4-bit codes (int4 g32).", file=sys.stderr)
     try:
         tok = Tokenizer.from_gguf_fields(gf.values(), path)
     except Exception as e:  # the fields were checked; this is the tokenizers library refusing them

@@ -19,10 +19,21 @@ the high nibble) map onto this with G = 32, scales = d, mins = m: only the nibbl
 value is rounded again. Q4_0 (value = (q - 8) * d) is the symmetric case: scales = d, mins = -8 * d,
 which fp16 holds exactly (a power-of-two multiple). GGUF Q4_K super-blocks (256 values, 8
 sub-blocks of 32 with 6-bit sub-scales sc and mins m under fp16 d and dmin) map onto G = 32 with
-scale = d sc and min = -dmin m: exact in fp32, but only sometimes an fp16 value, so
-``from_q4_k_blocks`` converts a tensor only when every product is (otherwise the loader keeps the
-float32 values). Kernels may repack scales/mins (interleave them)
-at load; they never re-round codes.
+the file's codes, scale = d sc and min = -dmin m: both are exact in float32 but only sometimes an
+fp16 value, so ``from_q4_k_blocks`` returns an ``ExactInt4Weight`` (below): the kernels read
+(scale, min) rounded once to fp16, the reference backend the exact float32 pair. Kernels may
+repack scales/mins (interleave them) at load; they never re-round codes.
+
+``ExactInt4Weight``: an Int4Weight whose fp16 ``scales`` / ``mins`` (what every int4 kernel
+reads) are float32 values rounded once to nearest, with those float32 values kept beside them
+(``exact_scales``, ``exact_mins``; None where the fp16 field is exact). ``dequantize`` (what the
+reference backend runs) uses them: a GGUF Q4_K tensor dequantizes bit for bit as gguf's
+``dequantize`` does, a GPTQ / AWQ one as its format does (flint/hfquant.py). On the kernels a
+weight q s + m moves by at most 15 |ds| + |dm|, where fp16 rounding to nearest gives
+|dx| <= max(2^-11 |x|, 2^-25) (half an ulp; 2^-25 in the subnormal range): for a normal scale at
+most (15 + |m| / s) / 2048 of the quantization step s, i.e. <= s / 68 in a sub-block whose values
+span zero (|m| <= 15 s). tests/test_kquants.py checks the bound; bench/results/q4k_codes_kept_2026-12-02.md
+measures it on a Q4_K_M file.
 
 Fits into the layout: ``quantize_int4`` (round-to-nearest from each group's min and max),
 ``quantize_int4_searched`` (each group's scale and min searched to minimise its squared error), and
@@ -32,7 +43,8 @@ Run ``pytest tests/test_quant.py`` for the round-trip tests, ``tests/test_kquant
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 
 import torch
 
@@ -77,6 +89,36 @@ class Int4Weight:
     def rows(self, index) -> "Int4Weight":
         """A row subset (exact: rows are independent)."""
         return Int4Weight(self.qweight[index], self.scales[index], self.mins[index], self.group_size)
+
+
+@dataclass
+class ExactInt4Weight(Int4Weight):
+    """An Int4Weight whose fp16 scales / mins are float32 values rounded once (module docstring);
+    ``dequantize`` uses the float32 values (None: that fp16 field is exact)."""
+
+    # keyword-only: a positional float32 tensor cannot land in the wrong field
+    exact_scales: torch.Tensor | None = field(default=None, kw_only=True)  # float32 [N, K // G]
+    exact_mins: torch.Tensor | None = field(default=None, kw_only=True)  # float32 [N, K // G]
+
+    def _like(self, w: Int4Weight, f) -> "ExactInt4Weight":
+        es, em = (None if t is None else f(t) for t in (self.exact_scales, self.exact_mins))
+        return ExactInt4Weight(w.qweight, w.scales, w.mins, w.group_size, exact_scales=es, exact_mins=em)
+
+    def to(self, device) -> "ExactInt4Weight":
+        return self._like(super().to(device), lambda t: t.to(device))
+
+    def rows(self, index) -> "ExactInt4Weight":
+        return self._like(super().rows(index), lambda t: t[index])
+
+    def kernel_view(self) -> Int4Weight:
+        """What the int4 kernels read: the fp16 fields only."""
+        return Int4Weight(self.qweight, self.scales, self.mins, self.group_size)
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        # codes * s + m in float32, each product and sum rounded once, as the source formats compute it
+        s = self.scales if self.exact_scales is None else self.exact_scales
+        m = self.mins if self.exact_mins is None else self.exact_mins
+        return Int4Weight(self.qweight, s, m, self.group_size).dequantize(dtype)
 
 
 def check_shape(name: str, n: int, k: int, group_size: int) -> None:
@@ -343,34 +385,43 @@ def dequant_q6_k_blocks(raw, n: int, k: int) -> torch.Tensor:
 
 
 def from_q4_k_blocks(raw, n: int, k: int) -> Int4Weight | None:
-    """GGUF Q4_K raw bytes -> Int4Weight (G = 32) with the same codes, when that is exact.
+    """GGUF Q4_K raw bytes -> int4 G = 32 with the file's codes: each sub-block of 32 is a group
+    with scale = d sc_j and min = -dmin m_j.
 
-    Each sub-block of 32 is an int4 group with scale = d sc_j and min = -dmin m_j. Both products
-    are exact in float32, but the layout stores fp16: returns None when any of them is not
-    exactly an fp16 value (a second rounding would follow), so the caller keeps the float weight.
+    An Int4Weight where fp16 holds every product exactly, else an ExactInt4Weight (fp16 fields
+    rounded once for the kernels, the float32 products for dequantize: gguf's values bit for bit).
+    None when a product overflows fp16 (|d sc| or |dmin m| > 65504): the caller keeps the float.
     """
     import numpy as np
 
     b = _kquant_blocks(raw, n, k, "Q4_K")
     scale, dm, codes = _q4_k_parts(b)
-    s16, m16 = scale.astype(np.float16), (-dm).astype(np.float16)
-    with np.errstate(invalid="ignore"):
-        exact = (np.array_equal(s16.astype(np.float32), scale)
-                 and np.array_equal(m16.astype(np.float32), -dm))
-    if not exact:
+    mn = -dm
+    with np.errstate(over="ignore", invalid="ignore"):
+        s16, m16 = scale.astype(np.float16), mn.astype(np.float16)
+    if not (np.isfinite(s16).all() and np.isfinite(m16).all()):
         return None
     g = k // 32
-    return Int4Weight(pack_int4(torch.from_numpy(codes.reshape(n, k))),
-                      torch.from_numpy(s16.reshape(n, g)), torch.from_numpy(m16.reshape(n, g)), 32)
+
+    def exact(x16, x32):
+        return None if np.array_equal(x16.astype(np.float32), x32) else torch.from_numpy(x32.reshape(n, g))
+
+    parts = (pack_int4(torch.from_numpy(codes.reshape(n, k))), torch.from_numpy(s16.reshape(n, g)),
+             torch.from_numpy(m16.reshape(n, g)), 32)
+    es, em = exact(s16, scale), exact(m16, mn)
+    if es is None and em is None:
+        return Int4Weight(*parts)
+    return ExactInt4Weight(*parts, exact_scales=es, exact_mins=em)
 
 
-def quantize_params(params: dict, group_size: int = 128, names=None) -> dict:
+def quantize_params(params: dict, group_size: int = 128, names=None, log=print) -> dict:
     """Return a params dict whose linear weights (and the LM head) are all Int4Weight.
 
     Weights already in int4 (GGUF Q4_0/Q4_1/Q4_K, a flint checkpoint) are kept as they are; float
     ones are quantized round-to-nearest at ``group_size`` (layer weights next to int4 ones at the
-    smallest group size among those). "embed" (the lookup's copy) is left as it is: float, or int4
-    from a checkpoint written with ``flint quantize --embed int4``.
+    smallest group size among those, and ``log`` says so when that is not ``group_size``). "embed"
+    (the lookup's copy) is left as it is: float, or int4 from a checkpoint written with
+    ``flint quantize --embed int4``.
     """
     out = dict(params)
     linear = [k for k in params if k.rsplit(".", 1)[-1] in LINEAR_NAMES]
@@ -379,6 +430,12 @@ def quantize_params(params: dict, group_size: int = 128, names=None) -> dict:
     # ones take the int4 ones' group size, as the megakernel fuses and stacks them across layers
     have = [params[k].group_size for k in linear if isinstance(params[k], Int4Weight)]
     layer_g = min([group_size, *have])
+    floats = [k for k in targets if k in linear and not isinstance(params[k], Int4Weight)]
+    if floats and layer_g != group_size:
+        log(f"flint: {len(floats)} layer weights not stored as int4 (e.g. {floats[0]!r}) quantized at "
+            f"g{layer_g}, not at the requested group size {group_size}: the model's int4 layer weights "
+            f"are g{layer_g} (their codes are kept), and the megakernel runs each projection of every "
+            f"layer at one group size", file=sys.stderr)
     for k in targets:
         w = params[k]
         if not isinstance(w, Int4Weight):

@@ -6,9 +6,13 @@
 * the recipe: Q6_K for the (tied) head and for attn_v / ffn_down in llama.cpp's "more bits"
   layers, Q4_K elsewhere;
 * a tiny model (K = 256 everywhere, so every matrix takes a K-quant) converted by the tool loads in
-  flint with every tensor equal to gguf's dequantize, and the reference backend's logits equal
-  those of gguf's float weights exactly; `flint eval --quantize G:kernel` gives the int4 backends'
-  params (quantize_params).
+  flint with every Q4_K matrix int4 g32 (its codes kept) and every tensor equal to gguf's
+  dequantize, and the reference backend's logits equal those of gguf's float weights exactly;
+  `flint eval --quantize G:kernel` gives the int4 backends' params (quantize_params);
+* the int4 backends on that model: the compiled backend (CPU, eager) matches the reference run on
+  what the kernels read (the fp16 scale / min), and honours --group-size for the Q6_K matrices it
+  quantizes while the Q4_K ones keep g32; the megakernel's repack (CPU) copies the kept codes
+  and the fp16 (scale, min), and refuses layers of one matrix at different group sizes.
 
 Run: ``pytest tests/test_q4km.py`` (a few seconds).
 """
@@ -25,7 +29,7 @@ import torch
 from flint.loading import load_model
 from flint.model import Transformer
 from flint.params import LINEAR_NAMES
-from flint.quant import Int4Weight, quantize_params
+from flint.quant import ExactInt4Weight, Int4Weight, quantize_params
 
 QT = gguf.GGMLQuantizationType
 _spec = importlib.util.spec_from_file_location("make_q4km", Path(__file__).parents[1] / "bench" / "make_q4km.py")
@@ -104,6 +108,11 @@ def test_tiny_q4km_loads_exactly(tiny_q4km):
     assert int(r.fields["general.file_type"].contents()) == 15
     assert mq.check(str(path)) == len(r.tensors)  # every tensor equals gguf's dequantize
     lm = load_model(str(path))
+    q4k = [name for name, _, kind in table if kind == "Q4_K" and name != "token_embd.weight"]  # (the
+    # embedding is a float lookup table; its Q4_K values stay exact there)
+    kept = [k for k, w in lm.params.items() if isinstance(w, Int4Weight) and k != "lm_head"]
+    assert len(kept) == len(q4k) > 0 and all(lm.params[k].group_size == 32 for k in kept)
+    assert any(isinstance(lm.params[k], ExactInt4Weight) for k in kept)
     floats = {k: (w.dequantize(torch.float32) if isinstance(w, Int4Weight) else w) for k, w in lm.params.items()}
     ids = torch.arange(3, 40)
     got = Transformer(lm.cfg, lm.params, max_seq_len=64).forward(ids, 0)
@@ -124,8 +133,11 @@ def test_eval_kernel_variant_is_what_the_int4_backends_load(tiny_q4km):
         if isinstance(w, Int4Weight):
             assert isinstance(got, Int4Weight) and got.group_size == w.group_size
             assert torch.equal(got.qweight, w.qweight) and torch.equal(got.scales, w.scales)
+            # the kept Q4_K codes evaluate as the kernels read them: the fp16 (scale, min)
+            assert not isinstance(got, ExactInt4Weight) and torch.equal(got.mins, w.mins)
         else:
             assert torch.equal(got, w)
+    assert any(isinstance(w, ExactInt4Weight) for w in want.values())
     (fh,) = parse_variants("32:kernel:float-head")
     params, _, _ = variant_params(lm, fh)
     assert params["lm_head"] is lm.params["lm_head"]
@@ -133,3 +145,88 @@ def test_eval_kernel_variant_is_what_the_int4_backends_load(tiny_q4km):
                for k in params if k.rsplit(".", 1)[-1] in LINEAR_NAMES)
     with pytest.raises(EvalError, match="kernel"):
         parse_variants("32:kernel:searched-head")
+
+
+def _kernel_view(params: dict) -> dict:
+    """What the int4 kernels read: the fp16 fields of every exact-values weight."""
+    return {k: w.kernel_view() if isinstance(w, ExactInt4Weight) else w for k, w in params.items()}
+
+
+def test_compiled_backend_runs_the_kept_codes(tiny_q4km):
+    from flint.compiled import CompiledBackend
+
+    lm = load_model(str(tiny_q4km[0]))
+    ids = torch.randint(0, lm.cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(4))
+    be = CompiledBackend(lm.cfg, lm.params, 32, device="cpu", int4=True, group_size=32)
+    a = be.forward(ids, 0)
+    b = Transformer(lm.cfg, quantize_params(_kernel_view(lm.params), 32), max_seq_len=32).forward(ids, 0)
+    assert float((a - b).abs().max()) <= 1e-4 * float(b.abs().max())
+    # at --group-size 128 the Q6_K matrices it quantizes take 128, the kept Q4_K codes stay g32
+    be = CompiledBackend(lm.cfg, lm.params, 32, device="cpu", int4=True, group_size=128)
+    down = [(lm.params[f"layers.{i}.w_down"], L[5]) for i, L in enumerate(be.layers)]
+    assert {w.group_size for w, _ in down if isinstance(w, Int4Weight)} == {32}
+    assert {p[3] for w, p in down if isinstance(w, Int4Weight)} == {32}
+    assert {p[3] for w, p in down if not isinstance(w, Int4Weight)} == {128}
+
+
+def _decode_repacked(blob: torch.Tensor, d: dict, n: int) -> torch.Tensor:
+    """megakernel.repack's blob for one layer -> the [n, K] values the kernel computes."""
+    kseg, g = d["kseg"], d["G"]
+    ng = kseg // g
+    parts = []
+    for s in range(d["nseg"]):
+        seg = blob[s, :n]
+        codes = torch.stack((seg[:, :kseg // 2] & 15, seg[:, :kseg // 2] >> 4), -1).flatten(-2).float()
+        sm = seg[:, kseg // 2:kseg // 2 + 4 * ng].contiguous().view(torch.float16).view(n, ng, 2).float()
+        parts.append((codes.view(n, ng, g) * sm[..., :1] + sm[..., 1:]).view(n, kseg))
+    return torch.cat(parts, 1)
+
+
+def test_megakernel_repack_takes_the_kept_codes(tiny_q4km):
+    from flint.megakernel import repack
+
+    lm = load_model(str(tiny_q4km[0]))
+    said = []
+    params = quantize_params(lm.params, 128, log=lambda *a, **k: said.append(a[0]))
+    assert said and "at g32, not at the requested group size 128" in said[0]
+    layers = range(lm.cfg.num_layers)
+    for name in ("w_down", "wv", "wo"):
+        ws = [params[f"layers.{i}.{name}"] for i in layers]
+        assert {w.group_size for w in ws} == {32}  # Q4_K kept and Q6_K quantized layers share it
+        blob, d = repack(ws, name, "cpu")
+        for i, w in enumerate(ws):
+            want = (w.kernel_view() if isinstance(w, ExactInt4Weight) else w).dequantize()
+            assert torch.equal(_decode_repacked(blob[i], d, w.shape[0]), want), f"{name} layer {i}"
+    # the kernels' values are the fp16 ones: off the file's exact values by less than a step / 64
+    w = next(params[f"layers.{i}.w_down"] for i in layers if isinstance(params[f"layers.{i}.w_down"], ExactInt4Weight))
+    err = (w.kernel_view().dequantize() - w.dequantize()).abs()
+    assert 0 < float(err.max()) and bool((err <= w.scales.float().abs().repeat_interleave(32, 1) / 64 + 1e-9).all())
+    # a matrix whose layers have different group sizes is refused, naming it
+    from flint.quant import quantize_int4
+
+    mixed = [params["layers.0.w_down"], quantize_int4(params["layers.1.w_down"].dequantize(), 128)]
+    with pytest.raises(ValueError, match=r"w_down: layer 1 .*G128, expected .*G32"):
+        repack(mixed, "w_down", "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)),
+                    reason="needs a CUDA sm_90 (Hopper) GPU")
+def test_megakernel_runs_the_kept_codes(tiny_q4km):
+    """The megakernel on the tiny Q4_K_M model (kept Q4_K codes, Q6_K quantized at load) against the
+    reference decoder on what the kernel reads (fp16 scale / min), within test_megakernel.py's bound."""
+    from flint.megakernel import MegakernelBackend
+
+    lm = load_model(str(tiny_q4km[0]))
+    params = quantize_params(lm.params, 128)
+    assert any(isinstance(w, ExactInt4Weight) for w in params.values())
+    mk = MegakernelBackend(lm.cfg, params, 64)
+    ref = Transformer(lm.cfg, _kernel_view(params), 64, device="cuda")
+    toks = torch.randint(0, lm.cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(1))
+    for i in range(0, 16, 8):  # (the megakernel takes at most 8 tokens a step)
+        mk.forward(toks[i:i + 8], i)
+        ref.forward(toks[i:i + 8], i)
+    for pos in range(16, 24):
+        a, b = mk.forward(toks[pos:pos + 1], pos), ref.forward(toks[pos:pos + 1], pos)
+        rel = float((a.float() - b.float()).norm() / b.float().norm())
+        assert torch.isfinite(a).all() and rel < 1e-2, f"position {pos}: rel {rel:.3e}"
