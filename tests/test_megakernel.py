@@ -256,7 +256,7 @@ def test_long_context_object_matches_reference():
     cfg = _granite(2)
     mk, ref = _pair(cfg, 128, 9016)
     info = mk.smem_info(1)["long_context"]
-    assert info["ready"] and info["kv_tile_buffers"] >= 2 and info["ring_slots"] >= 3
+    assert info["ready"] and info["kv_tile_buffers"] >= 2 and info["ring_slots"] >= 3 and info["kv_tma"]
     toks = torch.randint(0, cfg.vocab_size, (9000,), generator=torch.Generator().manual_seed(5))
     pos = 0
     # tiles (16 splits a kv head): 16 | 17 | 33 | 48 | 63 | 65 | 94 | 141; 1024 and 1025 straddle the switch

@@ -18,7 +18,7 @@ MK_DECL(1) MK_DECL(2) MK_DECL(3) MK_DECL(4) MK_DECL(5) MK_DECL(6) MK_DECL(7) MK_
 // M = 1 with gate|up's integer dot (megakernel.cu FLINT_MK_GU8): launched for models in groups of 128
 extern "C" int flint_mk_launch_m1_gu8(const mk::Params*, const mk::Smem*, int, const long long*, int, cudaStream_t, int);
 extern "C" int flint_mk_occupancy_m1_gu8(int, int*);
-// M = 1 for long contexts (FLINT_MK_LONG): attention on the tensor cores with kAttNbufLong K/V buffers, own layout
+// M = 1 for long contexts (FLINT_MK_LONG): attention on the tensor cores with kAttNbufLong K/V buffers (TMA), own layout
 extern "C" int flint_mk_launch_m1_long(const mk::Params*, const mk::Smem*, int, const long long*, int, cudaStream_t, int);
 extern "C" int flint_mk_occupancy_m1_long(int, int*);
 extern "C" int flint_mk_launch_m1_gu8_long(const mk::Params*, const mk::Smem*, int, const long long*, int, cudaStream_t, int);

@@ -4,7 +4,7 @@
 //   FLINT_MK_M    tokens per launch, 1..8: one object per M (plain decode is M = 1, a verify of k drafts M = k + 1)
 //   FLINT_MK_GU8  1 in the extra M = 1 object that runs gate|up on the integer dot (groups of 128: Granite)
 //   FLINT_MK_LONG 1 in the M = 1 objects launched when attention splits walk several tiles (long context): their
-//                 attention runs on the tensor cores with kAttNbufLong K/V tile buffers
+//                 attention runs on the tensor cores with kAttNbufLong K/V tile buffers filled by TMA
 //   MK_TRACE      1 in the traced library only (FLINT_MK_TRACE=1): stage and warp stamps compiled in
 // The rest are constants of the design, each with the measurement that chose it (docs/megakernel-log.md has
 // every alternative that was tried).
@@ -37,10 +37,11 @@ constexpr int kLmInflight = 2;
 // M = 1); up to kTmSeqSplits the sequential tagged merge runs, beyond them the counter merge.
 constexpr int kTmMaxSplits = 12;
 constexpr int kTmSeqSplits = 32;
-// The long-context M = 1 objects (FLINT_MK_LONG; the host launches them whenever a split walks two tiles or more):
+// The long-context M = 1 objects (FLINT_MK_LONG; the host launches them from kLongFromTiles tiles per split on):
 // those splits on the tensor cores with kAttNbufLong K/V tile buffers (three tiles in flight; two or three buffers
-// spill there), in a shared-memory layout of their own (the extra buffers take a weight-ring slot). Long context
-// 32k −16% a step against the generic loop, 8k −8.4% (2026-12-02, ab1_long_objects_*_2026-12-02.json).
+// spill there), each filled by two TMA tensor copies, in a shared-memory layout of their own (the extra buffers take
+// a weight-ring slot). Long context 32k −16% a step against the generic loop, 8k −8.4% (2026-12-02,
+// ab1_long_objects_*_2026-12-02.json); the TMA tiles a further −15.5% at 32k (tma_long_context_2026-12-02.md).
 constexpr int kAttNbufLong = 4;
 
 }  // namespace mk
