@@ -546,7 +546,7 @@ def run_draft_bench(model: str | None, backends: list[str], draft_path: str, k: 
                     per_kind: int, max_new_tokens: int, device: str | None = None,
                     group_size: int = 128, draft_vocab: list[int | None] | None = None,
                     temperature: float = 0.0, seed: int = 0, log=print) -> dict:
-    """Speculative vs plain decoding on held-out draft prompts (flint.draft.eval_prompts), per
+    """Speculative vs plain decoding on held-out draft prompts (flint.draft_data.eval_prompts), per
     backend, k and drafting-vocabulary size: tokens per verify step (accepted drafts + the target's
     own token), acceptance rate, decode tok/s of both, and (greedy) whether the outputs were
     identical. ``temperature`` > 0 samples (lossless speculative sampling; plain samples too)."""
