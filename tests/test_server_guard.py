@@ -474,8 +474,11 @@ def test_admission_bar_on_smollm2(tmp_path):
         rss = proc.memory_info().rss
         print(f"\nbar: /health worst {worst * 1000:.1f} ms; 8 tokens idle {idle_s:.3f}s, with four 6 MiB "
               f"prompts {busy_s:.3f}s; RSS idle {idle_rss / 2**20:.0f} MiB, after {rss / 2**20:.0f} MiB")
-        assert worst < 0.1
-        assert busy_s < 2 * idle_s
+        # the failure this guards against is a blocked event loop: /health took 14.3 s unguarded (the measured figure
+        # is bench/results/cpu_hardening_kquant_2026-12-01.md; on a busy 2-core box this run's own times move by 10x,
+        # so the bounds catch seconds, not milliseconds)
+        assert worst < 1.0
+        assert busy_s < 3 * idle_s + 1.0
         assert rss < 1.1 * idle_rss
     finally:
         srv.stop()
