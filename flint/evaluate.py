@@ -44,8 +44,8 @@ from pathlib import Path
 
 import torch
 
-from .quant import (GROUP_SIZES, ExactInt4Weight, Int4Weight, fit_group_size, int8_rows, quantize_int4,
-                    quantize_params, requantize_params)
+from .quant import (GROUP_SIZES, Int4Weight, fit_group_size, int8_rows, quantize_int4,
+                    kernel_params, quantize_params, requantize_params)
 
 DEFAULT_CORPUS = Path(__file__).parent / "data" / "eval-corpus.txt"
 
@@ -180,9 +180,7 @@ def variant_params(lm, v: Variant, hessians=None) -> tuple[dict, str | None, int
         linear = [k for k in lm.params if k.rsplit(".", 1)[-1] in gptq.LINEAR_NAMES]
         names = linear if v.head == "float" else linear + ["lm_head"]
         params = quantize_params(lm.params, v.group_size, names)
-        # what the kernels read of an exact-values weight (a GGUF Q4_K, a GPTQ one): its fp16 fields
-        return {k: w.kernel_view() if isinstance(w, ExactInt4Weight) and k in names else w
-                for k, w in params.items()}, None, None
+        return kernel_params(params, names), None, None
     params = requantize_params(lm.params, v.group_size, head=v.head if v.head in ("rtn", "searched", "float")
                                else "rtn" if v.head == "gptq" else "float")
     names = [k for k in params if k.rsplit(".", 1)[-1] in gptq.LINEAR_NAMES] if v.method == "gptq" else []

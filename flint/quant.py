@@ -121,6 +121,13 @@ class ExactInt4Weight(Int4Weight):
         return Int4Weight(self.qweight, s, m, self.group_size).dequantize(dtype)
 
 
+def kernel_params(params: dict, names=None) -> dict:
+    """What the int4 kernels read of ``params``: each exact-values weight (a GGUF Q4_K, a GPTQ / AWQ one) as its fp16
+    fields (``kernel_view``), among ``names`` when given; everything else as it is."""
+    return {k: w.kernel_view() if isinstance(w, ExactInt4Weight) and (names is None or k in names) else w
+            for k, w in params.items()}
+
+
 def check_shape(name: str, n: int, k: int, group_size: int) -> None:
     if group_size not in GROUP_SIZES:
         raise ValueError(f"{name}: group_size {group_size} is not one of {GROUP_SIZES}")

@@ -32,7 +32,7 @@ from conftest import make_hf_model, save_hf_dir
 from flint.hfquant import ExactMinInt4Weight
 from flint.loading import LoadError, load_model
 from flint.model import Transformer
-from flint.quant import Int4Weight, quantize_params
+from flint.quant import Int4Weight, kernel_params, quantize_params
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -310,12 +310,10 @@ def test_compiled_backend_runs_the_loaded_weights(case):
 
     name, _, refs, lm = case
     g = next(iter(lm.params[fl] for fl in refs)).group_size
-    kernel_view = {k: Int4Weight(w.qweight, w.scales, w.mins, w.group_size) if isinstance(w, Int4Weight) else w
-                   for k, w in lm.params.items()}
     be = CompiledBackend(lm.cfg, lm.params, 32, device="cpu", int4=True, group_size=g)
     ids = torch.randint(0, lm.cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(4))
     a = be.forward(ids, 0)
-    b = Transformer(lm.cfg, quantize_params(kernel_view, g), max_seq_len=32).forward(ids, 0)
+    b = Transformer(lm.cfg, quantize_params(kernel_params(lm.params), g), max_seq_len=32).forward(ids, 0)
     err = float((a - b).abs().max())
     assert err <= 1e-4 * float(b.abs().max()), f"{name}: max |diff| {err:.3g}"
 
@@ -341,25 +339,14 @@ def test_scales_fp16_cannot_hold_load_as_the_formats_float_values(gptq_dir, caps
 def test_megakernel_runs_a_gptq_checkpoint(tmp_path):
     """The megakernel on a loaded asymmetric GPTQ model (exact-min weights among them) against the
     reference decoder on what the kernel reads (fp16 mins), within test_megakernel.py's bound."""
-    from flint.megakernel import MegakernelBackend
+    from mk_check import assert_megakernel_matches
 
     d, _ = quantized_dir(tmp_path / "mk", "llama", "gptq", 64, False, v1=False, hidden_size=256,
                          intermediate_size=512, num_attention_heads=4, num_key_value_heads=1, head_dim=128)
     lm = load_model(str(d))
     params = quantize_params(lm.params, 64)  # the float head to int4, as the backend factory does
     assert any(isinstance(w, ExactMinInt4Weight) for w in params.values())
-    kernel_view = {k: Int4Weight(w.qweight, w.scales, w.mins, w.group_size) if isinstance(w, Int4Weight) else w
-                   for k, w in params.items()}
-    mk = MegakernelBackend(lm.cfg, params, 64)
-    ref = Transformer(lm.cfg, kernel_view, 64, device="cuda")
-    toks = torch.randint(0, lm.cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(1))
-    for i in range(0, 16, 8):  # (the megakernel takes at most 8 tokens a step)
-        mk.forward(toks[i:i + 8], i)
-        ref.forward(toks[i:i + 8], i)
-    for pos in range(16, 24):
-        a, b = mk.forward(toks[pos:pos + 1], pos), ref.forward(toks[pos:pos + 1], pos)
-        rel = float((a.float() - b.float()).norm() / b.float().norm())
-        assert torch.isfinite(a).all() and rel < 1e-2, f"position {pos}: rel {rel:.3e}"
+    assert_megakernel_matches(lm.cfg, params)
 
 
 # ------------------------------------------------------------------ refusals

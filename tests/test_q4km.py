@@ -29,7 +29,7 @@ import torch
 from flint.loading import load_model
 from flint.model import Transformer
 from flint.params import LINEAR_NAMES
-from flint.quant import ExactInt4Weight, Int4Weight, quantize_params
+from flint.quant import ExactInt4Weight, Int4Weight, kernel_params, quantize_params
 
 QT = gguf.GGMLQuantizationType
 _spec = importlib.util.spec_from_file_location("make_q4km", Path(__file__).parents[1] / "bench" / "make_q4km.py")
@@ -147,11 +147,6 @@ def test_eval_kernel_variant_is_what_the_int4_backends_load(tiny_q4km):
         parse_variants("32:kernel:searched-head")
 
 
-def _kernel_view(params: dict) -> dict:
-    """What the int4 kernels read: the fp16 fields of every exact-values weight."""
-    return {k: w.kernel_view() if isinstance(w, ExactInt4Weight) else w for k, w in params.items()}
-
-
 def test_compiled_backend_runs_the_kept_codes(tiny_q4km):
     from flint.compiled import CompiledBackend
 
@@ -159,7 +154,7 @@ def test_compiled_backend_runs_the_kept_codes(tiny_q4km):
     ids = torch.randint(0, lm.cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(4))
     be = CompiledBackend(lm.cfg, lm.params, 32, device="cpu", int4=True, group_size=32)
     a = be.forward(ids, 0)
-    b = Transformer(lm.cfg, quantize_params(_kernel_view(lm.params), 32), max_seq_len=32).forward(ids, 0)
+    b = Transformer(lm.cfg, quantize_params(kernel_params(lm.params), 32), max_seq_len=32).forward(ids, 0)
     assert float((a - b).abs().max()) <= 1e-4 * float(b.abs().max())
     # at --group-size 128 the Q6_K matrices it quantizes take 128, the kept Q4_K codes stay g32
     be = CompiledBackend(lm.cfg, lm.params, 32, device="cpu", int4=True, group_size=128)
@@ -215,18 +210,9 @@ def test_megakernel_repack_takes_the_kept_codes(tiny_q4km):
 def test_megakernel_runs_the_kept_codes(tiny_q4km):
     """The megakernel on the tiny Q4_K_M model (kept Q4_K codes, Q6_K quantized at load) against the
     reference decoder on what the kernel reads (fp16 scale / min), within test_megakernel.py's bound."""
-    from flint.megakernel import MegakernelBackend
+    from mk_check import assert_megakernel_matches
 
     lm = load_model(str(tiny_q4km[0]))
     params = quantize_params(lm.params, 128)
     assert any(isinstance(w, ExactInt4Weight) for w in params.values())
-    mk = MegakernelBackend(lm.cfg, params, 64)
-    ref = Transformer(lm.cfg, _kernel_view(params), 64, device="cuda")
-    toks = torch.randint(0, lm.cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(1))
-    for i in range(0, 16, 8):  # (the megakernel takes at most 8 tokens a step)
-        mk.forward(toks[i:i + 8], i)
-        ref.forward(toks[i:i + 8], i)
-    for pos in range(16, 24):
-        a, b = mk.forward(toks[pos:pos + 1], pos), ref.forward(toks[pos:pos + 1], pos)
-        rel = float((a.float() - b.float()).norm() / b.float().norm())
-        assert torch.isfinite(a).all() and rel < 1e-2, f"position {pos}: rel {rel:.3e}"
+    assert_megakernel_matches(lm.cfg, params)
