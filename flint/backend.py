@@ -9,10 +9,8 @@ Token masks (grammar-constrained decoding): a backend with ``supports_token_mask
 word i >> 5 set = token i allowed), or None to clear it; it applies to the argmax of every following
 ``greedy_next`` / ``greedy_run`` call until set again, never to ``forward()``'s logits (logprobs stay the
 model's distribution). An all-zero mask is the caller's error (the result is undefined). A backend may also
-split the masked step in two, ``greedy_launch(token, pos)`` (enqueue the step, return at once) and
-``greedy_finish(mask) -> int`` (the argmax of that step's logits over ``mask``, or unmasked for None): the
-engine then fills the next mask on the host while the device runs the step. A backend may go one further and
-pipeline the masked steps, so that no host round trip sits between two steps: ``pipe_begin(token, pos)``
+pipeline the masked steps, so that no host round trip sits between two steps (the engine then takes that loop):
+``pipe_begin(token, pos)``
 enqueues the step and its masked argmax, which waits until the host has filled ``pipe_mask`` (a CPU int32 tensor
 of the same words) and called ``pipe_publish()``; ``pipe_ahead(pos)`` enqueues the next step, whose token is the
 latest enqueued argmax's (it never leaves the device); ``pipe_token()`` returns the oldest published argmax's token

@@ -13,11 +13,9 @@ grammar with the chosen token and fills the next step's allowed-token bitmask in
 is copied to the device (non-blocking); greedy decoding on a backend with ``supports_token_mask`` then
 sets it and takes ``greedy_next`` (the argmax is masked on the device, no logits reach the host), other
 decoding masks the logits on the device before sampling. Constrained greedy decoding runs one token per
-host round trip (the next mask needs the token before it), not in ``greedy_run`` bursts; on a backend with
-``greedy_launch`` / ``greedy_finish`` the step is enqueued first and the mask filled while it runs (the mask
-is read only by the argmax after the step); on one with the pipelined step (``pipe_begin`` ..., the megakernel)
-the next step is enqueued too before the mask is filled and takes its token on the device, so no host round trip
-sits between two steps. Test:
+host round trip (the next mask needs the token before it), not in ``greedy_run`` bursts; on a backend with the
+pipelined step (``pipe_begin`` ...: the megakernel, the reference) the next step is enqueued before the mask is
+filled and takes its token on the device, so no host round trip sits between two steps. Test:
 ``pytest tests/test_structured.py``.
 """
 from __future__ import annotations
@@ -342,7 +340,6 @@ class Engine:
         # the kernel's masked argmax: greedy, no logit changes, no logprobs (they need the logits)
         kernel = (sp.temperature == 0 and adjust is None and sp.logprobs is None
                   and getattr(b, "supports_token_mask", False) and hasattr(b, "greedy_next"))
-        split = kernel and hasattr(b, "greedy_launch") and hasattr(b, "greedy_finish")
 
         def next_mask() -> torch.Tensor:
             matcher.fill(host)
@@ -361,20 +358,11 @@ class Engine:
         tok = choose(logits)
         if kernel and hasattr(b, "pipe_begin") and pos < b.max_seq_len:
             tok, pos = yield from self._piped(b, matcher, tok, pos)
-        pending = False
         try:
             while True:
-                # the step first (where the context has room); the grammar's advance, the consumer's work and the
-                # next mask overlap it
-                pending = split and pos < b.max_seq_len
-                if pending:
-                    b.greedy_launch(tok, pos)
                 matcher.consume(tok)
                 yield tok
-                if pending:
-                    pending = False
-                    tok = b.greedy_finish(next_mask())
-                elif kernel:
+                if kernel:
                     b.set_token_mask(next_mask())
                     tok = b.greedy_next(tok, pos)
                 else:
@@ -384,9 +372,7 @@ class Engine:
                     tok = choose(logits)
                 pos += 1
         finally:
-            if pending:  # the consumer stopped after a launch: take the step's token so the backend is idle
-                b.greedy_finish(None)
-            if kernel and not split:
+            if kernel:
                 b.set_token_mask(None)
 
     @staticmethod

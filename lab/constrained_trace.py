@@ -1,7 +1,8 @@
 """Where a constrained greedy token's time goes on the megakernel: the engine's pipelined loop (pipe_ahead, the
 grammar's consume and fill while the step runs, pipe_publish, the wait in pipe_token) timed per token from the
 host, beside the same model's unconstrained per-token loop (greedy_next, no mask) and its device loop (greedy_run),
-in one process. ``--split`` hides the pipelined step, so the engine takes the launch / finish loop instead.
+in one process. ``--sequential`` hides the pipelined step, so the engine takes the sequential loop (set_token_mask,
+greedy_next: the megakernel's launch, then its finish over the mask, the mask filled before the launch).
 
     FLINT_KERNEL_DIR=build/kernels python3 lab/constrained_trace.py [synthetic:granite-4.1-3b|embedded:smollm2] [--json F]
 
@@ -38,7 +39,7 @@ def main() -> int:
     ap.add_argument("model", nargs="?", default="synthetic:granite-4.1-3b")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--split", action="store_true", help="hide the pipelined step (the launch / finish loop)")
+    ap.add_argument("--sequential", action="store_true", help="hide the pipelined step (the sequential loop)")
     ap.add_argument("--bounded", action="store_true",
                     help="the schema with maxLength-24 strings, unforced (random weights end it by the bound)")
     ap.add_argument("--json")
@@ -54,13 +55,13 @@ def main() -> int:
         cons = ForcedConstraint(cons, tok.encode(json.dumps(FORCED_DOCUMENT)), eos[0])
     be = make_backend("megakernel", lm, max_seq_len=len(ids) + 4 * a.tokens + 8, device="cuda", group_size=128)
 
-    class NoPipe:  # the backend without the pipelined step: the engine takes the launch / finish loop
+    class NoPipe:  # the backend without the pipelined step: the engine takes the sequential loop
         def __getattr__(self, name):
             if name.startswith("pipe_"):
                 raise AttributeError(name)
             return getattr(be, name)
 
-    eng = Engine(NoPipe() if a.split else be, tok, eos_token_ids=eos)
+    eng = Engine(NoPipe() if a.sequential else be, tok, eos_token_ids=eos)
 
     ev = []  # (name, t) stamps
 
@@ -91,7 +92,7 @@ def main() -> int:
     eng.generate(ids, free)
     eng.generate(ids, bound)
     rows = {"greedy_run": [], "greedy_next": [], "constrained": []}
-    names = ("greedy_launch", "consume", "fill", "greedy_finish") if a.split else \
+    names = ("greedy_launch", "consume", "fill", "greedy_finish") if a.sequential else \
         ("pipe_ahead", "consume", "fill", "pipe_publish", "pipe_token")
     per = {k: [] for k in names + ("token",)}
     for _ in range(a.repeats):
@@ -110,12 +111,12 @@ def main() -> int:
         ev.clear()
         r = eng.generate(ids, bound)
         rows["constrained"].append(1e6 / r.decode_tok_s)
-        wait = "greedy_finish" if a.split else "pipe_token"
+        wait = "greedy_finish" if a.sequential else "pipe_token"
         fin = [e for e in ev if e[0] == wait]
         for name in per:
             per[name] += [(e[2] - e[1]) * 1e6 for e in ev if e[0] == name][1:]
         per["token"] += [(b[2] - a_[2]) * 1e6 for a_, b in zip(fin, fin[1:])]
-    out = {"model": a.model, "loop": "split" if a.split else "pipelined", "us_per_token": {k: statistics.median(v) for k, v in rows.items()},
+    out = {"model": a.model, "loop": "sequential" if a.sequential else "pipelined", "us_per_token": {k: statistics.median(v) for k, v in rows.items()},
            "per_token": {k: {"median": statistics.median(v), "p90": pct(v, 0.9), "max": max(v), "n": len(v)}
                          for k, v in per.items() if v}}
     if a.json:
