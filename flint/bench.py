@@ -694,28 +694,31 @@ class ForcedConstraint:
         self.inner.seconds = v
 
     def matcher(self):
-        inner, ids, eos = self.inner.matcher(), self.ids, self.eos
+        return _ForcedMatcher(self.inner.matcher(), self.ids, self.eos)
 
-        class Forced:
-            n = 0
 
-            def fill(self, mask):
-                inner.fill(mask)
-                t = ids[self.n] if self.n < len(ids) else eos
-                if not (int(mask[t >> 5]) >> (t & 31)) & 1:
-                    raise BenchError(f"the forced document's token {self.n} ({t}) is not allowed by the schema")
-                mask.zero_()
-                bit = 1 << (t & 31)
-                mask[t >> 5] = bit - (1 << 32) if bit >= 1 << 31 else bit  # (int32 words)
-                return mask
+class _ForcedMatcher:
+    """ForcedConstraint's matcher: the real one's mask, checked to allow the forced token, then only that token."""
 
-            def consume(self, token):
-                inner.consume(token)
-                self.n += 1
+    def __init__(self, inner, ids: list[int], eos: int):
+        self.inner, self.ids, self.eos, self.n = inner, ids, eos, 0
 
-            done = property(lambda self: inner.done)
-            accepting = property(lambda self: inner.accepting)
-        return Forced()
+    def fill(self, mask):
+        self.inner.fill(mask)
+        t = self.ids[self.n] if self.n < len(self.ids) else self.eos
+        if not (int(mask[t >> 5]) >> (t & 31)) & 1:
+            raise BenchError(f"the forced document's token {self.n} ({t}) is not allowed by the schema")
+        mask.zero_()
+        bit = 1 << (t & 31)
+        mask[t >> 5] = bit - (1 << 32) if bit >= 1 << 31 else bit  # (int32 words)
+        return mask
+
+    def consume(self, token):
+        self.inner.consume(token)
+        self.n += 1
+
+    done = property(lambda self: self.inner.done)
+    accepting = property(lambda self: self.inner.accepting)
 
 
 def proxy_tokenizer(vocab_size: int):
