@@ -37,9 +37,9 @@ static const occ_fn kOcc[mk::MAX_M + 1] = {nullptr,
 
 static thread_local char g_err[512];
 
-// the long-context objects run from six tiles per split on: their per-item setup (fence, mbarrier init, the first TMA
-// tile's wait) cost 4.6% at 2 tiles (ctx 2048) and was repaid at 8 (-2.5%, ctx 8192; -15.5% at 32 tiles); a linear
-// fit of the two puts the crossover at 5.3 tiles
+// the long-context objects run from six tiles per split on: against the cp.async tiles their per-item setup (fence,
+// mbarrier init, the first TMA tile's wait) cost +4.6% / +2.3% at 2 / 4 tiles and broke even at 6 (0.9991; 8: 0.9746,
+// 32: 0.8455; tma_long_context_2026-12-02.md)
 static constexpr int kLongFromTiles = 6;
 
 static int fail(const char* msg, int code = 1) {
@@ -73,7 +73,8 @@ extern "C" const char* flint_mk_last_error() { return g_err; }
 extern "C" int flint_mk_abi_version() { return 5; }
 
 // The long-context objects' K/V tensor maps (mk_common.cuh, Params::kv_map): the driver's encoder through the runtime's
-// entry-point query (no link against libcuda). 0 = made; otherwise the long objects copy their tiles with cp.async.
+// entry-point query (no link against libcuda). 0 = made; otherwise the long objects are not launched (the short ones
+// run every context).
 static int make_kv_maps(mk::Params& p) {
   p.kv_tma = 0;
   if (p.D != 64) return 1;  // (one 128-byte row per key: the swizzle's span)
@@ -150,7 +151,7 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
       return 1;
     }
   }
-  make_kv_maps(p);  // (p.kv_tma = 0 where it cannot: the long objects then copy by cp.async)
+  make_kv_maps(p);  // (p.kv_tma = 0 where it cannot: then only the short objects run)
   if (p.nffn) {  // FFN split-K: slice f = gate|up tiles [f T, (f + 1) T) = act [f kf, (f + 1) kf)
     const mk::Mat& gu = p.mat[mk::MAT_GU];
     const mk::Mat& ds = p.mat[mk::MAT_DS];
@@ -534,6 +535,8 @@ extern "C" int flint_mk_finish_argmax(void* hv, const void* mask, void* stream, 
 // drains the stream (a consumer that stops mid-way).
 static int pipe_open(Handle* h) {
   if (h->pipe_h) return 0;
+  if ((h->p.V + 31) / 32 * 4 > 48 * 1024)  // (the argmax copies the mask into its default shared memory)
+    return fail("megakernel pipe: a vocabulary above 393216 tokens does not fit the masked argmax's shared memory");
   const size_t bytes = sizeof(Pipe) + sizeof(uint32_t) * (size_t)((h->p.V + 31) / 32);
   int e;
   if ((e = cudaHostAlloc((void**)&h->pipe_h, bytes, cudaHostAllocMapped))) return cuda_fail("pipe cudaHostAlloc", e);

@@ -2,23 +2,25 @@
 //
 // Work item = (kv head, contiguous split of the context): all q heads of the group and all M tokens are processed
 // together, so K/V are read once. Items are spread over the grid (item i on block i; the split count follows the
-// grid and the context: min(tiles of 64 keys, nblocks / nkv)). Sub-tiles of ATT_T = 64 keys are double-buffered
-// with cp.async; this step's own K/V rows (and its q rows) come from the tagged words the q|k|v epilogues wrote, so no
-// grid barrier separates the two stages. The splits' (m, l, o) partials are merged:
+// grid and the context: min(tiles of 64 keys, nblocks / nkv)). This step's own K/V rows (and its q rows) come from
+// the tagged words the q|k|v epilogues wrote, so no grid barrier separates the two stages. The splits' (m, l, o)
+// partials are merged:
 //   - at M = 1 with <= kTmMaxSplits splits: by split 0's block, from tagged words, every split's word in flight at
 //     once (registers: one o value and tag per split and thread);
 //   - at M = 1 with <= kTmSeqSplits splits: the same, 8 splits' words at a time, in split order;
 //   - otherwise: the last split to finish (a counter atomic) merges from plain partials.
 // Every merge weighs the splits in split order: deterministic, bitwise repeatable.
-// M = 1, D = 64, a split of one tile (Granite and SmolLM2 at short context): scores, softmax and P V inside 3 R warps
-// (warp (r, kc) over a third of row r's keys), two block barriers instead of five.
-// Every other split (several tiles, or M >= 2) whose rows fit (R <= 48 at head_dim 64, R <= 16 at 128) runs on the
-// tensor cores (mma.m16n8k16, fp32 accumulation): S = Q K^T with q split into fp16 hi + lo parts (two mmas: q keeps
-// ~22 bits), the online softmax per row in fp32, then O += P V with P split the same way; O stays in registers
-// across the split's tiles (warp w owns the 16-row x 8-dim output pieces w and w + 15), three block barriers a tile.
-// Those splits reuse q_s (q hi | lo, fp16), o_s (the tile's fp32 scores until O is written back) and s_s (P hi | lo),
-// so the shared-memory layout is the same. K, V, q and P rows sit in 16-byte chunks XOR-swizzled by (row & 7), so
-// every ldmatrix phase hits 8 distinct chunk columns.
+// The short objects (every M; M = 1 below the long objects' threshold): sub-tiles of ATT_T = 64 keys double-buffered
+// with cp.async. M = 1, D = 64, a split of one tile (Granite and SmolLM2 at short context): scores, softmax and P V
+// inside 3 R warps (warp (r, kc) over a third of row r's keys), two block barriers instead of five; other splits the
+// generic loop (warp per row).
+// The long objects (FLINT_MK_LONG: M = 1, D = 64, from kLongFromTiles tiles per split; the host's choice): the tile
+// loop on the tensor cores (mma.m16n8k16, fp32 accumulation): S = Q K^T with q split into fp16 hi + lo parts (two
+// mmas: q keeps ~22 bits), the online softmax per row in fp32, then O += P V with P split the same way; O stays in
+// registers across the split's tiles (warp w owns the 16-row x 8-dim output piece w), three block barriers a tile;
+// kAttNbufLong tile buffers, each filled by two TMA tensor copies. They reuse q_s (q hi | lo, fp16), o_s (the tile's
+// fp32 scores until O is written back) and s_s (P hi | lo). K, V, q and P rows sit in 16-byte chunks XOR-swizzled by
+// (row & 7), so every ldmatrix phase hits 8 distinct chunk columns.
 #pragma once
 #include "mk_common.cuh"
 #include "mk_mma.cuh"
@@ -70,7 +72,8 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
     // the long objects: every tile is two TMA copies (K, V) issued by thread 0, completing on the buffer's mbarrier;
     // they land in the XOR chunk layout the tile loop reads (the 128-byte swizzle, on 1024-aligned buffers). The
     // rows the cache does not hold yet (this step's, and past the context) are patched after the copy lands
-    // (patch_tile). The other objects: cp.async per 16-byte chunk, this step's rows from the tagged words.
+    // (after the tile's wait in the loop). The other objects: cp.async per 16-byte chunk, this step's rows from the
+    // tagged words.
     auto load_tile = [&](int tile, int buf) {
       const int j0 = tile * ATT_T;
       if constexpr (tc) {

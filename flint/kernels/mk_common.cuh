@@ -85,7 +85,7 @@ struct Params {
   long long* argmax_out;
   // the long-context objects' K/V tiles by TMA (mk_attention.cuh): tensor maps over the caches as [L * nkv * max_seq]
   // rows of D fp16, boxes of ATT_T rows, 128-byte swizzle (the tiles' XOR chunk layout); kv_tma = 0 where they could
-  // not be made (head_dim != 64, no driver entry point): the tiles then come by cp.async
+  // not be made (head_dim != 64, no driver entry point): the host then launches only the short objects
   int kv_tma;
   CUtensorMap kv_map[2];
 };
