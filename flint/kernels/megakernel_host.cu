@@ -18,7 +18,7 @@ MK_DECL(1) MK_DECL(2) MK_DECL(3) MK_DECL(4) MK_DECL(5) MK_DECL(6) MK_DECL(7) MK_
 // M = 1 with gate|up's integer dot (megakernel.cu FLINT_MK_GU8): launched for models in groups of 128
 extern "C" int flint_mk_launch_m1_gu8(const mk::Params*, const mk::Smem*, int, const long long*, int, cudaStream_t, int);
 extern "C" int flint_mk_occupancy_m1_gu8(int, int*);
-// M = 1 for long contexts (FLINT_MK_LONG): attention on the tensor cores with kAttNbufLong K/V buffers (TMA), own layout
+// M = 1 for long contexts (FLINT_MK_LONG): attention in warp groups with their own K/V buffers (TMA), own layout
 extern "C" int flint_mk_launch_m1_long(const mk::Params*, const mk::Smem*, int, const long long*, int, cudaStream_t, int);
 extern "C" int flint_mk_occupancy_m1_long(int, int*);
 extern "C" int flint_mk_launch_m1_gu8_long(const mk::Params*, const mk::Smem*, int, const long long*, int, cudaStream_t, int);
@@ -37,10 +37,10 @@ static const occ_fn kOcc[mk::MAX_M + 1] = {nullptr,
 
 static thread_local char g_err[512];
 
-// the long-context objects run from six tiles per split on: against the cp.async tiles their per-item setup (fence,
-// mbarrier init, the first TMA tile's wait) cost +4.6% / +2.3% at 2 / 4 tiles and broke even at 6 (0.9991; 8: 0.9746,
-// 32: 0.8455; tma_long_context_2026-12-02.md)
-static constexpr int kLongFromTiles = 6;
+// the long-context objects run from four tiles per split on: their per-item setup (fence, mbarrier init, the first
+// TMA tiles' wait, the warps' merge) against the short objects' cp.async tiles: 1.0854 at 2 tiles, 0.9916 at 4
+// (ab_long_groups_2026-12-02.md)
+static constexpr int kLongFromTiles = 4;
 
 static int fail(const char* msg, int code = 1) {
   snprintf(g_err, sizeof(g_err), "%s", msg);
@@ -57,7 +57,7 @@ struct Handle {
   mk::Params p;
   mk::Smem sl[mk::MAX_M + 1];
   bool ready[mk::MAX_M + 1];
-  mk::Smem sl_long;  // the long-context M = 1 objects' layout (kAttNbufLong K/V tile buffers)
+  mk::Smem sl_long;  // the long-context M = 1 objects' layout (kAttGroups x kAttGroupBufs K/V tile buffers)
   bool ready_long;
   int* h_argmax;  // pinned
   int smem_optin;
@@ -200,7 +200,7 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
   // M = 1 .. MAX_M with two attention tile buffers, then (index 0) the long-context M = 1 layout
   for (int M0 = 1; M0 <= mk::MAX_M + 1; ++M0) {
     const bool lng = M0 == mk::MAX_M + 1;
-    const int M = lng ? 1 : M0, nbuf = lng ? mk::kAttNbufLong : 2;
+    const int M = lng ? 1 : M0, nbuf = lng ? (mk::kAttGroups * mk::kAttGroupBufs) : 2;
     mk::Smem& s = lng ? h->sl_long : h->sl[M];
     (lng ? h->ready_long : h->ready[M]) = false;
     // per matrix: stage the whole K once (multi-segment matrices whose 2 x M token rows fit XALL_BYTES),
@@ -265,9 +265,8 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
     s.nslots = ns;
     s.total = off + ns * slot;
     const bool fits = R <= mk::MAX_ROWS_ATT && ns >= 3 && s.total <= optin && max_acc_tiles <= mk::MAX_ACC_TILES;
-    // the tensor-core attention's pieces: 16-row blocks x 8 keys (scores, two a warp) and x 8 dims (P V, one a warp)
-    const int mrt = (R + 15) / 16;
-    if (lng) h->ready_long = fits && h->ready[1] && mrt * 8 <= 2 * mk::NCW && mrt * (p.D / 8) <= mk::NCW;
+    // (the long objects' attention: the rows are the mma's 8 columns, the head dimension 64)
+    if (lng) h->ready_long = fits && h->ready[1] && R <= 8 && p.D == 64;
     else h->ready[M] = fits;
   }
   // The counted residual's count field is 8 bits: a word missing any 1..nffn + 1 adds of its layer (the FFN blocks'
@@ -316,7 +315,7 @@ extern "C" int flint_mk_smem_info(void* hv, int M, int* out4) {
 // a launch uses it)
 extern "C" int flint_mk_long_layout_info(void* hv, int* out5) {
   Handle* h = (Handle*)hv;
-  out5[0] = h->ready_long; out5[1] = h->sl_long.total; out5[2] = h->sl_long.nslots; out5[3] = mk::kAttNbufLong;
+  out5[0] = h->ready_long; out5[1] = h->sl_long.total; out5[2] = h->sl_long.nslots; out5[3] = (mk::kAttGroups * mk::kAttGroupBufs);
   out5[4] = kLongFromTiles;
   return 0;
 }

@@ -14,13 +14,16 @@
 // with cp.async. M = 1, D = 64, a split of one tile (Granite and SmolLM2 at short context): scores, softmax and P V
 // inside 3 R warps (warp (r, kc) over a third of row r's keys), two block barriers instead of five; other splits the
 // generic loop (warp per row).
-// The long objects (FLINT_MK_LONG: M = 1, D = 64, from kLongFromTiles tiles per split; the host's choice): the tile
-// loop on the tensor cores (mma.m16n8k16, fp32 accumulation): S = Q K^T with q split into fp16 hi + lo parts (two
-// mmas: q keeps ~22 bits), the online softmax per row in fp32, then O += P V with P split the same way; O stays in
-// registers across the split's tiles (warp w owns the 16-row x 8-dim output piece w), three block barriers a tile;
-// kAttNbufLong tile buffers, each filled by two TMA tensor copies. They reuse q_s (q hi | lo, fp16), o_s (the tile's
-// fp32 scores until O is written back) and s_s (P hi | lo). K, V, q and P rows sit in 16-byte chunks XOR-swizzled by
-// (row & 7), so every ldmatrix phase hits 8 distinct chunk columns.
+// The long objects (FLINT_MK_LONG: M = 1, D = 64, R <= 8 rows, from kLongFromTiles tiles per split; the host's
+// choice): kAttGroups groups of 4 warps walk the split's tiles in turn (group g: tiles t0 + g, t0 + g + kAttGroups,
+// ...), each through kAttGroupBufs buffers of its own filled by two TMA tensor copies (K, V), so no block barrier
+// falls between tiles. Warp q of a group owns keys [16 q, 16 q + 16) of its group's tiles and keeps its own online
+// softmax (m, l) and O in registers, on the tensor cores (mma.m16n8k16, fp32 accumulation): S = Q K^T (q rows as the
+// A operand's rows 0..7, q split into fp16 hi + lo: ~22 bits), the softmax on the accumulators, then O^T += V^T P^T
+// with P (hi + lo) as the B operand straight from S's accumulator layout, V^T by transposing ldmatrix. After the
+// split's tiles the warps' (m, l, O) are merged in warp order into o_s / att_m / att_l. q sits in q_s (hi | lo,
+// fp16); K, V and q rows in 16-byte chunks XOR-swizzled by (row & 7), so every ldmatrix phase hits 8 distinct chunk
+// columns.
 #pragma once
 #include "mk_common.cuh"
 #include "mk_mma.cuh"
@@ -31,6 +34,11 @@
 
 namespace mk {
 namespace {
+
+constexpr int D_LONG = 64;  // the long objects' head dimension (the host launches them only for D = 64)
+// named barrier 2 + g among warp group g's 128 threads (the long objects' tile loop; 0 and 1 are the block's and
+// the consumers')
+__device__ __forceinline__ void grp_bar(int g) { asm volatile("bar.sync %0, 128;" ::"r"(2 + g) : "memory"); }
 
 template <int M>
 __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
@@ -49,7 +57,10 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
   // the long-context objects: the tensor-core path with NB tile buffers (the host checks the rows fit, tc_fit); the
   // others: the one-tile path or the generic one, two buffers
   constexpr bool kTc = M == 1 && FLINT_MK_LONG;
-  constexpr int NB = kTc ? kAttNbufLong : 2;
+  constexpr int NB = kTc ? (kAttGroups * kAttGroupBufs) : 2;
+  // (the long objects: D = 64, the host's check; their warps' partials fit the tile buffers after the loop)
+  static_assert(4 * kAttGroups * 8 * (D_LONG + 2) * 4 <= (kAttGroups * kAttGroupBufs) * ATT_T * D_LONG * 2 * 2, "partials");
+  static_assert(4 * kAttGroups <= NCW, "warp groups");
   __half* Kb = reinterpret_cast<__half*>(uni);              // [NB][ATT_T][D] (swizzled 16B chunks)
   __half* Vb = Kb + NB * ATT_T * D;                         // [NB][ATT_T][D]
   float* q_s = reinterpret_cast<float*>(Vb + NB * ATT_T * D); // [R][D]
@@ -58,7 +69,6 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
   uint64_t* tbar = reinterpret_cast<uint64_t*>(s_s + R * ATT_T);  // long objects: [NB] mbarriers of the TMA tiles
   MiscSmem* ms = c.misc;
 
-  const int mrt = (R + 15) >> 4;  // 16-row pieces of the tensor-core path
 
   for (int item = blockIdx.x; item < nitems; item += gridDim.x) {
     warp_stamp(p, layer, WS_A_ENTER);
@@ -76,13 +86,11 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
     // tagged words.
     auto load_tile = [&](int tile, int buf) {
       const int j0 = tile * ATT_T;
-      if constexpr (tc) {
-        if (t == 0) {
-          const int row = (layer * p.nkv + kvh) * p.max_seq + j0;
-          mbar_expect_tx(&tbar[buf], 2 * ATT_T * D * 2);
-          tma_g2s_2d(Kb + (size_t)buf * ATT_T * D, &p.kv_map[0], 0, row, &tbar[buf]);
-          tma_g2s_2d(Vb + (size_t)buf * ATT_T * D, &p.kv_map[1], 0, row, &tbar[buf]);
-        }
+      if constexpr (tc) {  // (one thread: the caller's)
+        const int row = (layer * p.nkv + kvh) * p.max_seq + j0;
+        mbar_expect_tx(&tbar[buf], 2 * ATT_T * D * 2);
+        tma_g2s_2d(Kb + (size_t)buf * ATT_T * D, &p.kv_map[0], 0, row, &tbar[buf]);
+        tma_g2s_2d(Vb + (size_t)buf * ATT_T * D, &p.kv_map[1], 0, row, &tbar[buf]);
       } else {
         for (int i = t; i < ATT_T * cpr * 2; i += NCT) {
           const int isv = i >= ATT_T * cpr;
@@ -117,7 +125,14 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
       }
       cbar();
     }
-    load_tile(t0, 0);
+    if constexpr (tc) {  // every group's first kAttGroupBufs tiles, before q (whose words may still be on their way)
+      if (t == 0)
+        for (int gq = 0; gq < kAttGroups; ++gq)
+          for (int u = 0; u < kAttGroupBufs; ++u)
+            if (t0 + gq + u * kAttGroups < t1) load_tile(t0 + gq + u * kAttGroups, gq * kAttGroupBufs + u);
+    } else {
+      load_tile(t0, 0);
+    }
     __half* qh = reinterpret_cast<__half*>(q_s);  // tc: [R][D] hi, then [R][D] lo (swizzled chunks), in q_s
     for (int i = t; i < R * D; i += NCT) {
       const int r = i / D, d = i - r * D;
@@ -136,152 +151,168 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
     if (t < R) { ms->att_m[t] = -INFINITY; ms->att_l[t] = 0.f; }
     warp_stamp(p, layer, WS_A_Q);
     if (tc) {
-      // output pieces a warp owns (16 rows x 8 dims each): one, so rows * dims / 128 <= NCW (the host's tc check;
-      // two pieces a warp spill 48 bytes in the long object)
-      constexpr int NU = 1;
-      float oacc[NU][4];
+      // (the header's long objects) group gi's u-th tile is t0 + gi + u kAttGroups, in its buffer u mod GB (that
+      // buffer's fill u / GB); a group barrier (named barrier 2 + gi) frees the buffer for its next copy
+      constexpr int GB = kAttGroupBufs;
+      const int gi = warp >> 2, wq = warp & 3;  // group, the warp's 16-key quarter of a tile
+      const bool in_grp = gi < kAttGroups;
+      const uint32_t qh_a = smem_u32(qh);
+      // the rows are the A operand's rows 0..7 (R <= 8, the host's check; rows 8..15 are zero and discarded):
+      // this lane's row r0 of S, P and O
+      const int r0 = lane >> 2, ra = (lane & 7) < R ? (lane & 7) : 0;  // (A rows past R read row 0: dropped)
+      // O^T = V^T P^T (dims as the mma's M, the R <= 8 rows as its N): 16-dim pieces, all four accumulators used
+      float oacc[D_LONG / 16][4];
 #pragma unroll
-      for (int u = 0; u < NU; ++u)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) oacc[u][e] = 0.f;
-      const int npv = mrt * (D / 8);
-      float* S = o_s;                                  // [R][ATT_T] fp32 scores of the tile
-      __half* Ph = reinterpret_cast<__half*>(s_s);     // [R][ATT_T] hi, then [R][ATT_T] lo (swizzled chunks)
-      const uint32_t qh_a = smem_u32(qh), ph_a = smem_u32(Ph);
-      // this lane's ldmatrix row of an A piece (16 rows): rows past R read row 0 (their results are dropped)
-      auto arow = [&](int mt) { const int r = mt * 16 + (lane & 15); return r < R ? r : 0; };
-      // NB - 1 tiles in flight; buffer b's u-th tile of this item completes phase u of its mbarrier
-      for (int k = 1; k < NB - 1; ++k)
-        if (t0 + k < t1) load_tile(t0 + k, k);
-      for (int tile = t0; tile < t1; ++tile) {
-        const int buf = (tile - t0) % NB;
-        mbar_wait(&tbar[buf], ((tile - t0) / NB) & 1);
-        if ((tile + 1) * ATT_T > start) {  // the rows the cache does not hold: this step's (the tagged words), and
-          const int j0 = tile * ATT_T;     // V past the context zeroed (P is 0 there, and 0 x stale NaN bits is not)
-          for (int i = t; i < ATT_T * cpr * 2; i += NCT) {
-            const int isv = i >= ATT_T * cpr;
-            const int ii = isv ? i - ATT_T * cpr : i;
-            const int j = ii / cpr, ch = ii % cpr;
-            __half* dst = (isv ? Vb : Kb) + ((size_t)buf * ATT_T + j) * D + ((ch ^ (j & 7)) * 8);
-            if (j0 + j >= start && j0 + j < Ltot) {
-              float4 a, b;
-              ld_tagged8(qkv_word(p, j0 + j - start, (p.nh + isv * p.nkv + kvh) * D + ch * 8), qtag, a, b);
-              const __half2 hv[4] = {__floats2half2_rn(a.x, a.y), __floats2half2_rn(a.z, a.w),
-                                     __floats2half2_rn(b.x, b.y), __floats2half2_rn(b.z, b.w)};
-              const uint32_t* h = reinterpret_cast<const uint32_t*>(hv);
-              *reinterpret_cast<uint4*>(dst) = make_uint4(h[0], h[1], h[2], h[3]);
-            } else if (j0 + j >= Ltot && isv) {
-              *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
-            }
-          }
-        }
-        cbar();  // the tile (and q) landed; every warp is past the previous tile's P V (buffers, P, alpha free)
-        if (tile + NB - 1 < t1) load_tile(tile + NB - 1, (tile - t0 + NB - 1) % NB);
-        warp_stamp(p, layer, WS_A_TILE);
-        const int j0 = tile * ATT_T;
-        const int nvalid = min(ATT_T, Ltot - j0);
-        const uint32_t kt_a = smem_u32(Kb + (size_t)buf * ATT_T * D), vt_a = smem_u32(Vb + (size_t)buf * ATT_T * D);
-        // S = Q K^T: piece (mt, nt) = rows [16 mt, 16 mt + 16) x keys [8 nt, 8 nt + 8)
-        for (int task = warp; task < mrt * 8; task += NCW) {
-          const int mt = task >> 3, n0 = (task & 7) * 8;
-          const int ra = arow(mt);
-          float sc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 1
-          for (int k0 = 0; k0 < D / 8; k0 += 4) {  // four 8-dim chunks = two k-steps of 16
-            uint32_t b[4];
-            const int kj = n0 + (lane & 7), kc = k0 + (lane >> 3);
-            ldsm_x4(kt_a + (uint32_t)((kj * D + ((kc ^ (kj & 7)) << 3)) * 2), b[0], b[1], b[2], b[3]);
-#pragma unroll
-            for (int hs = 0; hs < 2; ++hs) {
-              const int qc = k0 + 2 * hs + (lane >> 4);
-              const uint32_t qa = qh_a + (uint32_t)((ra * D + ((qc ^ (ra & 7)) << 3)) * 2);
-              uint32_t a0, a1, a2, a3;
-              ldsm_x4(qa, a0, a1, a2, a3);
-              mkmma::mma_16816(sc, a0, a1, a2, a3, b[2 * hs], b[2 * hs + 1]);
-              ldsm_x4(qa + (uint32_t)(R * D * 2), a0, a1, a2, a3);
-              mkmma::mma_16816(sc, a0, a1, a2, a3, b[2 * hs], b[2 * hs + 1]);
-            }
-          }
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int r = mt * 16 + (lane >> 2) + (e >> 1) * 8, j = n0 + (lane & 3) * 2 + (e & 1);
-            if (r < R) S[r * ATT_T + j] = j < nvalid && j0 + j <= start + r % M ? sc[e] : -INFINITY;
-          }
-        }
-        cbar();
-        warp_stamp(p, layer, WS_A_SCORES);
-        // online softmax statistics, warp per row; P as fp16 hi + lo
-        for (int r = warp; r < R; r += NCW) {
-          const float v0 = S[r * ATT_T + lane], v1 = S[r * ATT_T + lane + 32];
-          const float mo = ms->att_m[r];
-          const float mn = fmaxf(mo, warp_max(fmaxf(v0, v1)));
-          float p0 = 0.f, p1 = 0.f, alpha = 1.f;
-          if (mn != -INFINITY) {
-            p0 = expf(v0 - mn);
-            p1 = expf(v1 - mn);
-            alpha = expf(mo - mn);
-          }
-          const __half h0 = __float2half_rn(p0), h1 = __float2half_rn(p1);
-          const int o0 = r * ATT_T + (((lane >> 3) ^ (r & 7)) << 3) + (lane & 7);
-          const int o1 = r * ATT_T + ((((lane >> 3) + 4) ^ (r & 7)) << 3) + (lane & 7);
-          Ph[o0] = h0;
-          Ph[o1] = h1;
-          Ph[R * ATT_T + o0] = __float2half_rn(p0 - __half2float(h0));
-          Ph[R * ATT_T + o1] = __float2half_rn(p1 - __half2float(h1));
-          const float ps = warp_sum(p0 + p1);
-          __syncwarp();  // every lane has read att_m[r] before lane 0 overwrites it
-          if (lane == 0) {
-            ms->att_l[r] = ms->att_l[r] * alpha + ps;
-            ms->att_m[r] = mn;
-            ms->att_alpha[r] = alpha;
-          }
-        }
-        cbar();
-        warp_stamp(p, layer, WS_A_SOFTMAX);
-        // O = O alpha + P V: piece (mt, nt) = rows [16 mt, ..) x dims [8 nt, 8 nt + 8), keys in 4 k-steps of 16
-#pragma unroll
-        for (int u = 0; u < NU; ++u) {
-          const int task = warp + u * NCW;
-          if (task < npv) {
-            const int mt = task / (D / 8), d0 = (task % (D / 8)) * 8;
-            const int r0 = mt * 16 + (lane >> 2);
-            const float al0 = r0 < R ? ms->att_alpha[r0] : 0.f, al1 = r0 + 8 < R ? ms->att_alpha[r0 + 8] : 0.f;
-            oacc[u][0] *= al0; oacc[u][1] *= al0; oacc[u][2] *= al1; oacc[u][3] *= al1;
-            const int ra = arow(mt);
-#pragma unroll 1
-            for (int k0 = 0; k0 < ATT_T; k0 += 32) {  // two k-steps of 16 keys per V ldmatrix
-              uint32_t b[4];
-              const int vj = k0 + lane, vc = d0 >> 3;
-              ldsm_x4_trans(vt_a + (uint32_t)((vj * D + ((vc ^ (vj & 7)) << 3)) * 2), b[0], b[1], b[2], b[3]);
-#pragma unroll
-              for (int hs = 0; hs < 2; ++hs) {
-                const int pc = (k0 >> 3) + 2 * hs + (lane >> 4);
-                const uint32_t pa = ph_a + (uint32_t)((ra * ATT_T + ((pc ^ (ra & 7)) << 3)) * 2);
-                uint32_t a0, a1, a2, a3;
-                ldsm_x4(pa, a0, a1, a2, a3);
-                mkmma::mma_16816(oacc[u], a0, a1, a2, a3, b[2 * hs], b[2 * hs + 1]);
-                ldsm_x4(pa + (uint32_t)(R * ATT_T * 2), a0, a1, a2, a3);
-                mkmma::mma_16816(oacc[u], a0, a1, a2, a3, b[2 * hs], b[2 * hs + 1]);
+      for (int n = 0; n < D_LONG / 16; ++n) oacc[n][0] = oacc[n][1] = oacc[n][2] = oacc[n][3] = 0.f;
+      float mrow = -INFINITY, lrow = 0.f;  // row r0 (l: this lane's keys)
+      cbar();  // q landed
+      if (in_grp) {
+        for (int u = 0;; ++u) {
+          const int tile = t0 + gi + u * kAttGroups;
+          if (tile >= t1) break;
+          const int buf = gi * GB + u % GB;
+          mbar_wait(&tbar[buf], (u / GB) & 1);
+          const int j0 = tile * ATT_T;
+          if ((tile + 1) * ATT_T > start) {  // the rows the cache does not hold: this step's (the tagged words), and
+            // V past the context zeroed (P is 0 there, and 0 x stale NaN bits is not); the group's 128 threads
+            for (int i = t - gi * 128; i < ATT_T * cpr * 2; i += 128) {
+              const int isv = i >= ATT_T * cpr;
+              const int ii = isv ? i - ATT_T * cpr : i;
+              const int j = ii / cpr, ch = ii % cpr;
+              __half* dst = (isv ? Vb : Kb) + ((size_t)buf * ATT_T + j) * D + ((ch ^ (j & 7)) * 8);
+              if (j0 + j >= start && j0 + j < Ltot) {
+                float4 a, b;
+                ld_tagged8(qkv_word(p, j0 + j - start, (p.nh + isv * p.nkv + kvh) * D + ch * 8), qtag, a, b);
+                const __half2 hv[4] = {__floats2half2_rn(a.x, a.y), __floats2half2_rn(a.z, a.w),
+                                       __floats2half2_rn(b.x, b.y), __floats2half2_rn(b.z, b.w)};
+                const uint32_t* h = reinterpret_cast<const uint32_t*>(hv);
+                *reinterpret_cast<uint4*>(dst) = make_uint4(h[0], h[1], h[2], h[3]);
+              } else if (j0 + j >= Ltot && isv) {
+                *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
               }
             }
+            grp_bar(gi);
+          }
+          warp_stamp(p, layer, WS_A_TILE);
+          const uint32_t kt_a = smem_u32(Kb + (size_t)buf * ATT_T * D), vt_a = smem_u32(Vb + (size_t)buf * ATT_T * D);
+          const int kb = wq * 16;  // this warp's keys [kb, kb + 16) of the tile
+          // S = Q K^T: two 8-key pieces x four 16-dim k-steps, q as hi + lo (two mmas a step)
+          float sc[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+#pragma unroll 1  // (unrolled, the long object spills 52 bytes)
+          for (int ks = 0; ks < D_LONG / 16; ++ks) {
+            uint32_t bk[4];  // [0..1]: keys kb..kb+7, [2..3]: kb+8..kb+15 (dim chunks 2 ks, 2 ks + 1)
+            {
+              const int kj = kb + (lane & 7) + ((lane >> 4) << 3), kc = 2 * ks + ((lane >> 3) & 1);
+              ldsm_x4(kt_a + (uint32_t)((kj * D + ((kc ^ (kj & 7)) << 3)) * 2), bk[0], bk[1], bk[2], bk[3]);
+            }
+            const int qc = 2 * ks + ((lane >> 3) & 1);  // (x2: lanes 0..7 chunk 2 ks, 8..15 chunk 2 ks + 1)
+            const uint32_t qa = qh_a + (uint32_t)((ra * D + ((qc ^ (ra & 7)) << 3)) * 2);
+            uint32_t a0, a2;
+            ldsm_x2(qa, a0, a2);
+            mkmma::mma_16816_top(sc[0], a0, a2, bk[0], bk[1]);
+            mkmma::mma_16816_top(sc[1], a0, a2, bk[2], bk[3]);
+            ldsm_x2(qa + (uint32_t)(R * D * 2), a0, a2);
+            mkmma::mma_16816_top(sc[0], a0, a2, bk[0], bk[1]);
+            mkmma::mma_16816_top(sc[1], a0, a2, bk[2], bk[3]);
+          }
+          // online softmax on the registers: row r0's 16 keys sit in the four lanes of a quad
+          float s4[4];
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int j = j0 + kb + 8 * nt + 2 * (lane & 3) + e;
+              s4[2 * nt + e] = j <= start ? sc[nt][e] : -INFINITY;  // (M = 1: key j <= start, inside the context)
+            }
+          float mx = fmaxf(fmaxf(s4[0], s4[1]), fmaxf(s4[2], s4[3]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const float mn = fmaxf(mrow, mx);
+          float alpha = 1.f;
+          if (mn != -INFINITY) {
+            alpha = expf(mrow - mn);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s4[e] = expf(s4[e] - mn);
+          } else {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s4[e] = 0.f;
+          }
+          mrow = mn;
+          lrow = fmaf(lrow, alpha, (s4[0] + s4[1]) + (s4[2] + s4[3]));
+          // O^T's columns are rows 2 (lane & 3) + {0, 1}: their alphas from the quads of those rows
+          const float al0 = __shfl_sync(0xffffffffu, alpha, 8 * (lane & 3));
+          const float al1 = __shfl_sync(0xffffffffu, alpha, 8 * (lane & 3) + 4);
+#pragma unroll
+          for (int n = 0; n < D_LONG / 16; ++n) {
+            oacc[n][0] *= al0; oacc[n][1] *= al1; oacc[n][2] *= al0; oacc[n][3] *= al1;
+          }
+          // P^T as the B operand (keys x rows): the S accumulators' layout as they are, hi and lo
+          uint32_t ph[2], pl[2];
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) {
+            const __half2 hi = __floats2half2_rn(s4[2 * nt], s4[2 * nt + 1]);
+            const float2 hf = __half22float2(hi);
+            const __half2 lo = __floats2half2_rn(s4[2 * nt] - hf.x, s4[2 * nt + 1] - hf.y);
+            ph[nt] = *reinterpret_cast<const uint32_t*>(&hi);
+            pl[nt] = *reinterpret_cast<const uint32_t*>(&lo);
+          }
+          // O^T += V^T P^T: four 16-dim pieces, the warp's 16 keys as one k-step; V^T by transposing loads
+#pragma unroll
+          for (int n = 0; n < D_LONG / 16; ++n) {
+            uint32_t v0, v1, v2, v3;  // (dims 16 n + 0..7 | 8..15) x (keys kb + 0..7 | 8..15)
+            const int vj = kb + (lane & 7) + ((lane >> 4) << 3), vc = 2 * n + ((lane >> 3) & 1);
+            ldsm_x4_trans(vt_a + (uint32_t)((vj * D + ((vc ^ (vj & 7)) << 3)) * 2), v0, v1, v2, v3);
+            mkmma::mma_16816(oacc[n], v0, v1, v2, v3, ph[0], ph[1]);
+            mkmma::mma_16816(oacc[n], v0, v1, v2, v3, pl[0], pl[1]);
+          }
+          warp_stamp(p, layer, WS_A_PV);
+          // the group's warps are past this buffer: its next tile may be copied in
+          const int nxt = tile + GB * kAttGroups;
+          if (nxt < t1) {
+            grp_bar(gi);
+            if (wq == 0 && lane == 0) load_tile(nxt, buf);
           }
         }
-        warp_stamp(p, layer, WS_A_PV);
       }
-      if (t == 0)  // every thread waited for its last tile before that tile's first barrier: no copy is in flight
+      // every warp is past its last tile (no copy in flight: a group waits for every tile it issued), so the
+      // buffers hold the warps' partials now: [warp][R][D + 2] = (m, l, o[D])
+      cbar();
+      if (t == 0)
         for (int b = 0; b < NB; ++b) mbar_inval(&tbar[b]);
-      // (every warp is past the last tile's softmax barrier: nobody reads the scores in o_s any more)
+      float* wp = reinterpret_cast<float*>(Kb);
+      if (in_grp) {
+        float l = lrow;
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        float* pr = wp + ((size_t)warp * R + r0) * (D + 2);
+        if (r0 < R && (lane & 3) == 0) { pr[0] = mrow; pr[1] = l; }
 #pragma unroll
-      for (int u = 0; u < NU; ++u) {
-        const int task = warp + u * NCW;
-        if (task < npv) {
-          const int mt = task / (D / 8), d0 = (task % (D / 8)) * 8;
+        for (int e = 0; e < 2; ++e) {  // O^T (dim 16 n + lane / 4 (+ 8), row 2 (lane & 3) + e)
+          const int r = 2 * (lane & 3) + e;
+          float* po = wp + ((size_t)warp * R + r) * (D + 2) + 2;
+          if (r < R)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int r = mt * 16 + (lane >> 2) + (e >> 1) * 8, d = d0 + (lane & 3) * 2 + (e & 1);
-            if (r < R) o_s[r * D + d] = oacc[u][e];
-          }
+            for (int n = 0; n < D_LONG / 16; ++n) {
+              po[16 * n + (lane >> 2)] = oacc[n][e];
+              po[16 * n + 8 + (lane >> 2)] = oacc[n][2 + e];
+            }
         }
+      }
+      cbar();
+      for (int i = t; i < R * D; i += NCT) {  // the warps' partials in warp order
+        const int r = i / D, d = i - r * D;
+        float mx = -INFINITY;
+        for (int w = 0; w < 4 * kAttGroups; ++w) mx = fmaxf(mx, wp[((size_t)w * R + r) * (D + 2)]);
+        float o = 0.f, l = 0.f;
+        if (mx != -INFINITY)
+          for (int w = 0; w < 4 * kAttGroups; ++w) {
+            const float* pr = wp + ((size_t)w * R + r) * (D + 2);
+            const float wt = pr[0] == -INFINITY ? 0.f : expf(pr[0] - mx);
+            o = fmaf(wt, pr[2 + d], o);
+            l = fmaf(wt, pr[1], l);
+          }
+        o_s[i] = o;
+        if (d == 0) { ms->att_m[r] = mx; ms->att_l[r] = l; }
       }
       cbar();
     } else if (one_tile) {

@@ -38,10 +38,11 @@ constexpr int kLmInflight = 2;
 constexpr int kTmMaxSplits = 12;
 constexpr int kTmSeqSplits = 32;
 // The long-context M = 1 objects (FLINT_MK_LONG; the host launches them from kLongFromTiles tiles per split on):
-// those splits on the tensor cores with kAttNbufLong K/V tile buffers (three tiles in flight; two or three buffers
-// spill there), each filled by two TMA tensor copies, in a shared-memory layout of their own (the extra buffers take
-// a weight-ring slot). Long context 32k −16% a step against the generic loop, 8k −8.4% (2026-12-02,
-// ab1_long_objects_*_2026-12-02.json); the TMA tiles a further −15.5% at 32k (tma_long_context_2026-12-02.md).
-constexpr int kAttNbufLong = 4;
+// attention in kAttGroups groups of 4 warps, each group with kAttGroupBufs K/V tile buffers of its own (TMA), no
+// block barrier between tiles (mk_attention.cuh). Against the block-wide tile loop with 4 buffers (three block
+// barriers a tile): 32k 0.6866 of the step, 8k 0.9361; three groups of two buffers 0.7036 / 0.9286
+// (ab_long_groups_2026-12-02.md). A ring slot of the weight stream gives way to the extra buffers.
+constexpr int kAttGroups = 2;
+constexpr int kAttGroupBufs = 3;
 
 }  // namespace mk

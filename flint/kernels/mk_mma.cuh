@@ -122,6 +122,17 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+#pragma nv_diag_suppress 550  // (mma_16816_top's discarded half is set and never used: by design)
+// the same mma for A rows 0..7 only (rows 8..15 zero): d accumulates rows 0..7, the other half is discarded
+__device__ __forceinline__ void mma_16816_top(float (&d)[2], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
+  float x2, x3;
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %6, %5, %6}, {%7, %8}, "
+      "{%0, %1, %9, %9};"
+      : "+f"(d[0]), "+f"(d[1]), "=f"(x2), "=f"(x3)
+      : "r"(a0), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(0.f));
+}
+#pragma nv_diag_default 550
+
 // ---------------------------------------------------------------- the tile dot (one warp)
 // tile: shared address of the tile's row 0 (rows at stride srb); kseg codes per row; groups
 // [gi0, gi1) of the tile (G = 32 * WPL); xs / xstride / xsum: the staged x of this K range
