@@ -125,13 +125,13 @@ def cmd_eval(args) -> int:
     from .engine import SamplingParams
     from .loading import load_model
 
+    prompt_set = resolve_prompt_set(args.prompt_set)
     lm = load_model(args.model)
     if lm.tokenizer is None:
         raise DraftError(f"{lm.source}: eval needs a tokenizer (the prompts are text)")
     name = args.backend or default_backend()
     backend = make_backend(name, lm, args.max_seq_len, device=args.device)
     draft = load_draft(args.draft, lm.cfg, lm.params, device=backend.device, draft_vocab=args.draft_vocab)
-    prompt_set = resolve_prompt_set(args.prompt_set)
     prompts = eval_prompts(args.prompts_per_kind, prompt_set=prompt_set)
     sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                         seed=args.seed)

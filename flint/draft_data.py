@@ -130,7 +130,7 @@ _CODE_TASKS_V2 = _CODE_TASKS + [
     "implements a min-heap", "computes the edit distance between two strings", "checks whether a year is a leap year",
     "converts a Roman numeral to an integer", "converts an integer to a Roman numeral", "implements a trie",
     "finds the shortest path with Dijkstra's algorithm", "detects a cycle in a linked list",
-    "reverses a linked list", "computes the median of a list", "generates prime numbers with a sieve",
+    "computes the median of a list", "generates prime numbers with a sieve",
     "serializes an object to JSON", "reads a JSON file and prints a field", "implements a rate limiter",
     "counts the lines in a file", "replaces every tab in a file with four spaces", "implements insertion sort",
     "implements selection sort", "implements heap sort", "computes the dot product of two vectors",
@@ -153,13 +153,13 @@ _CODE_TEMPLATES_V2 = _CODE_TEMPLATES + [
 _TOPICS_V2 = _TOPICS + [
     "the water table", "wind turbines", "nuclear fission", "nuclear fusion", "the Silk Road", "the Cold War",
     "the periodic table", "chemical bonds", "the speed of light", "sound waves", "the electromagnetic spectrum",
-    "glaciers", "deserts", "rainforests", "photosynthesis in plants", "the carbon cycle", "viruses",
-    "bacteria", "the digestive system", "the skeleton", "muscles", "hormones", "sleep cycles",
+    "glaciers", "deserts", "rainforests", "the carbon cycle", "viruses",
+    "bacteria", "the digestive system", "the skeleton", "muscles", "hormones",
     "interest rates", "taxes", "budgeting", "credit scores", "the law of large numbers", "prime numbers",
     "fractions", "geometry", "calculus", "linear algebra", "regular expressions", "unit testing",
     "object-oriented programming", "functional programming", "multithreading", "web browsers", "HTML and CSS",
     "REST APIs", "containers", "load balancing", "password hashing", "image compression", "search engines",
-    "the Olympic Games", "the history of writing", "the Great Wall of China", "ancient Egypt",
+    "the Olympic Games", "the Great Wall of China", "ancient Egypt",
 ]
 _EXPLAIN_TEMPLATES_V2 = _EXPLAIN_TEMPLATES + [
     "Can you explain {t} step by step?", "Write a short explanation of {t} with an example.",
@@ -255,27 +255,27 @@ _PARAGRAPHS = [
     ("garden tips", "Tomatoes need at least six hours of sun a day and regular watering. Water them at the "
      "base in the morning rather than on the leaves. Tie the stems to a stick as they grow so the plants do "
      "not fall over when the fruit gets heavy."),
-    ("internet history", "The internet began as a research project that connected a few university "
-     "computers. Over time, common rules for sending data allowed many different networks to join. The "
-     "invention of the web in the early nineties made it easy for anyone to publish and read pages."),
+    ("old maps", "Old maps were drawn by hand from the reports of travelers and sailors. Many of them "
+     "showed coasts quite accurately but left the inside of continents nearly empty or filled it with "
+     "guesses. Today, satellite images and survey data let map makers show every road and river."),
     ("meeting notes", "In today's meeting we agreed to launch the new website in March. Anna will finish the "
      "design by the end of January, and Tom will test the pages on phones and tablets. The budget for "
      "advertising still needs to be approved by the manager."),
     ("sleep", "Most adults need between seven and nine hours of sleep a night. Going to bed at the same time "
      "every day, keeping the bedroom dark and avoiding screens before bed all help. Too little sleep makes it "
      "harder to concentrate and remember things."),
-    ("electric cars", "Electric cars run on batteries instead of petrol. They are quiet, produce no exhaust "
-     "on the road and are cheap to charge at home. Their range has grown a lot, but charging on long trips "
-     "still takes longer than filling a tank."),
+    ("public transport", "Buses and trams move many people with far less space and fuel per person than "
+     "cars. A good network runs often, connects well between lines and has clear timetables. When service "
+     "is reliable, more people leave their cars at home."),
     ("museum", "The town museum has a collection of old tools, maps and photographs that show how people "
      "lived here a hundred years ago. Entry is free on the first Sunday of every month. Guided tours are "
      "available in the afternoon."),
     ("cooking rice", "To cook rice, rinse it in cold water until the water runs clear. Put one cup of rice "
      "and two cups of water in a pot, bring it to a boil, then cover it and let it simmer on low heat for "
      "about fifteen minutes. Let it rest for five minutes before serving."),
-    ("climate", "The earth's average temperature has risen over the last century, mainly because burning "
-     "coal, oil and gas releases carbon dioxide. The extra gas traps heat in the atmosphere. Scientists "
-     "expect more heat waves, heavier rain and rising sea levels if emissions keep growing."),
+    ("composting", "Composting turns kitchen scraps and garden waste into rich soil. Mix green material, "
+     "such as vegetable peels and grass, with brown material, such as dry leaves and paper. Keep the pile "
+     "damp and turn it every few weeks so air can reach the middle."),
     ("birthday invitation", "You are invited to Maya's tenth birthday party on Saturday at two o'clock in "
      "the park behind the school. There will be games, cake and a treasure hunt. Please let us know by "
      "Wednesday if your child can come."),
@@ -291,9 +291,9 @@ _PARAGRAPHS = [
     ("habit", "Building a new habit is easier when you start small. If you want to read more, begin with "
      "five pages a day and read at the same time each evening. Tracking your progress on a calendar makes it "
      "more likely that you will keep going."),
-    ("lighthouse", "The old lighthouse on the cliff was built more than a hundred and fifty years ago to warn "
-     "ships about the rocks below. Today the light is automatic, and the keeper's house is a small museum "
-     "where visitors can climb the stairs to the top."),
+    ("old bridge", "The stone bridge over the river was built about three hundred years ago and was the "
+     "only way across for miles. It was closed to cars in the nineteen eighties after cracks appeared. "
+     "Now it is open to walkers and cyclists, and a market is held on it every summer."),
     ("product launch", "We are excited to introduce our new water bottle. It keeps drinks cold for a full "
      "day, fits in most car cup holders and is made from recycled steel. It comes in five colors and will be "
      "in stores from the first of May."),
@@ -332,8 +332,8 @@ _SNIPPETS = [
      "    return total / len(numbers)", ("total / len(numbers)", "total / (len(numbers) - 1)")),
     ("py count words", "Python", "def count_words(text):\n    counts = {}\n    for word in text.split():\n"
      "        counts[word] = counts.get(word, 0) + 1\n    return counts", ("counts.get(word, 0) + 1", "1")),
-    ("py find max", "Python", "def find_max(values):\n    best = values[0]\n    for v in values[1:]:\n"
-     "        if v > best:\n            best = v\n    return best", ("if v > best", "if v < best")),
+    ("py merge dicts", "Python", "def merge_counts(a, b):\n    result = dict(a)\n    for key, value in b.items():\n"
+     "        result[key] = result.get(key, 0) + value\n    return result", ("result.get(key, 0) + value", "value")),
     ("py read lines", "Python", "def read_lines(path):\n    with open(path) as f:\n"
      "        return [line.strip() for line in f if line.strip()]", None),
     ("py is prime", "Python", "def is_prime(n):\n    if n < 2:\n        return False\n    i = 2\n"
@@ -351,7 +351,8 @@ _SNIPPETS = [
      "    return \" \".join(reversed(words))", None),
     ("py binary search", "Python", "def binary_search(items, target):\n    lo, hi = 0, len(items) - 1\n"
      "    while lo <= hi:\n        mid = (lo + hi) // 2\n        if items[mid] == target:\n            return mid\n"
-     "        if items[mid] < target:\n            lo = mid + 1\n        else:\n            hi = mid - 1\n    return -1",
+     "        if items[mid] < target:\n            lo = mid + 1\n        else:\n            hi = mid - 1\n"
+     "    return -1",
      ("lo = mid + 1", "lo = mid")),
     ("py filter even", "Python", "def even_numbers(values):\n    result = []\n    for v in values:\n"
      "        if v % 2 == 0:\n            result.append(v)\n    return result", ("v % 2 == 0", "v % 2 == 1")),
@@ -372,9 +373,9 @@ _SNIPPETS = [
      "        n++;\n    }\n    return n;\n}", ("        n++;\n", "")),
     ("c swap", "C", "void swap(int *a, int *b) {\n    int tmp = *a;\n    *a = *b;\n    *b = tmp;\n}",
      ("*b = tmp;", "*b = *a;")),
-    ("c array max", "C", "int array_max(const int *a, int n) {\n    int best = a[0];\n"
-     "    for (int i = 1; i < n; i++) {\n        if (a[i] > best) best = a[i];\n    }\n    return best;\n}",
-     ("int i = 1; i < n", "int i = 1; i <= n")),
+    ("c count char", "C", "int count_char(const char *s, char c) {\n    int n = 0;\n"
+     "    for (int i = 0; s[i] != '\\0'; i++) {\n        if (s[i] == c) n++;\n    }\n    return n;\n}",
+     ("if (s[i] == c) n++;", "if (s[i] = c) n++;")),
     ("go reverse", "Go", "func Reverse(s string) string {\n    r := []rune(s)\n"
      "    for i, j := 0, len(r)-1; i < j; i, j = i+1, j-1 {\n        r[i], r[j] = r[j], r[i]\n    }\n"
      "    return string(r)\n}", ("i, j = i+1, j-1", "i, j = i+1, j")),
