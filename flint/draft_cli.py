@@ -1,6 +1,7 @@
 """`flint draft`: the commands that build, train and measure a speculative-decoding draft head.
 
-    flint draft harvest --out SHARDS               the target's continuations -> hidden-state shards
+    flint draft harvest --out SHARDS [--prompt-set v2] [--sampled-passes S]
+                                                   the target's continuations -> hidden-state shards
     flint draft train --data SHARDS --out DRAFT    teacher forcing + multi-step rollout
     flint draft vocab --draft DRAFT [--data SHARDS] [--size N]   the drafting vocabulary
     flint draft eval --draft DRAFT [--k 2,3,4]     acceptance on held-out prompts, by kind
@@ -17,10 +18,12 @@ from pathlib import Path
 
 import torch
 
+from .cli import finite_float, int_at_least
 from .draft import (DraftError, DraftHead, draft_config_for, load_draft, load_vocab_ranking, num_parameters,
                     resolve_draft_path, save_draft, save_vocab_ranking)
-from .draft_data import KINDS, PROMPT_SET, draft_prompts, eval_prompts, harvest, load_harvest, rank_vocab
-from .draft_train import eval_acceptance, print_eval_table, train_draft
+from .draft_data import (ALL_KINDS, PROMPT_SET, PROMPT_SETS, draft_prompts, eval_prompts, harvest, harvest_passes,
+                         load_harvest, rank_vocab, resolve_prompt_set)
+from .draft_train import eval_acceptance, init_weights, print_eval_table, train_draft
 
 
 def _device_dtype(args):
@@ -28,23 +31,42 @@ def _device_dtype(args):
     return dev, (torch.float32 if dev.type == "cpu" else torch.bfloat16)
 
 
+def temperature_list(s: str) -> list[float]:
+    """argparse type: a temperature or a comma list of them."""
+    one = finite_float(0.0)
+    return [one(x) for x in s.split(",")]
+
+
+def parse_passes(sampled: int, temperatures: list[float] | None, top_p: float | None):
+    """--sampled-passes / --temperature / --top-p as harvest passes (pass 0 greedy); the sampling
+    options without sampled passes are refused, not ignored."""
+    if not sampled and (temperatures is not None or top_p is not None):
+        raise DraftError("--temperature / --top-p set the sampled passes: give --sampled-passes N (N >= 1); "
+                         "pass 0 is always greedy")
+    return harvest_passes(sampled, temperatures or [0.7, 1.0], 0.95 if top_p is None else top_p)
+
+
 def cmd_harvest(args) -> int:
     from .loading import load_model
 
+    prompt_set = resolve_prompt_set(args.prompt_set)
+    passes = parse_passes(args.sampled_passes, args.temperature, args.top_p)
     lm = load_model(args.model)
     dev, dtype = _device_dtype(args)
-    prompts = draft_prompts("train")
+    prompts = draft_prompts("train", prompt_set)
     if args.kinds:
-        bad = set(args.kinds.split(",")) - set(KINDS)
+        kinds = PROMPT_SETS[prompt_set][1]
+        bad = set(args.kinds.split(",")) - set(kinds)
         if bad:
-            raise DraftError(f"--kinds: unknown kind {sorted(bad)[0]!r}; choose from {', '.join(KINDS)}")
+            raise DraftError(f"--kinds: {prompt_set} has no kind {sorted(bad)[0]!r}; choose from {', '.join(kinds)}")
         prompts = [p for p in prompts if p["kind"] in args.kinds.split(",")]
     if args.num_prompts:
         prompts = prompts[: args.num_prompts]
-    print(f"harvest: {len(prompts)} prompts from {PROMPT_SET} on {dev} ({dtype}), batch {args.batch_size}, "
-          f"{args.max_new_tokens} new tokens each", flush=True)
-    harvest(lm, args.out, prompts, args.batch_size, args.max_new_tokens, args.temperature, dev, dtype,
-            args.time_budget, args.seed)
+    print(f"harvest: {len(prompts)} prompts from {prompt_set} x {len(passes)} pass(es) "
+          f"({', '.join('greedy' if p.greedy else f'T={p.temperature} top_p={p.top_p}' for p in passes)}) "
+          f"on {dev} ({dtype}), batch {args.batch_size}, {args.max_new_tokens} new tokens each", flush=True)
+    harvest(lm, args.out, prompts, args.batch_size, args.max_new_tokens, device=dev, dtype=dtype,
+            time_budget=args.time_budget, seed=args.seed, passes=passes, prompt_set=prompt_set)
     return 0
 
 
@@ -56,13 +78,14 @@ def cmd_train(args) -> int:
     data = load_harvest(args.data, lm.cfg)
     dcfg = draft_config_for(lm.cfg, args.layers, args.intermediate_size, args.k)
     draft = DraftHead(dcfg).to(dev)
+    init = init_weights(draft, args.init, lm.cfg) if args.init else None
     draft.attach_target(lm.cfg, lm.params, dev, torch.float32 if dev.type == "cpu" else torch.bfloat16)
     print(f"train: {data.tokens.shape[0]} sequences; draft {num_parameters(draft) / 1e6:.2f}M params "
           f"({args.layers} block(s)), rollout depth {args.depth}, on {dev}", flush=True)
     rec = train_draft(draft, data, args.out, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                       depth=args.depth, reg_weight=args.reg_weight, time_budget=args.time_budget,
                       eval_every=args.eval_every, ckpt_every=args.ckpt_every, k_eval=args.k,
-                      seed=args.seed, resume=args.resume)
+                      seed=args.seed, resume=args.resume, init=init)
     save_draft(draft, args.out, dtype=getattr(torch, args.save_dtype))
     order, meta = rank_vocab(data, lm.cfg.vocab_size)
     save_vocab_ranking(args.out, order, meta)
@@ -102,17 +125,18 @@ def cmd_eval(args) -> int:
     from .engine import SamplingParams
     from .loading import load_model
 
+    prompt_set = resolve_prompt_set(args.prompt_set)
     lm = load_model(args.model)
     if lm.tokenizer is None:
         raise DraftError(f"{lm.source}: eval needs a tokenizer (the prompts are text)")
     name = args.backend or default_backend()
     backend = make_backend(name, lm, args.max_seq_len, device=args.device)
     draft = load_draft(args.draft, lm.cfg, lm.params, device=backend.device, draft_vocab=args.draft_vocab)
-    prompts = eval_prompts(args.prompts_per_kind)
+    prompts = eval_prompts(args.prompts_per_kind, prompt_set=prompt_set)
     sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                         seed=args.seed)
     results = {"draft": str(args.draft), "backend": name, "device": str(backend.device),
-               "prompt_set": PROMPT_SET, "max_new_tokens": args.max_new_tokens,
+               "prompt_set": prompt_set, "max_new_tokens": args.max_new_tokens,
                "temperature": args.temperature, "by_k": {}}
     ks = [int(x) for x in args.k.split(",")] if args.k else [draft.cfg.k_default]
     for i, k in enumerate(ks):
@@ -135,14 +159,22 @@ def register(sub) -> None:
         q.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
         q.add_argument("--seed", type=int, default=0)
 
-    q = dsub.add_parser("harvest", help=f"target continuations of {PROMPT_SET} -> hidden-state shards")
+    sets = ", ".join(n.rsplit("-", 1)[1] for n in PROMPT_SETS)
+    q = dsub.add_parser("harvest", help="target continuations of a draft prompt set -> hidden-state shards")
     model_args(q)
-    q.add_argument("--out", required=True, help="shard directory (resumable: done prompts are skipped)")
+    q.add_argument("--out", required=True,
+                   help="shard directory (resumable: (prompt, pass) pairs already there are skipped)")
+    q.add_argument("--prompt-set", default="v1", help=f"training prompts of: {sets} (default v1, {PROMPT_SET})")
     q.add_argument("--num-prompts", type=int, default=None, help="first N training prompts (default all)")
-    q.add_argument("--kinds", default=None, help=f"comma list of {', '.join(KINDS)} (default all)")
+    q.add_argument("--kinds", default=None, help=f"comma list of the set's kinds ({', '.join(ALL_KINDS)}; default all)")
     q.add_argument("--batch-size", type=int, default=64)
     q.add_argument("--max-new-tokens", type=int, default=256)
-    q.add_argument("--temperature", type=float, default=0.0, help="0 = greedy continuations")
+    q.add_argument("--temperature", type=temperature_list, default=None,
+                   help="temperature of the sampled passes, or a comma list they take in turn (default 0.7,1.0)")
+    q.add_argument("--top-p", type=finite_float(0.0, 1.0, lo_open=True), default=None,
+                   help="nucleus of the sampled passes (default 0.95)")
+    q.add_argument("--sampled-passes", type=int_at_least(0), default=0,
+                   help="after the greedy pass 0, this many passes sampled from the target (default 0)")
     q.add_argument("--time-budget", type=float, default=None, help="stop after this many seconds")
     q.set_defaults(func=cmd_harvest)
 
@@ -164,6 +196,8 @@ def register(sub) -> None:
     q.add_argument("--time-budget", type=float, default=None, help="stop after this many seconds")
     q.add_argument("--save-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     q.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
+    q.add_argument("--init", default=None,
+                   help="start from this draft's weights (directory or shipped name) instead of a random init")
     q.set_defaults(func=cmd_train)
 
     q = dsub.add_parser("vocab", help="the drafting vocabulary: rank tokens by a harvest, choose how many to draft from")
@@ -180,6 +214,7 @@ def register(sub) -> None:
     q.add_argument("--max-seq-len", type=int, default=1024)
     q.add_argument("--k", default=None,
                    help="draft tokens per step; comma list to sweep (default: the draft's)")
+    q.add_argument("--prompt-set", default="v1", help=f"held-out prompts of: {sets} (default v1)")
     q.add_argument("--prompts-per-kind", type=int, default=8)
     q.add_argument("--max-new-tokens", type=int, default=128)
     q.add_argument("--temperature", type=float, default=0.0)

@@ -3,7 +3,9 @@ harvest, the validation estimate of acceptance, and the acceptance of real specu
 
     train_draft       teacher forcing plus multi-step rollout (depth 3 default): the draft's own
                       predicted hidden states are fed forward and every step is scored against the
-                      target; checkpoints, resume, validation on held-out subjects
+                      target; checkpoints, resume, validation on greedy sequences of held-out
+                      subjects (sampled passes train only)
+    init_weights      warm start from an existing draft's weights
     accepted_runs     the greedy walk on harvested sequences: how many draft tokens the target
                       would accept, without running it (simulated_acceptance, evaluate_val)
     eval_acceptance   mean tokens per verify step of real speculative decoding, by prompt kind
@@ -24,8 +26,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .draft import DraftHead
-from .draft_data import KINDS, HarvestData
+from .draft import DraftError, DraftHead, load_draft
+from .draft_data import ALL_KINDS, HarvestData
 
 
 # ------------------------------------------------------------------ training
@@ -113,8 +115,10 @@ def simulated_acceptance(runs: torch.Tensor, lengths: torch.Tensor) -> float:
 
 
 def evaluate_val(draft, data: HarvestData, rows, ks, device, batch: int = 16) -> dict:
-    """{k: {'all': tokens per step, KIND: ...}} of the greedy walk over the ``rows`` sequences
-    (exact for greedy harvests: the walk is what the engine does on those prompts)."""
+    """{k: {'all': tokens per step, KIND: ...}} of the greedy walk over the ``rows`` sequences.
+    On greedy sequences this is what greedy speculative decoding does on those prompts; on a
+    sampled sequence it is no decoding's figure (the target's argmax scored along a path that it
+    did not take greedily), which is why train_draft validates on greedy sequences only."""
     runs_by_k = {k: [] for k in ks}
     lens = []
     draft.eval()
@@ -136,7 +140,7 @@ def evaluate_val(draft, data: HarvestData, rows, ks, device, batch: int = 16) ->
     for k, v in runs_by_k.items():
         runs = torch.cat(v)
         out[k] = {"all": simulated_acceptance(runs, lens)}
-        for ki, name in enumerate(KINDS):
+        for ki, name in enumerate(ALL_KINDS):
             sel = kinds == ki
             if sel.any():
                 out[k][name] = simulated_acceptance(runs[sel], lens[sel])
@@ -150,31 +154,56 @@ def _autocast(device):
     return torch.autocast("cpu", enabled=False)
 
 
+def init_weights(draft: DraftHead, path, target_cfg) -> dict:
+    """Start ``draft`` from the weights of the draft directory (or shipped draft name) ``path``
+    instead of its random init; refuses one of another shape, naming the field. Returns where the
+    weights came from, for the training record."""
+    src = load_draft(path, target_cfg, dtype=torch.float32)
+    for f in ("hidden_size", "intermediate_size", "num_layers"):
+        a, b = getattr(src.cfg, f), getattr(draft.cfg, f)
+        if a != b:
+            raise DraftError(f"--init {path}: field {f!r} is {a}, the draft being trained has {f}={b}")
+    with torch.no_grad():
+        for k, v in src.state_dict().items():
+            draft.state_dict()[k].copy_(v)
+    tr = src.cfg.training or {}
+    return {"draft": str(path), "prompt_set": (tr.get("harvest") or {}).get("prompt_set"), "steps": tr.get("steps")}
+
+
 def train_draft(draft: DraftHead, data: HarvestData, out_dir: str | Path, steps: int = 2000,
                 batch_size: int = 32, lr: float = 1e-3, depth: int = 3, reg_weight: float = 0.5,
                 val_frac: float = 0.05, time_budget: float | None = None, eval_every: int = 250,
                 ckpt_every: int = 500, k_eval: int = 4, seed: int = 0, resume: bool = False,
-                log=print) -> dict:
+                init: dict | None = None, log=print) -> dict:
     """Train ``draft`` (its target attached, fp32 weights) on harvested data; checkpoints and the
-    final draft go to ``out_dir``. Returns the training record (also stored in draft.json)."""
+    final draft go to ``out_dir``. Returns the training record (also stored in draft.json).
+
+    Training uses every sequence of the training subjects, greedy and sampled passes alike;
+    validation holds out ``val_frac`` of the subjects that have greedy sequences and replays
+    greedy speculative decoding on those greedy sequences (evaluate_val); sampled sequences of
+    held-out subjects are left out of both. ``init``: where the starting weights came from (see
+    init_weights), for the record."""
     from tqdm import tqdm
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     device = draft.device
     if device.type == "cuda":  # the whole harvest fits: no per-step host gathers
-        data = HarvestData(data.tokens.to(device), data.hidden.to(device), data.lengths.to(device),
-                           data.prompt_index, data.meta, data.group, data.kind)
+        data = dataclasses.replace(data, tokens=data.tokens.to(device), hidden=data.hidden.to(device),
+                                   lengths=data.lengths.to(device))
     usable = [i for i, ln in enumerate(data.lengths.tolist()) if ln >= 2]
+    greedy = data.greedy_rows().tolist()
     # validation holds out whole prompt subjects, so it measures prompts unlike any trained on
     groups = data.group.tolist() if data.group is not None else data.prompt_index.tolist()
-    uniq = sorted({groups[i] for i in usable})
+    uniq = sorted({groups[i] for i in usable if greedy[i]})
     g = torch.Generator().manual_seed(seed)
     uniq = [uniq[i] for i in torch.randperm(len(uniq), generator=g).tolist()]
     n_val = min(len(uniq) - 1, math.ceil(len(uniq) * val_frac)) if val_frac > 0 else 0
     held = set(uniq[:max(n_val, 0)])
-    val_rows = [i for i in usable if groups[i] in held]
+    val_rows = [i for i in usable if groups[i] in held and greedy[i]]
     train_rows = [i for i in usable if groups[i] not in held]
+    if not train_rows:
+        raise DraftError(f"train: no training sequences ({len(usable)} usable, all in the validation subjects)")
     opt = torch.optim.AdamW(draft.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     warm = max(1, min(100, steps // 10))
 
@@ -243,17 +272,20 @@ def train_draft(draft: DraftHead, data: HarvestData, out_dir: str | Path, steps:
     torch.save({"draft": draft.state_dict(), "opt": opt.state_dict(), "step": done}, state_path)
     record = {"steps": done, "kept_step": kept, "depth": depth, "batch_size": batch_size, "lr": lr,
               "reg_weight": reg_weight,
-              "sequences": len(train_rows), "val_sequences": len(val_rows),
+              "sequences": len(train_rows), "sampled_sequences": sum(1 for i in train_rows if not greedy[i]),
+              "val_sequences": len(val_rows), "init": init,
               "harvest": {"prompt_set": data.meta.get("prompt_set"),
                           "max_new_tokens": int(data.meta.get("max_new_tokens", 0)),
-                          "temperature": float(data.meta.get("temperature", 0))},
+                          "passes": data.meta.get("passes") or
+                          [{"pass": 0, "temperature": float(data.meta.get("temperature", 0))}]},
               "train_s": round(time.perf_counter() - t0, 1)}
     if val_rows:
         ks = list(range(1, 9))
         acc = evaluate_val(draft, data, val_rows, ks, device)
         record["val_tokens_per_step"] = {str(k): round(v["all"], 3) for k, v in acc.items()}
         record["val_tokens_per_step_by_kind"] = {name: round(x, 3) for name, x in acc[k_eval].items()}
-        log("train: val tokens/step by k (greedy walk on held-out subjects, target token counted): " +
+        log("train: val tokens/step by k (greedy walk on greedy sequences of held-out subjects, target token "
+            "counted): " +
             ", ".join(f"k={k}: {v['all']:.3f}" for k, v in acc.items()))
         log(f"train: val tokens/step at k={k_eval} by kind: " +
             ", ".join(f"{n}: {x:.3f}" for n, x in acc[k_eval].items()))
