@@ -22,8 +22,8 @@ Backends: reference (eager PyTorch), compiled / compiled-bf16 (torch.compile bas
 flint.compiled), megakernel (the persistent CUDA kernel, flint.megakernel).
 
 KV cache formats (``kv_cache``, the CLI's ``--kv-cache``): fp16 (every backend's float cache), int8
-and fp8 (8-bit values with an fp16 scale per row, flint.model's docstring gives the layout). Only the
-reference reads the 8-bit caches so far; ``check_kv_cache`` refuses them for the other backends (the
+and fp8 (8-bit values with an fp16 scale per row, flint.model's docstring gives the layout). The
+reference reads both 8-bit caches, the megakernel int8; ``check_kv_cache`` refuses the rest (the
 CLI calls it before any weights load). Test: ``pytest tests/test_kv_cache.py``.
 """
 from __future__ import annotations
@@ -121,7 +121,7 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-KV_CACHE_BACKENDS = {"fp16": BACKENDS, "int8": ("reference",), "fp8": ("reference",)}
+KV_CACHE_BACKENDS = {"fp16": BACKENDS, "int8": ("reference", "megakernel"), "fp8": ("reference",)}
 
 
 def check_kv_cache(name: str, kv_cache: str) -> None:
@@ -168,5 +168,6 @@ def make_backend(name: str, lm, max_seq_len: int | None = None, device: str | No
         from .megakernel import MegakernelBackend
         from .quant import quantize_params
 
-        return MegakernelBackend(cfg, quantize_params(lm.params, group_size), max_seq_len, device="cuda")
+        return MegakernelBackend(cfg, quantize_params(lm.params, group_size), max_seq_len, device="cuda",
+                                 kv_cache=kv_cache)
     raise AssertionError(name)

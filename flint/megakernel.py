@@ -24,6 +24,8 @@ from .quant import Int4Weight
 MAX_M = 8          # tokens per launch compiled (1..8); must match mk::MAX_M
 KSEG_MAX = 2560    # codes per K segment; must match mk::KSEG_MAX
 TILE_ROWS = 16     # rows per weight tile (one mma A operand); must match mk::TILE_ROWS
+ATT_T = 64         # keys per attention tile; must match mk::ATT_T
+KV_CACHE_FORMATS_MK = ("fp16", "int8")  # the KV caches the kernel reads (int8: flint.model's layout, codes + fp16 scales)
 LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 _libs: dict[bool, ctypes.CDLL] = {}
@@ -231,10 +233,13 @@ class MegakernelBackend:
     name = "megakernel"
 
     def __init__(self, cfg: ModelConfig, params: dict, max_seq_len: int, device="cuda",
-                 ffn_split: str | None = None):
+                 ffn_split: str | None = None, kv_cache: str = "fp16"):
         self.cfg = cfg
         self.device = torch.device(device)
         self.max_seq_len = int(max_seq_len)
+        if kv_cache not in KV_CACHE_FORMATS_MK:
+            raise ValueError(f"megakernel: kv_cache={kv_cache!r}: the kernel reads {', '.join(KV_CACHE_FORMATS_MK)}")
+        self.kv_cache = kv_cache
         if self.device.type != "cuda":
             raise ValueError(f"megakernel: device must be CUDA, got {device!r}")
         if torch.cuda.get_device_capability(self.device) < (9, 0):
@@ -278,8 +283,18 @@ class MegakernelBackend:
 
             cos, sin = rope_tables(cfg, self.max_seq_len, dev)
             self.rope_cos, self.rope_sin = cos.contiguous(), sin.contiguous()
-            self.k_cache = torch.zeros((L, nkv, self.max_seq_len, d), dtype=torch.float16)
-            self.v_cache = torch.zeros_like(self.k_cache)
+            if kv_cache == "int8":  # codes, and one fp16 scale a row: K's, then V's after ATT_T entries of padding
+                # (a tile's 64 scales are one bulk copy; the last tile's may reach past max_seq_len)
+                self.k_cache = torch.zeros((L, nkv, self.max_seq_len, d), dtype=torch.int8)
+                self.v_cache = torch.zeros_like(self.k_cache)
+                n = L * nkv * self.max_seq_len
+                self.kv_scale = torch.zeros((2 * (n + ATT_T),), dtype=torch.float16)
+                self.k_scale = self.kv_scale[:n].view(L, nkv, self.max_seq_len)
+                self.v_scale = self.kv_scale[n + ATT_T:2 * n + ATT_T].view(L, nkv, self.max_seq_len)
+            else:
+                self.k_cache = torch.zeros((L, nkv, self.max_seq_len, d), dtype=torch.float16)
+                self.v_cache = torch.zeros_like(self.k_cache)
+                self.kv_scale = None
             self._set_scratch(self._alloc_scratch())
             # FLINT_MK_TRACE=1: blocks 0 and nblocks-1 stamp %globaltimer at stage boundaries (stage_times)
             self.trace = (torch.zeros((2 * L * 32 + self.nblocks * 16 + 2 * 16 * 32,), dtype=torch.int64)
@@ -296,7 +311,8 @@ class MegakernelBackend:
         self.placement = None
         if int(tries) > 1 and not traced:
             self._place_scratch(int(tries))
-        self.kv_bytes_per_token = 2 * L * nkv * d * 2
+        # K and V bytes a step reads per position of context (int8: the codes and a 2-byte scale a row)
+        self.kv_bytes_per_token = 2 * L * nkv * (d + 2 if kv_cache == "int8" else 2 * d)
         # what one step reads besides K/V: int4 codes + scales/mins of every linear and the head,
         # the fp32 norm weights, one fp32 embedding row (flint bench's bytes-per-token)
         self.weight_bytes_per_token = (sum(params[n].nbytes for n in names_int4(cfg))
@@ -441,11 +457,11 @@ class MegakernelBackend:
         c = self.cfg
         ia = [c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers,
               c.vocab_size, self.max_seq_len, int(bool(c.use_rope)), self.nblocks,
-              0,  # the dbg slot: always 0
+              int(self.kv_cache == "int8"),  # kv8
               self.ffn_plan["nffn"] if self.ffn_plan else 0, self.ffn_plan["nffn_pad"] if self.ffn_plan else 0,
               0]  # the ohead slot: always 0 (the o projection runs as its own stage)
         for t in (self.embed, self.norms, self.final_norm, self.rope_cos, self.rope_sin, self.k_cache,
-                  self.v_cache, self.resid, self.q, self.attn, self.act, self.part, self.att_count,
+                  self.v_cache, self.resid, self.kv_scale, self.attn, self.act, self.part, self.att_count,
                   self.logits, self.arg_val, self.arg_idx, self.argmax, self.done_count, self.bar_counter,
                   self.epoch, self.dpart, self.trace, self.qkv_tag):
             ia.append(t.data_ptr() if t is not None else 0)
@@ -459,6 +475,10 @@ class MegakernelBackend:
         fa = [c.rms_norm_eps, c.embedding_multiplier, c.residual_multiplier, c.attn_scale,
               1.0 / c.logits_scaling]
         return ia, fa
+
+    def kv_bytes(self, ctx: int) -> int:
+        """Bytes of K and V (int8: codes and scales) one decode step reads at context ``ctx``."""
+        return self.kv_bytes_per_token * int(ctx)
 
     def weight_bytes(self) -> int:
         """Bytes of int4 weights (codes + scales/mins, as streamed) read per decode step."""

@@ -161,8 +161,8 @@ def test_8bit_cache_bytes_and_bf16_decoder(tiny_llama, toks):
 
 # ------------------------------------------------------------------ refusals
 
-@pytest.mark.parametrize("name", ["compiled", "compiled-bf16", "megakernel"])
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("name, fmt", [("compiled", "int8"), ("compiled", "fp8"), ("compiled-bf16", "int8"),
+                                       ("compiled-bf16", "fp8"), ("megakernel", "fp8")])
 def test_backends_without_an_8bit_cache_refuse_it_before_building(name, fmt, tiny_llama, monkeypatch):
     import flint.compiled
 
@@ -211,7 +211,7 @@ def test_cli_refuses_before_the_model_loads(argv, needle, no_model_load, capsys)
 
 @pytest.mark.parametrize("argv, needle", [
     (["eval", "--kv-cache", "int8,int9"], "--kv-cache item 'int9': choose from fp16, int8, fp8"),
-    (["eval", "--backend", "megakernel", "--kv-cache", "int8"], "backend 'megakernel' has no int8 KV cache"),
+    (["eval", "--backend", "megakernel", "--kv-cache", "int8,fp8"], "backend 'megakernel' has no fp8 KV cache"),
     (["bench", "--backend", "reference,compiled", "--kv-cache", "int8", "--device", "cpu"],
      "backend 'compiled' has no int8 KV cache"),
 ])

@@ -57,13 +57,14 @@ def rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def _pair(cfg, group, maxlen, seed=0, ffn_split=None):
+def _pair(cfg, group, maxlen, seed=0, ffn_split=None, kv_cache="fp16"):
     from flint.megakernel import MegakernelBackend
     from flint.model import Transformer
     from flint.synthetic import synthetic_params
 
     params = synthetic_params(cfg, seed=seed, int4_group_size=group, dtype=torch.float32, device="cuda")
-    return MegakernelBackend(cfg, params, maxlen, ffn_split=ffn_split), Transformer(cfg, params, maxlen, device="cuda", dtype=torch.float32)
+    return (MegakernelBackend(cfg, params, maxlen, ffn_split=ffn_split, kv_cache=kv_cache),
+            Transformer(cfg, params, maxlen, device="cuda", dtype=torch.float32, kv_cache=kv_cache))
 
 
 # ------------------------------------------------------------------ CPU: the build
@@ -79,7 +80,9 @@ def test_build_compiles_without_spills(tmp_path, monkeypatch):
     assert lib.exists()
     funcs = build.parse_ptxas((lib.parent / "ptxas.txt").read_text())
     assert len(funcs) == len(build.M_VALUES) + len(build.EXTRA_OBJECTS) + 2  # + the draft rollout, the masked argmax
-    assert all(f["spill_stores"] == 0 and f["spill_loads"] == 0 for f in funcs)
+    # the fp16 objects never spill; the int8-cache copies of the M = 1 objects within build.KV8_SPILL_OK bytes
+    assert all(f["spill_stores"] == 0 and f["spill_loads"] == 0 for f in funcs if not f["object"].endswith("kv8"))
+    assert all(max(f["spill_stores"], f["spill_loads"]) <= build.KV8_SPILL_OK for f in funcs)
 
 
 def test_spills_refused_except_traced_on_request(monkeypatch):
@@ -89,6 +92,9 @@ def test_spills_refused_except_traced_on_request(monkeypatch):
     spilt = {"function": "k2", "registers": 128, "stack": 16, "spill_stores": 24, "spill_loads": 72}
     monkeypatch.delenv("FLINT_MK_TRACE_SPILLS_OK", raising=False)
     assert build.spill_verdict([clean], traced=False) is None
+    kv8 = dict(spilt, object="m1kv8", spill_stores=40, spill_loads=60)
+    assert build.spill_verdict([clean, kv8], traced=False) is None  # within the int8-cache objects' bound
+    assert build.spill_verdict([dict(kv8, spill_loads=build.KV8_SPILL_OK + 4)], traced=False) is not None
     assert build.spill_verdict([clean, spilt], traced=False).startswith("register spills (build refused)")
     msg = build.spill_verdict([spilt], traced=True)
     assert msg.startswith("register spills") and "FLINT_MK_TRACE_SPILLS_OK" in msg and "k2" in msg
@@ -277,6 +283,53 @@ def test_long_context_object_matches_reference():
     assert mk.greedy_run(int(toks[pos]), pos, 6) == want
     mk128, _ = _pair(_cfg(), 64, 64)
     assert not mk128.smem_info(1)["long_context"]["ready"]
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("name", ["granite", "hd128"])
+def test_int8_kv_cache_matches_reference(name):
+    """The int8 KV cache (codes + an fp16 scale a row, flint.model's kv_quantize): the megakernel against the
+    reference holding the same format, through the one-tile, generic and long-context paths (Granite widths: 16
+    splits a kv head; ctx 1025 / 2049 / 4097 / 6001 walk 1 / 2 / 5 / 6 tiles a split) and verify steps of M = 4;
+    bitwise repeatable; this step's rows land in the cache as the reference quantizes them (up to a code where the
+    two decoders' K/V differ at a rounding boundary); near the fp16 cache's logits."""
+    cfg = _granite(2) if name == "granite" else _cfg()
+    mk, ref = _pair(cfg, 128 if name == "granite" else 64, 6016, kv_cache="int8")
+    mk16, _ = _pair(cfg, 128 if name == "granite" else 64, 6016)
+    assert mk.k_cache.dtype == torch.int8 and mk.kv_bytes(10) == 2 * cfg.num_layers * cfg.num_kv_heads * 10 * (
+        cfg.head_dim + 2)
+    toks = torch.randint(0, cfg.vocab_size, (6010,), generator=torch.Generator().manual_seed(7))
+    pos = 0
+    for ctx in (1, 17, 1025, 2049, 4097, 6001):
+        while pos < ctx - 1:
+            m = min(8, ctx - 1 - pos)
+            for b in (mk, ref, mk16):
+                b.forward(toks[pos:pos + m], pos)
+            pos += m
+        a, b = mk.forward(toks[ctx - 1:ctx], ctx - 1), ref.forward(toks[ctx - 1:ctx], ctx - 1)
+        c = mk16.forward(toks[ctx - 1:ctx], ctx - 1)
+        pos = ctx
+        assert torch.isfinite(a).all() and rel(a, b) < 1e-2, f"ctx {ctx}: rel {rel(a, b):.3e}"
+        assert rel(a, c) < 5e-2, f"ctx {ctx}: against the fp16 cache rel {rel(a, c):.3e}"
+        assert torch.equal(a, mk.forward(toks[ctx - 1:ctx], ctx - 1)), f"ctx {ctx}: not bitwise repeatable"
+        a, b = mk.forward(toks[ctx:ctx + 4], ctx), ref.forward(toks[ctx:ctx + 4], ctx)
+        assert rel(a, b) < 1e-2, f"ctx {ctx}, M = 4: rel {rel(a, b):.3e}"
+        mk16.forward(toks[ctx:ctx + 4], ctx)
+        pos = ctx + 4
+    L, nkv = cfg.num_layers, cfg.num_kv_heads
+    kq, rq = mk.k_cache[:, :, :pos].int(), ref.k_cache[:, 0, :, :pos].int()
+    assert (kq - rq).abs().max() <= 1 and (kq != rq).float().mean() < 5e-2
+    ks, rs = mk.k_scale[:, :, :pos].float(), ref.k_scale[:, 0, :, :pos].float()
+    assert ((ks - rs).abs() <= 2e-3 * rs.abs() + 1e-6).float().mean() > 0.99  # (one fp16 step apart at most)
+    assert mk.v_cache.shape == (L, nkv, 6016, cfg.head_dim)
+
+
+def test_megakernel_refuses_a_cache_it_cannot_read():
+    from flint.megakernel import MegakernelBackend
+
+    with pytest.raises(ValueError, match="kv_cache='fp8': the kernel reads fp16, int8"):
+        MegakernelBackend(_cfg(), {}, 64, device="cpu", kv_cache="fp8")
 
 
 @gpu

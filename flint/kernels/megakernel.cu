@@ -255,12 +255,20 @@ __global__ void __launch_bounds__(NT, 1)
 
 // ---- launch entry points: flint_mk_launch_m<M> (and _gu8). The host dispatcher (megakernel_host.cu) picks by M and
 // raises for anything else; there is no fall-through to another M.
-#if FLINT_MK_GU8 && FLINT_MK_LONG
+#if FLINT_MK_GU8 && FLINT_MK_LONG && FLINT_MK_KV8
+#define MK_SYM(base) MK_CAT(MK_CAT(base, FLINT_MK_M), _gu8_long_kv8)
+#elif FLINT_MK_GU8 && FLINT_MK_LONG
 #define MK_SYM(base) MK_CAT(MK_CAT(base, FLINT_MK_M), _gu8_long)
+#elif FLINT_MK_GU8 && FLINT_MK_KV8
+#define MK_SYM(base) MK_CAT(MK_CAT(base, FLINT_MK_M), _gu8_kv8)
 #elif FLINT_MK_GU8
 #define MK_SYM(base) MK_CAT(MK_CAT(base, FLINT_MK_M), _gu8)
+#elif FLINT_MK_LONG && FLINT_MK_KV8
+#define MK_SYM(base) MK_CAT(MK_CAT(base, FLINT_MK_M), _long_kv8)
 #elif FLINT_MK_LONG
 #define MK_SYM(base) MK_CAT(MK_CAT(base, FLINT_MK_M), _long)
+#elif FLINT_MK_KV8
+#define MK_SYM(base) MK_CAT(MK_CAT(base, FLINT_MK_M), _kv8)
 #else
 #define MK_SYM(base) MK_CAT(base, FLINT_MK_M)
 #endif

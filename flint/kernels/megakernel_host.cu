@@ -23,6 +23,16 @@ extern "C" int flint_mk_launch_m1_long(const mk::Params*, const mk::Smem*, int, 
 extern "C" int flint_mk_occupancy_m1_long(int, int*);
 extern "C" int flint_mk_launch_m1_gu8_long(const mk::Params*, const mk::Smem*, int, const long long*, int, cudaStream_t, int);
 extern "C" int flint_mk_occupancy_m1_gu8_long(int, int*);
+// the four M = 1 objects again for the int8 KV cache (FLINT_MK_KV8)
+extern "C" int flint_mk_launch_m1_kv8(const mk::Params*, const mk::Smem*, int, const long long*, int, cudaStream_t, int);
+extern "C" int flint_mk_occupancy_m1_kv8(int, int*);
+extern "C" int flint_mk_launch_m1_gu8_kv8(const mk::Params*, const mk::Smem*, int, const long long*, int, cudaStream_t, int);
+extern "C" int flint_mk_occupancy_m1_gu8_kv8(int, int*);
+extern "C" int flint_mk_launch_m1_long_kv8(const mk::Params*, const mk::Smem*, int, const long long*, int, cudaStream_t, int);
+extern "C" int flint_mk_occupancy_m1_long_kv8(int, int*);
+extern "C" int flint_mk_launch_m1_gu8_long_kv8(const mk::Params*, const mk::Smem*, int, const long long*, int, cudaStream_t,
+                                               int);
+extern "C" int flint_mk_occupancy_m1_gu8_long_kv8(int, int*);
 
 typedef int (*launch_fn)(const mk::Params*, const mk::Smem*, int, const long long*, int, cudaStream_t, int);
 typedef int (*occ_fn)(int, int*);
@@ -86,12 +96,15 @@ static int make_kv_maps(mk::Params& p) {
   if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
       q != cudaDriverEntryPointSuccess || !fn)
     return 1;
+  // (the int8 cache: rows of D bytes into the landing buffers as they are, no swizzle: the conversion writes the
+  // fp16 tile's XOR layout)
   const cuuint64_t dims[2] = {(cuuint64_t)p.D, (cuuint64_t)p.L * p.nkv * p.max_seq};
-  const cuuint64_t strides[1] = {(cuuint64_t)p.D * 2};
+  const cuuint64_t strides[1] = {(cuuint64_t)p.D * (p.kv8 ? 1 : 2)};
   const cuuint32_t box[2] = {(cuuint32_t)p.D, (cuuint32_t)mk::ATT_T}, estr[2] = {1, 1};
   for (int i = 0; i < 2; ++i)
-    if (((encode_fn)fn)(&p.kv_map[i], CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, i ? (void*)p.vcache : (void*)p.kcache, dims,
-                        strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+    if (((encode_fn)fn)(&p.kv_map[i], p.kv8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
+                        i ? (void*)p.vcache : (void*)p.kcache, dims, strides, box, estr,
+                        CU_TENSOR_MAP_INTERLEAVE_NONE, p.kv8 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B,
                         CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
       return 1;
   p.kv_tma = 1;
@@ -114,12 +127,12 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
   p.H = (int)ia[k++]; p.I = (int)ia[k++]; p.nh = (int)ia[k++]; p.nkv = (int)ia[k++]; p.D = (int)ia[k++];
   p.L = (int)ia[k++]; p.V = (int)ia[k++]; p.max_seq = (int)ia[k++]; p.use_rope = (int)ia[k++];
   p.nblocks = (int)ia[k++];
-  p.dbg = (int)ia[k++];
+  p.kv8 = (int)ia[k++];
   p.nffn = (int)ia[k++];
   p.nffn_pad = (int)ia[k++];
   p.ohead = (int)ia[k++];  // (a slot of the argument layout: must be 0)
   void** ptrs[] = {(void**)&p.embed, (void**)&p.norms, (void**)&p.final_norm, (void**)&p.rope_cos,
-                   (void**)&p.rope_sin, (void**)&p.kcache, (void**)&p.vcache, (void**)&p.resid, (void**)&p.q,
+                   (void**)&p.rope_sin, (void**)&p.kcache, (void**)&p.vcache, (void**)&p.resid, (void**)&p.kvscale,
                    (void**)&p.attn, (void**)&p.act, (void**)&p.part, (void**)&p.att_count, (void**)&p.logits,
                    (void**)&p.arg_val, (void**)&p.arg_idx, (void**)&p.argmax, (void**)&p.done_count,
                    (void**)&p.bar_counter, (void**)&p.epoch, (void**)&p.dpart, (void**)&p.trace,
@@ -176,7 +189,11 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
   if ((e = cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev))) { delete h; return cuda_fail("attr", e); }
   if (!coop) { delete h; return fail("flint_mk_create: device does not support cooperative launch"); }
   if (p.nblocks <= 0 || p.nblocks > nsm) p.nblocks = nsm;
-  if (p.ohead || p.dbg) { delete h; return fail("flint_mk_create: arguments dbg and ohead must be 0 (no such kernel paths)"); }
+  if (p.ohead) { delete h; return fail("flint_mk_create: argument ohead must be 0 (no such kernel path)"); }
+  if (p.kv8 != 0 && (p.kv8 != 1 || !p.kvscale || p.D % 16)) {
+    delete h;
+    return fail("flint_mk_create: kv8 must be 0 or 1, and the int8 cache needs its scales and head_dim % 16 == 0");
+  }
   if (p.nffn > p.nblocks) {
     snprintf(g_err, sizeof(g_err), "flint_mk_create: FFN split-K needs %d blocks, the grid has %d", p.nffn, p.nblocks);
     delete h;
@@ -245,7 +262,11 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
     s.xsum = off; off += al(ngx * mkmma::MMA_XSUM_FLOATS * 4);
     const int R = g * M;
     // (the long layout: its tiles' TMA mbarriers after the scores, and the tiles 1024-aligned for the 128-byte swizzle)
-    const int att = nbuf * mk::ATT_T * p.D * 2 * 2 + R * p.D * 4 * 2 + R * mk::ATT_T * 4 + (lng ? nbuf * 8 : 0);
+    // (mk_attention.cuh's layout: the fp16 tile buffers, with the int8 cache its landing buffers, q, o, scores, the
+    // long layout's mbarriers; with the int8 cache the long layout has one fp16 buffer per warp group)
+    const int nfb = lng && p.kv8 ? mk::kAttGroups : nbuf;
+    const int att = nfb * mk::ATT_T * p.D * 2 * 2 + (p.kv8 ? nbuf * mk::kv8_land_bytes(p.D) : 0) + R * p.D * 4 * 2 +
+                    R * mk::ATT_T * 4 + (lng ? nbuf * 8 : 0);
     const int xs = 2 * M * s.xstride;
     const int red = p.nffn ? M * own_tiles * (p.nffn_pad / 8) * mk::TILE_ROWS * 4 : 0;  // ffn_down_reduce's chunk sums
     int un = att > xs ? att : xs;
@@ -350,12 +371,19 @@ static int launch(Handle* h, int M, int start, const long long* tokens, int tok0
   // M = 1 whose attention splits walk several tiles: the long-context object (when its layout fits)
   // (their K/V tiles come by TMA: only where the tensor maps were made)
   const bool lng = M == 1 && h->ready_long && h->p.kv_tma && att_tiles_per_split(h->p, start + M) >= kLongFromTiles;
-  const launch_fn lf = lng ? (gu8 ? flint_mk_launch_m1_gu8_long : flint_mk_launch_m1_long)
-                           : gu8 ? flint_mk_launch_m1_gu8 : kLaunch[M];
-  const occ_fn of = lng ? (gu8 ? flint_mk_occupancy_m1_gu8_long : flint_mk_occupancy_m1_long)
-                        : gu8 ? flint_mk_occupancy_m1_gu8 : kOcc[M];
+  // (M = 1 with the int8 KV cache: the kv8 copies of the four)
+  const bool k8 = M == 1 && h->p.kv8;
+  const launch_fn lf = k8 ? (lng ? (gu8 ? flint_mk_launch_m1_gu8_long_kv8 : flint_mk_launch_m1_long_kv8)
+                                 : gu8 ? flint_mk_launch_m1_gu8_kv8 : flint_mk_launch_m1_kv8)
+                          : lng ? (gu8 ? flint_mk_launch_m1_gu8_long : flint_mk_launch_m1_long)
+                                : gu8 ? flint_mk_launch_m1_gu8 : kLaunch[M];
+  const occ_fn of = k8 ? (lng ? (gu8 ? flint_mk_occupancy_m1_gu8_long_kv8 : flint_mk_occupancy_m1_long_kv8)
+                              : gu8 ? flint_mk_occupancy_m1_gu8_kv8 : flint_mk_occupancy_m1_kv8)
+                       : lng ? (gu8 ? flint_mk_occupancy_m1_gu8_long : flint_mk_occupancy_m1_long)
+                             : gu8 ? flint_mk_occupancy_m1_gu8 : kOcc[M];
   static bool attr_done[mk::MAX_M + 1] = {false}, attr_done_gu8 = false, attr_done_long[2] = {false, false};
-  bool& done = lng ? attr_done_long[gu8] : gu8 ? attr_done_gu8 : attr_done[M];
+  static bool attr_done_kv8[2][2] = {{false, false}, {false, false}};
+  bool& done = k8 ? attr_done_kv8[lng][gu8] : lng ? attr_done_long[gu8] : gu8 ? attr_done_gu8 : attr_done[M];
   int set_attr = 0;
   if (!done) {
     int bps = 0;

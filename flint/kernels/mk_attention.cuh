@@ -31,6 +31,7 @@
 #include "mk_stage.cuh"
 #include "mk_sync.cuh"
 #include "mk_trace.cuh"
+#include "mk_kv8.cuh"
 
 namespace mk {
 namespace {
@@ -59,11 +60,16 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
   constexpr bool kTc = M == 1 && FLINT_MK_LONG;
   constexpr int NB = kTc ? (kAttGroups * kAttGroupBufs) : 2;
   // (the long objects: D = 64, the host's check; their warps' partials fit the tile buffers after the loop)
-  static_assert(4 * kAttGroups * 8 * (D_LONG + 2) * 4 <= (kAttGroups * kAttGroupBufs) * ATT_T * D_LONG * 2 * 2, "partials");
+  static_assert(4 * kAttGroups * 8 * (D_LONG + 2) * 4 <= kAttGroups * ATT_T * D_LONG * 2 * 2, "partials");
   static_assert(4 * kAttGroups <= NCW, "warp groups");
-  __half* Kb = reinterpret_cast<__half*>(uni);              // [NB][ATT_T][D] (swizzled 16B chunks)
-  __half* Vb = Kb + NB * ATT_T * D;                         // [NB][ATT_T][D]
-  float* q_s = reinterpret_cast<float*>(Vb + NB * ATT_T * D); // [R][D]
+  // fp16 tile buffers (the long objects with the int8 cache: one per warp group, the copies land beside them)
+  const bool kv8 = kKv8Mode == 2 || (kKv8Mode == 1 && p.kv8);
+  const int nfb = kTc && kv8 ? kAttGroups : NB;
+  __half* Kb = reinterpret_cast<__half*>(uni);              // [nfb][ATT_T][D] (swizzled 16B chunks)
+  __half* Vb = Kb + nfb * ATT_T * D;                        // [nfb][ATT_T][D]
+  uint8_t* land = reinterpret_cast<uint8_t*>(Vb + nfb * ATT_T * D);  // kv8: [NB] landing buffers (kv8_land_bytes)
+  const int lbytes = kv8_land_bytes(D);
+  float* q_s = reinterpret_cast<float*>(land + (kv8 ? NB * lbytes : 0)); // [R][D]
   float* o_s = q_s + R * D;                                 // [R][D]
   float* s_s = o_s + R * D;                                 // [R][ATT_T]
   uint64_t* tbar = reinterpret_cast<uint64_t*>(s_s + R * ATT_T);  // long objects: [NB] mbarriers of the TMA tiles
@@ -88,9 +94,39 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
       const int j0 = tile * ATT_T;
       if constexpr (tc) {  // (one thread: the caller's)
         const int row = (layer * p.nkv + kvh) * p.max_seq + j0;
-        mbar_expect_tx(&tbar[buf], 2 * ATT_T * D * 2);
-        tma_g2s_2d(Kb + (size_t)buf * ATT_T * D, &p.kv_map[0], 0, row, &tbar[buf]);
-        tma_g2s_2d(Vb + (size_t)buf * ATT_T * D, &p.kv_map[1], 0, row, &tbar[buf]);
+        if (kv8) {  // codes (two tensor copies) and the rows' scales (two bulk copies of ATT_T halves) into landing buf
+          uint8_t* lb = land + (size_t)buf * lbytes;
+          mbar_expect_tx(&tbar[buf], 2 * ATT_T * D + 4 * ATT_T);
+          tma_g2s_2d(lb, &p.kv_map[0], 0, row, &tbar[buf]);
+          tma_g2s_2d(lb + ATT_T * D, &p.kv_map[1], 0, row, &tbar[buf]);
+          bulk_g2s_plain(lb + 2 * ATT_T * D, p.kvscale + row, 2 * ATT_T, &tbar[buf]);
+          bulk_g2s_plain(lb + 2 * ATT_T * D + 2 * ATT_T, p.kvscale + kv_scale_off(p) + row, 2 * ATT_T, &tbar[buf]);
+        } else {
+          mbar_expect_tx(&tbar[buf], 2 * ATT_T * D * 2);
+          tma_g2s_2d(Kb + (size_t)buf * ATT_T * D, &p.kv_map[0], 0, row, &tbar[buf]);
+          tma_g2s_2d(Vb + (size_t)buf * ATT_T * D, &p.kv_map[1], 0, row, &tbar[buf]);
+        }
+      } else if (kv8) {  // the rows' codes and the tile's scales by cp.async into landing buf (this step's rows too:
+                         // kv8_step_rows wrote them to the cache first)
+        uint8_t* lb = land + (size_t)buf * lbytes;
+        const int cc = D >> 4, nc = ATT_T * cc * 2;
+        const size_t srow = ((size_t)layer * p.nkv + kvh) * p.max_seq + j0;
+        const int8_t* K8 = reinterpret_cast<const int8_t*>(p.kcache) + cbase;
+        const int8_t* V8 = reinterpret_cast<const int8_t*>(p.vcache) + cbase;
+        for (int i = t; i < nc + 2 * (ATT_T * 2 / 16); i += NCT) {
+          if (i < nc) {
+            const int isv = i >= ATT_T * cc;
+            const int ii = isv ? i - ATT_T * cc : i;
+            const int j = ii / cc, c2 = ii - j * cc;
+            if (j0 + j < Ltot)
+              cp_async16(lb + (size_t)isv * ATT_T * D + j * D + c2 * 16, (isv ? V8 : K8) + (size_t)(j0 + j) * D + c2 * 16);
+          } else {
+            const int k2 = i - nc, isv = k2 >= ATT_T * 2 / 16, c2 = isv ? k2 - ATT_T * 2 / 16 : k2;
+            cp_async16(lb + 2 * ATT_T * D + isv * ATT_T * 2 + c2 * 16,
+                       p.kvscale + srow + (isv ? kv_scale_off(p) : 0) + c2 * 8);
+          }
+        }
+        cp_async_commit();
       } else {
         for (int i = t; i < ATT_T * cpr * 2; i += NCT) {
           const int isv = i >= ATT_T * cpr;
@@ -116,9 +152,14 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
         cp_async_commit();
       }
     };
+    if (kv8) {  // this step's rows into the cache first (the split that holds them), then the copies
+      kv8_step_rows(p, layer, kvh, t0 * ATT_T, t1 * ATT_T, start, Ltot, qtag, t, NCT);
+      if constexpr (!tc) cbar();
+    }
     if constexpr (tc) {  // the region was written by other stages (generic proxy) and its barriers are new each item
       if ((smem_u32(Kb) & 1023) != 0) __trap();  // (the host aligns the long layout's tiles: a broken invariant)
-      fence_proxy_async_smem();
+      if (kv8) fence_proxy_async_all();  // (and this step's cache rows, which the tensor copies read)
+      else fence_proxy_async_smem();
       if (t == 0) {
         for (int b = 0; b < NB; ++b) mbar_init(&tbar[b], 1);
         fence_mbar_init();
@@ -173,7 +214,23 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
           const int buf = gi * GB + u % GB;
           mbar_wait(&tbar[buf], (u / GB) & 1);
           const int j0 = tile * ATT_T;
-          if ((tile + 1) * ATT_T > start) {  // the rows the cache does not hold: this step's (the tagged words), and
+          const int fb = kv8 ? gi : buf;  // the fp16 buffer the tile is read from
+          if (kv8) {  // the landed codes -> the group's fp16 buffer; V past the context 0
+            const int gt = t - gi * 128;
+            kv8_convert(land + (size_t)buf * lbytes, Kb + (size_t)fb * ATT_T * D, Vb + (size_t)fb * ATT_T * D, D,
+                        max(0, min(ATT_T, Ltot - j0)), true, gt, 128);
+            if ((tile + 1) * ATT_T > Ltot) {
+              for (int i = gt; i < ATT_T * cpr; i += 128) {
+                const int j = i / cpr, ch = i - j * cpr;
+                if (j0 + j >= Ltot)
+                  *reinterpret_cast<uint4*>(Vb + ((size_t)fb * ATT_T + j) * D + ((ch ^ (j & 7)) * 8)) =
+                      make_uint4(0u, 0u, 0u, 0u);
+              }
+            }
+            grp_bar(gi);
+            const int nxt = tile + GB * kAttGroups;  // the landing buffer is free: its next tile
+            if (nxt < t1 && wq == 0 && lane == 0) load_tile(nxt, buf);
+          } else if ((tile + 1) * ATT_T > start) {  // the rows the cache does not hold: this step's (the tagged words), and
             // V past the context zeroed (P is 0 there, and 0 x stale NaN bits is not); the group's 128 threads
             for (int i = t - gi * 128; i < ATT_T * cpr * 2; i += 128) {
               const int isv = i >= ATT_T * cpr;
@@ -194,7 +251,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
             grp_bar(gi);
           }
           warp_stamp(p, layer, WS_A_TILE);
-          const uint32_t kt_a = smem_u32(Kb + (size_t)buf * ATT_T * D), vt_a = smem_u32(Vb + (size_t)buf * ATT_T * D);
+          const uint32_t kt_a = smem_u32(Kb + (size_t)fb * ATT_T * D), vt_a = smem_u32(Vb + (size_t)fb * ATT_T * D);
           const int kb = wq * 16;  // this warp's keys [kb, kb + 16) of the tile
           // S = Q K^T: two 8-key pieces x four 16-dim k-steps, q as hi + lo (two mmas a step)
           float sc[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
@@ -266,9 +323,11 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
             mkmma::mma_16816(oacc[n], v0, v1, v2, v3, pl[0], pl[1]);
           }
           warp_stamp(p, layer, WS_A_PV);
-          // the group's warps are past this buffer: its next tile may be copied in
+          // the group's warps are past this buffer: its next tile may be copied in (kv8: converted into it)
           const int nxt = tile + GB * kAttGroups;
-          if (nxt < t1) {
+          if (kv8) {
+            if (tile + kAttGroups < t1) grp_bar(gi);
+          } else if (nxt < t1) {
             grp_bar(gi);
             if (wq == 0 && lane == 0) load_tile(nxt, buf);
           }
@@ -318,6 +377,10 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
     } else if (one_tile) {
       cp_async_wait<0>();
       cbar();  // the tile and q_s are in
+      if (kv8) {  // the cache rows' codes -> the fp16 tile
+        kv8_convert(land, Kb, Vb, D, max(0, min(ATT_T, Ltot - t0 * ATT_T)), false, t, NCT);
+        cbar();
+      }
       warp_stamp(p, layer, WS_A_TILE);
       const int nvalid = min(ATT_T, Ltot - t0 * ATT_T);
       float* scr = reinterpret_cast<float*>(Kb + (size_t)ATT_T * D);  // [3 R][D + 2]: (m, l, o[D]) per warp
@@ -388,6 +451,11 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
       if (tile + 1 < t1) { load_tile(tile + 1, buf ^ 1); cp_async_wait<1>(); }
       else cp_async_wait<0>();
       cbar();
+      if (kv8) {  // the cache rows' codes -> the fp16 tile
+        kv8_convert(land + (size_t)buf * lbytes, Kb + (size_t)buf * ATT_T * D, Vb + (size_t)buf * ATT_T * D, D,
+                    max(0, min(ATT_T, Ltot - tile * ATT_T)), false, t, NCT);
+        cbar();
+      }
       warp_stamp(p, layer, WS_A_TILE);
       const int j0 = tile * ATT_T;
       const int nvalid = min(ATT_T, Ltot - j0);

@@ -31,6 +31,8 @@ constexpr int ATT_T = 64;           // keys per attention sub-tile
 constexpr int MAX_M = 8;
 constexpr int KSEG_MAX = 2560;      // codes per K segment
 constexpr int MAX_ROWS_ATT = 64;    // (num_heads / num_kv_heads) * M
+// the int8 cache's landing buffer of one tile (mk_attention.cuh): K codes, V codes [ATT_T][D], K and V scales [ATT_T]
+__host__ __device__ constexpr int kv8_land_bytes(int D) { return 2 * ATT_T * D + 4 * ATT_T; }
 
 // MAT_DS: down's per-FFN-block K slices (FFN split-K, Params::nffn > 0): slice f = all H rows over the
 // K range [f kf, (f + 1) kf) that FFN block f's gate|up tiles produce (K = kf, one segment; seg_stride
@@ -51,7 +53,8 @@ struct Mat {
 
 struct Params {
   Mat mat[NMAT];
-  int H, I, nh, nkv, D, L, V, max_seq, use_rope, nblocks, dbg;  // dbg: always 0 (the validated parameter layout)
+  int H, I, nh, nkv, D, L, V, max_seq, use_rope, nblocks;
+  int kv8;       // 1: the KV cache is int8 with an fp16 scale per row (kcache / vcache hold int8 codes, kvscale the scales)
   int nffn;      // FFN split-K: blocks 0..nffn-1 own gate|up tiles [f T, (f + 1) T) and down's slice f; 0: off
   int nffn_pad;  // nffn rounded up to 8 (dpart's f stride; entries f >= nffn stay 0)
   float eps, emb_mult, res_mult, attn_scale, inv_logit_scale;
@@ -60,10 +63,11 @@ struct Params {
   const float* final_norm;  // [H]
   const float* rope_cos;    // [max_seq][D/2]
   const float* rope_sin;
-  __half* kcache;           // [L][nkv][max_seq][D]
+  __half* kcache;           // [L][nkv][max_seq][D] fp16, or with kv8 int8 codes (the same index, one byte each)
   __half* vcache;
   float* resid;             // [M][H]  residual stream (fp32)
-  float* q;                 // (unused by the kernel: q travels as tagged words; the validated parameter layout)
+  __half* kvscale;          // kv8: the rows' scales, K's [L][nkv][max_seq] then V's at kv_scale_off(); else nullptr
+                            // (code * scale is the value; mk_attention.cuh quantizes, flint/model.py's kv_quantize)
   float* attn;              // [M][nh*D] attention output
   float* act;               // [M][I]   silu(gate) * up
   float* part;              // attention partials [nkv][nsplit][rows][D + 2]
@@ -89,6 +93,12 @@ struct Params {
   int kv_tma;
   CUtensorMap kv_map[2];
 };
+
+// which objects run the int8 KV cache's paths: 2 the M = 1 kv8 objects (always: the host launches them only then),
+// 1 the verify objects (when Params::kv8 says so), 0 the fp16 M = 1 objects (the code is not in them). Used as
+// KV8_ON(p) = kKv8Mode == 2 || (kKv8Mode == 1 && p.kv8), spelt out where it is needed: a helper function for it
+// changed the fp16 objects' register allocation (SASS), the expression does not
+constexpr int kKv8Mode = FLINT_MK_KV8 ? 2 : FLINT_MK_M >= 2 ? 1 : 0;
 
 // Shared-memory layout (byte offsets) and per-matrix work split, computed on the host per M.
 

@@ -5,6 +5,8 @@
 //   FLINT_MK_GU8  1 in the extra M = 1 object that runs gate|up on the integer dot (groups of 128: Granite)
 //   FLINT_MK_LONG 1 in the M = 1 objects launched when attention splits walk several tiles (long context): their
 //                 attention runs on the tensor cores with kAttNbufLong K/V tile buffers filled by TMA
+//   FLINT_MK_KV8  1 in the M = 1 objects launched with the int8 KV cache (Params::kv8): the int8 cache's code
+//                 left in the fp16 M = 1 objects spilled 32-60 bytes; the verify objects (M >= 2) branch on kv8
 //   MK_TRACE      1 in the traced library only (FLINT_MK_TRACE=1): stage and warp stamps compiled in
 // The rest are constants of the design, each with the measurement that chose it (docs/megakernel-log.md has
 // every alternative that was tried).
@@ -18,6 +20,9 @@
 #endif
 #ifndef FLINT_MK_LONG
 #define FLINT_MK_LONG 0
+#endif
+#ifndef FLINT_MK_KV8
+#define FLINT_MK_KV8 0
 #endif
 #ifndef MK_TRACE
 #define MK_TRACE 0

@@ -60,6 +60,10 @@ __device__ __forceinline__ void pair_epilogue(Ctx<M>& c, int mi, int layer, int 
         // q only as tagged words: attention polls them, no barrier between the two stages
         st_tagged(qkv_word(p, mm, head * p.D + ip), o1, c.tag0 + layer);
         st_tagged(qkv_word(p, mm, head * p.D + ip + half), o2, c.tag0 + layer);
+      } else if (kKv8Mode == 2 || (kKv8Mode == 1 && p.kv8)) {  // the int8 cache: attention quantizes the row (its
+        // scale needs the whole row) and writes it
+        st_tagged(qkv_word(p, mm, qd + head * p.D + ip), o1, c.tag0 + layer);
+        st_tagged(qkv_word(p, mm, qd + head * p.D + ip + half), o2, c.tag0 + layer);
       } else {
         __half* kp = p.kcache + ((((size_t)layer * p.nkv + head) * p.max_seq + pos) * p.D);
         const __half k1 = __float2half_rn(o1), k2 = __float2half_rn(o2);
@@ -72,10 +76,14 @@ __device__ __forceinline__ void pair_epilogue(Ctx<M>& c, int mi, int layer, int 
     } else {  // v: natural row order
       const int nn = n0 - qd - kd;
       const int head = nn / p.D, d0 = nn % p.D;
-      __half2* vp = reinterpret_cast<__half2*>(p.vcache + ((((size_t)layer * p.nkv + head) * p.max_seq + pos) * p.D) + d0);
-      const __half2 vh = __floats2half2_rn(a, b);
-      *vp = vh;
-      {  // and as tagged words, the values as the cache holds them (fp16); v rows are in natural order: row n0
+      if (kKv8Mode == 2 || (kKv8Mode == 1 && p.kv8)) {  // (as k)
+        st_tagged(qkv_word(p, mm, n0), a, c.tag0 + layer);
+        st_tagged(qkv_word(p, mm, n0 + 1), b, c.tag0 + layer);
+      } else {
+        __half2* vp = reinterpret_cast<__half2*>(p.vcache + ((((size_t)layer * p.nkv + head) * p.max_seq + pos) * p.D) + d0);
+        const __half2 vh = __floats2half2_rn(a, b);
+        *vp = vh;
+        // and as tagged words, the values as the cache holds them (fp16); v rows are in natural order: row n0
         const float2 vf = __half22float2(vh);
         st_tagged(qkv_word(p, mm, n0), vf.x, c.tag0 + layer);
         st_tagged(qkv_word(p, mm, n0 + 1), vf.y, c.tag0 + layer);

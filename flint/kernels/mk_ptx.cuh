@@ -52,6 +52,13 @@ __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t by
       "l"(src), "r"(bytes), "r"(smem_u32(bar)), "l"(policy)
       : "memory");
 }
+// 1-D bulk copy global -> shared (TMA), completing on an mbarrier (16-byte aligned, a multiple of 16 bytes)
+__device__ __forceinline__ void bulk_g2s_plain(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_u32(dst)),
+               "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
 // 2-D tensor copy global -> shared (TMA) of the box at (x, y) of `map` (a __grid_constant__ parameter's address),
 // completing on an mbarrier
 __device__ __forceinline__ void tma_g2s_2d(void* dst, const CUtensorMap* map, int x, int y, uint64_t* bar) {
@@ -66,6 +73,8 @@ __device__ __forceinline__ void mbar_inval(uint64_t* bar) {
 }
 // generic-proxy shared-memory accesses before this, ordered before later async-proxy (TMA) ones
 __device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// generic-proxy accesses to every state space (global too) before this, ordered before later async-proxy ones
+__device__ __forceinline__ void fence_proxy_async_all() { asm volatile("fence.proxy.async;" ::: "memory"); }
 __device__ __forceinline__ void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
 // 1-D bulk prefetch global -> L2 (fire and forget)
 __device__ __forceinline__ void bulk_prefetch_l2(const void* src, uint32_t bytes) {
