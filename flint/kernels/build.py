@@ -34,8 +34,8 @@ M_VALUES = tuple(range(1, 9))
 EXTRA_OBJECTS = (("m1gu8", ("-DFLINT_MK_M=1", "-DFLINT_MK_GU8=1")),
                  ("m1long", ("-DFLINT_MK_M=1", "-DFLINT_MK_LONG=1")),
                  ("m1gu8long", ("-DFLINT_MK_M=1", "-DFLINT_MK_GU8=1", "-DFLINT_MK_LONG=1")),
-                 # the same four with the int8 KV cache (FLINT_MK_KV8: launched only with it)
-                 ("m1kv8", ("-DFLINT_MK_M=1", "-DFLINT_MK_KV8=1")),
+                 # every object again with the int8 KV cache (FLINT_MK_KV8: launched only with it)
+                 *((f"m{m}kv8", (f"-DFLINT_MK_M={m}", "-DFLINT_MK_KV8=1")) for m in range(1, 9)),
                  ("m1gu8kv8", ("-DFLINT_MK_M=1", "-DFLINT_MK_GU8=1", "-DFLINT_MK_KV8=1")),
                  ("m1longkv8", ("-DFLINT_MK_M=1", "-DFLINT_MK_LONG=1", "-DFLINT_MK_KV8=1")),
                  ("m1gu8longkv8", ("-DFLINT_MK_M=1", "-DFLINT_MK_GU8=1", "-DFLINT_MK_LONG=1", "-DFLINT_MK_KV8=1")))

@@ -10,10 +10,14 @@
 #include "mk_common.cuh"
 #include "mk_mma.cuh"
 
-#define MK_DECL(m)                                                                                      \
-  extern "C" int flint_mk_launch_m##m(const mk::Params*, const mk::Smem*, int, const long long*, int, \
-                                      cudaStream_t, int);                                              \
-  extern "C" int flint_mk_occupancy_m##m(int, int*);
+// (each M's object, and its copy for the int8 KV cache: FLINT_MK_KV8)
+#define MK_DECL(m)                                                                                          \
+  extern "C" int flint_mk_launch_m##m(const mk::Params*, const mk::Smem*, int, const long long*, int,     \
+                                      cudaStream_t, int);                                                  \
+  extern "C" int flint_mk_occupancy_m##m(int, int*);                                                       \
+  extern "C" int flint_mk_launch_m##m##_kv8(const mk::Params*, const mk::Smem*, int, const long long*, int, \
+                                            cudaStream_t, int);                                            \
+  extern "C" int flint_mk_occupancy_m##m##_kv8(int, int*);
 MK_DECL(1) MK_DECL(2) MK_DECL(3) MK_DECL(4) MK_DECL(5) MK_DECL(6) MK_DECL(7) MK_DECL(8)
 // M = 1 with gate|up's integer dot (megakernel.cu FLINT_MK_GU8): launched for models in groups of 128
 extern "C" int flint_mk_launch_m1_gu8(const mk::Params*, const mk::Smem*, int, const long long*, int, cudaStream_t, int);
@@ -23,9 +27,7 @@ extern "C" int flint_mk_launch_m1_long(const mk::Params*, const mk::Smem*, int, 
 extern "C" int flint_mk_occupancy_m1_long(int, int*);
 extern "C" int flint_mk_launch_m1_gu8_long(const mk::Params*, const mk::Smem*, int, const long long*, int, cudaStream_t, int);
 extern "C" int flint_mk_occupancy_m1_gu8_long(int, int*);
-// the four M = 1 objects again for the int8 KV cache (FLINT_MK_KV8)
-extern "C" int flint_mk_launch_m1_kv8(const mk::Params*, const mk::Smem*, int, const long long*, int, cudaStream_t, int);
-extern "C" int flint_mk_occupancy_m1_kv8(int, int*);
+// the M = 1 variants' copies for the int8 KV cache
 extern "C" int flint_mk_launch_m1_gu8_kv8(const mk::Params*, const mk::Smem*, int, const long long*, int, cudaStream_t, int);
 extern "C" int flint_mk_occupancy_m1_gu8_kv8(int, int*);
 extern "C" int flint_mk_launch_m1_long_kv8(const mk::Params*, const mk::Smem*, int, const long long*, int, cudaStream_t, int);
@@ -40,10 +42,19 @@ static const launch_fn kLaunch[mk::MAX_M + 1] = {nullptr,
                                                  flint_mk_launch_m1, flint_mk_launch_m2, flint_mk_launch_m3,
                                                  flint_mk_launch_m4, flint_mk_launch_m5, flint_mk_launch_m6,
                                                  flint_mk_launch_m7, flint_mk_launch_m8};
+static const launch_fn kLaunch8[mk::MAX_M + 1] = {nullptr,
+                                                  flint_mk_launch_m1_kv8, flint_mk_launch_m2_kv8, flint_mk_launch_m3_kv8,
+                                                  flint_mk_launch_m4_kv8, flint_mk_launch_m5_kv8, flint_mk_launch_m6_kv8,
+                                                  flint_mk_launch_m7_kv8, flint_mk_launch_m8_kv8};
 static const occ_fn kOcc[mk::MAX_M + 1] = {nullptr,
                                            flint_mk_occupancy_m1, flint_mk_occupancy_m2, flint_mk_occupancy_m3,
                                            flint_mk_occupancy_m4, flint_mk_occupancy_m5, flint_mk_occupancy_m6,
                                            flint_mk_occupancy_m7, flint_mk_occupancy_m8};
+static const occ_fn kOcc8[mk::MAX_M + 1] = {nullptr,
+                                            flint_mk_occupancy_m1_kv8, flint_mk_occupancy_m2_kv8,
+                                            flint_mk_occupancy_m3_kv8, flint_mk_occupancy_m4_kv8,
+                                            flint_mk_occupancy_m5_kv8, flint_mk_occupancy_m6_kv8,
+                                            flint_mk_occupancy_m7_kv8, flint_mk_occupancy_m8_kv8};
 
 static thread_local char g_err[512];
 
@@ -371,19 +382,19 @@ static int launch(Handle* h, int M, int start, const long long* tokens, int tok0
   // M = 1 whose attention splits walk several tiles: the long-context object (when its layout fits)
   // (their K/V tiles come by TMA: only where the tensor maps were made)
   const bool lng = M == 1 && h->ready_long && h->p.kv_tma && att_tiles_per_split(h->p, start + M) >= kLongFromTiles;
-  // (M = 1 with the int8 KV cache: the kv8 copies of the four)
-  const bool k8 = M == 1 && h->p.kv8;
+  // (the int8 KV cache: the kv8 copies of the same objects)
+  const bool k8 = h->p.kv8;
   const launch_fn lf = k8 ? (lng ? (gu8 ? flint_mk_launch_m1_gu8_long_kv8 : flint_mk_launch_m1_long_kv8)
-                                 : gu8 ? flint_mk_launch_m1_gu8_kv8 : flint_mk_launch_m1_kv8)
+                                 : gu8 ? flint_mk_launch_m1_gu8_kv8 : kLaunch8[M])
                           : lng ? (gu8 ? flint_mk_launch_m1_gu8_long : flint_mk_launch_m1_long)
                                 : gu8 ? flint_mk_launch_m1_gu8 : kLaunch[M];
   const occ_fn of = k8 ? (lng ? (gu8 ? flint_mk_occupancy_m1_gu8_long_kv8 : flint_mk_occupancy_m1_long_kv8)
-                              : gu8 ? flint_mk_occupancy_m1_gu8_kv8 : flint_mk_occupancy_m1_kv8)
+                              : gu8 ? flint_mk_occupancy_m1_gu8_kv8 : kOcc8[M])
                        : lng ? (gu8 ? flint_mk_occupancy_m1_gu8_long : flint_mk_occupancy_m1_long)
                              : gu8 ? flint_mk_occupancy_m1_gu8 : kOcc[M];
-  static bool attr_done[mk::MAX_M + 1] = {false}, attr_done_gu8 = false, attr_done_long[2] = {false, false};
-  static bool attr_done_kv8[2][2] = {{false, false}, {false, false}};
-  bool& done = k8 ? attr_done_kv8[lng][gu8] : lng ? attr_done_long[gu8] : gu8 ? attr_done_gu8 : attr_done[M];
+  static bool attr_done[2][mk::MAX_M + 1] = {{false}}, attr_done_gu8[2] = {false, false};
+  static bool attr_done_long[2][2] = {{false, false}, {false, false}};
+  bool& done = lng ? attr_done_long[k8][gu8] : gu8 ? attr_done_gu8[k8] : attr_done[k8][M];
   int set_attr = 0;
   if (!done) {
     int bps = 0;

@@ -63,7 +63,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
   static_assert(4 * kAttGroups * 8 * (D_LONG + 2) * 4 <= kAttGroups * ATT_T * D_LONG * 2 * 2, "partials");
   static_assert(4 * kAttGroups <= NCW, "warp groups");
   // fp16 tile buffers (the long objects with the int8 cache: one per warp group, the copies land beside them)
-  const bool kv8 = kKv8Mode == 2 || (kKv8Mode == 1 && p.kv8);
+  constexpr bool kv8 = kKv8;
   const int nfb = kTc && kv8 ? kAttGroups : NB;
   __half* Kb = reinterpret_cast<__half*>(uni);              // [nfb][ATT_T][D] (swizzled 16B chunks)
   __half* Vb = Kb + nfb * ATT_T * D;                        // [nfb][ATT_T][D]

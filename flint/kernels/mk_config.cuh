@@ -5,8 +5,8 @@
 //   FLINT_MK_GU8  1 in the extra M = 1 object that runs gate|up on the integer dot (groups of 128: Granite)
 //   FLINT_MK_LONG 1 in the M = 1 objects launched when attention splits walk several tiles (long context): their
 //                 attention runs on the tensor cores with kAttNbufLong K/V tile buffers filled by TMA
-//   FLINT_MK_KV8  1 in the M = 1 objects launched with the int8 KV cache (Params::kv8): the int8 cache's code
-//                 left in the fp16 M = 1 objects spilled 32-60 bytes; the verify objects (M >= 2) branch on kv8
+//   FLINT_MK_KV8  1 in the objects launched with the int8 KV cache (Params::kv8): a copy of every object (its code in
+//                 the fp16 M = 1 objects spilled 32-60 bytes, in the verify objects it cost 0.5-0.7% a step)
 //   MK_TRACE      1 in the traced library only (FLINT_MK_TRACE=1): stage and warp stamps compiled in
 // The rest are constants of the design, each with the measurement that chose it (docs/megakernel-log.md has
 // every alternative that was tried).

@@ -26,16 +26,18 @@ __device__ __forceinline__ void kv8_convert(const uint8_t* lb, __half* Kt, __hal
     const int ii = isv ? i - nrows * cc : i;
     const int j = ii / cc, c = ii - j * cc;
     const uint4 w = *reinterpret_cast<const uint4*>(lb + (size_t)isv * ATT_T * D + j * D + c * 16);
-    const float h = __half2float(sc[isv * ATT_T + j]);
-    const uint32_t wd[4] = {w.x, w.y, w.z, w.w};
+    const __half hs = sc[isv * ATT_T + j];
+    const __half2 h2 = __halves2half2(hs, hs), bias = __float2half2_rn(1152.f);
+    const uint32_t wd[4] = {w.x ^ 0x80808080u, w.y ^ 0x80808080u, w.z ^ 0x80808080u, w.w ^ 0x80808080u};
     uint32_t o[8];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int x0 = (int)(int8_t)(wd[e] & 0xffu), x1 = (int)(int8_t)((wd[e] >> 8) & 0xffu);
-      const int x2 = (int)(int8_t)((wd[e] >> 16) & 0xffu), x3 = (int)(int8_t)(wd[e] >> 24);
-      const __half2 a = __floats2half2_rn((float)x0 * h, (float)x1 * h), b = __floats2half2_rn((float)x2 * h, (float)x3 * h);
-      o[2 * e] = *reinterpret_cast<const uint32_t*>(&a);
-      o[2 * e + 1] = *reinterpret_cast<const uint32_t*>(&b);
+    for (int e = 0; e < 4; ++e) {  // code x as the fp16 1024 + (x + 128), less 1152: exact; then x * h, one rounding
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const uint32_t b = __byte_perm(wd[e], 0x64646464u, hh ? 0x4342u : 0x4140u);
+        const __half2 v = __hmul2(__hsub2(*reinterpret_cast<const __half2*>(&b), bias), h2);
+        o[2 * e + hh] = *reinterpret_cast<const uint32_t*>(&v);
+      }
     }
     __half* row = (isv ? Vt : Kt) + (size_t)j * D;
     const bool sw = !isv || swz_v;

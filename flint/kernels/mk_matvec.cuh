@@ -60,7 +60,7 @@ __device__ __forceinline__ void pair_epilogue(Ctx<M>& c, int mi, int layer, int 
         // q only as tagged words: attention polls them, no barrier between the two stages
         st_tagged(qkv_word(p, mm, head * p.D + ip), o1, c.tag0 + layer);
         st_tagged(qkv_word(p, mm, head * p.D + ip + half), o2, c.tag0 + layer);
-      } else if (kKv8Mode == 2 || (kKv8Mode == 1 && p.kv8)) {  // the int8 cache: attention quantizes the row (its
+      } else if (kKv8) {  // the int8 cache: attention quantizes the row (its
         // scale needs the whole row) and writes it
         st_tagged(qkv_word(p, mm, qd + head * p.D + ip), o1, c.tag0 + layer);
         st_tagged(qkv_word(p, mm, qd + head * p.D + ip + half), o2, c.tag0 + layer);
@@ -76,7 +76,7 @@ __device__ __forceinline__ void pair_epilogue(Ctx<M>& c, int mi, int layer, int 
     } else {  // v: natural row order
       const int nn = n0 - qd - kd;
       const int head = nn / p.D, d0 = nn % p.D;
-      if (kKv8Mode == 2 || (kKv8Mode == 1 && p.kv8)) {  // (as k)
+      if (kKv8) {  // (as k)
         st_tagged(qkv_word(p, mm, n0), a, c.tag0 + layer);
         st_tagged(qkv_word(p, mm, n0 + 1), b, c.tag0 + layer);
       } else {
