@@ -74,6 +74,15 @@ KV_CACHE_FORMATS = ("fp16", "int8", "fp8")
 KV_QMAX = {"int8": 127.0, "fp8": 448.0}  # largest code magnitude: int8's symmetric range, e4m3's finite max
 
 
+def kv_format_bytes(cfg: ModelConfig, fmt: str) -> int:
+    """K + V bytes one position of one sequence holds in cache format ``fmt``, every layer: a row is
+    2 x head_dim bytes for fp16 (the kernels' float cache), head_dim + 2 for the 8-bit formats."""
+    if fmt not in KV_CACHE_FORMATS:
+        raise ValueError(f"--kv-cache {fmt!r}: choose one of {', '.join(KV_CACHE_FORMATS)}")
+    row = 2 * cfg.head_dim if fmt == "fp16" else cfg.head_dim + 2
+    return 2 * cfg.num_layers * cfg.num_kv_heads * row
+
+
 @functools.lru_cache(maxsize=None)  # the fp8 probe cast runs once, not every layer and step
 def kv_value_dtype(fmt: str):
     """The cache values' dtype for an 8-bit format; refuses a format or a torch that cannot hold it."""

@@ -262,3 +262,41 @@ def test_bench_counts_the_8bit_cache_bytes(tmp_path):
         assert all(r.get("kv_cache", "fp16") == f for r in doc["results"])
     assert docs["fp16"]["results"][0]["bytes_per_token"] - docs["int8"]["results"][0]["bytes_per_token"] \
         == 8 * (per_pos["fp16"] - per_pos["int8"])
+
+
+def test_eval_at_several_windows_in_one_call(tiny_llama_dir, tmp_path, capsys):
+    """--window 24,32 gives each window's rows as a run at that window alone would, each row naming its
+    window, stride and the K/V bytes its cache format stores per position; the JSON holds them all."""
+    from flint.evaluate import EvalError, parse_windows, run_eval
+    from flint.loading import load_model
+    from flint.model import kv_format_bytes
+
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 3)
+    quiet = dict(max_tokens=64, kv_caches="int8", log=lambda *a, **k: None)
+    rows = run_eval(str(tiny_llama_dir), str(text), window="24,32", **quiet)
+    assert [(r.window, r.stride, r.kv_cache) for r in rows] == [(24, 12, "fp16"), (24, 12, "int8"),
+                                                               (32, 16, "fp16"), (32, 16, "int8")]
+    alone = run_eval(str(tiny_llama_dir), str(text), window=32, **quiet)
+    assert [(r.ppl, r.kl_mean) for r in rows[2:]] == [(r.ppl, r.kl_mean) for r in alone]
+    cfg = load_model(str(tiny_llama_dir)).cfg
+    per_row = {"fp16": 2 * cfg.head_dim, "int8": cfg.head_dim + 2}
+    for r in rows:
+        assert r.kv_bytes_per_pos == kv_format_bytes(cfg, r.kv_cache) \
+            == 2 * cfg.num_layers * cfg.num_kv_heads * per_row[r.kv_cache]
+    out = tmp_path / "e.json"
+    assert main(["eval", "--model", str(tiny_llama_dir), "--file", str(text), "--max-tokens", "64",
+                 "--window", "24,32", "--kv-cache", "int8", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "window 24, stride 12" in printed and "window 32, stride 16" in printed
+    doc = json.loads(out.read_text())
+    assert [(d["window"], d["kv_cache"], d["kv_bytes_per_pos"]) for d in doc] == \
+        [(r.window, r.kv_cache, r.kv_bytes_per_pos) for r in rows]
+    assert [d["ppl"] for d in doc] == [r.ppl for r in rows]
+    for bad, needle in (("24,x", "'x' is not a whole number"), ("24,24", "a repeated size"), ("", "an empty list")):
+        with pytest.raises(EvalError, match=needle):
+            parse_windows(bad)
+    with pytest.raises(EvalError, match="--window 128 exceeds the model's context of 96"):
+        run_eval(str(tiny_llama_dir), str(text), window="32,128", **quiet)
+    with pytest.raises(ValueError, match="--kv-cache 'int4'"):
+        kv_format_bytes(cfg, "int4")
