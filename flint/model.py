@@ -103,9 +103,28 @@ def kv_value_dtype(fmt: str):
 
 def kv_quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., head_dim] -> (8-bit values [..., head_dim], fp16 scales [...]): one scale per row,
-    max |x| / KV_QMAX[fmt] rounded up to fp16 (the layout in the module docstring)."""
+    max |x| / KV_QMAX[fmt] rounded up to fp16 (the layout in the module docstring).
+
+    The arithmetic, step by step, for a kernel to match bit for bit (x: the row as the decoder holds
+    it, K after RoPE, widened to fp32: the reference's rows are fp32 on a CPU, bf16 on a GPU; every
+    step in fp32 with IEEE round-to-nearest-even, no fast-math):
+
+    1. a = max |x_i| over the row's head_dim values (exact);
+    2. s = a / qmax, a true fp32 division (qmax = 127.0 or 448.0; not a multiply by 1/qmax);
+    3. h = s rounded to fp16 (nearest-even); if float(h) < s, h = the next fp16 up (bits + 1: h >= 0),
+       so float(h) >= s and no code leaves [-qmax, qmax]; h is the stored scale (0 for an all-zero row);
+    4. y_i = x_i / float(h), a true fp32 division (x_i / 1 when h == 0, i.e. 0);
+    5. int8: q_i = round-half-to-even(y_i) clamped to [-127, 127] (CUDA: __float2int_rn then min/max);
+       fp8: q_i = y_i clamped to [-448, 448], cast to e4m3fn round-to-nearest-even (CUDA:
+       __nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3) gives the same values after the clamp);
+    6. read back: float(q_i) * float(h), one fp32 multiply, then the decoder's dtype.
+
+    The decoder quantizes every row it writes and reads every row back this way, the rows of the
+    current step included (attention never sees a row's unquantized K or V)."""
     xf = x.float()
-    s = xf.abs().amax(-1) / KV_QMAX[fmt]
+    a = xf.abs().amax(-1)
+    s = a / torch.full_like(a, KV_QMAX[fmt])  # a tensor divisor: on CUDA, torch turns `/ python_float`
+    # into a multiply by its fp32 reciprocal, which differs from the division in the last bit
     s16 = s.to(torch.float16)
     s16 = torch.where(s16.float() < s, torch.nextafter(s16, torch.full_like(s16, float("inf"))), s16)
     sf = s16.float()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -115,6 +116,54 @@ def test_fp8_round_trip_is_within_e4m3s_rounding_of_each_value():
     # below that the subnormal step is 2^-9, half of it 2^-10, in units of the scale
     bound = torch.maximum(x.abs() * 2.0 ** -4, sf[:, None] * 2.0 ** -10) + 4 * FP32_EPS * (x.abs() + sf[:, None])
     assert (err <= bound).all(), float((err - bound).max())
+
+
+def _e4m3_rne(y: np.ndarray) -> np.ndarray:
+    """fp32 values (|y| <= 448) to the nearest e4m3fn value, ties to the even code: from the table of
+    the format's 127 non-negative finite values, not through torch's cast."""
+    codes = np.arange(127, dtype=np.int64)  # 0x00..0x7e; 0x7f is NaN
+    e, m = codes >> 3, codes & 7
+    table = np.where(e == 0, m / 8.0 * 2.0 ** -6, (1 + m / 8.0) * 2.0 ** (e - 7)).astype(np.float32)
+    a = np.abs(y)
+    hi = np.clip(np.searchsorted(table, a), 0, 126)  # first value >= |y|
+    lo = np.clip(hi - 1, 0, 126)
+    d_lo, d_hi = a - table[lo], table[hi] - a
+    pick = np.where((d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0)), hi, lo)
+    return np.sign(y) * table[pick]
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_quantizer_is_the_documented_arithmetic_bit_for_bit(fmt):
+    """kv_quantize's docstring steps, written again in numpy (fp32 true divisions, fp16 nearest-even then
+    one ulp up when below, round-half-to-even or e4m3 nearest-even, clamp), give the same scales and
+    codes bit for bit: the recipe a kernel follows to match the reference."""
+    x = rows()
+    x[7, :4] = torch.tensor([0.5, 1.5, 2.5, -126.5]) * (x[7].abs().max() / 127)  # near-ties of int8's rounding
+    # rows whose max / qmax is exactly an fp16 value: kept as is by a true division, often bumped up by a
+    # multiply by the reciprocal (1 / qmax is inexact; for 448, 42 of these 64), so they tell the two apart
+    v = torch.linspace(2.0 ** -10, 60.0, 64).to(torch.float16).float()
+    edge = (torch.rand(64, 64, generator=torch.Generator().manual_seed(1)) * 2 - 1) * (v * KV_QMAX[fmt])[:, None]
+    edge[:, 0] = v * KV_QMAX[fmt]
+    x = torch.cat((x, edge))
+    q, s = kv_quantize(x, fmt)
+    assert torch.equal(s[-64:].float(), v)
+    xn = x.numpy().astype(np.float32)
+    qmax = np.float32(KV_QMAX[fmt])
+    sn = (np.abs(xn).max(-1) / qmax).astype(np.float32)
+    h = sn.astype(np.float16)
+    up = h.astype(np.float32) < sn
+    h[up] = (h[up].view(np.uint16) + 1).view(np.float16)
+    hf = h.astype(np.float32)
+    y = (xn / np.where(hf > 0, hf, np.float32(1))[:, None]).astype(np.float32)
+    assert np.array_equal(s.numpy().view(np.uint16), h.view(np.uint16))
+    if fmt == "int8":
+        want = np.clip(np.rint(y), -127, 127).astype(np.int8)
+        assert np.array_equal(q.numpy(), want)
+    else:
+        want = _e4m3_rne(np.clip(y, -qmax, qmax))
+        assert np.array_equal(q.float().numpy(), want)
+    deq = kv_dequantize(q, s, torch.float32).numpy()
+    assert np.array_equal(deq, (q.float().numpy() * hf[:, None]).astype(np.float32))
 
 
 # ------------------------------------------------------------------ the decoder with an 8-bit cache
