@@ -26,7 +26,10 @@
   each 8-bit KV cache (flint.model's docstring: the layout), one row each, against the fp16 cache
   (the reference row, or ``--against``): the rows measure what quantizing K and V costs at the
   window's context lengths (every scored token sees window - stride .. window - 1 tokens after
-  the first window), with the weights unchanged.
+  the first window), with the weights unchanged. ``--window 256,1024,2048`` runs the comparison
+  at several context lengths in one call (the model loads once; every row names its window and
+  stride, and ``kv_bytes_per_pos``: the K/V bytes the row's cache format stores per position,
+  fp16 counted at 2 bytes a value as the kernels hold it, though the reference's CPU cache is fp32).
 
 The default text is flint/data/eval-corpus.txt (written for flint; see flint/data/README.md).
 Logits come from the reference decoder in fp32 (``--backend`` picks another for the model under
@@ -44,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from .model import kv_format_bytes
 from .quant import (GROUP_SIZES, Int4Weight, fit_group_size, int8_rows, quantize_int4,
                     kernel_params, quantize_params, requantize_params)
 
@@ -65,6 +69,9 @@ class EvalRow:
     top1_agree: float | None = None
     weight_mb: float | None = None  # linear weights + head as a decode step streams them, MB per token
     kv_cache: str = "fp16"  # the KV cache format (flint.model.KV_CACHE_FORMATS)
+    kv_bytes_per_pos: int | None = None  # K + V bytes one position holds in that format, every layer
+    window: int | None = None
+    stride: int | None = None
 
 
 def windows(n: int, window: int, stride: int) -> list[tuple[int, int, int]]:
@@ -215,6 +222,20 @@ def parse_kv_caches(spec: str) -> list[str]:
     return [f for f in out if f != "fp16"]
 
 
+def parse_windows(spec) -> list[int]:
+    """'256,1024,2048' (or an int, or a list of them) -> [256, 1024, 2048]."""
+    items = [spec] if isinstance(spec, int) else spec if isinstance(spec, (list, tuple)) else str(spec).split(",")
+    out = []
+    for x in (str(x).strip() for x in items if str(x).strip()):
+        try:
+            out.append(int(x))
+        except ValueError:
+            raise EvalError(f"--window {spec!r}: {x!r} is not a whole number") from None
+    if not out or len(set(out)) != len(out):
+        raise EvalError(f"--window {spec!r}: an empty list or a repeated size")
+    return out
+
+
 def _reference_decoder(cfg, params, window: int, device, kv_cache: str = "fp16"):
     from .model import Transformer
 
@@ -269,7 +290,7 @@ def read_corpus(path: str | Path | None) -> str:
 
 
 def run_eval(model: str | None = None, text_path: str | None = None, against: str | None = None,
-             quantize: str | None = None, window: int = 512, stride: int | None = None,
+             quantize: str | None = None, window: int | str | list[int] = 512, stride: int | None = None,
              max_tokens: int | None = None, backend: str = "reference", device: str = "cpu",
              log=print, kv_caches: str | None = None) -> list[EvalRow]:
     from .backend import check_kv_cache
@@ -277,6 +298,7 @@ def run_eval(model: str | None = None, text_path: str | None = None, against: st
 
     variants = parse_variants(quantize) if quantize else []  # bad specs fail before any load
     kv_formats = parse_kv_caches(kv_caches) if kv_caches else []
+    sizes = parse_windows(window)
     for f in kv_formats:
         check_kv_cache(backend, f)
     lm = load_model(model)
@@ -285,34 +307,34 @@ def run_eval(model: str | None = None, text_path: str | None = None, against: st
     ids = lm.tokenizer.encode(read_corpus(text_path))
     if max_tokens:
         ids = ids[:max_tokens]
-    if window > lm.cfg.max_position_embeddings:
-        raise EvalError(f"--window {window} exceeds the model's context of {lm.cfg.max_position_embeddings}")
-    stride = stride or window // 2
-    windows(len(ids), window, stride)  # validates before the models are built
+    for w in sizes:
+        if w > lm.cfg.max_position_embeddings:
+            raise EvalError(f"--window {w} exceeds the model's context of {lm.cfg.max_position_embeddings}")
+        windows(len(ids), w, stride or w // 2)  # validates every size before a model is built
 
-    def build(params, name=backend, kv_cache="fp16"):
+    def build(params, w, name=backend, kv_cache="fp16"):
         if name == "reference":
-            return _reference_decoder(lm.cfg, params, window, device, kv_cache)
+            return _reference_decoder(lm.cfg, params, w, device, kv_cache)
         from .backend import make_backend
         from .loading import LoadedModel
 
-        return make_backend(name, LoadedModel(lm.cfg, params, None, lm.source), max_seq_len=window,
+        return make_backend(name, LoadedModel(lm.cfg, params, None, lm.source), max_seq_len=w,
                             device=device, kv_cache=kv_cache)
 
     model_label = model or "embedded:smollm2"
-    cands, weights = [], {}
+    # the models under test: (label, params, backend name, KV cache format)
+    specs, weights = [], {}
     if against:
         ref_lm = load_model(against)
         if ref_lm.cfg.vocab_size != lm.cfg.vocab_size:
             raise EvalError(f"--against {against}: vocabulary size {ref_lm.cfg.vocab_size} differs from the "
                             f"model's {lm.cfg.vocab_size}")
-        ref = (against, _reference_decoder(ref_lm.cfg, ref_lm.params, window, device))
-        weights[against] = (describe_weights(ref_lm.params), weight_bytes(ref_lm.params))
-        cands.append((model_label, build(lm.params)))
-        weights[model_label] = (describe_weights(lm.params), weight_bytes(lm.params))
+        ref_spec = (against, ref_lm)
+        weights[against] = (describe_weights(ref_lm.params), weight_bytes(ref_lm.params), ref_lm.cfg)
+        specs.append((model_label, lm.params, backend, "fp16"))
     else:
-        ref = (model_label, _reference_decoder(lm.cfg, lm.params, window, device))
-        weights[model_label] = (describe_weights(lm.params), weight_bytes(lm.params))
+        ref_spec = (model_label, lm)
+    weights[model_label] = (describe_weights(lm.params), weight_bytes(lm.params), lm.cfg)
     hs = {}
 
     def hessians():
@@ -325,35 +347,42 @@ def run_eval(model: str | None = None, text_path: str | None = None, against: st
 
     for v in variants:
         params, head_desc, head_bytes = variant_params(lm, v, hessians)
-        cands.append((v.label, build(params)))
-        weights[v.label] = (describe_weights(params, head_desc), weight_bytes(params, head_bytes))
-    kv_labels = {}
+        specs.append((v.label, params, backend, "fp16"))
+        weights[v.label] = (describe_weights(params, head_desc), weight_bytes(params, head_bytes), lm.cfg)
     for f in kv_formats:  # the model's own weights, an 8-bit K/V cache
         label = f"{model_label}, {f} KV cache"
-        cands.append((label, build(lm.params, kv_cache=f)))
-        weights[label] = (describe_weights(lm.params), weight_bytes(lm.params))
-        kv_labels[label] = f
-    log(f"flint eval: {len(ids)} tokens, window {window}, stride {stride}, {1 + len(cands)} model(s)",
-        file=sys.stderr)
-    rows = evaluate(ids, ref, cands, window, stride,
-                    progress=lambda i, n: log(f"  window {i}/{n}", file=sys.stderr) if i % 4 == 0 or i == n else None)
-    for r in rows:
-        r.weights, nbytes = weights[r.label]
-        r.weight_mb = nbytes / 1e6
-        r.kv_cache = kv_labels.get(r.label, "fp16")
+        specs.append((label, lm.params, backend, f))
+        weights[label] = weights[model_label]
+    rows = []
+    for w in sizes:
+        st = stride or w // 2
+        ref = (ref_spec[0], _reference_decoder(ref_spec[1].cfg, ref_spec[1].params, w, device))
+        cands = [(label, build(params, w, name, f)) for label, params, name, f in specs]
+        log(f"flint eval: {len(ids)} tokens, window {w}, stride {st}, {1 + len(specs)} model(s)", file=sys.stderr)
+        got = evaluate(ids, ref, cands, w, st, progress=lambda i, n: log(f"  window {i}/{n}", file=sys.stderr)
+                       if i % 4 == 0 or i == n else None)
+        del ref, cands
+        for r, f in zip(got, ["fp16"] + [sp[3] for sp in specs]):
+            r.weights, nbytes, cfg = weights[r.label]
+            r.weight_mb = nbytes / 1e6
+            r.kv_cache, r.window, r.stride = f, w, st
+            r.kv_bytes_per_pos = kv_format_bytes(cfg, f)
+        rows += got
     return rows
 
 
 def markdown_table(rows: list[EvalRow]) -> str:
+    """The rows of one window, the reference first. "KV B/pos": the K/V cache's bytes per position."""
     ref_ppl = rows[0].ppl
-    lines = ["| model | weights | MB/token | PPL | ΔPPL | KL mean | KL p99 | top-1 agree |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| model | weights | MB/token | KV B/pos | PPL | ΔPPL | KL mean | KL p99 | top-1 agree |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for i, r in enumerate(rows):
         mb = f"{r.weight_mb:.1f}" if r.weight_mb is not None else ""
+        kvb = f"{r.kv_bytes_per_pos:,}" if r.kv_bytes_per_pos is not None else ""
         if i == 0:
-            lines.append(f"| {r.label} (reference) | {r.weights} | {mb} | {r.ppl:.3f} | | | | |")
+            lines.append(f"| {r.label} (reference) | {r.weights} | {mb} | {kvb} | {r.ppl:.3f} | | | | |")
         else:
-            lines.append(f"| {r.label} | {r.weights} | {mb} | {r.ppl:.3f} | {r.ppl - ref_ppl:+.3f} | "
+            lines.append(f"| {r.label} | {r.weights} | {mb} | {kvb} | {r.ppl:.3f} | {r.ppl - ref_ppl:+.3f} | "
                          f"{r.kl_mean:.4f} | {r.kl_p99:.4f} | {r.top1_agree:.2%} |")
     return "\n".join(lines)
 
@@ -361,8 +390,10 @@ def markdown_table(rows: list[EvalRow]) -> str:
 def _run(args) -> int:
     rows = run_eval(args.model, args.file, args.against, args.quantize, args.window, args.stride,
                     args.max_tokens, args.backend, args.device or "cpu", kv_caches=args.kv_cache)
-    print(f"{rows[0].tokens} tokens scored, window {args.window}, stride {args.stride or args.window // 2}")
-    print(markdown_table(rows))
+    for w in dict.fromkeys(r.window for r in rows):
+        part = [r for r in rows if r.window == w]
+        print(f"{part[0].tokens} tokens scored, window {w}, stride {part[0].stride}")
+        print(markdown_table(part))
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
     return 0
@@ -381,7 +412,9 @@ def register(sub) -> None:
     p.add_argument("--kv-cache", default=None, metavar="FMT[,FMT...]",
                    help="also evaluate the model with these KV cache formats (int8, fp8), each against the fp16 "
                         "cache, e.g. int8,fp8")
-    p.add_argument("--window", type=int, default=512, help="tokens per window (default 512)")
+    p.add_argument("--window", default="512", metavar="N[,N...]",
+                   help="tokens per window (default 512); a list runs the whole evaluation at each size, "
+                        "e.g. 256,1024,2048 (the context lengths of a --kv-cache comparison)")
     p.add_argument("--stride", type=int, default=None, help="window advance (default: half the window)")
     p.add_argument("--max-tokens", type=int, default=None, help="only the first N tokens of the text")
     p.add_argument("--backend", default="reference", help="backend of the model under test (default: the "

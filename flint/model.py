@@ -74,6 +74,15 @@ KV_CACHE_FORMATS = ("fp16", "int8", "fp8")
 KV_QMAX = {"int8": 127.0, "fp8": 448.0}  # largest code magnitude: int8's symmetric range, e4m3's finite max
 
 
+def kv_format_bytes(cfg: ModelConfig, fmt: str) -> int:
+    """K + V bytes one position of one sequence holds in cache format ``fmt``, every layer: a row is
+    2 x head_dim bytes for fp16 (the kernels' float cache), head_dim + 2 for the 8-bit formats."""
+    if fmt not in KV_CACHE_FORMATS:
+        raise ValueError(f"--kv-cache {fmt!r}: choose one of {', '.join(KV_CACHE_FORMATS)}")
+    row = 2 * cfg.head_dim if fmt == "fp16" else cfg.head_dim + 2
+    return 2 * cfg.num_layers * cfg.num_kv_heads * row
+
+
 @functools.lru_cache(maxsize=None)  # the fp8 probe cast runs once, not every layer and step
 def kv_value_dtype(fmt: str):
     """The cache values' dtype for an 8-bit format; refuses a format or a torch that cannot hold it."""
@@ -94,9 +103,28 @@ def kv_value_dtype(fmt: str):
 
 def kv_quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., head_dim] -> (8-bit values [..., head_dim], fp16 scales [...]): one scale per row,
-    max |x| / KV_QMAX[fmt] rounded up to fp16 (the layout in the module docstring)."""
+    max |x| / KV_QMAX[fmt] rounded up to fp16 (the layout in the module docstring).
+
+    The arithmetic, step by step, for a kernel to match bit for bit (x: the row as the decoder holds
+    it, K after RoPE, widened to fp32: the reference's rows are fp32 on a CPU, bf16 on a GPU; every
+    step in fp32 with IEEE round-to-nearest-even, no fast-math):
+
+    1. a = max |x_i| over the row's head_dim values (exact);
+    2. s = a / qmax, a true fp32 division (qmax = 127.0 or 448.0; not a multiply by 1/qmax);
+    3. h = s rounded to fp16 (nearest-even); if float(h) < s, h = the next fp16 up (bits + 1: h >= 0),
+       so float(h) >= s and no code leaves [-qmax, qmax]; h is the stored scale (0 for an all-zero row);
+    4. y_i = x_i / float(h), a true fp32 division (x_i / 1 when h == 0, i.e. 0);
+    5. int8: q_i = round-half-to-even(y_i) clamped to [-127, 127] (CUDA: __float2int_rn then min/max);
+       fp8: q_i = y_i clamped to [-448, 448], cast to e4m3fn round-to-nearest-even (CUDA:
+       __nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3) gives the same values after the clamp);
+    6. read back: float(q_i) * float(h), one fp32 multiply, then the decoder's dtype.
+
+    The decoder quantizes every row it writes and reads every row back this way, the rows of the
+    current step included (attention never sees a row's unquantized K or V)."""
     xf = x.float()
-    s = xf.abs().amax(-1) / KV_QMAX[fmt]
+    a = xf.abs().amax(-1)
+    s = a / torch.full_like(a, KV_QMAX[fmt])  # a tensor divisor: on CUDA, torch turns `/ python_float`
+    # into a multiply by its fp32 reciprocal, which differs from the division in the last bit
     s16 = s.to(torch.float16)
     s16 = torch.where(s16.float() < s, torch.nextafter(s16, torch.full_like(s16, float("inf"))), s16)
     sf = s16.float()
