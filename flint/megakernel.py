@@ -19,6 +19,7 @@ import torch
 
 from .backend_api import check_greedy_run
 from .config import ModelConfig
+from .model import kv_format_bytes
 from .quant import Int4Weight
 
 MAX_M = 8          # tokens per launch compiled (1..8); must match mk::MAX_M
@@ -312,7 +313,7 @@ class MegakernelBackend:
         if int(tries) > 1 and not traced:
             self._place_scratch(int(tries))
         # K and V bytes a step reads per position of context (int8: the codes and a 2-byte scale a row)
-        self.kv_bytes_per_token = 2 * L * nkv * (d + 2 if kv_cache == "int8" else 2 * d)
+        self.kv_bytes_per_token = kv_format_bytes(cfg, kv_cache)
         # what one step reads besides K/V: int4 codes + scales/mins of every linear and the head,
         # the fp32 norm weights, one fp32 embedding row (flint bench's bytes-per-token)
         self.weight_bytes_per_token = (sum(params[n].nbytes for n in names_int4(cfg))
