@@ -105,14 +105,14 @@ __global__ void __launch_bounds__(NT, 1)
   c.tag0 = (uint32_t)(epoch * (unsigned long long)p.L) + 1u;
   // Grid barriers: the counter's target counts from the base the previous launch left in p.epoch[1] (barriers per
   // launch depend on M); the base lives in shared memory, read by the one thread that waits (no 64-bit value held in
-  // registers across the kernel). fence_free (the M = 1 object): a relaxed counter, where the data behind it are
+  // registers across the kernel). fence_free (the objects with the counted residual): a relaxed counter, where the data behind it are
   // tagged words that carry their own proof.
   unsigned long long nbar = 0;
   if (threadIdx.x == 0) misc->bar0 = __ldcg(p.epoch + 1);
   auto gsync = [&](bool fence_free) {
     ++nbar;
     const unsigned long long tg = threadIdx.x == 0 ? misc->bar0 + (unsigned long long)p.nblocks * nbar : 0ull;
-    if (kFx1 && fence_free) grid_barrier<true>(p, tg); else grid_barrier(p, tg);
+    if (kFxObj && fence_free) grid_barrier<true>(p, tg); else grid_barrier(p, tg);
   };
 
   enum { ROW_TOK = 0, ROW_RESID, ROW_ATTN, ROW_ACT };
@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(NT, 1)
     const float mult = l == 0 ? p.emb_mult : 1.f;
     const float* an = p.norms + (size_t)l * 2 * p.H;
     stamp(l, 1);
-    // M = 1 with the split: the q|k|v staging reads the counted fixed-point residual (layer 0: the embedding)
+    // with the split: the q|k|v staging reads the counted fixed-point residual (layer 0: the embedding)
     if (kFx<M> && p.nffn && l > 0) c.fx = fx_code(FXB_X, FXB_NONE, FXB_NONE);
     matvec_stage<M, kI8<M>(MAT_QKV)>(c, MAT_QKV, l, xsrc, mult, an);
     c.fx = 0;
@@ -173,12 +173,12 @@ __global__ void __launch_bounds__(NT, 1)
     stamp(l, 3);
     attention_stage<M>(c, l, uni);
     stamp(l, 4);
-    gsync(p.nffn);  // (M = 1 with the split: fence-free, the o staging polls the attention output's tagged words)
+    gsync(p.nffn);  // (with the split: fence-free, the o staging polls the attention output's tagged words)
     stamp(l, 5);
     matvec_stage<M, kI8<M>(MAT_O)>(c, MAT_O, l, attn_rows, 1.f, nullptr);
     if (kFx<M> && p.nffn && l > 0 && threadIdx.x == 0) ++misc->fxc[0];  // the owners' adds (read after a block barrier)
     stamp(l, 6);
-    gsync(l > 0 && p.nffn);  // (M = 1: fence-free from layer 1 on, the gate|up staging polls x + o's tagged words;
+    gsync(l > 0 && p.nffn);  // (fence-free from layer 1 on, the gate|up staging polls x + o's tagged words;
                              //  layer 0's X is stored, not added, behind the fenced barrier)
     stamp(l, 7);
     matvec_stage<M, kI8<M>(MAT_GU)>(c, MAT_GU, l, resid_rows, 1.f, an + p.H);
@@ -187,7 +187,7 @@ __global__ void __launch_bounds__(NT, 1)
       ffn_down_partial<M>(c, l);
       if (kFx<M> && threadIdx.x == 0) misc->fxc[0] += (uint32_t)p.nffn;  // (every FFN block adds once per row)
       stamp(l, 9);
-      // M = 1: no grid barrier: the next staging's count polls are the proof (a word shows the expected count exactly
+      // the counted residual: no grid barrier: the next staging's count polls are the proof (a word shows the expected count exactly
       // when every add of the layer has landed; the next adds into X, the o owners' of the next layer, need every
       // block's next q|k|v epilogue through attention, so no word runs past its count before every block read it)
       if (!kFx<M>) gsync(true);
@@ -277,8 +277,9 @@ extern "C" int MK_SYM(flint_mk_launch_m)(const mk::Params* p, const mk::Smem* sl
                                                        int set_attr) {
   auto kern = mk::decode_kernel<FLINT_MK_M>;
   cudaError_t e;
-  // M = 1 stages the fixed-point residual as whole rows of one round (one word of 8 codes per thread)
-  if (mk::kFx1 && p->nffn && p->H > 8 * mk::NCT) return (int)cudaErrorNotSupported;
+  // the counted residual: M = 1 stages it as whole rows of one round (one word of 8 codes per thread); the 8-bit
+  // tags of the tagged hops count layers (mk_sync.cuh, tw24_tag)
+  if (mk::kFxObj && p->nffn && (p->H > 8 * mk::NCT || p->L > 254)) return (int)cudaErrorNotSupported;
   if (set_attr) {
     e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, sl->total);
     if (e != cudaSuccess) return (int)e;

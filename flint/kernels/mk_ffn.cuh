@@ -173,33 +173,21 @@ __device__ void ffn_down_partial(Ctx<M>& c, int layer) {
   const int gq = lane >> 2, tq = lane & 3;
   const size_t mstride = (size_t)mt.ntiles * p.nffn_pad * TILE_ROWS;
   float* dpf = p.dpart + (size_t)f * TILE_ROWS + gq;
-  // The chunks: at M = 1 from chunk f mod chunks on (produce_slice's order), at M > 1 from chunk 0 on; tile t + i of
-  // the slice goes to warp (t + i) mod 15. (One loop body for both orders; a lambda or a helper for the body compiles
-  // the M > 1 objects to other code.)
-#if FLINT_MK_M == 1
+  // The chunks: with the counted residual from chunk f mod chunks on (produce_slice's order: the FFN blocks' adds
+  // spread over the rows), else from chunk 0 on; tile t + i of the slice goes to warp (t + i) mod 15.
   const int nch = (nt + cpt - 1) / cpt, ch0 = kFx<M> ? f % nch : 0;
   for (int ci = 0; ci < nch; ++ci) {
     const int t = (ci + ch0 < nch ? ci + ch0 : ci + ch0 - nch) * cpt;
     int i0 = warp >= t % NCW ? warp - t % NCW : warp - t % NCW + NCW;
     unsigned long long* fxr = fx_buf(p, FXB_X) + (size_t)t * TILE_ROWS + gq;  // X at row gq of tile t
     const size_t fxs = (size_t)fx_stride(p);
-#else
-  const int cpt15 = cpt % NCW;
-  int rot = 0;  // = t mod 15, stepped
-  for (int t = 0; t < nt; t += cpt) {
-    int i0 = warp;
-    i0 = warp >= rot ? warp - rot : warp - rot + NCW;
-    if ((rot += cpt15) >= NCW) rot -= NCW;
-    unsigned long long* fxr = nullptr;  // (kFx<M> only)
-    const size_t fxs = 0;
-#endif
     mbar_wait(&c.ring.full[c.slot], c.phase);
     const int n = min(cpt, nt - t);
     const uint32_t sb = ring0 + (uint32_t)(c.slot * c.ring.slot_bytes);
-    if (M <= 2 && ng == 1 && mt.G <= 64) {
+    if ((kFx<M> ? M == 1 : M <= 2) && ng == 1 && mt.G <= 64) {  // (the fixed-point one-group dot: M = 1 only)
       float* dp0 = kFx<M> ? reinterpret_cast<float*>(fxr) : dpf + (size_t)t * p.nffn_pad * TILE_ROWS;
       const size_t ts = kFx<M> ? (size_t)TILE_ROWS : (size_t)p.nffn_pad * TILE_ROWS, ms = kFx<M> ? fxs : mstride;
-      if constexpr (M <= 2) {
+      if constexpr (kFx<M> ? M == 1 : M <= 2) {
         if (mt.G == 64)
           ds_tiles_one_group<2, M>(sb, tb, mt.srb, mt.kseg, n, i0, c.xs, xstride, xlo, c.xsum, lane, dp0, ts, ms,
                                    p.res_mult);

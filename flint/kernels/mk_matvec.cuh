@@ -109,7 +109,7 @@ __device__ __forceinline__ void pair_epilogue(Ctx<M>& c, int mi, int layer, int 
           } else {
             *reinterpret_cast<longlong2*>(xw) = make_longlong2((long long)fx_of(r0), (long long)fx_of(r1));
           }
-          const uint32_t tg = c.tag0 + (uint32_t)layer;  // x + o for the gate|up staging, tagged
+          const uint32_t tg = tw24_tag(layer);  // x + o for the gate|up staging, tagged
           asm volatile("st.relaxed.gpu.global.v2.u32 [%0], {%1, %2};" ::"l"(p.qkvt + tw24_resid(p, mm, n0)),
                        "r"(tw24_word(r0, tg)), "r"(tw24_word(r1, tg)) : "memory");
         }
@@ -238,11 +238,11 @@ __device__ void matvec_stage(Ctx<M>& c, int mi, int layer, const float* const* s
   for (int s = 0; s < mt.nseg; ++s) {
     if (s == 0 || !xall) {
       if (s > 0) cbar();  // every warp is done with segment s-1's x before it is overwritten
-      if (kFx<M> && p.nffn && (mi == MAT_O || mi == MAT_GU))  // M = 1: from the tagged 24-bit words
+      if (kFx<M> && p.nffn && (mi == MAT_O || mi == MAT_GU))  // from the tagged 24-bit words
         stage_x<M, false, false, I8, true>(c, src, mult, norm_w, xall ? 0 : s * mt.kseg, xall ? mt.K : mt.kseg, mt.G,
                                                mt.gshift, p.qkvt + (mi == MAT_O ? tw24_attn(p, 0, 0) : tw24_resid(p, 0, 0)),
-                                               mi == MAT_O ? p.nh * p.D : p.H, c.tag0 + (uint32_t)layer);
-      else if (kFx<M> && c.fx)  // M = 1: from the counted fixed-point residual
+                                               mi == MAT_O ? p.nh * p.D : p.H, tw24_tag(layer));
+      else if (kFx<M> && c.fx)  // from the counted fixed-point residual
         stage_x<M, false, true, I8>(c, src, mult, norm_w, xall ? 0 : s * mt.kseg, xall ? mt.K : mt.kseg, mt.G,
                                     mt.gshift);
       else

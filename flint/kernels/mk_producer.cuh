@@ -71,25 +71,18 @@ __device__ void produce_matrix(const Mat& mt, int t0, int t1, int layer, const R
 }
 
 // FFN split-K: this block's down slice (all its row tiles, one K slice) in chunks of cpt tiles per slot, in
-// ffn_down_partial's order. At M = 1 (fxrot) block f starts at chunk f mod chunks, so that the FFN blocks' adds
+// ffn_down_partial's order. With the counted residual (fxrot) block f starts at chunk f mod chunks, so that the FFN blocks' adds
 // into the shared fixed-point residual spread over all rows at a time.
 __device__ void produce_slice(const Mat& mt, int ntl, int cpt, int layer, const Ring& ring, int& slot, uint32_t& lap,
                               uint64_t pol, bool fxrot) {
   const uint32_t tb = (uint32_t)(TILE_ROWS * mt.srb);
   const uint8_t* src = mt.base + (long long)layer * mt.layer_stride + (long long)blockIdx.x * mt.seg_stride;
-  if constexpr (kFx1) {
-    const int nch = (ntl + cpt - 1) / cpt, ch0 = fxrot ? (int)blockIdx.x % nch : 0;
-    for (int ci = 0; ci < nch; ++ci) {
-      const int t = (ci + ch0 < nch ? ci + ch0 : ci + ch0 - nch) * cpt;
-      const uint8_t* cs = src + (size_t)t * tb;
-      const uint32_t bytes = (uint32_t)min(cpt, ntl - t) * tb;
-      ring_copy<kInflight>(ring, slot, lap, cs, bytes, pol);
-    }
-  } else {
-    for (int t = 0; t < ntl; t += cpt, src += (size_t)cpt * tb) {
-      const uint32_t bytes = (uint32_t)min(cpt, ntl - t) * tb;
-      ring_copy<kInflight>(ring, slot, lap, src, bytes, pol);
-    }
+  const int nch = (ntl + cpt - 1) / cpt, ch0 = fxrot ? (int)blockIdx.x % nch : 0;
+  for (int ci = 0; ci < nch; ++ci) {
+    const int t = (ci + ch0 < nch ? ci + ch0 : ci + ch0 - nch) * cpt;
+    const uint8_t* cs = src + (size_t)t * tb;
+    const uint32_t bytes = (uint32_t)min(cpt, ntl - t) * tb;
+    ring_copy<kInflight>(ring, slot, lap, cs, bytes, pol);
   }
 }
 

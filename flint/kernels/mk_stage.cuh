@@ -5,8 +5,8 @@
 // terms per value (hi + lo: 22 significant bits, the fp16 tensor-core dot) or two int8 terms per token and group (the
 // integer dot of gate|up at M = 1 in groups of 128), plus per-group sums for the (scale, min) epilogue. Sources: an
 // fp32 row in L2 (the residual, the attention output, the act), the block's own act slice in shared memory (the FFN
-// split-K), the 24-bit tagged words (M = 1: the o and gate|up stagings), or the counted fixed-point residual (M = 1:
-// the q|k|v and lm_head stagings), which the staging also polls until every add of the layer has landed.
+// split-K), the 24-bit tagged words (the o and gate|up stagings), or the counted fixed-point residual (the q|k|v and
+// lm_head stagings), which the staging also polls until every add of the layer has landed.
 // Relies on: the layouts of mk_mma.cuh (x chunk order, MMA_XSUM_FLOATS), the word formats of mk_sync.cuh.
 #pragma once
 #include "mk_common.cuh"
@@ -44,10 +44,10 @@ struct Ctx {
   uint32_t xs, xsum;   // shared addresses of the staged x and its per-group sums
   int start;
   uint32_t tag0;       // the tag of layer 0 in this launch (epoch * L + 1)
-  int fx;              // M = 1: the next matvec stage's input is the fixed-point residual (0: not; else fx_code)
+  int fx;              // the next matvec stage's input is the fixed-point residual (0: not; else fx_code)
 };
 
-// M = 1: this block's rows' value in X[b] as its last q|k|v staging read it ([2][o rows of the block][M] int64 in
+// this block's rows' value in X[b] as its last q|k|v staging read it ([2][o rows of the block][M] int64 in
 // shared memory, after Smem::own's rows); its o epilogue turns it into fx(x + o) with one add
 template <int M>
 __device__ __forceinline__ long long* own_fx(const Ctx<M>& c, int b) {
@@ -100,7 +100,7 @@ __device__ void compute_rstd(const Params& p, const float* const* src, float mul
 // with shuffles (fixed order: deterministic). norm_w == nullptr: plain copy (attention output / act); else
 // rmsnorm(src * mult) * norm_w (rstd fused into the loads, or compute_rstd first). xsum entries of tokens >= M stay 0
 // (zeroed at kernel start). Sources: SMEM_SRC, rows in shared memory (generic loads); FX, the fixed-point residual
-// (c.fx's buffers, M = 1); T24, the 24-bit tagged words at tw + m tstride (M = 1); else fp32 rows in L2.
+// (c.fx's buffers); T24, the 24-bit tagged words at tw + m tstride; else fp32 rows in L2.
 // I8: int8 terms for the integer dot instead of fp16 terms.
 template <int M, bool SMEM_SRC = false, bool FX = false, bool I8 = kIdot<M>, bool T24 = false>
 __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, const float* norm_w, int k0, int kst,
@@ -115,12 +115,14 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
   // words in flight per thread (more raises register pressure for the whole kernel; FX: one, its loads are 4x wider;
   // T24: one, with two the gate|up integer object spilled). M = 4: three, so Granite's 4 x 320 words are one round
   // and the RMSNorm's rstd comes from the same loads (M = 4 step -6.2%; three at M = 5..8 +5 to +7%, 2026-12-01)
-  constexpr int U = (FX || T24) ? 1 : (M == 4 ? 3 : 2);
+  // FX and T24 at M = 2: two, so that 2 x 480 words are one round
+  constexpr int U = (FX || T24) ? M : (M == 4 ? 3 : 2);
   // RMSNorm: when the whole row is one round of loads (decode on Granite and SmolLM2), the rstd comes
   // from the same loads (no separate pass, one L2 round trip less); else from compute_rstd first
   const bool fused = norm_w != nullptr && k0 == 0 && kst == c.p->H && total <= U * NCT;
-  // (FX: whole rows in one round, so its rstd is always fused: the M = 1 launch refuses H > 8 NCT with the split)
-  if constexpr (!FX)
+  // (FX and T24, run at M <= kFxMaxM = 2 only: whole rows in one round, so the rstd is always fused: the launch
+  // refuses H > 8 NCT with the split)
+  if constexpr (!FX && !T24)
     if (norm_w != nullptr && !fused) compute_rstd<M>(*c.p, src, mult, c.misc);
   for (int c0 = 0; c0 < total; c0 += NCT * U) {
     float4 v[U][2], wv[U][2];

@@ -7,9 +7,9 @@
 //   - tagged words: a value and the tag of the layer that wrote it in ONE store (8 bytes: fp32 + 32-bit tag; or 4
 //     bytes: the fp32's top 24 bits + the tag's low 8 bits); a reader re-polls until every word it needs carries this
 //     layer's tag, so no barrier is needed between the writer's stage and the reader's;
-//   - counted fixed-point words (M = 1): the residual stream as 64-bit fixed point (2^-32 units) whose top byte
-//     counts the adds it has received; integer adds commute, so the sum is bitwise the same in any order, and a
-//     reader knows from the count alone that every add of the layer has landed.
+//   - counted fixed-point words (the objects of M <= kFxMaxM): the residual stream as 64-bit fixed point (2^-32
+//     units) whose top byte counts the adds it has received; integer adds commute, so the sum is bitwise the same in
+//     any order, and a reader knows from the count alone that every add of the layer has landed.
 // Relies on: Params / NCT (mk_common.cuh); the consumer warps' named barrier 1 (the producer warp never joins it).
 #pragma once
 #include "mk_common.cuh"
@@ -66,12 +66,14 @@ __device__ __forceinline__ void block_tiles(int ntiles, int nb, int b, int& t0, 
   t1 = (int)((uint32_t)(ntiles * (b + 1)) / (uint32_t)nb);
 }
 
-// ---- counted fixed-point residual words (the M = 1 object with the FFN split-K)
+// ---- counted fixed-point residual words (the objects of M <= kFxMaxM, with the FFN split-K)
 // Every add into the residual buffer X carries 1 << 56 (its count); values stay within 2^55 of 0 (|v| < 2^23 in
 // fp32 terms: far above any residual of the models flint runs; beyond, the conversion saturates).
-constexpr unsigned long long FX_CNT = kFx1 ? (1ull << 56) : 0ull;
+constexpr bool kFxObj = FLINT_MK_M <= kFxMaxM;  // (this object runs the counted residual and the tagged hops)
+static_assert(kFxMaxM <= 2, "the counted residual's stagings fuse the rstd: rows of one round of loads (M <= 2)");
+constexpr unsigned long long FX_CNT = kFxObj ? (1ull << 56) : 0ull;
 template <int M>
-constexpr bool kFx = kFx1 && M == 1;  // (the M = 1 object's M = 1 kernel: the only one)
+constexpr bool kFx = kFxObj && M == FLINT_MK_M;  // (the object's one kernel)
 // The fixed-point buffers (after the FFN partial sums in Params::dpart): X[0..1] (only X[0] is used; the second
 // buffer, the codes' O / D / Y slots and misc->fxc[1] are the layout the kernel was validated with). A stage_x source
 // code names the two buffers to add (b: FXB_NONE = none) and the one the rows' owners write the sum to.
@@ -138,7 +140,9 @@ __device__ __forceinline__ float ld_tagged(const uint32_t* w, uint32_t tag) {  /
   return __uint_as_float(v);
 }
 // 32-bit tagged words (the fp32 value truncated to its top 24 bits: 16 significant bits, relative error < 2^-15;
-// then the tag's low 8 bits, enough because a word is rewritten every layer and the tag grows by one per layer),
+// then an 8-bit tag, tw24_tag: layer + 1. Enough because every launch rewrites the rows it uses at every layer: a
+// stale word is either this launch's previous layer (tag = layer) or, at layer 0, the last layer of the launch that
+// last wrote it (tag = L, and that launch ended before this one began); so L <= 254, which the launch checks),
 // after the q|k|v words of MAX_M tokens: the attention output [MAX_M][nh D], then x + o [MAX_M][H] (word offsets
 // into p.qkvt). The stagings that read them convert to fp16 hi + lo (22 bits) or int8 terms (~15 bits).
 __device__ __forceinline__ size_t tw24_attn(const Params& p, int m, int i) {
@@ -147,6 +151,7 @@ __device__ __forceinline__ size_t tw24_attn(const Params& p, int m, int i) {
 __device__ __forceinline__ size_t tw24_resid(const Params& p, int m, int n) {
   return (size_t)2 * MAX_M * (2 * p.nh + 2 * p.nkv) * p.D + (size_t)MAX_M * p.nh * p.D + (size_t)m * p.H + n;
 }
+__device__ __forceinline__ uint32_t tw24_tag(int layer) { return (uint32_t)layer + 1u; }
 __device__ __forceinline__ uint32_t tw24_word(float v, uint32_t tag) {  // (the value's top 3 bytes, the tag's low byte)
   return __byte_perm(__float_as_uint(v), tag, 0x3214);
 }
@@ -172,11 +177,11 @@ __device__ __forceinline__ void ld_tw24x8(const uint32_t* w, uint32_t tag, float
   a = make_float4(h(u[0].x), h(u[0].y), h(u[0].z), h(u[0].w));
   b = make_float4(h(u[1].x), h(u[1].y), h(u[1].z), h(u[1].w));
 }
-// attention output element i (head-major) of token m: the fp32 row, and at M = 1 its 24-bit tagged word (the o
-// staging polls those instead of waiting at a fenced barrier)
-__device__ __forceinline__ void attn_out(const Params& p, int m, int i, float v, uint32_t tag) {
+// attention output element i (head-major) of token m: the fp32 row, and in the objects with the tagged hops its
+// 24-bit tagged word (the o staging polls those instead of waiting at a fenced barrier)
+__device__ __forceinline__ void attn_out(const Params& p, int m, int i, float v, int layer) {
   p.attn[(size_t)m * p.nh * p.D + i] = v;
-  if constexpr (kFx1) st_tw24(p.qkvt + tw24_attn(p, m, i), v, tag);
+  if constexpr (kFxObj) st_tw24(p.qkvt + tw24_attn(p, m, i), v, tw24_tag(layer));
 }
 
 }  // namespace
