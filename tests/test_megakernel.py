@@ -230,9 +230,9 @@ def test_logits_match_reference(name, make, group, split):
 @pytest.mark.parametrize("split", ["auto", "0"])
 def test_long_context_64k_matches_reference(split):
     """Position 65536 on Granite-4.1-3B widths (2 layers): both caches hold the same random K/V at 64k positions
-    (filling them by prefill is what the shorter contexts above test), then one decode step and a verify step of
-    M = 4 against the reference: 16 context splits per kv head, the sequential tagged merge at M = 1 and the
-    counter merge at M = 4."""
+    (filling them by prefill is what the shorter contexts above test), then one decode step and verify steps of
+    M = 4 and M = 2 against the reference: 16 context splits per kv head, the sequential tagged merge at M = 1 and
+    M = 2, the counter merge at M = 4."""
     cfg = _granite(2)
     P = 65536
     mk, ref = _pair(cfg, 128, P + 16, ffn_split=split)
@@ -250,6 +250,8 @@ def test_long_context_64k_matches_reference(split):
     assert torch.isfinite(a).all() and rel(a, b) < 1e-2, f"ctx {P}: rel {rel(a, b):.3e}"
     a, b = mk.forward(toks[1:], P + 1), ref.forward(toks[1:], P + 1)
     assert a.shape == b.shape == (4, cfg.vocab_size) and rel(a, b) < 1e-2, f"ctx {P + 1}, M = 4: rel {rel(a, b):.3e}"
+    a, b = mk.forward(toks[1:3], P + 1), ref.forward(toks[1:3], P + 1)  # (a rollback: M = 2 over the same positions)
+    assert a.shape == b.shape == (2, cfg.vocab_size) and rel(a, b) < 1e-2, f"ctx {P + 1}, M = 2: rel {rel(a, b):.3e}"
 
 
 @gpu
