@@ -231,8 +231,8 @@ def test_logits_match_reference(name, make, group, split):
 def test_long_context_64k_matches_reference(split):
     """Position 65536 on Granite-4.1-3B widths (2 layers): both caches hold the same random K/V at 64k positions
     (filling them by prefill is what the shorter contexts above test), then one decode step and verify steps of
-    M = 4 and M = 2 against the reference: 16 context splits per kv head, the sequential tagged merge at M = 1 and
-    M = 2, the counter merge at M = 4."""
+    M = 4 and M = 2 against the reference: 16 context splits per kv head, the sequential tagged merge at M = 1, the
+    counter merge at M = 4 and M = 2 (whose o staging polls its tagged words)."""
     cfg = _granite(2)
     P = 65536
     mk, ref = _pair(cfg, 128, P + 16, ffn_split=split)
@@ -457,10 +457,9 @@ def test_verify_shapes_match_reference(m, split):
 @gpu
 @needs_sm90
 def test_interleaved_verify_widths_match_reference():
-    # Granite widths with the FFN split: every verify width runs the counted residual and the tagged hops (M <= 4)
-    # or the fp32 protocol (M >= 5); launches of different widths alternate, so a tagged word a launch reads was
-    # last written by a launch of another width (the 8-bit tags count layers, mk_sync.cuh). At M = 3 and 4 the
-    # rows are more than one round of loads (the polled rstd first). Each launch against the reference.
+    # Granite widths with the FFN split: M <= 2 run the counted residual and the tagged hops, M >= 3 the fp32
+    # protocol; launches of different widths alternate, so a tagged word a launch reads was last written by a
+    # launch of another width (the 8-bit tags count layers, mk_sync.cuh). Each launch against the reference.
     cfg = _granite(3)
     mk, ref = _pair(cfg, 128, 200, ffn_split="auto")
     if mk.ffn_plan is None:
