@@ -45,9 +45,11 @@ def load_library(traced: bool = False):
 
 
 
-# The FFN split-K's fixed-point residual stages a whole row in one round of loads: 8 values per consumer thread
-# (megakernel.cu refuses a larger hidden size with the split); wider models run the plain down stage.
+# The FFN split-K's fixed-point residual stages a whole row in one round of loads: 8 values per consumer thread;
+# and its tagged hops' 8-bit tags count layers (mk_sync.cuh, tw24_tag). megakernel.cu refuses a larger hidden size
+# or more layers with the split; such models run the plain down stage.
 FX_MAX_HIDDEN = 8 * 15 * 32
+FX_MAX_LAYERS = 254
 
 def bind_library(lib: ctypes.CDLL) -> ctypes.CDLL:
     """Set the ctypes signatures of a loaded libflint_mk.so (also used by lab/mk_ab1.py, which loads
@@ -339,7 +341,7 @@ class MegakernelBackend:
             q=torch.zeros((MAX_M, nh * d), **f32),
             # (fp32 bits, tag) words: this step's q|k|v rows, then room for MAX_M attention rows of such words (unused
             # by the shipped kernel: the layout it was validated with); then the (24-bit value, 8-bit tag) words of
-            # the attention output and of x + o (M = 1); tags restart with the epoch (mk_sync.cuh)
+            # the attention output and of x + o (M <= 2); their 8-bit tags count layers (mk_sync.cuh)
             qkv_tag=torch.zeros((MAX_M * ((2 * nh + 2 * nkv) * d * 2 + nh * d + H),), **i32),
             attn=torch.zeros((MAX_M, nh * d), **f32),
             act=torch.zeros((MAX_M, I), **f32),
@@ -422,11 +424,15 @@ class MegakernelBackend:
         if mode not in ("auto", "0", "1"):
             raise ValueError(f"megakernel: {src}={mode!r}: expected auto, 0 or 1")
         plan = ffn_split_plan(self.cfg.intermediate_size, group, self.nblocks)
+        why = (f"intermediate_size={self.cfg.intermediate_size} at group size {group} has no FFN split-K plan over "
+               f"{self.nblocks} blocks")
+        # (the split's fixed-point residual: whole rows in one round of loads, layer-counting tags)
         if plan is not None and self.cfg.hidden_size > FX_MAX_HIDDEN:
-            plan = None  # (the split's fixed-point residual stages whole rows in one round of loads)
+            plan, why = None, f"hidden_size={self.cfg.hidden_size} > {FX_MAX_HIDDEN} (the split's limit)"
+        if plan is not None and self.cfg.num_layers > FX_MAX_LAYERS:
+            plan, why = None, f"num_layers={self.cfg.num_layers} > {FX_MAX_LAYERS} (the split's limit)"
         if mode == "1" and plan is None:
-            raise ValueError(f"megakernel: {src}=1 but intermediate_size={self.cfg.intermediate_size} at group "
-                             f"size {group} has no FFN split-K plan over {self.nblocks} blocks")
+            raise ValueError(f"megakernel: {src}=1 but {why}")
         if mode == "0" or plan is None or (mode == "auto" and plan["nffn"] < 0.9 * self.nblocks):
             return None
         return plan

@@ -105,8 +105,8 @@ __global__ void __launch_bounds__(NT, 1)
   c.tag0 = (uint32_t)(epoch * (unsigned long long)p.L) + 1u;
   // Grid barriers: the counter's target counts from the base the previous launch left in p.epoch[1] (barriers per
   // launch depend on M); the base lives in shared memory, read by the one thread that waits (no 64-bit value held in
-  // registers across the kernel). fence_free (the objects with the counted residual): a relaxed counter, where the data behind it are
-  // tagged words that carry their own proof.
+  // registers across the kernel). fence_free (the objects with the counted residual): a relaxed counter, where the
+  // data behind it are tagged words that carry their own proof.
   unsigned long long nbar = 0;
   if (threadIdx.x == 0) misc->bar0 = __ldcg(p.epoch + 1);
   auto gsync = [&](bool fence_free) {
@@ -187,9 +187,10 @@ __global__ void __launch_bounds__(NT, 1)
       ffn_down_partial<M>(c, l);
       if (kFx<M> && threadIdx.x == 0) misc->fxc[0] += (uint32_t)p.nffn;  // (every FFN block adds once per row)
       stamp(l, 9);
-      // the counted residual: no grid barrier: the next staging's count polls are the proof (a word shows the expected count exactly
-      // when every add of the layer has landed; the next adds into X, the o owners' of the next layer, need every
-      // block's next q|k|v epilogue through attention, so no word runs past its count before every block read it)
+      // the counted residual: no grid barrier: the next staging's count polls are the proof (a word shows the
+      // expected count exactly when every add of the layer has landed; the next adds into X, the o owners' of the
+      // next layer, need every block's next q|k|v epilogue through attention, so no word runs past its count before
+      // every block read it)
       if (!kFx<M>) gsync(true);
       else cbar();
       stamp(l, 10);
@@ -277,8 +278,8 @@ extern "C" int MK_SYM(flint_mk_launch_m)(const mk::Params* p, const mk::Smem* sl
                                                        int set_attr) {
   auto kern = mk::decode_kernel<FLINT_MK_M>;
   cudaError_t e;
-  // the counted residual: M = 1 stages it as whole rows of one round (one word of 8 codes per thread); the 8-bit
-  // tags of the tagged hops count layers (mk_sync.cuh, tw24_tag)
+  // the counted residual: its stagings read whole rows in one round (8 codes a word, M words per thread); the 8-bit
+  // tags of the tagged hops count layers (mk_sync.cuh, tw24_tag). flint/megakernel.py turns the split off first.
   if (mk::kFxObj && p->nffn && (p->H > 8 * mk::NCT || p->L > 254)) return (int)cudaErrorNotSupported;
   if (set_attr) {
     e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, sl->total);

@@ -32,9 +32,9 @@ namespace mk {
 
 // The objects of M <= kFxMaxM (with the FFN split-K): the down partials are added into a 64-bit fixed-point residual
 // whose counted words replace the grid barrier and the reduction pass after them, and the hops after attention and
-// o are fence-free tagged words (M = 1: −3.2% and −2.9% per step; M = 2: −2.9%; docs/megakernel.md
+// o are fence-free tagged words (M = 1: −3.2% and −2.9% per step; M = 2: −1.5%; docs/megakernel.md
 // "Synchronisation"). Beyond it the fp32 residual, the dpart reduction and fenced barriers: at M = 3 / 4 the
-// counted residual's rows are more than one round of loads (two in flight spilled) and it cost +2.7% / +8.7%.
+// counted residual's rows are more than one round of loads (two in flight spilled) and it cost +3.7% / +8.8%.
 constexpr int kFxMaxM = 2;
 // Bulk copies in flight per block: one (−1.4% at ctx 512 against two once the dots got cheaper; three +1.8%) ...
 constexpr int kInflight = 1;

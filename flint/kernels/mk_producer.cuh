@@ -71,8 +71,8 @@ __device__ void produce_matrix(const Mat& mt, int t0, int t1, int layer, const R
 }
 
 // FFN split-K: this block's down slice (all its row tiles, one K slice) in chunks of cpt tiles per slot, in
-// ffn_down_partial's order. With the counted residual (fxrot) block f starts at chunk f mod chunks, so that the FFN blocks' adds
-// into the shared fixed-point residual spread over all rows at a time.
+// ffn_down_partial's order. With the counted residual (fxrot) block f starts at chunk f mod chunks, so that the FFN
+// blocks' adds into the shared fixed-point residual spread over all rows at a time.
 __device__ void produce_slice(const Mat& mt, int ntl, int cpt, int layer, const Ring& ring, int& slot, uint32_t& lap,
                               uint64_t pol, bool fxrot) {
   const uint32_t tb = (uint32_t)(TILE_ROWS * mt.srb);

@@ -112,10 +112,10 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
   const int total = M * wpr;
   const int L = G >> 3;             // lanes per (token, group)
   const int wshift = gshift - 5;
-  // words in flight per thread (more raises register pressure for the whole kernel; FX: one, its loads are 4x wider;
-  // T24: one, with two the gate|up integer object spilled). M = 4: three, so Granite's 4 x 320 words are one round
-  // and the RMSNorm's rstd comes from the same loads (M = 4 step -6.2%; three at M = 5..8 +5 to +7%, 2026-12-01)
-  // FX and T24 at M = 2: two, so that 2 x 480 words are one round
+  // words in flight per thread (more raises register pressure for the whole kernel). FX and T24 (M <= 2): M, so
+  // a row of up to 480 words a token is one round (at M = 1 one: its loads are 4x wider, and two spilled the gate|up
+  // integer object). M = 4: three, so Granite's 4 x 320 words are one round and the RMSNorm's rstd comes from the same
+  // loads (M = 4 step -6.2%; three at M = 5..8 +5 to +7%, 2026-12-01)
   constexpr int U = (FX || T24) ? M : (M == 4 ? 3 : 2);
   // RMSNorm: when the whole row is one round of loads (decode on Granite and SmolLM2), the rstd comes
   // from the same loads (no separate pass, one L2 round trip less); else from compute_rstd first
