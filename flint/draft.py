@@ -280,7 +280,7 @@ class DraftHead(nn.Module):
         draws come from ``gen`` outside it); FLINT_DRAFT_GRAPH=0 runs the same kernels eagerly."""
         self._need_target()
         greedy = sp is None or sp.temperature == 0
-        tok = torch.tensor([context_ids[-1]], device=self.device)
+        tok = torch.full((1,), int(context_ids[-1]), dtype=torch.long, device=self.device)  # (a fill: no host sync)
         if greedy:
             kr = self._kernel_rollout()
             if kr is not None:

@@ -670,6 +670,8 @@ class MegakernelBackend:
         out["lm_head"] = float(t[-1, 13] - t[-1, 12]) / 1e3
         starts = {"qkv": 1, "o": 5, "gate_up": 7, "down": 10}
         for mi, n in enumerate(self.SUBSTAGES):
+            if not bool((t[:, 16 + 4 * mi] != 0).all()):  # a stage this launch does not run (down with the FFN split)
+                continue
             out[n + ".stage_x"] = float((t[:, 16 + 4 * mi] - t[:, starts[n]]).mean()) / 1e3
             out[n + ".tiles"] = float((t[:, 17 + 4 * mi] - t[:, 16 + 4 * mi]).mean()) / 1e3
         return out

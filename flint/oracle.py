@@ -51,7 +51,7 @@ class OracleDraft:
             if self.rng.random() >= self.accept:
                 out[j] = (out[j] + 1) % self.vocab_size  # not the target's token: rejected here
                 break
-        return torch.tensor(out, dtype=torch.long, device=toks.device), None
+        return torch.tensor(out, dtype=torch.long), None  # (host ids: the verify's step copies them in, async)
 
 
 __all__ = ["OracleDraft", "expected_tokens_per_step"]

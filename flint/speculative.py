@@ -135,18 +135,22 @@ class SpeculativeEngine(Engine):
                     raise ValueError(f"speculative decoding: the draft proposed {drafts.shape[0]} tokens, "
                                      f"at most {k} were asked for")
                 k = int(drafts.shape[0])  # a draft may propose fewer (an n-gram draft with no match: none)
-                drafts = drafts.to(dev)
             if not k:
                 drafts, q = torch.empty(0, dtype=torch.long, device=dev), None
-            step = torch.cat((torch.tensor([tok], dtype=torch.long, device=dev), drafts))
+            # the verify's tokens [tok, d1..dk] without a host synchronisation: a fill and a device copy on the stream
+            # (a host tensor copied in would wait for the draft's rollout to finish before the verify is enqueued)
+            step = torch.empty(k + 1, dtype=torch.long, device=dev)
+            step[:1].fill_(tok)
+            if k:
+                step[1:].copy_(drafts, non_blocking=True)  # (from host memory: staged at once, no device sync)
             logits, hid = self.backend.forward(step, pos, return_hidden=True)
             if greedy:
-                vals = torch.cat((torch.argmax(logits, -1), drafts)).tolist()  # one device sync
+                vals = torch.cat((torch.argmax(logits, -1), step[1:])).tolist()  # the step's one device sync
                 proposed = vals[k + 1:]
                 n, nxt = verify_greedy(vals[: k + 1], proposed)
             else:
                 p = probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p)
-                n, nxt = verify_sampling(p, q.to(p.device) if q is not None else q, drafts, gen)
+                n, nxt = verify_sampling(p, q.to(p.device) if q is not None else q, step[1:], gen)
                 proposed = drafts.tolist()
             new = proposed[:n] + [nxt]
             stats.steps += 1

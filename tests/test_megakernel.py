@@ -456,13 +456,16 @@ def test_verify_shapes_match_reference(m, split):
 
 @gpu
 @needs_sm90
-def test_interleaved_verify_widths_match_reference():
-    # Granite widths with the FFN split: M <= 2 run the counted residual and the tagged hops, M >= 3 the fp32
-    # protocol; launches of different widths alternate, so a tagged word a launch reads was last written by a
-    # launch of another width (the 8-bit tags count layers, mk_sync.cuh). Each launch against the reference.
+@pytest.mark.parametrize("split", ["auto", "0"])
+def test_interleaved_verify_widths_match_reference(split):
+    # Granite widths (groups of 128: M = 1 and 2 run gate|up on the integer dot) with and without the FFN split:
+    # with it M <= 2 run the counted residual and the tagged hops, M >= 3 the fp32 protocol; launches of different
+    # widths alternate, so a tagged word a launch reads was last written by a launch of another width (the 8-bit
+    # tags count layers, mk_sync.cuh), and a staging's per-group sums by one of another dot. Each launch against
+    # the reference.
     cfg = _granite(3)
-    mk, ref = _pair(cfg, 128, 200, ffn_split="auto")
-    if mk.ffn_plan is None:
+    mk, ref = _pair(cfg, 128, 200, ffn_split=split)
+    if split == "auto" and mk.ffn_plan is None:
         pytest.skip(f"the FFN split needs 132 SMs on Granite shapes (this GPU: {mk.nblocks})")
     toks = torch.randint(0, cfg.vocab_size, (200,), generator=torch.Generator().manual_seed(5))
     pos = 0

@@ -408,6 +408,54 @@ def test_greedy_identical_with_kernel_draft_on_cuda():
         assert got.token_ids == want.token_ids, prompt
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAVE_CUDA and torch.cuda.get_device_capability() >= (9, 0)),
+                    reason="needs a CUDA sm_90 (Hopper) GPU (the megakernel and the draft's rollout kernel)")
+def test_greedy_step_has_one_host_sync_on_the_megakernel():
+    """A greedy speculative step on the megakernel with the kernel draft: the draft's rollout, the verify and the
+    accept, with one host synchronisation (the verify's tokens read back; torch's sync debug mode counts every
+    synchronising torch call); the output equals plain greedy."""
+    import warnings
+
+    from flint.megakernel import MegakernelBackend
+    from flint.synthetic import synthetic_params
+
+    cfg = from_hf_dict(dict(model_type="llama", vocab_size=512, hidden_size=256, intermediate_size=512,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=64,
+                            rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+                            max_position_embeddings=512), "tiny-mk")
+    params = synthetic_params(cfg, seed=0, int4_group_size=64, dtype=torch.float32, device="cuda")
+    be = MegakernelBackend(cfg, params, 256)
+    torch.manual_seed(3)
+    draft = DraftHead(draft_config_for(cfg, intermediate_size=256)).to("cuda", torch.bfloat16)
+    draft.attach_target(cfg, params, device="cuda", dtype=torch.bfloat16, vocab=torch.arange(0, 512, 2))
+    assert draft._kernel_rollout() is not None
+    sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    prompt = [5, 17, 3, 99, 250]
+    want = Engine(be).generate(prompt, sp).token_ids
+    eng = SpeculativeEngine(be, None, draft, k=3)
+    eng.generate(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm-up (first launches, caches)
+    eng.cached, eng.should_stop, eng.step_logprobs = [], None, []
+    eng._on_start()
+    it = eng._tokens(list(prompt), sp, None)
+    got = [next(it)]  # the prefill's token
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            while len(got) < sp.max_new_tokens:
+                got.append(next(it))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    # (torch's warning for each synchronising call; switching the mode on adds one of its own, "... a prototype
+    # feature and does not yet detect all synchronizing operations", which is not one)
+    syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchronizing CUDA operation" in str(w.message)]
+    steps = eng.last_stats.steps
+    assert got == want
+    assert steps >= 8 and len(syncs) == steps, f"{len(syncs)} host syncs in {steps} steps: {sorted(set(syncs))}"
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_logprobs_are_the_targets_own(temperature):
     """Each emitted token's logprob (and top alternatives) is the target's log-softmax at its position: the

@@ -29,14 +29,15 @@ SOURCES = ("mk_config.cuh", "mk_common.cuh", "mk_ptx.cuh", "mk_sync.cuh", "mk_tr
            "mk_stage.cuh", "mk_mma.cuh", "mk_matvec.cuh", "mk_ffn.cuh", "mk_kv8.cuh", "mk_attention.cuh", "megakernel.cu",
            "megakernel_host.cu", "draft_kernel.cu")
 M_VALUES = tuple(range(1, 9))
-# more objects of megakernel.cu: (name, its -D flags); m1gu8 = M = 1 with gate|up's integer dot (groups of 128)
-# m1long / m1gu8long = the same for long contexts (attention on the tensor cores, more K/V tile buffers)
-EXTRA_OBJECTS = (("m1gu8", ("-DFLINT_MK_M=1", "-DFLINT_MK_GU8=1")),
+# more objects of megakernel.cu: (name, its -D flags); m1gu8 / m2gu8 = M = 1 / 2 with gate|up's integer dot (groups
+# of 128; megakernel_host.cu kGu8MaxM); m1long / m1gu8long = the M = 1 ones for long contexts (attention on the tensor
+# cores, more K/V tile buffers)
+EXTRA_OBJECTS = (*((f"m{m}gu8", (f"-DFLINT_MK_M={m}", "-DFLINT_MK_GU8=1")) for m in (1, 2)),
                  ("m1long", ("-DFLINT_MK_M=1", "-DFLINT_MK_LONG=1")),
                  ("m1gu8long", ("-DFLINT_MK_M=1", "-DFLINT_MK_GU8=1", "-DFLINT_MK_LONG=1")),
                  # every object again with the int8 KV cache (FLINT_MK_KV8: launched only with it)
                  *((f"m{m}kv8", (f"-DFLINT_MK_M={m}", "-DFLINT_MK_KV8=1")) for m in range(1, 9)),
-                 ("m1gu8kv8", ("-DFLINT_MK_M=1", "-DFLINT_MK_GU8=1", "-DFLINT_MK_KV8=1")),
+                 *((f"m{m}gu8kv8", (f"-DFLINT_MK_M={m}", "-DFLINT_MK_GU8=1", "-DFLINT_MK_KV8=1")) for m in (1, 2)),
                  ("m1longkv8", ("-DFLINT_MK_M=1", "-DFLINT_MK_LONG=1", "-DFLINT_MK_KV8=1")),
                  ("m1gu8longkv8", ("-DFLINT_MK_M=1", "-DFLINT_MK_GU8=1", "-DFLINT_MK_LONG=1", "-DFLINT_MK_KV8=1")))
 LIB_NAME = "libflint_mk.so"

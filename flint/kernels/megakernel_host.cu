@@ -10,26 +10,31 @@
 #include "mk_common.cuh"
 #include "mk_mma.cuh"
 
-// (each M's object, and its copy for the int8 KV cache: FLINT_MK_KV8)
+// (each M's object, and its copy for the int8 KV cache: FLINT_MK_KV8; for M <= kGu8MaxM also the ones with gate|up's
+// integer dot, FLINT_MK_GU8: the _gu8 names of larger M are declared, never defined nor used)
 #define MK_DECL(m)                                                                                          \
   extern "C" int flint_mk_launch_m##m(const mk::Params*, const mk::Smem*, int, const long long*, int,     \
                                       cudaStream_t, int);                                                  \
   extern "C" int flint_mk_occupancy_m##m(int, int*);                                                       \
   extern "C" int flint_mk_launch_m##m##_kv8(const mk::Params*, const mk::Smem*, int, const long long*, int, \
                                             cudaStream_t, int);                                            \
-  extern "C" int flint_mk_occupancy_m##m##_kv8(int, int*);
+  extern "C" int flint_mk_occupancy_m##m##_kv8(int, int*);                                                 \
+  extern "C" int flint_mk_launch_m##m##_gu8(const mk::Params*, const mk::Smem*, int, const long long*, int, \
+                                            cudaStream_t, int);                                            \
+  extern "C" int flint_mk_occupancy_m##m##_gu8(int, int*);                                                 \
+  extern "C" int flint_mk_launch_m##m##_gu8_kv8(const mk::Params*, const mk::Smem*, int, const long long*, \
+                                                int, cudaStream_t, int);                                   \
+  extern "C" int flint_mk_occupancy_m##m##_gu8_kv8(int, int*);
 MK_DECL(1) MK_DECL(2) MK_DECL(3) MK_DECL(4) MK_DECL(5) MK_DECL(6) MK_DECL(7) MK_DECL(8)
-// M = 1 with gate|up's integer dot (megakernel.cu FLINT_MK_GU8): launched for models in groups of 128
-extern "C" int flint_mk_launch_m1_gu8(const mk::Params*, const mk::Smem*, int, const long long*, int, cudaStream_t, int);
-extern "C" int flint_mk_occupancy_m1_gu8(int, int*);
+// M = 1, 2 with gate|up's integer dot: launched for models in groups of 128 (the integer dot at M = 3 / 4 cost +2.8% /
+// +2.4% a step against the fp16 dot, 2026-12-02: docs/megakernel-log.md)
+constexpr int kGu8MaxM = 2;
 // M = 1 for long contexts (FLINT_MK_LONG): attention in warp groups with their own K/V buffers (TMA), own layout
 extern "C" int flint_mk_launch_m1_long(const mk::Params*, const mk::Smem*, int, const long long*, int, cudaStream_t, int);
 extern "C" int flint_mk_occupancy_m1_long(int, int*);
 extern "C" int flint_mk_launch_m1_gu8_long(const mk::Params*, const mk::Smem*, int, const long long*, int, cudaStream_t, int);
 extern "C" int flint_mk_occupancy_m1_gu8_long(int, int*);
 // the M = 1 variants' copies for the int8 KV cache
-extern "C" int flint_mk_launch_m1_gu8_kv8(const mk::Params*, const mk::Smem*, int, const long long*, int, cudaStream_t, int);
-extern "C" int flint_mk_occupancy_m1_gu8_kv8(int, int*);
 extern "C" int flint_mk_launch_m1_long_kv8(const mk::Params*, const mk::Smem*, int, const long long*, int, cudaStream_t, int);
 extern "C" int flint_mk_occupancy_m1_long_kv8(int, int*);
 extern "C" int flint_mk_launch_m1_gu8_long_kv8(const mk::Params*, const mk::Smem*, int, const long long*, int, cudaStream_t,
@@ -55,6 +60,13 @@ static const occ_fn kOcc8[mk::MAX_M + 1] = {nullptr,
                                             flint_mk_occupancy_m3_kv8, flint_mk_occupancy_m4_kv8,
                                             flint_mk_occupancy_m5_kv8, flint_mk_occupancy_m6_kv8,
                                             flint_mk_occupancy_m7_kv8, flint_mk_occupancy_m8_kv8};
+
+static const launch_fn kLaunchGu8[2][kGu8MaxM + 1] = {
+    {nullptr, flint_mk_launch_m1_gu8, flint_mk_launch_m2_gu8},
+    {nullptr, flint_mk_launch_m1_gu8_kv8, flint_mk_launch_m2_gu8_kv8}};
+static const occ_fn kOccGu8[2][kGu8MaxM + 1] = {
+    {nullptr, flint_mk_occupancy_m1_gu8, flint_mk_occupancy_m2_gu8},
+    {nullptr, flint_mk_occupancy_m1_gu8_kv8, flint_mk_occupancy_m2_gu8_kv8}};
 
 static thread_local char g_err[512];
 
@@ -377,24 +389,26 @@ static int launch(Handle* h, int M, int start, const long long* tokens, int tok0
              h->p.max_seq);
     return 1;
   }
-  // M = 1 on a model in groups of 128: the object with gate|up's integer dot (v15)
-  const bool gu8 = M == 1 && h->p.mat[mk::MAT_GU].G == 128;
+  // M <= kGu8MaxM on a model in groups of 128: the objects with gate|up's integer dot (M = 1 since v15, M = 2 v30)
+  const bool gu8 = M <= kGu8MaxM && h->p.mat[mk::MAT_GU].G == 128;
   // M = 1 whose attention splits walk several tiles: the long-context object (when its layout fits)
   // (their K/V tiles come by TMA: only where the tensor maps were made)
   const bool lng = M == 1 && h->ready_long && h->p.kv_tma && att_tiles_per_split(h->p, start + M) >= kLongFromTiles;
   // (the int8 KV cache: the kv8 copies of the same objects)
   const bool k8 = h->p.kv8;
+  const launch_fn lgu8 = gu8 ? kLaunchGu8[k8][M] : nullptr;
+  const occ_fn ogu8 = gu8 ? kOccGu8[k8][M] : nullptr;
   const launch_fn lf = k8 ? (lng ? (gu8 ? flint_mk_launch_m1_gu8_long_kv8 : flint_mk_launch_m1_long_kv8)
-                                 : gu8 ? flint_mk_launch_m1_gu8_kv8 : kLaunch8[M])
+                                 : gu8 ? lgu8 : kLaunch8[M])
                           : lng ? (gu8 ? flint_mk_launch_m1_gu8_long : flint_mk_launch_m1_long)
-                                : gu8 ? flint_mk_launch_m1_gu8 : kLaunch[M];
+                                : gu8 ? lgu8 : kLaunch[M];
   const occ_fn of = k8 ? (lng ? (gu8 ? flint_mk_occupancy_m1_gu8_long_kv8 : flint_mk_occupancy_m1_long_kv8)
-                              : gu8 ? flint_mk_occupancy_m1_gu8_kv8 : kOcc8[M])
+                              : gu8 ? ogu8 : kOcc8[M])
                        : lng ? (gu8 ? flint_mk_occupancy_m1_gu8_long : flint_mk_occupancy_m1_long)
-                             : gu8 ? flint_mk_occupancy_m1_gu8 : kOcc[M];
-  static bool attr_done[2][mk::MAX_M + 1] = {{false}}, attr_done_gu8[2] = {false, false};
+                             : gu8 ? ogu8 : kOcc[M];
+  static bool attr_done[2][mk::MAX_M + 1] = {{false}}, attr_done_gu8[2][kGu8MaxM + 1] = {{false}};
   static bool attr_done_long[2][2] = {{false, false}, {false, false}};
-  bool& done = lng ? attr_done_long[k8][gu8] : gu8 ? attr_done_gu8[k8] : attr_done[k8][M];
+  bool& done = lng ? attr_done_long[k8][gu8] : gu8 ? attr_done_gu8[k8][M] : attr_done[k8][M];
   int set_attr = 0;
   if (!done) {
     int bps = 0;

@@ -7,7 +7,8 @@
 // partials are merged:
 //   - at M = 1 with <= kTmMaxSplits splits: by split 0's block, from tagged words, every split's word in flight at
 //     once (registers: one o value and tag per split and thread);
-//   - at M = 1 with <= kTmSeqSplits splits: the same, 8 splits' words at a time, in split order;
+//   - at M = 1 with <= kTmSeqSplits splits, and in the objects with the tagged hops (M = 2) with <= kTmSeqSplits: the
+//     same, 8 splits' words at a time, in split order;
 //   - otherwise: the last split to finish (a counter atomic) merges from plain partials.
 // Every merge weighs the splits in split order: deterministic, bitwise repeatable.
 // The short objects (every M; M = 1 below the long objects' threshold): sub-tiles of ATT_T = 64 keys double-buffered
@@ -565,12 +566,13 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
         const int hq = kvh * g + r / M, m = r % M;
         attn_out(p, m, hq * D + d, o_s[i] / ms->att_l[r], layer);
       }
-    } else if (M <= 1 && nsplit > kTmMaxSplits && nsplit <= kTmSeqSplits && R * D <= NCT &&
+    } else if ((M > 1 ? kFxObj : nsplit > kTmMaxSplits) && nsplit <= kTmSeqSplits &&
                2 * R * kTmSeqSplits <= R * ATT_T) {
-      // more splits than the register merge holds: the (m, l) pairs first, then every output thread polls and weighs
-      // the splits' o words 8 at a time (in flight together), in split order (deterministic). Its hand-over loop and
-      // its 16-byte (m, l) poll repeat the register merge's below: as shared inline helpers they compiled to other
-      // register assignments
+      // M = 1 with more splits than the register merge holds, and the M = 2 object (its o staging polls the output:
+      // 0.9754 of the counter merge with the counted residual, neutral without it): the (m, l) pairs first, then
+      // every output thread polls and weighs the splits' o words 8 at a time (in flight together), in split order
+      // (deterministic); a thread takes outputs t, t + NCT, ... Its hand-over loop and its 16-byte (m, l) poll repeat
+      // the register merge's below: as shared inline helpers they compiled to other register assignments
       uint32_t* tk = reinterpret_cast<uint32_t*>(p.part) + 2 * ((size_t)kvh * nsplit * R) * (D + 2);
       if (sp != 0) {
         uint32_t* tp = tk + 2 * ((size_t)sp * R) * (D + 2);
@@ -611,8 +613,8 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
           w1[rr * kTmSeqSplits + s2] = m2 == -INFINITY ? 0.f : expf(m2 - mx);
         }
         cbar();
-        if (t < R * D) {
-          const int r = t / D, d = t - r * D;
+        for (int i = t; i < R * D; i += NCT) {
+          const int r = i / D, d = i - r * D;
           const float* wr = wt + 2 * r * kTmSeqSplits;
           float num = 0.f, den = 0.f;
           for (int s0 = 0; s0 < nsplit; s0 += 8) {
@@ -628,7 +630,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
                 if (s2 > 0 && s2 < nsplit)
                   asm volatile("ld.relaxed.gpu.global.v2.u32 {%0, %1}, [%2];"
                                : "=r"(v), "=r"(tg[k]) : "l"(tk + 2 * (((size_t)s2 * R + r) * (D + 2) + 2 + d)) : "memory");
-                ov[k] = s2 == 0 ? o_s[t] : __uint_as_float(v);
+                ov[k] = s2 == 0 ? o_s[i] : __uint_as_float(v);
               }
               ok = true;
 #pragma unroll

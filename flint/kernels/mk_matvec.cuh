@@ -18,19 +18,19 @@
 namespace mk {
 namespace {
 
-// The tile dot that reads this stage's staging: fp16 hi + lo terms, or (I8) the integer dot; at M = 1 in groups of
+// The tile dot that reads this stage's staging: fp16 hi + lo terms, or (I8) the integer dot; at M <= 2 in groups of
 // 64 / 128 the raw-byte integer dot (its staging writes the rows it reads). arow: the tile row of the lane's A rows
 // (mkmma::dot_perm_row: conflict-free code loads; -1: lane / 4, the mma's own row)
 template <int M, bool I8 = kIdot<M>>
 __device__ __forceinline__ void tile_dot(int G, uint32_t tile, int srb, int kseg, int gi0, int gi1, uint32_t xs,
                                          int xstride, uint32_t xlo, uint32_t xsum, int lane, float (&acc)[4],
                                          int arow = -1) {
-  if constexpr (I8) {  // (M = 1 only: kIdot; G = 32: the nibble-split dot; its staging is the one it reads)
-    static_assert(M == 1, "the integer dot runs at M = 1");
+  if constexpr (I8) {  // (M <= 2 only: kIdot; G = 32: the nibble-split dot; its staging is the one it reads)
+    static_assert(M <= 2, "the integer dot runs at M = 1 and 2");
     if (G == 128)
-      mkmma::imma_raw_tile_dot<4>(tile, srb, kseg, gi0, gi1, xs, mkmma::imma_raw_pitch(xstride), xsum, lane, acc, arow);
+      mkmma::imma_raw_tile_dot<4, M>(tile, srb, kseg, gi0, gi1, xs, mkmma::imma_raw_pitch(xstride), xsum, lane, acc, arow);
     else if (G == 64)
-      mkmma::imma_raw_tile_dot<2>(tile, srb, kseg, gi0, gi1, xs, mkmma::imma_raw_pitch(xstride), xsum, lane, acc, arow);
+      mkmma::imma_raw_tile_dot<2, M>(tile, srb, kseg, gi0, gi1, xs, mkmma::imma_raw_pitch(xstride), xsum, lane, acc, arow);
     else mkmma::imma_tile_dot<1, M>(tile, srb, kseg, gi0, gi1, xs, xstride, xsum, lane, acc, arow);
   } else
     mkmma::mma_tile_dot_g<M>(G, tile, srb, kseg, gi0, gi1, xs, xstride, xlo, xsum, lane, acc, arow);

@@ -336,7 +336,7 @@ __device__ __forceinline__ void imma_tile_dot(uint32_t tile, int srb, int kseg, 
   fold_lo_columns<M>(acc);  // as in the packed fp16 dot
 }
 
-// ---------------------------------------------------------------- the raw-byte integer tile dot (M = 1)
+// ---------------------------------------------------------------- the raw-byte integer tile dot (M = 1, 2)
 // The integer dot above splits each code word into its even and odd nibbles
 // (w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F: LOP3 + SHF + LOP3 per word). Here the words go to mma.m16n8k32.u8.s8 as they
 // are, byte i of word w being r = q(8w + 2i) + 16 q(8w + 2i + 1) (0..255), and once masked, w & 0xF0F0F0F0, byte i
@@ -352,11 +352,14 @@ __device__ __forceinline__ void imma_tile_dot(uint32_t tile, int srb, int kseg, 
 // per group G bytes, lane t's 8 WPL bytes at gi G + 8 WPL t: first the raw mma's B (4 WPL bytes: word j's 4 bytes at
 // 4 j), then the masked mma's (the same at + 4 WPL). xsum per group: floats [4 + 2t, 5 + 2t] = (column scale, min
 // term) of lane t: (s / 254, X), (s / 4064, 0), then zeros. The staging: stage_x (mk_stage.cuh), its raw-byte branch.
-template <int WPL>
+// M = 2 fills the 8 columns: token m's four are 4m .. 4m + 3 (staged rows 4m .. 4m + 3, lanes t = 2m, 2m + 1, xsum
+// floats 4 + 4m ..): per token the same exact int32 sums and fp32 epilogue as M = 1, so its rows equal the M = 1 dot's.
+template <int WPL, int M = 1>
 __device__ __forceinline__ void imma_raw_tile_dot(uint32_t tile, int srb, int kseg, int gi0, int gi1, uint32_t xs,
                                                   int pitch, uint32_t xsum, int lane, float (&acc)[4],
                                                   int arow = -1) {
   static_assert(WPL == 2 || WPL == 4, "the raw-byte dot: one mma takes two words per row (G = 64 or 128)");
+  static_assert(M == 1 || M == 2, "the raw-byte dot: four columns a token");
   constexpr int G = 32 * WPL;
   const int g = lane >> 2, t = lane & 3;
   // (x's registers as an array set to zero first: the form v21 and v22 were validated with; without the zeroing
@@ -367,7 +370,7 @@ __device__ __forceinline__ void imma_raw_tile_dot(uint32_t tile, int srb, int ks
   const uint32_t row_a = tile + (uint32_t)((arow < 0 ? g : arow) * srb), row_b = row_a + (uint32_t)(8 * srb);
   const uint32_t code_a = row_a + (uint32_t)(t * WPL * 4), code_b = row_b + (uint32_t)(t * WPL * 4);
   const uint32_t sm_a = row_a + (uint32_t)(kseg >> 1), sm_b = row_b + (uint32_t)(kseg >> 1);
-  const uint32_t xa = xs + (uint32_t)((g < 4 ? g : 0) * pitch + t * WPL * 8);
+  const uint32_t xa = xs + (uint32_t)((M == 2 ? g : g < 4 ? g : 0) * pitch + t * WPL * 8);
   const uint32_t xs_c = xsum + (uint32_t)(16 + t * 8);
   acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
   for (int gi = gi0; gi < gi1; ++gi) {
@@ -401,6 +404,10 @@ __device__ __forceinline__ void imma_raw_tile_dot(uint32_t tile, int srb, int ks
   }
   acc[0] += __shfl_xor_sync(0xffffffffu, acc[0], 1);  // lanes t = 0 and 1: the even and the odd codes
   acc[2] += __shfl_xor_sync(0xffffffffu, acc[2], 1);
+  if constexpr (M == 2) {  // token 1's sums (lanes t = 2, 3) to acc[1] / acc[3] of lanes t = 0, 1 (the packed dots' layout)
+    acc[1] = __shfl_xor_sync(0xffffffffu, acc[0], 2);
+    acc[3] = __shfl_xor_sync(0xffffffffu, acc[2], 2);
+  }
 }
 
 }  // namespace mkmma

@@ -17,10 +17,10 @@
 namespace mk {
 namespace {
 
-// this object stages x as int8 terms for some stage (the M = 1 object of groups of 128: gate|up's integer dot), and
-// which matrix that is (mi: MAT_*); every other stage of every object runs the fp16 dot
+// this object stages x as int8 terms for some stage (the M = 1 and M = 2 objects of groups of 128: gate|up's integer
+// dot), and which matrix that is (mi: MAT_*); every other stage of every object runs the fp16 dot
 template <int M>
-constexpr bool kIdot = FLINT_MK_GU8 && M == 1;
+constexpr bool kIdot = FLINT_MK_GU8 && M <= 2;
 template <int M>
 __host__ __device__ constexpr bool kI8(int mi) { return mi == MAT_GU && kIdot<M>; }
 
@@ -275,12 +275,13 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
         };
         const uint32_t h0 = pack4(hq[0], hq[2], hq[4], hq[6]), h1 = pack4(hq[1], hq[3], hq[5], hq[7]);
         const uint32_t l0 = pack4(lq[0], lq[2], lq[4], lq[6]), l1 = pack4(lq[1], lq[3], lq[5], lq[7]);
-        if (M == 1 && G >= 64) {  // the raw-byte dot's rows (mk_mma.cuh, imma_raw_tile_dot)
+        if (M <= 2 && G >= 64) {  // the raw-byte dot's rows (mk_mma.cuh, imma_raw_tile_dot): token m's are 4m..4m + 3
           if (ok) {
             const int pitch = mkmma::imma_raw_pitch(xstride), wpl = G >> 5;
             const int k = kw << 3, gi = k >> gshift, wg = (k & (G - 1)) >> 3;
             const int j = wg & (wpl - 1);  // word j of lane wg / wpl's share
-            const uint32_t a = c.xs + (uint32_t)(gi * G + (wg - j) * 8 + 4 * j), am = a + (uint32_t)(4 * wpl);
+            const uint32_t a = c.xs + (uint32_t)((M == 1 ? 0 : 4 * m * pitch) + gi * G + (wg - j) * 8 + 4 * j);
+            const uint32_t am = a + (uint32_t)(4 * wpl);
             const uint32_t nh0 = pack4(-hq[0], -hq[2], -hq[4], -hq[6]), nl0 = pack4(-lq[0], -lq[2], -lq[4], -lq[6]);
             asm volatile("st.shared.u32 [%0], %1;" ::"r"(a), "r"(h0) : "memory");
             asm volatile("st.shared.u32 [%0], %1;" ::"r"(am), "r"(nh0) : "memory");
@@ -290,8 +291,8 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
             asm volatile("st.shared.u32 [%0], %1;" ::"r"(am + 2 * pitch), "r"(h1) : "memory");
             asm volatile("st.shared.u32 [%0], %1;" ::"r"(a + 3 * pitch), "r"(0u) : "memory");
             asm volatile("st.shared.u32 [%0], %1;" ::"r"(am + 3 * pitch), "r"(l1) : "memory");
-            if ((t & (L - 1)) == 0) {  // lane t = 0: (s / 254, X), t = 1: (s / 4064, 0); t = 2, 3 stay 0
-              const uint32_t xa = c.xsum + (uint32_t)(gi * mkmma::MMA_XSUM_FLOATS * 4 + 16);
+            if ((t & (L - 1)) == 0) {  // lane t = 2m: (s / 254, X), t = 2m + 1: (s / 4064, 0); M = 1: t = 2, 3 stay 0
+              const uint32_t xa = c.xsum + (uint32_t)(gi * mkmma::MMA_XSUM_FLOATS * 4 + 16 + (M == 1 ? 0 : 16 * m));
               asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(xa), "f"(s * (1.f / 254.f)), "f"(s * sx),
                            "f"(s * (1.f / 4064.f)), "f"(0.f) : "memory");
             }
@@ -355,10 +356,12 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
           asm volatile("st.shared.f32 [%0], %1;" ::"r"(a_off), "f"(off) : "memory");
           asm volatile("st.shared.f32 [%0], %1;" ::"r"(a_off + 8u), "f"(off) : "memory");
           asm volatile("st.shared.f32 [%0], %1;" ::"r"(xa + (uint32_t)(4 * (16 + m))), "f"(s_eff) : "memory");
-          if constexpr (kIdot<M> && 2 * M <= 8) {  // the lo column's entry an integer staging of this object may have written
-            constexpr int LB = M == 1 ? 1 : M == 2 ? 2 : 4;
+          if constexpr (kIdot<M> && 2 * M <= 8) {  // the lo column's entries an integer staging of this object may have
+            constexpr int LB = M == 1 ? 1 : M == 2 ? 2 : 4;  // written (M = 2: the raw-byte rows' scales, rows g and g + 8)
             const int n = LB + m;
             asm volatile("st.shared.f32 [%0], %1;" ::"r"(xa + 4u * (4 * (n >> 1) + (n & 1))), "f"(0.f) : "memory");
+            if constexpr (M == 2)
+              asm volatile("st.shared.f32 [%0], %1;" ::"r"(xa + 4u * (4 * (n >> 1) + 2 + (n & 1))), "f"(0.f) : "memory");
           }
         }
       }
