@@ -35,7 +35,7 @@ namespace mk {
 // o are fence-free tagged words (M = 1: −3.2% and −2.9% per step; M = 2: −1.5%; docs/megakernel.md
 // "Synchronisation"). Beyond it the fp32 residual, the dpart reduction and fenced barriers: at M = 3 / 4 the
 // counted residual's rows are more than one round of loads (two in flight spilled) and it cost +3.7% / +8.8%.
-constexpr int kFxMaxM = 4;
+constexpr int kFxMaxM = 2;
 // Bulk copies in flight per block: one (−1.4% at ctx 512 against two once the dots got cheaper; three +1.8%) ...
 constexpr int kInflight = 1;
 // ... and two for the lm_head, the step's last and longest stream, which no hop follows (−0.7% against one).

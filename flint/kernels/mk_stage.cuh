@@ -116,26 +116,14 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
   // a row of up to 480 words a token is one round (at M = 1 one: its loads are 4x wider, and two spilled the gate|up
   // integer object). M = 4: three, so Granite's 4 x 320 words are one round and the RMSNorm's rstd comes from the same
   // loads (M = 4 step -6.2%; three at M = 5..8 +5 to +7%, 2026-12-01)
-  constexpr int U = (FX || T24) ? (M <= 2 ? M : FX ? 1 : 2) : (M == 4 ? 3 : 2);
+  constexpr int U = (FX || T24) ? M : (M == 4 ? 3 : 2);
   // RMSNorm: when the whole row is one round of loads (decode on Granite and SmolLM2), the rstd comes
   // from the same loads (no separate pass, one L2 round trip less); else from compute_rstd first
   const bool fused = norm_w != nullptr && k0 == 0 && kst == c.p->H && total <= U * NCT;
-  // (FX and T24 at M <= 2: whole rows in one round, so the rstd is always fused: the launch refuses H > 8 NCT with
-  // the split. At M = 3, 4 (kFxMaxM) a normed row of more rounds is deferred: pass 0 polls and loads every round,
-  // sums the squares and leaves each word's raw values in its own staged chunks (hi at a, lo at a + xlo: 32 bytes,
-  // its 8 floats); pass 1, after the rstd, reads them back and converts in place, each thread only its own words.)
+  // (FX and T24, run at M <= kFxMaxM = 2 only: whole rows in one round, so the rstd is always fused: the launch
+  // refuses H > 8 NCT with the split)
   if constexpr (!FX && !T24)
     if (norm_w != nullptr && !fused) compute_rstd<M>(*c.p, src, mult, c.misc);
-  constexpr bool kDefer = (FX || T24) && !I8 && M > 2;
-  const bool defer = kDefer && norm_w != nullptr && !fused;
-  auto chunk_addr = [&](int m, int kw) -> uint32_t {  // the word's hi chunk (the fp16 staging's layout, below)
-    const int k = kw << 3, gi = k >> gshift, w = (k & (G - 1)) >> 3;
-    return c.xs + (uint32_t)(m * xstride + 2 * (gi * G + ((w & ((1 << wshift) - 1)) * 4 + (w >> wshift)) * 8));
-  };
-  if constexpr (kDefer)
-    if (defer && (t & 31) == 0)
-      for (int m = 0; m < M; ++m) c.misc->red[t >> 5][m] = 0.f;
-  for (int pass = 0; pass < (kDefer && defer ? 2 : 1); ++pass)
   for (int c0 = 0; c0 < total; c0 += NCT * U) {
     float4 v[U][2], wv[U][2];
 #pragma unroll
@@ -143,23 +131,6 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
       const int wi = c0 + u * NCT + t;
       const bool ok = wi < total;
       const int m = (M == 1 || !ok) ? 0 : wi / wpr, kw = wi - m * wpr;
-      if constexpr (kDefer)
-        if (pass == 1) {  // the raw values pass 0 left in this word's chunks
-          v[u][0] = v[u][1] = make_float4(0.f, 0.f, 0.f, 0.f);
-          if (ok) {
-            const uint32_t a = chunk_addr(m, kw);
-            asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
-                         : "=f"(v[u][0].x), "=f"(v[u][0].y), "=f"(v[u][0].z), "=f"(v[u][0].w) : "r"(a) : "memory");
-            asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
-                         : "=f"(v[u][1].x), "=f"(v[u][1].y), "=f"(v[u][1].z), "=f"(v[u][1].w) : "r"(a + xlo)
-                         : "memory");
-          }
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-            wv[u][h] = ok ? __ldg(reinterpret_cast<const float4*>(norm_w + k0) + 2 * kw + h)
-                          : make_float4(1.f, 1.f, 1.f, 1.f);
-          continue;
-        }
       if constexpr (T24) {  // (24-bit value, 8-bit tag) words
         v[u][0] = v[u][1] = make_float4(0.f, 0.f, 0.f, 0.f);
         if (ok) ld_tw24x8(tw + (size_t)m * tstride + k0 + 8 * kw, tag, v[u][0], v[u][1]);
@@ -225,9 +196,9 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
                                   : make_float4(1.f, 1.f, 1.f, 1.f);
       }
     }
-    if (fused || (kDefer && defer && pass == 0)) {  // sum of squares of src * mult per token: warp-private running
-      const int lane = t & 31, warp = t >> 5;          // sums, fixed order (deferred: over the rounds, zeroed before)
-      if (lane == 0 && !(kDefer && defer))
+    if (fused) {  // sum of squares of src * mult per token: warp-private running sums, fixed order
+      const int lane = t & 31, warp = t >> 5;
+      if (lane == 0)
         for (int m = 0; m < M; ++m) c.misc->red[warp][m] = 0.f;
 #pragma unroll
       for (int u = 0; u < U; ++u) {
@@ -248,31 +219,9 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
           pending &= ~__ballot_sync(0xffffffffu, mine);
         }
       }
-      if (!(kDefer && defer)) {
-        cbar();
-        finish_rstd<M>(*c.p, c.misc);
-      }
+      cbar();
+      finish_rstd<M>(*c.p, c.misc);
     }
-    if constexpr (kDefer)
-      if (defer && pass == 0) {  // this round's raw values into their words' chunks; no conversion yet
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int wi = c0 + u * NCT + t;
-          if (wi < total) {
-            const int m = wi / wpr, kw = wi - m * wpr;
-            const uint32_t a = chunk_addr(m, kw);
-            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(a), "f"(v[u][0].x), "f"(v[u][0].y),
-                         "f"(v[u][0].z), "f"(v[u][0].w) : "memory");
-            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(a + xlo), "f"(v[u][1].x), "f"(v[u][1].y),
-                         "f"(v[u][1].z), "f"(v[u][1].w) : "memory");
-          }
-        }
-        if (c0 + NCT * U >= total) {  // the last round: every warp's sums, then the rstd (ends with a block barrier)
-          cbar();
-          finish_rstd<M>(*c.p, c.misc);
-        }
-        continue;
-      }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (c0 + u * NCT >= total) break;  // block-uniform: no idle rounds

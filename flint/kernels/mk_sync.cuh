@@ -70,7 +70,7 @@ __device__ __forceinline__ void block_tiles(int ntiles, int nb, int b, int& t0, 
 // Every add into the residual buffer X carries 1 << 56 (its count); values stay within 2^55 of 0 (|v| < 2^23 in
 // fp32 terms: far above any residual of the models flint runs; beyond, the conversion saturates).
 constexpr bool kFxObj = FLINT_MK_M <= kFxMaxM;  // (this object runs the counted residual and the tagged hops)
-static_assert(kFxMaxM <= 4, "the counted residual's stagings: at most two words in flight a thread (mk_stage.cuh)");
+static_assert(kFxMaxM <= 2, "the counted residual's stagings fuse the rstd: rows of one round of loads (M <= 2)");
 constexpr unsigned long long FX_CNT = kFxObj ? (1ull << 56) : 0ull;
 template <int M>
 constexpr bool kFx = kFxObj && M == FLINT_MK_M;  // (the object's one kernel)
