@@ -231,8 +231,8 @@ def test_logits_match_reference(name, make, group, split):
 def test_long_context_64k_matches_reference(split):
     """Position 65536 on Granite-4.1-3B widths (2 layers): both caches hold the same random K/V at 64k positions
     (filling them by prefill is what the shorter contexts above test), then one decode step and verify steps of
-    M = 4 and M = 2 against the reference: 16 context splits per kv head, the sequential tagged merge at M = 1, the
-    counter merge at M = 4 and M = 2 (whose o staging polls its tagged words)."""
+    M = 4 and M = 2 against the reference: 16 context splits per kv head, the sequential tagged merge at M = 1 and
+    M = 2 (whose o staging polls its tagged words), the counter merge at M = 4."""
     cfg = _granite(2)
     P = 65536
     mk, ref = _pair(cfg, 128, P + 16, ffn_split=split)

@@ -280,7 +280,7 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
             const int pitch = mkmma::imma_raw_pitch(xstride), wpl = G >> 5;
             const int k = kw << 3, gi = k >> gshift, wg = (k & (G - 1)) >> 3;
             const int j = wg & (wpl - 1);  // word j of lane wg / wpl's share
-            const uint32_t a = c.xs + (uint32_t)((M == 1 ? 0 : 4 * m * pitch) + gi * G + (wg - j) * 8 + 4 * j);
+            const uint32_t a = c.xs + (uint32_t)(4 * m * pitch + gi * G + (wg - j) * 8 + 4 * j);
             const uint32_t am = a + (uint32_t)(4 * wpl);
             const uint32_t nh0 = pack4(-hq[0], -hq[2], -hq[4], -hq[6]), nl0 = pack4(-lq[0], -lq[2], -lq[4], -lq[6]);
             asm volatile("st.shared.u32 [%0], %1;" ::"r"(a), "r"(h0) : "memory");
@@ -292,7 +292,7 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
             asm volatile("st.shared.u32 [%0], %1;" ::"r"(a + 3 * pitch), "r"(0u) : "memory");
             asm volatile("st.shared.u32 [%0], %1;" ::"r"(am + 3 * pitch), "r"(l1) : "memory");
             if ((t & (L - 1)) == 0) {  // lane t = 2m: (s / 254, X), t = 2m + 1: (s / 4064, 0); M = 1: t = 2, 3 stay 0
-              const uint32_t xa = c.xsum + (uint32_t)(gi * mkmma::MMA_XSUM_FLOATS * 4 + 16 + (M == 1 ? 0 : 16 * m));
+              const uint32_t xa = c.xsum + (uint32_t)(gi * mkmma::MMA_XSUM_FLOATS * 4 + 16 + 16 * m);
               asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(xa), "f"(s * (1.f / 254.f)), "f"(s * sx),
                            "f"(s * (1.f / 4064.f)), "f"(0.f) : "memory");
             }
