@@ -122,6 +122,8 @@ class MLPBlock(nn.Module):
 
 
 class DraftHead(nn.Module):
+    pipelined = True  # greedy rollouts from device inputs: begin / finish (flint.speculative)
+
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.cfg = cfg
@@ -282,14 +284,32 @@ class DraftHead(nn.Module):
         greedy = sp is None or sp.temperature == 0
         tok = torch.full((1,), int(context_ids[-1]), dtype=torch.long, device=self.device)  # (a fill: no host sync)
         if greedy:
-            kr = self._kernel_rollout()
-            if kr is not None:
-                return kr(hidden, tok, k), None
+            return self.begin(hidden, tok, k), None
         h = hidden.reshape(1, -1).to(self.device, self.dtype)
         u = None if greedy else torch.rand(k, generator=gen, device=self.device)
         sampling = () if greedy else (float(sp.temperature), int(sp.top_k), float(sp.top_p))
         g = self._graphed_rollout(k, sampling)
         return g(h, tok, u) if g is not None else self._rollout(h, tok, k, u, sampling)
+
+    @torch.inference_mode()
+    def begin(self, hidden: torch.Tensor, tok: torch.Tensor, k: int) -> torch.Tensor:
+        """The greedy rollout of ``k`` tokens from device inputs, enqueued without a host synchronisation:
+        ``hidden`` [H] (or [1, H]) is the target's hidden state before token ``tok`` (LongTensor [1] on the
+        draft's device). Returns the proposals' LongTensor [k] on the device, still being computed; flint.speculative
+        enqueues the next step's rollout this way before it reads the current step's verify back (``finish``)."""
+        self._need_target()
+        kr = self._kernel_rollout()
+        if kr is not None:
+            return kr(hidden, tok, k)
+        h = hidden.reshape(1, -1).to(self.device, self.dtype)
+        g = self._graphed_rollout(k)
+        return g(h, tok, None)[0] if g is not None else self._rollout(h, tok, k)[0]
+
+    def finish(self, pending: torch.Tensor, context_ids: list[int], k: int) -> torch.Tensor:
+        """The first ``k`` proposals of a rollout ``begin`` enqueued (k no more than it was asked for)."""
+        if k > pending.shape[0]:
+            raise ValueError(f"draft finish: {k} proposals asked of a rollout of {pending.shape[0]}")
+        return pending[:k]
 
     def _kernel_rollout(self) -> "_KernelRollout | None":
         """The one-launch greedy rollout (flint/kernels/draft_kernel.cu) where it applies: CUDA, bf16, widths

@@ -40,18 +40,34 @@ class OracleDraft:
         if sp is not None and sp.temperature != 0:
             raise ValueError("oracle draft: greedy only (temperature 0)")
         toks, _ = self.inner.propose(context_ids, hidden, k, None, gen)  # the real rollout's cost
+        return self._replace(context_ids, toks, k), None
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether ``begin`` / ``finish`` apply: where the inner draft has them."""
+        return bool(getattr(self.inner, "pipelined", False))
+
+    def begin(self, hidden, tok, k: int):
+        """The inner draft's rollout enqueued from device inputs (flint.speculative's pipelined step): its cost is
+        paid; ``finish`` replaces its proposals once the context is known."""
+        return self.inner.begin(hidden, tok, k)
+
+    def finish(self, pending, context_ids: list[int], k: int):
+        return self._replace(context_ids, self.inner.finish(pending, context_ids, k), k)
+
+    def _replace(self, context_ids: list[int], toks, k: int):
         n = len(context_ids)
         ref = self.reference
         if context_ids[-1] != ref[n - 1] or n + k > len(ref):
             if context_ids[-1] != ref[n - 1]:
                 self.off_reference += 1
-            return toks, None  # past the reference (or off it): the draft's own proposals
+            return toks  # past the reference (or off it): the draft's own proposals
         out = list(ref[n:n + k])
         for j in range(k):
             if self.rng.random() >= self.accept:
                 out[j] = (out[j] + 1) % self.vocab_size  # not the target's token: rejected here
                 break
-        return torch.tensor(out, dtype=torch.long), None  # (host ids: the verify's step copies them in, async)
+        return torch.tensor(out, dtype=torch.long)  # (host ids: the verify's step copies them in, async)
 
 
 __all__ = ["OracleDraft", "expected_tokens_per_step"]

@@ -126,15 +126,24 @@ class SpeculativeEngine(Engine):
         ctx = list(prompt_ids) + [tok]
         yield tok
         dev = self.backend.device
+        # greedy with a draft that rolls out from device inputs (``begin``): the next step's rollout is enqueued
+        # before this step's verify is read back, from the accepted count computed on the device, so the GPU
+        # drafts while the host accepts, emits and launches (that host time otherwise leaves the GPU idle)
+        pipelined = greedy and bool(getattr(self.draft, "pipelined", False))
+        pending = None  # (k, handle): the rollout begun for this step
         while True:
             remaining = sp.max_new_tokens - (len(ctx) - len(prompt_ids))
             k = max(0, min(self.k, remaining - 1, self.max_seq_len - 1 - pos))
             if k:
-                drafts, q = self.draft.propose(ctx, hidden, k, None if greedy else sp, gen)
+                if pending is not None and pending[0] >= k:
+                    drafts, q = self.draft.finish(pending[1], ctx, k), None
+                else:
+                    drafts, q = self.draft.propose(ctx, hidden, k, None if greedy else sp, gen)
                 if drafts.shape[0] > k:
                     raise ValueError(f"speculative decoding: the draft proposed {drafts.shape[0]} tokens, "
                                      f"at most {k} were asked for")
                 k = int(drafts.shape[0])  # a draft may propose fewer (an n-gram draft with no match: none)
+            pending = None
             if not k:
                 drafts, q = torch.empty(0, dtype=torch.long, device=dev), None
             # the verify's tokens [tok, d1..dk] without a host synchronisation: a fill and a device copy on the stream
@@ -145,7 +154,14 @@ class SpeculativeEngine(Engine):
                 step[1:].copy_(drafts, non_blocking=True)  # (from host memory: staged at once, no device sync)
             logits, hid = self.backend.forward(step, pos, return_hidden=True)
             if greedy:
-                vals = torch.cat((torch.argmax(logits, -1), step[1:])).tolist()  # the step's one device sync
+                am = torch.argmax(logits, -1)
+                vals_dev = torch.cat((am, step[1:]))
+                if pipelined:
+                    # the next step drafts at most this many: at least one token is emitted now
+                    k_next = max(0, min(self.k, remaining - 2, self.max_seq_len - 2 - pos))
+                    vals, pending = self._read_back_beginning(vals_dev, am, step, hid, k, k_next)
+                else:
+                    vals = vals_dev.tolist()  # the step's one device sync
                 proposed = vals[k + 1:]
                 n, nxt = verify_greedy(vals[: k + 1], proposed)
             else:
@@ -168,6 +184,35 @@ class SpeculativeEngine(Engine):
             for t in new:
                 ctx.append(t)
                 yield t
+
+
+    def _read_back_beginning(self, vals_dev: torch.Tensor, am: torch.Tensor, step: torch.Tensor, hid: torch.Tensor,
+                             k: int, k_next: int):
+        """Read the verify's tokens back (the step's one host wait), having enqueued first their copy and then the
+        next step's rollout of ``k_next`` tokens from the device's own acceptance: n = the leading drafts equal
+        to the target's argmax, the rollout's token am[n] and hidden state hid[n] (what the host computes from
+        the values read back). Returns (values, (k_next, handle) or None)."""
+        cuda = vals_dev.is_cuda
+        if cuda:
+            buf = self.__dict__.get("_host_vals")
+            if buf is None or buf.shape[0] < vals_dev.shape[0]:
+                buf = torch.empty(max(2 * self.k + 1, vals_dev.shape[0]), dtype=torch.long, pin_memory=True)
+                self.__dict__["_host_vals"] = buf
+            buf = buf[: vals_dev.shape[0]]
+            buf.copy_(vals_dev, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        pending = None
+        if k_next:
+            if k:
+                n = (am[:k] == step[1:]).long().cumprod(0).sum(0, keepdim=True)
+            else:
+                n = torch.zeros(1, dtype=torch.long, device=am.device)
+            pending = (k_next, self.draft.begin(hid.index_select(0, n)[0], am.index_select(0, n), k_next))
+        if not cuda:
+            return vals_dev.tolist(), pending
+        done.synchronize()  # the verify and the copy: the rollout just enqueued runs on
+        return buf.tolist(), pending
 
 
 __all__ = ["SpeculativeEngine", "SpeculativeStats", "verify_greedy", "verify_sampling"]

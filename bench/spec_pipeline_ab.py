@@ -1,0 +1,152 @@
+"""What the pipelined greedy speculative step buys: the same engine, backend and draft, with the next step's
+rollout enqueued before the verify is read back (flint.speculative's default for drafts with ``begin``) and in
+host order (the draft wrapped so that it only has ``propose``: rollout after the read-back), rounds alternating
+between the two and plain greedy decoding, all in one process (device).
+
+    # real SmolLM2 and its shipped draft, the held-out prompts of `flint bench --draft`:
+    FLINT_KERNEL_DIR=build/kernels python3 bench/spec_pipeline_ab.py --model <SmolLM2 GGUF> --k 2,3 --rounds 3
+    # Granite-4.1-3B shapes, oracle acceptance (benchmarking only, flint.oracle):
+    FLINT_KERNEL_DIR=build/kernels python3 bench/spec_pipeline_ab.py --model synthetic:granite-4.1-3b \\
+        --oracle-accept 0.77 --k 3 --rounds 3
+
+Per k and variant: tokens per verify step, tok/s per round, their median and the ratio to plain greedy of the same
+round, and whether the outputs were plain greedy's. JSON with --json.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from flint.bench import device_name, load_bench_model, make_backend  # noqa: E402
+from flint.engine import Engine, SamplingParams  # noqa: E402
+from flint.speculative import SpeculativeEngine  # noqa: E402
+
+
+class HostOrder:
+    """A draft seen through ``propose`` only: the speculative loop then drafts after the read-back."""
+
+    def __init__(self, draft):
+        self.draft, self.cfg = draft, getattr(draft, "cfg", None)
+
+    def propose(self, *a, **kw):
+        return self.draft.propose(*a, **kw)
+
+
+def _decode(eng, ids: list[int], sp) -> tuple[list[int], float]:
+    eng.cached = []
+    res = eng.generate(ids, sp)
+    return res.token_ids, res.decode_s
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="a GGUF path or synthetic:NAME (then --oracle-accept)")
+    ap.add_argument("--draft", default="smollm2-135m", help="the draft of a real model")
+    ap.add_argument("--k", default="2,3")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--per-kind", type=int, default=2, help="held-out prompts per kind (real model)")
+    ap.add_argument("--prompts", type=int, default=3, help="random prompts (oracle)")
+    ap.add_argument("--tokens", type=int, default=128, help="new tokens per prompt")
+    ap.add_argument("--oracle-accept", type=float, default=None)
+    ap.add_argument("--draft-vocab", type=int, default=8192, help="the oracle's random draft's head rows")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    ks = [int(x) for x in a.k.split(",")]
+    dev = torch.device("cuda")
+    synthetic = a.model.startswith("synthetic:")
+    if synthetic != (a.oracle_accept is not None):
+        raise SystemExit("--oracle-accept goes with a synthetic:NAME model, and only there")
+    if synthetic:
+        from flint.draft import DraftHead, draft_config_for
+        from flint.oracle import OracleDraft
+
+        lm = load_bench_model(a.model, 128, dev, 0)
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, lm.cfg.vocab_size, (32,), generator=g).tolist() for _ in range(a.prompts)]
+        sp = SamplingParams(max_new_tokens=a.tokens, ignore_eos=True)
+        backend = make_backend("megakernel", lm, max_seq_len=32 + a.tokens + 16, device="cuda", group_size=128)
+        torch.manual_seed(0)
+        inner = DraftHead(draft_config_for(lm.cfg)).to(dev, torch.bfloat16)
+        vocab = torch.randperm(lm.cfg.vocab_size, generator=g)[:a.draft_vocab]
+        inner.attach_target(lm.cfg, lm.params, device=dev, dtype=torch.bfloat16, vocab=vocab)
+    else:
+        from flint.draft import load_draft
+        from flint.draft_data import eval_prompts
+        from flint.loading import load_model
+
+        lm = load_model(a.model)
+        tok = lm.tokenizer
+        prompts = [tok.encode_chat([{"role": "user", "content": r["text"]}]) for r in eval_prompts(a.per_kind)]
+        sp = SamplingParams(max_new_tokens=a.tokens)
+        backend = make_backend("megakernel", lm, max_seq_len=2048, device="cuda", group_size=128)
+        inner = load_draft(a.draft, lm.cfg, lm.params, device=dev)
+    plain = Engine(backend)
+    plain.generate(prompts[0], dataclasses.replace(sp, max_new_tokens=8))  # warm-up
+    refs = [pr + _decode(plain, pr, sp)[0] for pr in prompts]
+
+    def engine(k: int, variant: str, i: int):
+        d = inner
+        if synthetic:
+            d = OracleDraft(inner, refs[i], a.oracle_accept, lm.cfg.vocab_size, seed=i)
+        return SpeculativeEngine(backend, None, d if variant == "pipelined" else HostOrder(d), k=k)
+
+    doc = {"device": device_name(dev), "model": a.model, "oracle": synthetic, "oracle_accept": a.oracle_accept,
+           "tokens": a.tokens, "prompts": len(prompts), "rounds": a.rounds, "rows": []}
+    variants = ("pipelined", "host_order")
+    for k in ks:
+        for v in variants:  # warm-up: the draft's launches for every k reached
+            engine(k, v, 0).generate(prompts[0], dataclasses.replace(sp, max_new_tokens=2 * k + 2))
+        per = {v: {"tok_s": [], "x_plain": [], "steps": 0, "accepted": 0, "identical": 0} for v in variants}
+        for r in range(a.rounds):
+            order = variants if r % 2 == 0 else variants[::-1]
+            n_plain, s_plain = 0, 0.0
+            for i, pr in enumerate(prompts):
+                toks, s = _decode(plain, pr, sp)
+                n_plain, s_plain = n_plain + len(toks) - 1, s_plain + s
+            plain_tok_s = n_plain / s_plain
+            for v in order:
+                n_spec, s_spec = 0, 0.0
+                for i, pr in enumerate(prompts):
+                    eng = engine(k, v, i)
+                    toks, s = _decode(eng, pr, sp)
+                    n_spec, s_spec = n_spec + len(toks) - 1, s_spec + s
+                    st = eng.last_stats
+                    per[v]["steps"] += st.steps
+                    per[v]["accepted"] += st.accepted
+                    per[v]["identical"] += int(pr + toks == refs[i])
+                per[v]["tok_s"].append(round(n_spec / s_spec, 1))
+                per[v]["x_plain"].append(round(n_spec / s_spec / plain_tok_s, 4))
+            print(f"k={k} round {r}: plain {plain_tok_s:.1f} "
+                  + " ".join(f"{v} {per[v]['tok_s'][-1]}" for v in variants), file=sys.stderr)
+        for v in variants:
+            p = per[v]
+            doc["rows"].append({"k": k, "variant": v, "tokens_per_step": round((p["accepted"] + p["steps"]) / p["steps"], 3),
+                                "tok_s": p["tok_s"], "median_tok_s": statistics.median(p["tok_s"]),
+                                "x_plain": p["x_plain"], "median_x_plain": statistics.median(p["x_plain"]),
+                                "identical_to_plain": f"{p['identical']}/{len(prompts) * a.rounds}"})
+        pp, ho = (next(x for x in doc["rows"] if x["k"] == k and x["variant"] == v) for v in variants)
+        doc["rows"][-1]["pipelined_over_host_order"] = [round(x / y, 4) for x, y in zip(pp["tok_s"], ho["tok_s"])]
+    if a.json:
+        Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
+    print("| k | variant | tokens / step | tok/s (median) | × plain (median) | identical |")
+    print("|---|---|---:|---:|---:|---|")
+    for x in doc["rows"]:
+        print(f"| {x['k']} | {x['variant']} | {x['tokens_per_step']} | {x['median_tok_s']} | {x['median_x_plain']} "
+              f"| {x['identical_to_plain']} |")
+    for x in doc["rows"]:
+        if "pipelined_over_host_order" in x:
+            print(f"k={x['k']}: pipelined / host order per round {x['pipelined_over_host_order']}")
+
+
+if __name__ == "__main__":
+    t0 = time.perf_counter()
+    main()
+    print(f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
