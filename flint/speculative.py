@@ -96,6 +96,7 @@ class SpeculativeEngine(Engine):
         self.k = k
         self.last_stats = SpeculativeStats()
         self.total_stats = SpeculativeStats()
+        self._host_vals = self._read_done = None  # the pipelined step's pinned read-back buffer and its event
 
     def acceptance(self) -> float:
         """Mean tokens per verify step of the last call (accepted drafts + the target's token)."""
@@ -135,7 +136,7 @@ class SpeculativeEngine(Engine):
             remaining = sp.max_new_tokens - (len(ctx) - len(prompt_ids))
             k = max(0, min(self.k, remaining - 1, self.max_seq_len - 1 - pos))
             if k:
-                if pending is not None and pending[0] >= k:
+                if pending is not None:  # (its k bounds this one: finish refuses more)
                     drafts, q = self.draft.finish(pending[1], ctx, k), None
                 else:
                     drafts, q = self.draft.propose(ctx, hidden, k, None if greedy else sp, gen)
@@ -143,7 +144,6 @@ class SpeculativeEngine(Engine):
                     raise ValueError(f"speculative decoding: the draft proposed {drafts.shape[0]} tokens, "
                                      f"at most {k} were asked for")
                 k = int(drafts.shape[0])  # a draft may propose fewer (an n-gram draft with no match: none)
-            pending = None
             if not k:
                 drafts, q = torch.empty(0, dtype=torch.long, device=dev), None
             # the verify's tokens [tok, d1..dk] without a host synchronisation: a fill and a device copy on the stream
@@ -185,7 +185,6 @@ class SpeculativeEngine(Engine):
                 ctx.append(t)
                 yield t
 
-
     def _read_back_beginning(self, vals_dev: torch.Tensor, am: torch.Tensor, step: torch.Tensor, hid: torch.Tensor,
                              k: int, k_next: int):
         """Read the verify's tokens back (the step's one host wait), having enqueued first their copy and then the
@@ -194,24 +193,20 @@ class SpeculativeEngine(Engine):
         the values read back). Returns (values, (k_next, handle) or None)."""
         cuda = vals_dev.is_cuda
         if cuda:
-            buf = self.__dict__.get("_host_vals")
-            if buf is None or buf.shape[0] < vals_dev.shape[0]:
-                buf = torch.empty(max(2 * self.k + 1, vals_dev.shape[0]), dtype=torch.long, pin_memory=True)
-                self.__dict__["_host_vals"] = buf
-            buf = buf[: vals_dev.shape[0]]
+            m = vals_dev.shape[0]
+            if self._host_vals is None or self._host_vals.shape[0] < m:
+                self._host_vals = torch.empty(max(2 * self.k + 1, m), dtype=torch.long, pin_memory=True)
+                self._read_done = torch.cuda.Event()
+            buf = self._host_vals[:m]
             buf.copy_(vals_dev, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
+            self._read_done.record()
         pending = None
         if k_next:
-            if k:
-                n = (am[:k] == step[1:]).long().cumprod(0).sum(0, keepdim=True)
-            else:
-                n = torch.zeros(1, dtype=torch.long, device=am.device)
+            n = (am[:k] == step[1:]).long().cumprod(0).sum(0, keepdim=True)  # (k = 0: n = 0)
             pending = (k_next, self.draft.begin(hid.index_select(0, n)[0], am.index_select(0, n), k_next))
         if not cuda:
             return vals_dev.tolist(), pending
-        done.synchronize()  # the verify and the copy: the rollout just enqueued runs on
+        self._read_done.synchronize()  # the verify and the copy: the rollout just enqueued runs on
         return buf.tolist(), pending
 
 
