@@ -141,6 +141,7 @@ class DraftHead(nn.Module):
         self.embed = self.head = self.final_norm = None
         self.vocab_ids = None  # the drafting vocabulary (None: all of the target's)
         self.embed_src = None  # the target's embedding for lookups of any token id
+        self.target_mats = None  # (embed, lm_head, tied) as the target holds them
         self.target_eps, self.logits_scaling = cfg.rms_norm_eps, 1.0
 
     # ---------------------------------------------------------------- target tensors
@@ -169,6 +170,7 @@ class DraftHead(nn.Module):
             self.vocab_ids = ids.to(device)
             self.embed_src = _int4_embedding(src).to(device)
         self.final_norm = params["norm"].to(device=device, dtype=dtype)
+        self.target_mats = (src, head, tied)  # the kernel rollout's int4 view (int4_rollout_weights)
         self.target_eps = target_cfg.rms_norm_eps
         self.logits_scaling = target_cfg.logits_scaling
         return self
@@ -313,16 +315,24 @@ class DraftHead(nn.Module):
 
     def _kernel_rollout(self) -> "_KernelRollout | None":
         """The one-launch greedy rollout (flint/kernels/draft_kernel.cu) where it applies: CUDA, bf16, widths
-        divisible by 8, at most 4 MLP blocks; FLINT_DRAFT_KERNEL=0 turns it off (the graph then runs)."""
+        divisible by 8, at most 4 MLP blocks; FLINT_DRAFT_KERNEL=0 turns it off (the graph then runs). It reads
+        the int4 matrices of ``int4_rollout_weights`` where the widths are multiples of 32 (FLINT_DRAFT_WEIGHTS=bf16,
+        or other widths: the bf16 ones)."""
         if (self.device.type != "cuda" or self.dtype != torch.bfloat16 or os.environ.get("FLINT_DRAFT_KERNEL", "1") == "0"
                 or self.cfg.hidden_size % 8 or self.cfg.intermediate_size % 8 or not 1 <= len(self.blocks) <= 4
                 or (self.embed_src is not None and self.embed_src.qweight.device != self.device)):
             return None
+        weights = kernel_weights()
+        if weights == "int4" and (self.cfg.hidden_size % 32 or self.cfg.intermediate_size % 32):
+            if "FLINT_DRAFT_WEIGHTS" in os.environ:  # asked for, cannot be honoured
+                raise DraftError(f"FLINT_DRAFT_WEIGHTS=int4: the draft's hidden {self.cfg.hidden_size} and intermediate "
+                                 f"{self.cfg.intermediate_size} must be multiples of 32 (int4 groups)")
+            weights = "bf16"  # the default follows the shapes
         key = (self.device, id(self.head), id(self.embed), id(self.vocab_ids), id(self.embed_src),
-               tuple(p._version for p in self.parameters()))
+               weights, tuple(p._version for p in self.parameters()))
         kr = self.__dict__.get("_kernel")
         if kr is None or kr.key != key:
-            kr = _KernelRollout(self, key)
+            kr = _KernelRollout(self, key, weights)
             self.__dict__["_kernel"] = kr
         return kr
 
@@ -333,7 +343,7 @@ class _KernelRollout:
 
     N_BLOCKS_MAX = 4
 
-    def __init__(self, draft: DraftHead, key):
+    def __init__(self, draft: DraftHead, key, weights: str):
         import ctypes
 
         from .megakernel import load_library
@@ -345,17 +355,43 @@ class _KernelRollout:
         self.lib, self.ct = lib, ctypes
         dev, bf = draft.device, torch.bfloat16
         H, I = draft.cfg.hidden_size, draft.cfg.intermediate_size
+        nblk = len(draft.blocks)
         c = lambda t, dt=bf: t.detach().to(device=dev, dtype=dt).contiguous()  # noqa: E731
-        self.keep = keep = {"fc": c(draft.fc.weight), "w_nh": c(draft.norm_hidden.weight), "w_ne": c(draft.norm_embed.weight),
-                            "w_final": c(draft.final_norm), "head": c(draft.head), "embed": c(draft.embed)}
-        for i, b in enumerate(draft.blocks):
-            keep[f"bn{i}"] = c(b.norm.weight)
-            keep[f"gu{i}"] = c(b._gate_up())
-            keep[f"down{i}"] = c(b.down.weight)
-        src = draft.embed_src
-        if draft.vocab_ids is not None:
-            keep["ids"] = c(draft.vocab_ids, torch.long)
-            keep["e_q"], keep["e_s"], keep["e_m"] = src.qweight.contiguous(), src.scales.contiguous(), src.mins.contiguous()
+        self.weights = weights
+        self.keep = keep = {"w_nh": c(draft.norm_hidden.weight), "w_ne": c(draft.norm_embed.weight),
+                            "w_final": c(draft.final_norm)}
+        groups = {}  # a matrix's group size (0: bf16)
+
+        def put(name, w):  # a matrix: bf16 rows, or int4 rows (flint-int4-v1)
+            if isinstance(w, Int4Weight):
+                keep[name + ".q"], keep[name + ".s"], keep[name + ".m"] = (
+                    t.to(dev).contiguous() for t in (w.qweight, w.scales, w.mins))
+                groups[name] = w.group_size
+            else:
+                keep[name + ".w"] = c(w)
+                groups[name] = 0
+
+        ids = draft.vocab_ids
+        if self.weights == "int4":
+            q = int4_rollout_weights(draft)
+            put("fc", q["fc"])
+            for i in range(nblk):
+                put(f"gu{i}", q[f"gu{i}"])
+                put(f"down{i}", q[f"down{i}"])
+            put("head", q["head"])  # the target's rows, through the drafting vocabulary's ids
+            emb = q["embed"]
+        else:
+            put("fc", draft.fc.weight)
+            for i, b in enumerate(draft.blocks):
+                put(f"gu{i}", b._gate_up())
+                put(f"down{i}", b.down.weight)
+            put("head", draft.head)
+            keep["embed"] = c(draft.embed)
+            emb = draft.embed_src if ids is not None else None
+        if ids is not None:
+            keep["ids"] = c(ids, torch.long)
+        if emb is not None:
+            keep["e_q"], keep["e_s"], keep["e_m"] = (t.to(dev).contiguous() for t in (emb.qweight, emb.scales, emb.mins))
         nb = lib.flint_draft_grid_blocks()
         if nb < 1:
             raise DraftError("flint_draft_grid_blocks: no CUDA device")
@@ -364,23 +400,32 @@ class _KernelRollout:
         keep["x"] = torch.empty(H, device=dev)
         keep["keys"] = torch.empty(nb, dtype=torch.long, device=dev)
         ptr = lambda name: keep[name].data_ptr() if name in keep else None  # noqa: E731
-        nblk = len(draft.blocks)
-        self.ptrs = [ptr("fc"), ptr("w_nh"), ptr("w_ne"),
-                     *[ptr(f"bn{i}") for i in range(self.N_BLOCKS_MAX)],
-                     *[ptr(f"gu{i}") for i in range(self.N_BLOCKS_MAX)],
-                     *[ptr(f"down{i}") for i in range(self.N_BLOCKS_MAX)],
-                     ptr("w_final"), ptr("head"), ptr("embed"), ptr("ids"),
-                     None,  # tok
-                     None if draft.vocab_ids is not None else ptr("embed"),
-                     ptr("e_q"), ptr("e_s"), ptr("e_m"),
-                     None,  # h0
-                     ptr("f"), ptr("act"), ptr("x"), ptr("keys"),
-                     None]  # out
+        mat = lambda name: [ptr(name + f) for f in (".w", ".q", ".s", ".m")]  # noqa: E731
+        nmax = self.N_BLOCKS_MAX
+        for i, b in enumerate(draft.blocks):
+            keep[f"bn{i}"] = c(b.norm.weight)
+        ptrs = [*mat("fc"), ptr("w_nh"), ptr("w_ne"), *[ptr(f"bn{i}") for i in range(nmax)]]
+        for i in range(nmax):
+            ptrs += mat(f"gu{i}")
+        for i in range(nmax):
+            ptrs += mat(f"down{i}")
+        int4_head = self.weights == "int4"
+        ptrs += [ptr("w_final"), *mat("head"), ptr("ids") if int4_head else None,
+                 ptr("embed"), ptr("ids")]
+        self.i_tok = len(ptrs)
+        ptrs += [None,  # tok
+                 ptr("embed") if ids is None and not int4_head else None,  # emb_full
+                 ptr("e_q"), ptr("e_s"), ptr("e_m")]
+        self.i_h0 = len(ptrs)
+        ptrs += [None, ptr("f"), ptr("act"), ptr("x"), ptr("keys")]
+        self.i_out = len(ptrs)
+        ptrs += [None]  # out
         # the argument tables are built once; a call sets its inputs' slots (token, hidden state, output) and k
-        self.i_tok, self.i_h0, self.i_out = 3 + 3 * self.N_BLOCKS_MAX + 4, 3 + 3 * self.N_BLOCKS_MAX + 9, len(self.ptrs) - 1
-        self.ptrs = (ctypes.c_void_p * len(self.ptrs))(*self.ptrs)
-        self.ints = (ctypes.c_longlong * 6)(H, I, draft.head.shape[0], nblk, 0,
-                                            src.group_size if draft.vocab_ids is not None else 0)
+        self.ptrs = (ctypes.c_void_p * len(ptrs))(*ptrs)
+        gs = [groups["fc"], *[groups.get(f"gu{i}", 0) for i in range(nmax)],
+              *[groups.get(f"down{i}", 0) for i in range(nmax)], groups["head"]]
+        self.ints = (ctypes.c_longlong * (6 + len(gs)))(H, I, draft.draft_vocab_size, nblk, 0,
+                                                        emb.group_size if emb is not None else 0, *gs)
         self.floats = (ctypes.c_float * 2)(draft.norm_hidden.eps, draft.target_eps)
 
     def __call__(self, hidden: torch.Tensor, tok: torch.Tensor, k: int) -> torch.Tensor:
@@ -423,6 +468,43 @@ class _GraphedRollout:
             self.u.copy_(u)
         self.graph.replay()
         return self.ids.clone(), (None if self.q is None else self.q.clone())
+
+
+KERNEL_WEIGHTS = ("int4", "bf16")
+
+
+def kernel_weights() -> str:
+    """The format of the matrices the kernel rollout reads: FLINT_DRAFT_WEIGHTS, int4 (default) or bf16."""
+    w = os.environ.get("FLINT_DRAFT_WEIGHTS", "int4")
+    if w not in KERNEL_WEIGHTS:
+        raise DraftError(f"FLINT_DRAFT_WEIGHTS={w!r}: expected one of {', '.join(KERNEL_WEIGHTS)}")
+    return w
+
+
+@torch.no_grad()
+def int4_rollout_weights(draft: DraftHead) -> dict:
+    """The int4 matrices (flint-int4-v1) the kernel rollout reads: the draft's fc, gate|up and down rounded to
+    nearest once (groups of 128, or the largest that divides K), and the target's own embedding and head as the
+    target holds them when they are int4 (else rounded once); the head's rows are the target's whole head, which
+    the kernel reads through the drafting vocabulary's ids. {"fc", "gu<i>", "down<i>", "head", "embed"} ->
+    Int4Weight on the draft's device."""
+    draft._need_target()
+    h, inter = draft.cfg.hidden_size, draft.cfg.intermediate_size
+    dev = draft.device
+    q = lambda w, k, name: quantize_int4(w.float(), fit_group_size(k, 128, name), name=name).to(dev)  # noqa: E731
+    out = {"fc": q(draft.fc.weight, 2 * h, "fc")}
+    for i, b in enumerate(draft.blocks):
+        out[f"gu{i}"] = q(b._gate_up(), h, f"blocks.{i}.gate_up")
+        out[f"down{i}"] = q(b.down.weight, inter, f"blocks.{i}.down")
+    src, head, tied = draft.target_mats
+    out["embed"] = _kernel_int4(draft.embed_src if draft.embed_src is not None else _int4_embedding(src)).to(dev)
+    out["head"] = out["embed"] if tied else _kernel_int4(_int4_embedding(head)).to(dev)
+    return out
+
+
+def _kernel_int4(w: Int4Weight) -> Int4Weight:
+    """The fields the int4 kernels read (an ExactInt4Weight's fp16 scales / mins)."""
+    return w.kernel_view() if hasattr(w, "kernel_view") else w
 
 
 def num_parameters(draft: DraftHead) -> int:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flint.config import from_hf_dict
-from flint.draft import DraftHead, draft_config_for
+from flint.draft import DraftError, DraftHead, draft_config_for
 from flint.engine import Engine, SamplingParams, probs_from_logits
 from flint.loading import LoadedModel, expected_shapes
 from flint.model import Transformer
@@ -406,50 +406,121 @@ def test_greedy_identical_with_graphed_draft_on_cuda():
         assert got.token_ids == want.token_ids, prompt
 
 
+def test_int4_rollout_weights_round_once_and_borrow_the_targets_int4(monkeypatch):
+    """The kernel rollout's int4 matrices: the draft's fc / gate|up / down rounded to nearest in groups of 128 or the
+    largest that divides K (each value within half a step of its group); the target's int4 embedding and head are
+    the target's own tensors (no copy), a dense one rounded once; a bad FLINT_DRAFT_WEIGHTS is refused by name."""
+    from flint.draft import int4_rollout_weights, kernel_weights
+    from flint.quant import quantize_int4
+
+    lm = tiny_lm(vocab=40, hidden=96)
+    torch.manual_seed(1)
+    draft = DraftHead(draft_config_for(lm.cfg, intermediate_size=64)).attach_target(lm.cfg, lm.params)
+    q = int4_rollout_weights(draft)
+    assert (q["fc"].group_size, q["gu0"].group_size, q["down0"].group_size) == (64, 32, 64)  # K = 192, 96, 64
+    for name, w in (("fc", draft.fc.weight), ("gu0", draft.blocks[0]._gate_up()), ("down0", draft.blocks[0].down.weight)):
+        qw = q[name]
+        assert qw.shape == tuple(w.shape)
+        step = qw.scales.float().repeat_interleave(qw.group_size, 1)
+        assert bool(((qw.dequantize() - w.float()).abs() <= 0.5 * step + 1e-3).all()), name
+    assert q["head"] is not q["embed"]  # untied: the head's own rows
+    params = dict(lm.params)
+    params["embed"] = quantize_int4(lm.params["embed"], 32)
+    params["lm_head"] = quantize_int4(lm.params["lm_head"], 32)
+    draft.attach_target(lm.cfg, params, vocab=torch.arange(0, 40, 3))
+    q = int4_rollout_weights(draft)
+    assert q["embed"].qweight is params["embed"].qweight and q["head"].qweight is params["lm_head"].qweight
+    monkeypatch.setenv("FLINT_DRAFT_WEIGHTS", "fp8")
+    with pytest.raises(DraftError, match="FLINT_DRAFT_WEIGHTS"):
+        kernel_weights()
+    monkeypatch.delenv("FLINT_DRAFT_WEIGHTS")
+    assert kernel_weights() == "int4"
+
+
+def int4_reference(draft):
+    """An fp32 copy of ``draft`` whose matrices are the dequantized int4 ones the kernel rollout reads (its fc, gate|up
+    and down rounded once; the target's int4 head and embedding rows): what the int4 kernel must propose."""
+    import copy
+
+    from flint.draft import int4_rollout_weights
+
+    q = int4_rollout_weights(draft)
+    ref = copy.deepcopy(draft).float()
+    h, inter = draft.cfg.hidden_size, draft.cfg.intermediate_size
+    with torch.no_grad():
+        ref.fc.weight.copy_(q["fc"].dequantize())
+        for i, b in enumerate(ref.blocks):
+            gu = q[f"gu{i}"].dequantize()
+            b.gate.weight.copy_(gu[:inter])
+            b.up.weight.copy_(gu[inter:])
+            b.down.weight.copy_(q[f"down{i}"].dequantize())
+    ids = draft.vocab_ids
+    rows = (lambda w: w.rows(ids)) if ids is not None else (lambda w: w)  # noqa: E731
+    ref.head = rows(q["head"]).dequantize()
+    ref.embed = rows(q["embed"]).dequantize()
+    ref.embed_src = q["embed"] if ids is not None else None
+    ref.final_norm = draft.final_norm.float()
+    assert h == ref.head.shape[1]
+    return ref
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU (the draft's one-launch rollout kernel)")
-@pytest.mark.parametrize("pruned,layers", [(False, 1), (True, 1), (True, 2)])
-def test_kernel_rollout_matches_fp32_emulation(pruned, layers):
-    """flint_draft_rollout (one cooperative launch, fp32 arithmetic on bf16 weights) proposes the tokens of the
-    eager rollout run in fp32 on the same bf16-rounded weights, for fresh random hidden states and tokens; with a
-    drafting vocabulary (the target's token embedded from the int4 layout) and without; 1 and 2 MLP blocks."""
+@pytest.mark.parametrize("weights", ["int4", "bf16"])
+@pytest.mark.parametrize("pruned,layers,hidden", [(False, 1, 64), (True, 1, 64), (True, 2, 64), (True, 1, 192)])
+def test_kernel_rollout_matches_fp32_emulation(monkeypatch, weights, pruned, layers, hidden):
+    """flint_draft_rollout (one cooperative launch, fp32 arithmetic) proposes the tokens of the eager rollout run in
+    fp32 on the weights it reads: the bf16-rounded ones, or (int4, the default) the draft's matrices rounded to int4
+    once and the target's int4 head and embedding; for fresh random hidden states and tokens; with a drafting
+    vocabulary (the target's token embedded from the int4 layout) and without; 1 and 2 MLP blocks; groups of 128 / 64
+    (hidden 64) and 128 / 64 / 32 (hidden 192: fc's K = 384, gate|up's 192, down's 96)."""
     import copy
 
     from flint.draft import DraftHead, draft_config_for
 
-    lm = tiny_lm(vocab=300, hidden=64)
+    monkeypatch.setenv("FLINT_DRAFT_WEIGHTS", weights)
+    lm = tiny_lm(vocab=300, hidden=hidden)
     torch.manual_seed(7)
-    draft = DraftHead(draft_config_for(lm.cfg, intermediate_size=48, num_layers=layers))
+    draft = DraftHead(draft_config_for(lm.cfg, intermediate_size=64 if hidden == 64 else 96, num_layers=layers))
     with torch.no_grad():
         for b in draft.blocks:
             torch.nn.init.normal_(b.down.weight, std=0.3)
     draft = draft.to("cuda", torch.bfloat16)
     vocab = torch.randperm(300, generator=torch.Generator().manual_seed(8))[:96] if pruned else None
     draft.attach_target(lm.cfg, lm.params, device="cuda", dtype=torch.bfloat16, vocab=vocab)
-    ref = copy.deepcopy(draft).float()
-    ref.head, ref.embed, ref.final_norm = draft.head.float(), draft.embed.float(), draft.final_norm.float()
+    if weights == "int4":
+        ref = int4_reference(draft)
+    else:
+        ref = copy.deepcopy(draft).float()
+        ref.head, ref.embed, ref.final_norm = draft.head.float(), draft.embed.float(), draft.final_norm.float()
     assert draft._kernel_rollout() is not None and ref._kernel_rollout() is None
+    assert draft._kernel_rollout().weights == weights
     g = torch.Generator().manual_seed(9)
     for trial in range(6):
-        hidden = torch.randn(64, generator=g).cuda()
+        hidden_state = torch.randn(hidden, generator=g).cuda()
         tok = torch.randint(0, 300, (1,), generator=g).cuda()
-        got, _ = draft.propose([int(tok)], hidden, 5)
-        want, _ = ref._rollout(hidden.view(1, -1), tok, 5)
-        assert got.tolist() == want.tolist(), (pruned, layers, trial)
+        got, _ = draft.propose([int(tok)], hidden_state, 5)
+        want, _ = ref._rollout(hidden_state.view(1, -1), tok, 5)
+        assert got.tolist() == want.tolist(), (weights, pruned, layers, hidden, trial)
         if vocab is not None:
             assert set(got.tolist()) <= set(vocab.tolist())
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU (the draft's one-launch rollout kernel)")
-def test_greedy_identical_with_kernel_draft_on_cuda():
-    """Speculative decoding with the bf16 draft on its one-launch kernel: output equals plain greedy."""
+def test_greedy_identical_with_kernel_draft_on_cuda(monkeypatch):
+    """Speculative decoding with the bf16 draft on its one-launch kernel (widths that take no int4 group: bf16
+    matrices, and int4 asked for by name refused): output equals plain greedy."""
     lm = tiny_lm(eos=(5,), vocab=64, hidden=64)
     params = {n: t.cuda() for n, t in lm.params.items()}
     be = Transformer(lm.cfg, params, 128, device="cuda", dtype=torch.float32)
     draft = random_draft(lm, seed=3).to("cuda", torch.bfloat16)
     draft.attach_target(lm.cfg, params, device="cuda", dtype=torch.bfloat16, vocab=torch.arange(0, 64, 2))
-    assert draft._kernel_rollout() is not None
+    assert draft._kernel_rollout().weights == "bf16"  # intermediate 48: no int4 group, the default falls back
+    monkeypatch.setenv("FLINT_DRAFT_WEIGHTS", "int4")
+    with pytest.raises(DraftError, match="multiples of 32"):
+        draft._kernel_rollout()
+    monkeypatch.delenv("FLINT_DRAFT_WEIGHTS")
     for prompt in PROMPTS:
         sp = SamplingParams(max_new_tokens=30)
         want = Engine(be).generate(prompt, sp)

@@ -9,11 +9,16 @@
 // ties go to the lowest index, the first-index rule of torch.argmax), and every block reduces the keys of all
 // blocks in the same way, so every block knows the token without another barrier.
 //
-// Inputs are the draft's own tensors (bf16) and the first token's embedding either as a bf16 row or from the
-// target's int4 layout (flint-int4-v1: code 2j in the low nibble of byte j, w = code * scale + min per group).
+// Every matrix (fc, the MLP blocks' gate|up and down, the head) is read either as bf16 rows or as int4 rows in the
+// flint-int4-v1 layout (code 2j in the low nibble of byte j, w = code * scale + min per group of G, G % 32 == 0): the
+// draft's own matrices quantized once, the head as the target's own int4 rows through the drafting vocabulary's ids
+// (no copy). A stage's input vector is staged in the layout its matrix's dot reads: plain for bf16; for int4 the
+// 16-byte code chunk c (32 codes) of a lane finds its 32 x values as 8 float4 at [j][c] (j = 0..7: conflict-free
+// across the lanes) and the chunk's sum of x (for the min term) at xc[c]. The tokens' embeddings come from a bf16
+// row table or from the target's int4 layout.
 // Arithmetic is fp32 throughout (the torch path rounds its intermediates to bf16: the two may differ at argmax
-// near-ties; tests/test_speculative.py checks tokens against an fp32 emulation).
-// Host entry: flint_draft_rollout (a cudaError_t, 0 = success). Needs H, I % 8 == 0 (16-byte weight loads).
+// near-ties; tests/test_speculative.py checks tokens against an fp32 emulation on the same weights).
+// Host entry: flint_draft_rollout (a cudaError_t, 0 = success). Needs H, I % 32 == 0 (16-byte weight loads).
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -24,22 +29,33 @@ namespace cg = cooperative_groups;
 
 namespace {
 
-// 32 warps a block, one block per SM: 4 loads of 16 B in flight per lane make ~64 KB per SM, what a streaming read
-// needs on the H200 (256 threads: Granite's rollout read 0.9 TB/s, 2026-12-01)
-constexpr int kThreads = 1024;
+// 24 warps a block, one block per SM: 4 loads of 16 B in flight per lane make ~48 KB per SM on a bf16 row (256
+// threads: Granite's rollout read 0.9 TB/s, 2026-12-01); 1024 threads cap registers at 64, where the int4 dot spills
+constexpr int kThreads = 768;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxBlocks = 4;  // MLP blocks of the draft (the shipped one has 1)
 
+// a matrix of R rows of K: bf16 rows (w), or int4 rows (q [R][K/2], s and m [R][K/G]); rows: the physical row of
+// logical row r (the head over the target's rows: the drafting vocabulary's ids), null: r itself
+struct Mat {
+  const __nv_bfloat16* w;
+  const uint8_t* q;
+  const __half* s;
+  const __half* m;
+  const long long* rows;
+  int G;
+};
+
 struct DraftArgs {
-  const __nv_bfloat16* fc;       // [H, 2H]
+  Mat fc;                        // [H, 2H]
   const __nv_bfloat16* w_nh;     // [H] norm_hidden
   const __nv_bfloat16* w_ne;     // [H] norm_embed
   const __nv_bfloat16* w_bn[kMaxBlocks];   // [H] each block's norm
-  const __nv_bfloat16* gu[kMaxBlocks];     // [2I, H]: gate rows, then up rows
-  const __nv_bfloat16* down[kMaxBlocks];   // [H, I]
+  Mat gu[kMaxBlocks];            // [2I, H]: gate rows, then up rows
+  Mat down[kMaxBlocks];          // [H, I]
   const __nv_bfloat16* w_final;  // [H] the target's final norm
-  const __nv_bfloat16* head;     // [N, H] the drafting vocabulary's head rows
-  const __nv_bfloat16* embed;    // [N, H] their embeddings (== head when tied)
+  Mat head;                      // [N, H] the drafting vocabulary's head rows
+  const __nv_bfloat16* embed;    // [N, H] bf16 embeddings of the head's rows, or null: the int4 layout (e_q) by id
   const long long* vocab_ids;    // [N] token ids of the rows (null: row = id)
   // the first token: its id, and its embedding from a bf16 table [V, H] (emb_full) or the int4 layout
   const long long* tok;          // [1] device
@@ -97,17 +113,111 @@ __device__ __forceinline__ float row_dot(const __nv_bfloat16* w, const float* xs
   return warp_sum(s);
 }
 
-// xs[i] = v[i] * rstd(v) * w[i] for i < H; v read by `get`
+// code b (0..3) of a word of four byte-wide codes as a float: 2^23 + code by its bits, less 2^23 (exact)
+__device__ __forceinline__ float code_f(uint32_t v, int b) {
+  return __uint_as_float(__byte_perm(v, 0x4B000000u, 0x7440u | (uint32_t)b)) - 8388608.f;
+}
+
+// sum over 32 codes (one 16-byte chunk) of code * x, x the chunk's 8 float4 at x4[j * nc]
+__device__ __forceinline__ float chunk_dot(const uint4 u, const float4* x4, int nc) {
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+  float d = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {  // word i: codes 8i..8i+7 in its nibbles, in order
+    const uint32_t lo = w[i] & 0x0F0F0F0Fu, hi = (w[i] >> 4) & 0x0F0F0F0Fu;  // codes 8i + {0,2,4,6}, {1,3,5,7}
+    const float4 xa = x4[(2 * i) * nc], xb = x4[(2 * i + 1) * nc];
+    d = fmaf(code_f(lo, 0), xa.x, d); d = fmaf(code_f(hi, 0), xa.y, d);
+    d = fmaf(code_f(lo, 1), xa.z, d); d = fmaf(code_f(hi, 1), xa.w, d);
+    d = fmaf(code_f(lo, 2), xb.x, d); d = fmaf(code_f(hi, 2), xb.y, d);
+    d = fmaf(code_f(lo, 3), xb.z, d); d = fmaf(code_f(hi, 3), xb.w, d);
+  }
+  return d;
+}
+
+// dots of NR int4 rows of A (logical rows r[]) with the staged x [K] (int4 layout) and its chunk sums xc, by one
+// warp: sum over chunks of scale * sum(code * x) + min * sum(x); the rows share each x load
+template <int NR>
+__device__ __forceinline__ void dot_q4(const Mat& A, const int* r, int K, const float* xs, const float* xc, float* out) {
+  const int nc = K >> 5, ng = K / A.G, lane = threadIdx.x & 31;
+  const int cshift = 31 - __clz(A.G >> 5);  // chunks per group: 1, 2, 4
+  size_t row[NR];
+#pragma unroll
+  for (int i = 0; i < NR; ++i) row[i] = A.rows ? (size_t)A.rows[r[i]] : (size_t)r[i];
+  float acc[NR];
+#pragma unroll
+  for (int i = 0; i < NR; ++i) acc[i] = 0.f;
+  const float4* x4 = reinterpret_cast<const float4*>(xs);
+  const uint4* q4 = reinterpret_cast<const uint4*>(A.q);
+  constexpr int B = 4 / NR;  // chunks a lane has in flight per row (more spilled at 64 registers)
+  for (int c0 = lane; c0 < nc; c0 += 32 * B) {
+    uint4 u[B][NR];
+    __half sc[B][NR], mn[B][NR];  // (loaded with the codes: one round trip)
+#pragma unroll
+    for (int t = 0; t < B; ++t)
+#pragma unroll
+      for (int i = 0; i < NR; ++i) {
+        const int c = c0 + 32 * t;
+        const bool in = c < nc;
+        u[t][i] = in ? __ldg(q4 + row[i] * nc + c) : make_uint4(0u, 0u, 0u, 0u);
+        sc[t][i] = in ? __ldg(A.s + row[i] * ng + (c >> cshift)) : __half();
+        mn[t][i] = in ? __ldg(A.m + row[i] * ng + (c >> cshift)) : __half();
+      }
+#pragma unroll
+    for (int t = 0; t < B; ++t) {
+      const int c = c0 + 32 * t;
+      if (c >= nc) break;
+      const float sx = xc[c];
+#pragma unroll
+      for (int i = 0; i < NR; ++i) {
+        acc[i] = fmaf(__half2float(sc[t][i]), chunk_dot(u[t][i], x4 + c, nc), acc[i]);
+        acc[i] = fmaf(__half2float(mn[t][i]), sx, acc[i]);
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < NR; ++i) out[i] = warp_sum(acc[i]);
+}
+
+// one row of A (either format) with the staged x
+__device__ __forceinline__ float mat_dot(const Mat& A, int r, int K, const float* xs, const float* xc) {
+  if (A.q == nullptr) return row_dot(A.w + (size_t)r * K, xs, K);
+  float o;
+  dot_q4<1>(A, &r, K, xs, xc, &o);
+  return o;
+}
+
+// where x[k] of a K-vector lives in shared memory for a matrix of this format (q4: the int4 dot's layout)
+__device__ __forceinline__ int xpos(int k, int K, bool q4) {
+  return q4 ? 4 * (((k >> 2) & 7) * (K >> 5) + (k >> 5)) + (k & 3) : k;
+}
+
+// x[off + i] = v[i] * rstd(v) * w[i] for i < H, in the layout of a K-vector of the format q4; v read by `get`
 template <class Get>
-__device__ void rms_into(float* xs, const __nv_bfloat16* w, int H, float eps, float* red, Get get) {
+__device__ void rms_into(float* xs, const __nv_bfloat16* w, int H, int off, int K, bool q4, float eps, float* red,
+                         Get get) {
   float s2 = 0.f;
   for (int i = threadIdx.x; i < H; i += kThreads) {
     const float v = get(i);
-    xs[i] = v;
+    xs[xpos(off + i, K, q4)] = v;
     s2 = fmaf(v, v, s2);
   }
   const float r = rsqrtf(block_sum(s2, red) / (float)H + eps);
-  for (int i = threadIdx.x; i < H; i += kThreads) xs[i] = xs[i] * r * __bfloat162float(w[i]);
+  for (int i = threadIdx.x; i < H; i += kThreads) {
+    const int p = xpos(off + i, K, q4);
+    xs[p] = xs[p] * r * __bfloat162float(w[i]);
+  }
+  __syncthreads();
+}
+
+// the int4 layout's chunk sums of the staged K-vector (fixed order), after it is complete
+__device__ void chunk_sums(const float* xs, float* xc, int K) {
+  const int nc = K >> 5;
+  for (int c = threadIdx.x; c < nc; c += kThreads) {
+    float s = 0.f;
+#pragma unroll 8
+    for (int j = 0; j < 32; ++j) s += xs[xpos(32 * c + j, K, true)];
+    xc[c] = s;
+  }
   __syncthreads();
 }
 
@@ -117,6 +227,26 @@ __device__ __forceinline__ uint32_t ordered(float v) {
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
+// the embedding of token `id` (row `row` of the head's drafting vocabulary when a bf16 row table is given)
+__device__ void embed_into(const DraftArgs& a, float* xs, const __nv_bfloat16* table, long long row, long long id,
+                           int K, bool q4, float* red) {
+  const int H = a.H;
+  if (table != nullptr) {
+    const __nv_bfloat16* er = table + (size_t)row * H;
+    rms_into(xs, a.w_ne, H, H, K, q4, a.eps, red, [&](int i) { return __bfloat162float(er[i]); });
+  } else {
+    const uint8_t* q = a.e_q + (size_t)id * (H / 2);
+    const int ng = H / a.e_group;
+    const __half* sc = a.e_scale + (size_t)id * ng;
+    const __half* mn = a.e_min + (size_t)id * ng;
+    rms_into(xs, a.w_ne, H, H, K, q4, a.eps, red, [&](int i) {
+      const int code = (q[i >> 1] >> (4 * (i & 1))) & 15;
+      const int g = i / a.e_group;
+      return (float)code * __half2float(sc[g]) + __half2float(mn[g]);
+    });
+  }
+}
+
 __global__ void __launch_bounds__(kThreads) draft_rollout_kernel(DraftArgs a) {
   extern __shared__ float smem[];
   __shared__ float red[kWarps];
@@ -124,64 +254,73 @@ __global__ void __launch_bounds__(kThreads) draft_rollout_kernel(DraftArgs a) {
   const int H = a.H, I = a.I;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int gwarp = blockIdx.x * kWarps + warp, nwarps = gridDim.x * kWarps;
-  long long tok = __ldg(a.tok);  // this step's input token (its id; afterwards its drafting-vocabulary row)
-  bool first = true;
+  float* xs = smem;                                   // [max(2H, I)] the staged vector
+  float* xc = smem + (2 * H > I ? 2 * H : I);         // [max(2H, I) / 32] its chunk sums (int4 layout)
+  long long tok = __ldg(a.tok);  // this step's input token: its id, afterwards its drafting-vocabulary row
   for (int j = 0; j < a.k; ++j) {
     // fc over [rmsnorm(h) * w_nh | rmsnorm(e) * w_ne]
-    float* xs = smem;  // [2H]
-    if (first) {
-      rms_into(xs, a.w_nh, H, a.eps, red, [&](int i) { return __ldg(a.h0 + i); });
-      if (a.emb_full != nullptr) {
-        const __nv_bfloat16* er = a.emb_full + (size_t)tok * H;
-        rms_into(xs + H, a.w_ne, H, a.eps, red, [&](int i) { return __bfloat162float(er[i]); });
-      } else {
-        const uint8_t* q = a.e_q + (size_t)tok * (H / 2);
-        const int ng = H / a.e_group;
-        const __half* sc = a.e_scale + (size_t)tok * ng;
-        const __half* mn = a.e_min + (size_t)tok * ng;
-        rms_into(xs + H, a.w_ne, H, a.eps, red, [&](int i) {
-          const int code = (q[i >> 1] >> (4 * (i & 1))) & 15;
-          const int g = i / a.e_group;
-          return (float)code * __half2float(sc[g]) + __half2float(mn[g]);
-        });
-      }
+    const bool qf = a.fc.q != nullptr;
+    if (j == 0) {
+      rms_into(xs, a.w_nh, H, 0, 2 * H, qf, a.eps, red, [&](int i) { return __ldg(a.h0 + i); });
+      embed_into(a, xs, a.emb_full, tok, tok, 2 * H, qf, red);
     } else {
-      rms_into(xs, a.w_nh, H, a.eps, red, [&](int i) { return __ldcg(a.x + i); });
-      const __nv_bfloat16* er = a.embed + (size_t)tok * H;
-      rms_into(xs + H, a.w_ne, H, a.eps, red, [&](int i) { return __bfloat162float(er[i]); });
+      rms_into(xs, a.w_nh, H, 0, 2 * H, qf, a.eps, red, [&](int i) { return __ldcg(a.x + i); });
+      embed_into(a, xs, a.embed, tok, a.vocab_ids ? a.vocab_ids[tok] : tok, 2 * H, qf, red);
     }
-    first = false;
+    if (qf) chunk_sums(xs, xc, 2 * H);
     for (int r = gwarp; r < H; r += nwarps) {
-      const float s = row_dot(a.fc + (size_t)r * 2 * H, xs, 2 * H);
+      const float s = mat_dot(a.fc, r, 2 * H, xs, xc);
       if (lane == 0) a.f[r] = s;
     }
     cg::this_grid().sync();  // (the grid_group object held across the loop spilled 8 bytes)
     for (int b = 0; b < a.nblocks; ++b) {
       float* fcur = b == 0 ? a.f : a.x;  // the block's input: fc's output, then the previous block's
-      rms_into(xs, a.w_bn[b], H, a.eps, red, [&](int i) { return __ldcg(fcur + i); });
+      const bool qg = a.gu[b].q != nullptr, qd = a.down[b].q != nullptr;
+      rms_into(xs, a.w_bn[b], H, 0, H, qg, a.eps, red, [&](int i) { return __ldcg(fcur + i); });
+      if (qg) chunk_sums(xs, xc, H);
       for (int r = gwarp; r < I; r += nwarps) {
-        const float g = row_dot(a.gu[b] + (size_t)r * H, xs, H);
-        const float u = row_dot(a.gu[b] + (size_t)(I + r) * H, xs, H);
+        float g, u;
+        if (qg) {  // the gate and up rows share the x loads
+          const int rr[2] = {r, I + r};
+          float o[2];
+          dot_q4<2>(a.gu[b], rr, H, xs, xc, o);
+          g = o[0], u = o[1];
+        } else {
+          g = row_dot(a.gu[b].w + (size_t)r * H, xs, H);
+          u = row_dot(a.gu[b].w + (size_t)(I + r) * H, xs, H);
+        }
         if (lane == 0) a.act[r] = g / (1.f + __expf(-g)) * u;
       }
       cg::this_grid().sync();
-      for (int i = threadIdx.x; i < I; i += kThreads) xs[i] = __ldcg(a.act + i);
+      for (int i = threadIdx.x; i < I; i += kThreads) xs[xpos(i, I, qd)] = __ldcg(a.act + i);
       __syncthreads();
+      if (qd) chunk_sums(xs, xc, I);
       // x = fcur + down(act); for b > 0 fcur is x itself: each row is read then written by one lane only
       for (int r = gwarp; r < H; r += nwarps) {
-        const float s = row_dot(a.down[b] + (size_t)r * I, xs, I);
+        const float s = mat_dot(a.down[b], r, I, xs, xc);
         if (lane == 0) a.x[r] = __ldcg(fcur + r) + s;
       }
       cg::this_grid().sync();
     }
     // the head's argmax over the drafting vocabulary on rmsnorm(x) * w_final (the logit scale cannot move it)
-    rms_into(xs, a.w_final, H, a.teps, red, [&](int i) { return __ldcg(a.x + i); });
+    const bool qh = a.head.q != nullptr;
+    rms_into(xs, a.w_final, H, 0, H, qh, a.teps, red, [&](int i) { return __ldcg(a.x + i); });
+    if (qh) chunk_sums(xs, xc, H);
     unsigned long long best = 0ull;
-    for (int n = gwarp; n < a.N; n += nwarps) {
-      const float s = row_dot(a.head + (size_t)n * H, xs, H);
+    auto keep = [&](float s, int n) {
       const unsigned long long key = (unsigned long long)ordered(s) << 32 | (0xffffffffu - (uint32_t)n);
       best = key > best ? key : best;
-    }
+    };
+    int n = gwarp;
+    if (qh)  // two rows a pass where the warp has two (they share the x loads)
+      for (; n + nwarps < a.N; n += 2 * nwarps) {
+        const int rr[2] = {n, n + nwarps};
+        float o[2];
+        dot_q4<2>(a.head, rr, H, xs, xc, o);
+        keep(o[0], rr[0]);
+        keep(o[1], rr[1]);
+      }
+    for (; n < a.N; n += nwarps) keep(mat_dot(a.head, n, H, xs, xc), n);
     if (lane == 0) wkey[warp] = best;
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -215,43 +354,69 @@ __global__ void __launch_bounds__(kThreads) draft_rollout_kernel(DraftArgs a) {
 
 }  // namespace
 
-// ints: H, I, N, nblocks, k, e_group; ptrs: see DraftArgs (in its order, w_bn/gu/down kMaxBlocks each)
+// a Mat's slots: 4 pointers (w, q, s, m) and its group size (0 for bf16)
+static const void* const* take_mat(Mat& A, const void* const* p, long long G) {
+  A.w = (const __nv_bfloat16*)p[0];
+  A.q = (const uint8_t*)p[1];
+  A.s = (const __half*)p[2];
+  A.m = (const __half*)p[3];
+  A.G = (int)G;
+  return p + 4;
+}
+
+// one format, and an int4 group size the dot handles (G in 32, 64, 128 dividing K)
+static bool mat_ok(const Mat& A, int K) {
+  if ((A.w == nullptr) == (A.q == nullptr)) return false;
+  if (A.w != nullptr) return A.G == 0 && K % 8 == 0;
+  return A.s != nullptr && A.m != nullptr && (A.G == 32 || A.G == 64 || A.G == 128) && K % A.G == 0;
+}
+
+// ints: H, I, N, nblocks, k, e_group, then the group sizes of fc, gu[kMaxBlocks], down[kMaxBlocks], head (0: bf16).
+// ptrs, in order: fc (w, q, s, m), w_nh, w_ne, w_bn[kMaxBlocks], gu[kMaxBlocks] (4 each), down[kMaxBlocks] (4 each),
+// w_final, head (4), head's row ids, embed, vocab_ids, tok, emb_full, e_q, e_scale, e_min, h0, f, act, x, keys, out.
 extern "C" int flint_draft_rollout(const long long* ints, const void* const* ptrs, const float* floats, void* stream) {
   DraftArgs a{};
   a.H = (int)ints[0]; a.I = (int)ints[1]; a.N = (int)ints[2]; a.nblocks = (int)ints[3]; a.k = (int)ints[4];
   a.e_group = (int)ints[5];
+  const long long* gs = ints + 6;
   if (a.H <= 0 || a.I <= 0 || a.N <= 0 || a.k <= 0 || a.H % 8 || a.I % 8 || a.nblocks < 1 || a.nblocks > kMaxBlocks ||
       (a.e_group > 0 && a.H % a.e_group))
     return (int)cudaErrorInvalidValue;
-  int i = 0;
-  a.fc = (const __nv_bfloat16*)ptrs[i++];
-  a.w_nh = (const __nv_bfloat16*)ptrs[i++];
-  a.w_ne = (const __nv_bfloat16*)ptrs[i++];
-  for (int b = 0; b < kMaxBlocks; ++b) a.w_bn[b] = (const __nv_bfloat16*)ptrs[i++];
-  for (int b = 0; b < kMaxBlocks; ++b) a.gu[b] = (const __nv_bfloat16*)ptrs[i++];
-  for (int b = 0; b < kMaxBlocks; ++b) a.down[b] = (const __nv_bfloat16*)ptrs[i++];
-  a.w_final = (const __nv_bfloat16*)ptrs[i++];
-  a.head = (const __nv_bfloat16*)ptrs[i++];
-  a.embed = (const __nv_bfloat16*)ptrs[i++];
-  a.vocab_ids = (const long long*)ptrs[i++];
-  a.tok = (const long long*)ptrs[i++];
-  a.emb_full = (const __nv_bfloat16*)ptrs[i++];
-  a.e_q = (const uint8_t*)ptrs[i++];
-  a.e_scale = (const __half*)ptrs[i++];
-  a.e_min = (const __half*)ptrs[i++];
-  a.h0 = (const float*)ptrs[i++];
-  a.f = (float*)ptrs[i++];
-  a.act = (float*)ptrs[i++];
-  a.x = (float*)ptrs[i++];
-  a.keys = (unsigned long long*)ptrs[i++];
-  a.out = (long long*)ptrs[i++];
+  const void* const* p = take_mat(a.fc, ptrs, gs[0]);
+  a.w_nh = (const __nv_bfloat16*)*p++;
+  a.w_ne = (const __nv_bfloat16*)*p++;
+  for (int b = 0; b < kMaxBlocks; ++b) a.w_bn[b] = (const __nv_bfloat16*)*p++;
+  for (int b = 0; b < kMaxBlocks; ++b) p = take_mat(a.gu[b], p, gs[1 + b]);
+  for (int b = 0; b < kMaxBlocks; ++b) p = take_mat(a.down[b], p, gs[1 + kMaxBlocks + b]);
+  a.w_final = (const __nv_bfloat16*)*p++;
+  p = take_mat(a.head, p, gs[1 + 2 * kMaxBlocks]);
+  a.head.rows = (const long long*)*p++;
+  a.embed = (const __nv_bfloat16*)*p++;
+  a.vocab_ids = (const long long*)*p++;
+  a.tok = (const long long*)*p++;
+  a.emb_full = (const __nv_bfloat16*)*p++;
+  a.e_q = (const uint8_t*)*p++;
+  a.e_scale = (const __half*)*p++;
+  a.e_min = (const __half*)*p++;
+  a.h0 = (const float*)*p++;
+  a.f = (float*)*p++;
+  a.act = (float*)*p++;
+  a.x = (float*)*p++;
+  a.keys = (unsigned long long*)*p++;
+  a.out = (long long*)*p++;
   a.eps = floats[0];
   a.teps = floats[1];
-  if ((a.emb_full == nullptr) == (a.e_q == nullptr)) return (int)cudaErrorInvalidValue;
+  bool ok = mat_ok(a.fc, 2 * a.H) && mat_ok(a.head, a.H) && (a.head.rows == nullptr || a.head.q != nullptr);
+  for (int b = 0; b < a.nblocks; ++b) ok = ok && mat_ok(a.gu[b], a.H) && mat_ok(a.down[b], a.I);
+  // the first token from a bf16 table or the int4 layout; the proposals from the bf16 rows or the int4 layout
+  ok = ok && (a.emb_full != nullptr || a.e_q != nullptr) && (a.embed != nullptr || a.e_q != nullptr);
+  ok = ok && (a.e_q == nullptr || (a.e_scale != nullptr && a.e_min != nullptr && a.e_group > 0));
+  if (!ok) return (int)cudaErrorInvalidValue;
   int dev = 0, sms = 0, per_sm = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  const size_t smem = sizeof(float) * (size_t)(2 * a.H > a.I ? 2 * a.H : a.I);
+  const size_t xn = (size_t)(2 * a.H > a.I ? 2 * a.H : a.I);
+  const size_t smem = sizeof(float) * (xn + xn / 32 + 1);  // the staged vector and its chunk sums
   if (e == cudaSuccess && smem > 48 * 1024)
     e = cudaFuncSetAttribute(draft_rollout_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, draft_rollout_kernel, kThreads, smem);
