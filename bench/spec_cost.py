@@ -7,7 +7,8 @@ Acceptance is NOT measured here (random weights accept nothing): the tokens-per-
     FLINT_KERNEL_DIR=build/kernels python3 bench/spec_cost.py [--models smollm2-135m,granite-4.1-3b] [--k 5]
 
 Per model: plain M = 1 step (greedy_next), verify steps M = 1..k+1 (forward with hidden states),
-the draft's k-step greedy rollout eager, as a CUDA graph and as the one-launch kernel, and the whole
+the draft's k-step greedy rollout eager, as a CUDA graph and as the one-launch kernel (on bf16 matrices, and on
+the int4 ones it reads by default: the draft's rounded once, the target's own int4 head), and the whole
 speculative loop (SpeculativeEngine, ignore_eos) per verify step with each. Medians of wall time around
 synchronized calls (what the engine sees), in microseconds.
 """
@@ -73,9 +74,12 @@ def run(model: str, k: int, ctx: int, vocabs: list[int]) -> dict:
         vocab = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(0))[:nv] if nv else None
         draft.attach_target(cfg, params, device="cuda", dtype=torch.bfloat16, vocab=vocab)
         torch.cuda.empty_cache()
-        modes = {"eager": ("0", "0"), "graph": ("0", "1"), "kernel": ("1", "1")}  # FLINT_DRAFT_KERNEL, _GRAPH
-        for mode, (kern, graph) in modes.items():
+        # FLINT_DRAFT_KERNEL, _GRAPH, _WEIGHTS (the kernel's matrices: int4, the default, or bf16)
+        modes = {"eager": ("0", "0", "int4"), "graph": ("0", "1", "int4"), "kernel_bf16": ("1", "1", "bf16"),
+                 "kernel": ("1", "1", "int4")}
+        for mode, (kern, graph, weights) in modes.items():
             os.environ["FLINT_DRAFT_KERNEL"], os.environ["FLINT_DRAFT_GRAPH"] = kern, graph
+            os.environ["FLINT_DRAFT_WEIGHTS"] = weights
             out[f"draft_{mode}_us_{tag}"] = r = timed(lambda: draft.propose([7], hidden, k), 30)
             out[f"draft_token_share_of_plain_{mode}_{tag}"] = round(r / k / out["plain_step_us"], 4)
             eng = SpeculativeEngine(mk, None, draft, k=k)
@@ -106,16 +110,18 @@ def main() -> None:
         r = run(model, a.k, a.ctx, vocabs)
         rows.append(r)
         print(json.dumps(r), flush=True)
-    print(f"\n| model | draft vocab | rollout k={a.k}: eager / graph / kernel us | per draft token (kernel) us | "
-          "share of plain step (graph → kernel) | spec step us (graph → kernel) | verify M=k+1 us | plain step us |")
-    print("|---|---|---|---:|---|---|---:|---:|")
+    print(f"\n| model | draft vocab | rollout k={a.k}: eager / graph / kernel bf16 / kernel int4 us | per draft token "
+          "(kernel bf16 → int4) us | share of plain step (graph → int4) | spec step us (graph → bf16 → int4) | "
+          "verify M=k+1 us | plain step us |")
+    print("|---|---|---|---|---|---|---:|---:|")
     for r in rows:
         for nv in vocabs:
             t = f"v{nv}"
-            d = {m: r[f"draft_{m}_us_{t}"] for m in ("eager", "graph", "kernel")}
-            print(f"| {r['model']} | {nv or 'all'} | {d['eager']:.0f} / {d['graph']:.0f} / {d['kernel']:.0f} | "
-                  f"{d['kernel'] / a.k:.1f} | {r['draft_token_share_of_plain_graph_' + t]:.3f} → "
-                  f"{r['draft_token_share_of_plain_kernel_' + t]:.3f} | {r['spec_step_us_graph_' + t]:.0f} → "
+            d = {m: r[f"draft_{m}_us_{t}"] for m in ("eager", "graph", "kernel_bf16", "kernel")}
+            print(f"| {r['model']} | {nv or 'all'} | {d['eager']:.0f} / {d['graph']:.0f} / {d['kernel_bf16']:.0f} / "
+                  f"{d['kernel']:.0f} | {d['kernel_bf16'] / a.k:.1f} → {d['kernel'] / a.k:.1f} | "
+                  f"{r['draft_token_share_of_plain_graph_' + t]:.3f} → {r['draft_token_share_of_plain_kernel_' + t]:.3f} | "
+                  f"{r['spec_step_us_graph_' + t]:.0f} → {r['spec_step_us_kernel_bf16_' + t]:.0f} → "
                   f"{r['spec_step_us_kernel_' + t]:.0f} | {r[f'verify_m{a.k + 1}_us']:.0f} | {r['plain_step_us']:.0f} |")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))

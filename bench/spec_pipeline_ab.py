@@ -10,13 +10,15 @@ between the two and plain greedy decoding, all in one process (device).
         --oracle-accept 0.77 --k 3 --rounds 3
 
 Per k and variant: tokens per verify step, tok/s per round, their median and the ratio to plain greedy of the same
-round, and whether the outputs were plain greedy's. JSON with --json.
+round, and whether the outputs were plain greedy's. --variants pipelined,pipelined_bf16 sets the draft's int4 kernel
+rollout (the default) against the same kernel on bf16 matrices. JSON with --json.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -28,6 +30,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flint.bench import device_name, load_bench_model, make_backend  # noqa: E402
 from flint.engine import Engine, SamplingParams  # noqa: E402
 from flint.speculative import SpeculativeEngine  # noqa: E402
+
+
+class DraftWeights:
+    """A draft whose kernel rollout reads the matrices of format ``weights`` (FLINT_DRAFT_WEIGHTS set around its
+    calls; the draft keeps one kernel rollout per format, so alternating costs nothing)."""
+
+    def __init__(self, draft, weights: str):
+        self.draft, self.weights = draft, weights
+
+    def __getattr__(self, name):
+        attr = getattr(self.draft, name)
+        if name not in ("begin", "propose"):
+            return attr
+
+        def call(*a, **kw):
+            old = os.environ.get("FLINT_DRAFT_WEIGHTS")
+            os.environ["FLINT_DRAFT_WEIGHTS"] = self.weights
+            try:
+                return attr(*a, **kw)
+            finally:
+                if old is None:
+                    del os.environ["FLINT_DRAFT_WEIGHTS"]
+                else:
+                    os.environ["FLINT_DRAFT_WEIGHTS"] = old
+        return call
 
 
 class HostOrder:
@@ -57,8 +84,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128, help="new tokens per prompt")
     ap.add_argument("--oracle-accept", type=float, default=None)
     ap.add_argument("--draft-vocab", type=int, default=8192, help="the oracle's random draft's head rows")
+    ap.add_argument("--variants", default="pipelined,host_order",
+                    help="of pipelined, host_order, pipelined_bf16 (the kernel rollout on bf16 matrices)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    variants = tuple(a.variants.split(","))
+    if not variants or not set(variants) <= {"pipelined", "host_order", "pipelined_bf16"}:
+        raise SystemExit(f"--variants {a.variants!r}: a comma list of pipelined, host_order, pipelined_bf16")
     ks = [int(x) for x in a.k.split(",")]
     dev = torch.device("cuda")
     synthetic = a.model.startswith("synthetic:")
@@ -96,17 +128,17 @@ def main() -> None:
         d = inner
         if synthetic:
             d = OracleDraft(inner, refs[i], a.oracle_accept, lm.cfg.vocab_size, seed=i)
-        return SpeculativeEngine(backend, None, d if variant == "pipelined" else HostOrder(d), k=k)
+        d = {"pipelined": d, "host_order": HostOrder(d), "pipelined_bf16": DraftWeights(d, "bf16")}[variant]
+        return SpeculativeEngine(backend, None, d, k=k)
 
     doc = {"device": device_name(dev), "model": a.model, "oracle": synthetic, "oracle_accept": a.oracle_accept,
            "tokens": a.tokens, "prompts": len(prompts), "rounds": a.rounds, "rows": []}
-    variants = ("pipelined", "host_order")
     for k in ks:
         for v in variants:  # warm-up: the draft's launches for every k reached
             engine(k, v, 0).generate(prompts[0], dataclasses.replace(sp, max_new_tokens=2 * k + 2))
         per = {v: {"tok_s": [], "x_plain": [], "steps": 0, "accepted": 0, "identical": 0} for v in variants}
         for r in range(a.rounds):
-            order = variants if r % 2 == 0 else variants[::-1]
+            order = variants if r % 2 == 0 else variants[::-1]  # interleaved: where the scratch lands moves both
             n_plain, s_plain = 0, 0.0
             for i, pr in enumerate(prompts):
                 toks, s = _decode(plain, pr, sp)
@@ -132,8 +164,11 @@ def main() -> None:
                                 "tok_s": p["tok_s"], "median_tok_s": statistics.median(p["tok_s"]),
                                 "x_plain": p["x_plain"], "median_x_plain": statistics.median(p["x_plain"]),
                                 "identical_to_plain": f"{p['identical']}/{len(prompts) * a.rounds}"})
-        pp, ho = (next(x for x in doc["rows"] if x["k"] == k and x["variant"] == v) for v in variants)
-        doc["rows"][-1]["pipelined_over_host_order"] = [round(x / y, 4) for x, y in zip(pp["tok_s"], ho["tok_s"])]
+        row = {x["variant"]: x for x in doc["rows"] if x["k"] == k}
+        for v in ("host_order", "pipelined_bf16"):
+            if "pipelined" in row and v in row:
+                row["pipelined"][f"pipelined_over_{v}"] = [round(x / y, 4) for x, y in
+                                                           zip(row["pipelined"]["tok_s"], row[v]["tok_s"])]
     if a.json:
         Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
     print("| k | variant | tokens / step | tok/s (median) | × plain (median) | identical |")
@@ -142,8 +177,9 @@ def main() -> None:
         print(f"| {x['k']} | {x['variant']} | {x['tokens_per_step']} | {x['median_tok_s']} | {x['median_x_plain']} "
               f"| {x['identical_to_plain']} |")
     for x in doc["rows"]:
-        if "pipelined_over_host_order" in x:
-            print(f"k={x['k']}: pipelined / host order per round {x['pipelined_over_host_order']}")
+        for v in ("host_order", "pipelined_bf16"):
+            if f"pipelined_over_{v}" in x:
+                print(f"k={x['k']}: pipelined / {v} per round {x[f'pipelined_over_{v}']}")
 
 
 if __name__ == "__main__":

@@ -330,10 +330,10 @@ class DraftHead(nn.Module):
             weights = "bf16"  # the default follows the shapes
         key = (self.device, id(self.head), id(self.embed), id(self.vocab_ids), id(self.embed_src),
                weights, tuple(p._version for p in self.parameters()))
-        kr = self.__dict__.get("_kernel")
+        kernels = self.__dict__.setdefault("_kernels", {})  # one per weights format (an A/B keeps both)
+        kr = kernels.get(weights)
         if kr is None or kr.key != key:
-            kr = _KernelRollout(self, key, weights)
-            self.__dict__["_kernel"] = kr
+            kr = kernels[weights] = _KernelRollout(self, key, weights)
         return kr
 
 
