@@ -1,6 +1,6 @@
 // flint draft rollout: the K steps of the EAGLE-style draft head (flint/draft.py) in ONE cooperative launch.
 //
-// A draft step is four matvecs on a few MB of bf16 weights (fc 2H -> H, the MLP block's gate|up and down, the
+// A draft step is four matvecs on a few MB of weights (fc 2H -> H, the MLP block's gate|up and down, the
 // drafting vocabulary's head), each needing the whole previous vector: as torch ops that is ~13 kernels a step whose
 // launch gaps and tails cost more than their reads (SmolLM2: 59.5 us a draft token in a CUDA graph, 2026-12-01).
 // Here one grid (one block per SM) runs every step; a phase hands its vector to the next through global memory
@@ -18,7 +18,8 @@
 // row table or from the target's int4 layout.
 // Arithmetic is fp32 throughout (the torch path rounds its intermediates to bf16: the two may differ at argmax
 // near-ties; tests/test_speculative.py checks tokens against an fp32 emulation on the same weights).
-// Host entry: flint_draft_rollout (a cudaError_t, 0 = success). Needs H, I % 32 == 0 (16-byte weight loads).
+// Host entry: flint_draft_rollout (a cudaError_t, 0 = success). Needs H, I % 8 == 0 (16-byte bf16 loads);
+// an int4 matrix needs K % G == 0.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
