@@ -168,7 +168,7 @@ class DraftHead(nn.Module):
             self.embed = dense(_rows(src, ids), dtype, device)
             self.head = self.embed if tied else dense(_rows(head, ids), dtype, device)
             self.vocab_ids = ids.to(device)
-            self.embed_src = _int4_embedding(src).to(device)
+            self.embed_src = _as_int4(src).to(device)
         self.final_norm = params["norm"].to(device=device, dtype=dtype)
         self.target_mats = (src, head, tied)  # the kernel rollout's int4 view (int4_rollout_weights)
         self.target_eps = target_cfg.rms_norm_eps
@@ -489,16 +489,14 @@ def int4_rollout_weights(draft: DraftHead) -> dict:
     the kernel reads through the drafting vocabulary's ids. {"fc", "gu<i>", "down<i>", "head", "embed"} ->
     Int4Weight on the draft's device."""
     draft._need_target()
-    h, inter = draft.cfg.hidden_size, draft.cfg.intermediate_size
     dev = draft.device
-    q = lambda w, k, name: quantize_int4(w.float(), fit_group_size(k, 128, name), name=name).to(dev)  # noqa: E731
-    out = {"fc": q(draft.fc.weight, 2 * h, "fc")}
+    out = {"fc": _as_int4(draft.fc.weight, "fc").to(dev)}
     for i, b in enumerate(draft.blocks):
-        out[f"gu{i}"] = q(b._gate_up(), h, f"blocks.{i}.gate_up")
-        out[f"down{i}"] = q(b.down.weight, inter, f"blocks.{i}.down")
+        out[f"gu{i}"] = _as_int4(b._gate_up(), f"blocks.{i}.gate_up").to(dev)
+        out[f"down{i}"] = _as_int4(b.down.weight, f"blocks.{i}.down").to(dev)
     src, head, tied = draft.target_mats
-    out["embed"] = _kernel_int4(draft.embed_src if draft.embed_src is not None else _int4_embedding(src)).to(dev)
-    out["head"] = out["embed"] if tied else _kernel_int4(_int4_embedding(head)).to(dev)
+    out["embed"] = _kernel_int4(draft.embed_src if draft.embed_src is not None else _as_int4(src, "embed")).to(dev)
+    out["head"] = out["embed"] if tied else _kernel_int4(_as_int4(head, "lm_head")).to(dev)
     return out
 
 
@@ -516,13 +514,14 @@ def _rows(w, ids: torch.Tensor):
     return w.rows(ids) if isinstance(w, Int4Weight) else w[ids]
 
 
-def _int4_embedding(w) -> Int4Weight:
-    """The target's embedding in the int4 layout for single-row lookups: as it is when the target's
-    is int4 (GGUF Q4_0/Q4_1, flint checkpoints), else rounded to nearest once (the draft's input
-    only: a lookup of a quarter of the bytes, the output stays exact)."""
+def _as_int4(w, name: str = "embed") -> Int4Weight:
+    """A matrix in the int4 layout: as it is when it is int4 (the target's GGUF Q4_0/Q4_1 or flint checkpoint
+    tensors), else rounded to nearest once in groups of 128 or the largest that divides K (the target's embedding
+    for the draft's single-row lookups, the draft's own matrices for its kernel rollout: its input and proposals
+    only, the output stays exact)."""
     if isinstance(w, Int4Weight):
         return w
-    return quantize_int4(w.float(), fit_group_size(w.shape[1], 128, "embed"), name="embed")
+    return quantize_int4(w.detach().float(), fit_group_size(w.shape[1], 128, name), name=name)
 
 
 def check_vocab(ids, vocab_size: int, source: str) -> torch.Tensor:
