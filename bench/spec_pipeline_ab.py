@@ -11,7 +11,9 @@ between the two and plain greedy decoding, all in one process (device).
 
 Per k and variant: tokens per verify step, tok/s per round, their median and the ratio to plain greedy of the same
 round, and whether the outputs were plain greedy's. --variants pipelined,pipelined_bf16 sets the draft's int4 kernel
-rollout (the default) against the same kernel on bf16 matrices. JSON with --json.
+rollout (the default) against the same kernel on bf16 matrices, `graph` against the CUDA graph of torch kernels
+(FLINT_DRAFT_KERNEL=0). --temperature T samples (real models; plain samples too, the same seeds; the outputs are
+not compared), where the speculative step keeps the host order. JSON with --json.
 """
 from __future__ import annotations
 
@@ -32,12 +34,13 @@ from flint.engine import Engine, SamplingParams  # noqa: E402
 from flint.speculative import SpeculativeEngine  # noqa: E402
 
 
-class DraftWeights:
-    """A draft whose kernel rollout reads the matrices of format ``weights`` (FLINT_DRAFT_WEIGHTS set around its
-    calls; the draft keeps one kernel rollout per format, so alternating costs nothing)."""
+class DraftEnv:
+    """A draft whose calls run under the environment ``env`` (FLINT_DRAFT_WEIGHTS=bf16: the kernel rollout on bf16
+    matrices; FLINT_DRAFT_KERNEL=0: the CUDA graph of torch kernels). The draft keeps one kernel rollout per format
+    and one graph per k, so alternating costs nothing."""
 
-    def __init__(self, draft, weights: str):
-        self.draft, self.weights = draft, weights
+    def __init__(self, draft, env: dict):
+        self.draft, self.env = draft, env
 
     def __getattr__(self, name):
         attr = getattr(self.draft, name)
@@ -45,15 +48,16 @@ class DraftWeights:
             return attr
 
         def call(*a, **kw):
-            old = os.environ.get("FLINT_DRAFT_WEIGHTS")
-            os.environ["FLINT_DRAFT_WEIGHTS"] = self.weights
+            old = {n: os.environ.get(n) for n in self.env}
+            os.environ.update(self.env)
             try:
                 return attr(*a, **kw)
             finally:
-                if old is None:
-                    del os.environ["FLINT_DRAFT_WEIGHTS"]
-                else:
-                    os.environ["FLINT_DRAFT_WEIGHTS"] = old
+                for n, v in old.items():
+                    if v is None:
+                        del os.environ[n]
+                    else:
+                        os.environ[n] = v
         return call
 
 
@@ -65,6 +69,9 @@ class HostOrder:
 
     def propose(self, *a, **kw):
         return self.draft.propose(*a, **kw)
+
+
+VARIANTS = ("pipelined", "host_order", "pipelined_bf16", "graph")
 
 
 def _decode(eng, ids: list[int], sp) -> tuple[list[int], float]:
@@ -85,17 +92,23 @@ def main() -> None:
     ap.add_argument("--oracle-accept", type=float, default=None)
     ap.add_argument("--draft-vocab", type=int, default=8192, help="the oracle's random draft's head rows")
     ap.add_argument("--variants", default="pipelined,host_order",
-                    help="of pipelined, host_order, pipelined_bf16 (the kernel rollout on bf16 matrices)")
+                    help="of pipelined, host_order, pipelined_bf16 (the kernel rollout on bf16 matrices), graph "
+                         "(the CUDA graph rollout)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (real models)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     variants = tuple(a.variants.split(","))
-    if not variants or not set(variants) <= {"pipelined", "host_order", "pipelined_bf16"}:
-        raise SystemExit(f"--variants {a.variants!r}: a comma list of pipelined, host_order, pipelined_bf16")
+    if not variants or not set(variants) <= set(VARIANTS):
+        raise SystemExit(f"--variants {a.variants!r}: a comma list of {', '.join(VARIANTS)}")
+    if a.temperature < 0:
+        raise SystemExit(f"--temperature {a.temperature}: must be >= 0")
     ks = [int(x) for x in a.k.split(",")]
     dev = torch.device("cuda")
     synthetic = a.model.startswith("synthetic:")
     if synthetic != (a.oracle_accept is not None):
         raise SystemExit("--oracle-accept goes with a synthetic:NAME model, and only there")
+    if synthetic and a.temperature:
+        raise SystemExit("--temperature: the oracle draft is greedy only")
     if synthetic:
         from flint.draft import DraftHead, draft_config_for
         from flint.oracle import OracleDraft
@@ -117,7 +130,7 @@ def main() -> None:
         lm = load_model(a.model)
         tok = lm.tokenizer
         prompts = [tok.encode_chat([{"role": "user", "content": r["text"]}]) for r in eval_prompts(a.per_kind)]
-        sp = SamplingParams(max_new_tokens=a.tokens)
+        sp = SamplingParams(max_new_tokens=a.tokens, temperature=a.temperature, seed=0)
         backend = make_backend("megakernel", lm, max_seq_len=2048, device="cuda", group_size=128)
         inner = load_draft(a.draft, lm.cfg, lm.params, device=dev)
     plain = Engine(backend)
@@ -128,10 +141,12 @@ def main() -> None:
         d = inner
         if synthetic:
             d = OracleDraft(inner, refs[i], a.oracle_accept, lm.cfg.vocab_size, seed=i)
-        d = {"pipelined": d, "host_order": HostOrder(d), "pipelined_bf16": DraftWeights(d, "bf16")}[variant]
+        d = {"pipelined": d, "host_order": HostOrder(d), "pipelined_bf16": DraftEnv(d, {"FLINT_DRAFT_WEIGHTS": "bf16"}),
+             "graph": DraftEnv(d, {"FLINT_DRAFT_KERNEL": "0"})}[variant]
         return SpeculativeEngine(backend, None, d, k=k)
 
     doc = {"device": device_name(dev), "model": a.model, "oracle": synthetic, "oracle_accept": a.oracle_accept,
+           "temperature": a.temperature,
            "tokens": a.tokens, "prompts": len(prompts), "rounds": a.rounds, "rows": []}
     for k in ks:
         for v in variants:  # warm-up: the draft's launches for every k reached
@@ -163,9 +178,10 @@ def main() -> None:
             doc["rows"].append({"k": k, "variant": v, "tokens_per_step": round((p["accepted"] + p["steps"]) / p["steps"], 3),
                                 "tok_s": p["tok_s"], "median_tok_s": statistics.median(p["tok_s"]),
                                 "x_plain": p["x_plain"], "median_x_plain": statistics.median(p["x_plain"]),
-                                "identical_to_plain": f"{p['identical']}/{len(prompts) * a.rounds}"})
+                                "identical_to_plain": (f"{p['identical']}/{len(prompts) * a.rounds}"
+                                                       if not a.temperature else None)})
         row = {x["variant"]: x for x in doc["rows"] if x["k"] == k}
-        for v in ("host_order", "pipelined_bf16"):
+        for v in VARIANTS[1:]:
             if "pipelined" in row and v in row:
                 row["pipelined"][f"pipelined_over_{v}"] = [round(x / y, 4) for x, y in
                                                            zip(row["pipelined"]["tok_s"], row[v]["tok_s"])]
@@ -177,7 +193,7 @@ def main() -> None:
         print(f"| {x['k']} | {x['variant']} | {x['tokens_per_step']} | {x['median_tok_s']} | {x['median_x_plain']} "
               f"| {x['identical_to_plain']} |")
     for x in doc["rows"]:
-        for v in ("host_order", "pipelined_bf16"):
+        for v in VARIANTS[1:]:
             if f"pipelined_over_{v}" in x:
                 print(f"k={x['k']}: pipelined / {v} per round {x[f'pipelined_over_{v}']}")
 

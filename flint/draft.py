@@ -252,13 +252,21 @@ class DraftHead(nn.Module):
                 qs.append(q)
             idx.append(i)
             e = F.embedding(i, self.embed)  # a proposal is in the drafting vocabulary: its rows embed it
-        ids = self.ids(torch.cat(idx))
         if u is None:
-            return ids, None
-        q = torch.stack(qs)
-        if self.vocab_ids is not None:  # the target's vocabulary: q is 0 at tokens the draft cannot propose
-            q = torch.zeros(k, self.cfg.vocab_size, device=q.device, dtype=q.dtype).index_copy_(1, self.vocab_ids, q)
-        return ids, q
+            return self.ids(torch.cat(idx)), None
+        return self.ids(torch.cat(idx)), self._full_q(torch.stack(qs))
+
+    def _full_q(self, q: torch.Tensor) -> torch.Tensor:
+        """q [k, N] over the drafting vocabulary -> [k, V]: 0 at the tokens the draft cannot propose."""
+        if self.vocab_ids is None:
+            return q
+        return torch.zeros(q.shape[0], self.cfg.vocab_size, device=q.device, dtype=q.dtype).index_copy_(1, self.vocab_ids, q)
+
+    def _kernel_samples(self, sampling: tuple) -> bool:
+        """Whether the kernel rollout can draw from the draft's q for this transform: temperature only (top-k and top-p
+        need the whole row sorted; those requests take the graph, whose q applies them as the target's p does)."""
+        _, top_k, top_p = sampling
+        return (top_k == 0 or top_k >= self.draft_vocab_size) and top_p >= 1.0
 
     def _graphed_rollout(self, k: int, sampling: tuple = ()) -> "_GraphedRollout | None":
         """The captured rollout for k (and the sampling transform) on CUDA, built on first use, or
@@ -279,17 +287,25 @@ class DraftHead(nn.Module):
         the position before context_ids[-1]. Greedy (sp None or temperature 0): returns
         (tokens LongTensor[k], None); sampling: (tokens, q [k, V]) with tokens drawn from q, the
         draft distribution after the same temperature/top-k/top-p as the target's (over the
-        drafting vocabulary: q is 0 outside it). On CUDA the rollout replays a captured CUDA graph
-        (one launch of ~13 k small kernels greedy instead of Python-issued launches; the uniform
-        draws come from ``gen`` outside it); FLINT_DRAFT_GRAPH=0 runs the same kernels eagerly."""
+        drafting vocabulary: q is 0 outside it). On CUDA the rollout is one launch of the rollout kernel
+        (greedy, and sampling at a temperature alone: its seed drawn from ``gen``); otherwise it replays a
+        captured CUDA graph of ~13 k small kernels (its uniform draws from ``gen`` outside it);
+        FLINT_DRAFT_GRAPH=0 runs the same kernels eagerly."""
         self._need_target()
         greedy = sp is None or sp.temperature == 0
         tok = torch.full((1,), int(context_ids[-1]), dtype=torch.long, device=self.device)  # (a fill: no host sync)
         if greedy:
             return self.begin(hidden, tok, k), None
+        sampling = (float(sp.temperature), int(sp.top_k), float(sp.top_p))
+        kr = self._kernel_rollout() if self._kernel_samples(sampling) else None
+        if kr is not None:  # one launch on the int4 matrices: q = softmax(logits / T), the draws Gumbel-max
+            from .engine import probs_from_logits
+
+            seed = torch.randint(0, 2 ** 62, (1,), generator=gen, device=self.device, dtype=torch.long)
+            ids, logits = kr(hidden, tok, k, sampling[0], seed)  # (ids: token ids already)
+            return ids, self._full_q(probs_from_logits(logits, sampling[0]))
         h = hidden.reshape(1, -1).to(self.device, self.dtype)
-        u = None if greedy else torch.rand(k, generator=gen, device=self.device)
-        sampling = () if greedy else (float(sp.temperature), int(sp.top_k), float(sp.top_p))
+        u = torch.rand(k, generator=gen, device=self.device)
         g = self._graphed_rollout(k, sampling)
         return g(h, tok, u) if g is not None else self._rollout(h, tok, k, u, sampling)
 
@@ -314,7 +330,7 @@ class DraftHead(nn.Module):
         return pending[:k]
 
     def _kernel_rollout(self) -> "_KernelRollout | None":
-        """The one-launch greedy rollout (flint/kernels/draft_kernel.cu) where it applies: CUDA, bf16, widths
+        """The one-launch rollout (flint/kernels/draft_kernel.cu; greedy, or sampling at a temperature) where it applies: CUDA, bf16, widths
         divisible by 8, at most 4 MLP blocks; FLINT_DRAFT_KERNEL=0 turns it off (the graph then runs). It reads
         the int4 matrices of ``int4_rollout_weights`` where the widths are multiples of 32 (FLINT_DRAFT_WEIGHTS=bf16,
         or other widths: the bf16 ones)."""
@@ -419,26 +435,41 @@ class _KernelRollout:
         self.i_h0 = len(ptrs)
         ptrs += [None, ptr("f"), ptr("act"), ptr("x"), ptr("keys")]
         self.i_out = len(ptrs)
-        ptrs += [None]  # out
+        ptrs += [None, None, None, None]  # out; sampling: logits, seed; the traced build's stamps (lab/draft_trace.py)
+        self.i_trace = self.i_out + 3
         # the argument tables are built once; a call sets its inputs' slots (token, hidden state, output) and k
         self.ptrs = (ctypes.c_void_p * len(ptrs))(*ptrs)
         gs = [groups["fc"], *[groups.get(f"gu{i}", 0) for i in range(nmax)],
               *[groups.get(f"down{i}", 0) for i in range(nmax)], groups["head"]]
         self.ints = (ctypes.c_longlong * (6 + len(gs)))(H, I, draft.draft_vocab_size, nblk, 0,
                                                         emb.group_size if emb is not None else 0, *gs)
-        self.floats = (ctypes.c_float * 2)(draft.norm_hidden.eps, draft.target_eps)
+        self.floats = (ctypes.c_float * 4)(draft.norm_hidden.eps, draft.target_eps, draft.logits_scaling, 1.0)
+        self.n_rows = draft.draft_vocab_size
 
-    def __call__(self, hidden: torch.Tensor, tok: torch.Tensor, k: int) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, tok: torch.Tensor, k: int, temperature: float = 0.0,
+                 seed: torch.Tensor | None = None):
+        """Greedy (temperature 0): the proposals' ids [k]. Sampling: (ids [k], logits [k, N] fp32 over the drafting
+        vocabulary, the target's logit scale applied), token j drawn from softmax(logits[j] / temperature) by the
+        Gumbel-max rule on uniforms hashed from ``seed`` (an int64 [1] on the device) and (j, row)."""
         h0 = hidden.reshape(-1).to(device=self.keep["x"].device, dtype=torch.float32).contiguous()
         tok = tok.to(torch.long).contiguous()
         out = torch.empty(k, dtype=torch.long, device=h0.device)
         self.ptrs[self.i_tok], self.ptrs[self.i_h0], self.ptrs[self.i_out] = tok.data_ptr(), h0.data_ptr(), out.data_ptr()
+        logits = None
+        if temperature > 0:
+            if seed is None or seed.dtype != torch.long or seed.device != h0.device:
+                raise DraftError("kernel rollout sampling needs seed, an int64 tensor [1] on the draft's device")
+            logits = torch.empty(k, self.n_rows, device=h0.device)
+            self.ptrs[self.i_out + 1], self.ptrs[self.i_out + 2] = logits.data_ptr(), seed.data_ptr()
+            self.floats[3] = max(float(temperature), 1e-6)  # (probs_from_logits' floor)
+        else:
+            self.ptrs[self.i_out + 1] = self.ptrs[self.i_out + 2] = None
         self.ints[4] = k
         stream = torch.cuda.current_stream(h0.device)
         rc = self.lib.flint_draft_rollout(self.ints, self.ptrs, self.floats, self.ct.c_void_p(stream.cuda_stream))
         if rc != 0:
             raise DraftError(f"flint_draft_rollout failed: CUDA error {rc}")
-        return out
+        return out if logits is None else (out, logits)
 
 
 class _GraphedRollout:

@@ -603,3 +603,113 @@ def test_logprobs_are_the_targets_own(temperature):
         row = lp[len(prompt) - 1 + i]
         assert e.token_id == t and abs(e.logprob - float(row[t])) < 1e-4, i
         assert [x for x, _ in e.top] == row.topk(3).indices.tolist(), i
+
+
+def kernel_draft(monkeypatch, weights, hidden=64, vocab_rows=96, spread=1.0):
+    """A bf16 draft on CUDA for the rollout kernel (int4 or bf16 matrices) with a pruned head of ``vocab_rows`` rows,
+    and its fp32 emulation on the weights the kernel reads (``int4_reference``, or the bf16 values in fp32)."""
+    import copy
+
+    monkeypatch.setenv("FLINT_DRAFT_WEIGHTS", weights)
+    lm = tiny_lm(vocab=300, hidden=hidden)
+    torch.manual_seed(7)
+    draft = DraftHead(draft_config_for(lm.cfg, intermediate_size=64))
+    with torch.no_grad():
+        for b in draft.blocks:
+            torch.nn.init.normal_(b.down.weight, std=0.3)
+    draft = draft.to("cuda", torch.bfloat16)
+    params = dict(lm.params)
+    params["lm_head"] = params["lm_head"] * spread
+    vocab = torch.randperm(300, generator=torch.Generator().manual_seed(8))[:vocab_rows]
+    draft.attach_target(lm.cfg, params, device="cuda", dtype=torch.bfloat16, vocab=vocab)
+    if weights == "int4":
+        ref = int4_reference(draft)
+    else:
+        ref = copy.deepcopy(draft).float()
+        ref.head, ref.embed, ref.final_norm = draft.head.float(), draft.embed.float(), draft.final_norm.float()
+    assert draft._kernel_rollout() is not None and draft._kernel_rollout().weights == weights
+    return draft, ref, vocab
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU (the draft's one-launch rollout kernel)")
+@pytest.mark.parametrize("weights", ["int4", "bf16"])
+def test_kernel_rollout_sampling_logits_follow_the_emulation(monkeypatch, weights):
+    """Sampling on the rollout kernel: step j's logits equal the fp32 emulation's on the weights the kernel reads, given
+    the tokens the kernel drew before it; q is softmax(logits / T) over the drafting vocabulary, 0 elsewhere; the
+    tokens are in the drafting vocabulary; the seed comes from the request's generator (same seed, same draws)."""
+    draft, ref, vocab = kernel_draft(monkeypatch, weights)
+    calls = []
+    kr = draft._kernel_rollout()
+    orig = type(kr).__call__
+    monkeypatch.setattr(type(kr), "__call__", lambda self, *a, **kw: calls.append(a) or orig(self, *a, **kw))
+    g = torch.Generator().manual_seed(11)
+    sp = SamplingParams(temperature=0.8)
+    for trial in range(4):
+        h0 = torch.randn(64, generator=g).cuda()
+        tok0 = int(torch.randint(0, 300, (1,), generator=g))
+        gen = torch.Generator(device="cuda").manual_seed(trial)
+        toks, q = draft.propose([tok0], h0, 3, sp, gen)
+        toks2, q2 = draft.propose([tok0], h0, 3, sp, torch.Generator(device="cuda").manual_seed(trial))
+        assert toks.tolist() == toks2.tolist() and torch.equal(q, q2)
+        assert set(toks.tolist()) <= set(vocab.tolist())
+        assert q.shape == (3, 300)
+        torch.testing.assert_close(q.sum(1), torch.ones(3, device="cuda"))
+        assert (q[:, [t for t in range(300) if t not in set(vocab.tolist())]] == 0).all()
+        # the emulation, step by step along the kernel's own draws
+        h = h0.view(1, -1)
+        e = ref.embed_tokens(torch.tensor([tok0], device="cuda"))
+        for j, t in enumerate(toks.tolist()):
+            h = ref.forward(h, e)
+            want = probs_from_logits(ref.logits(h)[0], sp.temperature)
+            torch.testing.assert_close(q[j, vocab.cuda()], want, atol=2e-4, rtol=2e-3)
+            e = ref.embed[(vocab == t).nonzero()[0].cuda()]
+    assert len(calls) == 8  # every sampled proposal ran on the kernel
+    # a top-p request takes the graph (its q is top-p's), not the kernel
+    n = len(calls)
+    draft.propose([3], h0, 2, SamplingParams(temperature=0.8, top_p=0.9), torch.Generator(device="cuda").manual_seed(0))
+    assert len(calls) == n
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU (the draft's one-launch rollout kernel)")
+def test_kernel_rollout_draws_follow_its_q(monkeypatch):
+    """The kernel's Gumbel-max draws are distributed as the q it returns: chi-square of step 0's token over 4000
+    launches with a fixed hidden state and token (p-value > 1e-3; fixed seeds, so the outcome is deterministic)."""
+    draft, _, vocab = kernel_draft(monkeypatch, "int4", vocab_rows=24)
+    h0 = torch.randn(64, generator=torch.Generator().manual_seed(5)).cuda()
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    sp = SamplingParams(temperature=1.0)
+    counts = torch.zeros(300)
+    q0 = None
+    for _ in range(4000):
+        toks, q = draft.propose([17], h0, 1, sp, gen)
+        q0 = q[0].cpu() if q0 is None else q0
+        counts[int(toks[0])] += 1
+    assert (counts[q0 == 0] == 0).all()
+    assert q0.max() < 0.6 and (q0 > 0.01).sum() >= 8, q0  # a spread q: the test can see a bias
+    assert chi_square_pvalue(counts, q0.double() * 4000) > 1e-3, (counts[vocab], q0[vocab])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU (the draft's one-launch rollout kernel)")
+def test_speculative_sampling_on_the_kernel_draft_matches_target_distribution(monkeypatch):
+    """Speculative sampling with the draft on the rollout kernel (int4 matrices, a drafting vocabulary) and the target
+    on CUDA: the (2nd, 3rd) generated tokens over 2500 seeds follow the target's exact joint law (chi-square)."""
+    monkeypatch.setenv("FLINT_DRAFT_WEIGHTS", "int4")
+    lm = tiny_lm(seed=5, vocab=8)
+    prompt = [1, 5, 2]
+    sp = SamplingParams(max_new_tokens=4, temperature=1.0)
+    exact = exact_joint_t2_t3(lm, prompt, sp)
+    params = {n: t.cuda() for n, t in lm.params.items()}
+    be = Transformer(lm.cfg, params, 64, device="cuda", dtype=torch.float32)
+    torch.manual_seed(1)
+    draft = DraftHead(draft_config_for(lm.cfg, intermediate_size=64)).to("cuda", torch.bfloat16)
+    draft.attach_target(lm.cfg, params, device="cuda", dtype=torch.bfloat16, vocab=torch.tensor([3, 0, 6, 1, 4]))
+    assert draft._kernel_rollout() is not None and draft._kernel_rollout().weights == "int4"
+    eng = SpeculativeEngine(be, None, draft, k=2)
+    n = 2500
+    counts = sample_t2_t3(eng, prompt, sp, n)
+    st = eng.total_stats
+    assert 0.1 < st.accept_rate < 0.95, st
+    assert chi_square_pvalue(counts, exact * n) > 1e-3

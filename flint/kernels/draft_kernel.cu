@@ -35,6 +35,7 @@ namespace {
 constexpr int kThreads = 768;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxBlocks = 4;  // MLP blocks of the draft (the shipped one has 1)
+constexpr int kMaxDevices = 64;  // the launch checks are cached per device
 
 // a matrix of R rows of K: bf16 rows (w), or int4 rows (q [R][K/2], s and m [R][K/G]); rows: the physical row of
 // logical row r (the head over the target's rows: the drafting vocabulary's ids), null: r itself
@@ -71,7 +72,13 @@ struct DraftArgs {
   float* x;                      // [H] scratch: the step's predicted hidden state
   unsigned long long* keys;      // [gridDim.x] scratch
   long long* out;                // [k] the proposed token ids
-  float eps, teps;
+  // sampling (logits non-null): step j writes its logits l = dot / scale over the N rows to logits[j][N] and draws
+  // its token by the Gumbel-max rule, the argmax of l / temp + g, g = -log(-log(u)), u uniform in (0, 1) from a
+  // hash of (seed, j, row): exactly a draw from softmax(l / temp)
+  float* logits;
+  const unsigned long long* seed;  // [1] device
+  unsigned long long* trace;     // the traced build (MK_TRACE): block 0's %globaltimer stamps, else unused
+  float eps, teps, scale, temp;
   int H, I, N, nblocks, k;
 };
 
@@ -192,10 +199,11 @@ __device__ __forceinline__ int xpos(int k, int K, bool q4) {
   return q4 ? 4 * (((k >> 2) & 7) * (K >> 5) + (k >> 5)) + (k & 3) : k;
 }
 
-// x[off + i] = v[i] * rstd(v) * w[i] for i < H, in the layout of a K-vector of the format q4; v read by `get`
+// x[off + i] = v[i] * rstd(v) * w[i] for i < H, in the layout of a K-vector of the format q4; v read by `get`.
+// For q4 (H, off multiples of 32) each warp's 32 values are one code chunk: its sum goes to xc by a warp sum
 template <class Get>
-__device__ void rms_into(float* xs, const __nv_bfloat16* w, int H, int off, int K, bool q4, float eps, float* red,
-                         Get get) {
+__device__ void rms_into(float* xs, float* xc, const __nv_bfloat16* w, int H, int off, int K, bool q4, float eps,
+                         float* red, Get get) {
   float s2 = 0.f;
   for (int i = threadIdx.x; i < H; i += kThreads) {
     const float v = get(i);
@@ -203,23 +211,41 @@ __device__ void rms_into(float* xs, const __nv_bfloat16* w, int H, int off, int 
     s2 = fmaf(v, v, s2);
   }
   const float r = rsqrtf(block_sum(s2, red) / (float)H + eps);
-  for (int i = threadIdx.x; i < H; i += kThreads) {
+  for (int i = threadIdx.x; i < H; i += kThreads) {  // (a thread rescales the values it wrote itself)
     const int p = xpos(off + i, K, q4);
-    xs[p] = xs[p] * r * __bfloat162float(w[i]);
+    const float v = xs[p] * r * __bfloat162float(w[i]);
+    xs[p] = v;
+    if (q4) {
+      const float c = warp_sum(v);  // whole warps: H % 32 == 0
+      if ((threadIdx.x & 31) == 0) xc[(off + i) >> 5] = c;
+    }
   }
   __syncthreads();
 }
 
-// the int4 layout's chunk sums of the staged K-vector (fixed order), after it is complete
-__device__ void chunk_sums(const float* xs, float* xc, int K) {
-  const int nc = K >> 5;
-  for (int c = threadIdx.x; c < nc; c += kThreads) {
-    float s = 0.f;
-#pragma unroll 8
-    for (int j = 0; j < 32; ++j) s += xs[xpos(32 * c + j, K, true)];
-    xc[c] = s;
+// x[i] = v[i] for i < K in the layout of its format, and for q4 the chunk sums (K % 32 == 0)
+template <class Get>
+__device__ void stage_into(float* xs, float* xc, int K, bool q4, Get get) {
+  for (int i = threadIdx.x; i < K; i += kThreads) {
+    const float v = get(i);
+    xs[xpos(i, K, q4)] = v;
+    if (q4) {
+      const float c = warp_sum(v);
+      if ((threadIdx.x & 31) == 0) xc[i >> 5] = c;
+    }
   }
   __syncthreads();
+}
+
+// a Gumbel(0, 1) draw from counter c of stream seed: u from the top 24 bits of a 64-bit mix (splitmix64's
+// finalizer) of seed + (c + 1) times the golden ratio, in (0, 1) at 2^-24 steps; g = -log(-log(u))
+__device__ __forceinline__ float gumbel(unsigned long long seed, unsigned long long c) {
+  unsigned long long z = seed + (c + 1ull) * 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  const float u = ((float)(uint32_t)(z >> 40) + 0.5f) * 5.9604644775390625e-8f;
+  return -logf(-logf(u));
 }
 
 // a float's bits as an unsigned key that orders like the float (NaN aside)
@@ -229,24 +255,42 @@ __device__ __forceinline__ uint32_t ordered(float v) {
 }
 
 // the embedding of token `id` (row `row` of the head's drafting vocabulary when a bf16 row table is given)
-__device__ void embed_into(const DraftArgs& a, float* xs, const __nv_bfloat16* table, long long row, long long id,
-                           int K, bool q4, float* red) {
+__device__ void embed_into(const DraftArgs& a, float* xs, float* xc, const __nv_bfloat16* table, long long row,
+                           long long id, int K, bool q4, float* red) {
   const int H = a.H;
   if (table != nullptr) {
     const __nv_bfloat16* er = table + (size_t)row * H;
-    rms_into(xs, a.w_ne, H, H, K, q4, a.eps, red, [&](int i) { return __bfloat162float(er[i]); });
+    rms_into(xs, xc, a.w_ne, H, H, K, q4, a.eps, red, [&](int i) { return __bfloat162float(er[i]); });
   } else {
     const uint8_t* q = a.e_q + (size_t)id * (H / 2);
     const int ng = H / a.e_group;
     const __half* sc = a.e_scale + (size_t)id * ng;
     const __half* mn = a.e_min + (size_t)id * ng;
-    rms_into(xs, a.w_ne, H, H, K, q4, a.eps, red, [&](int i) {
+    rms_into(xs, xc, a.w_ne, H, H, K, q4, a.eps, red, [&](int i) {
       const int code = (q[i >> 1] >> (4 * (i & 1))) & 15;
       const int g = i / a.e_group;
       return (float)code * __half2float(sc[g]) + __half2float(mn[g]);
     });
   }
 }
+
+// the traced build's stamps: block 0's %globaltimer (ns) at the start, then per step before and after each grid
+// barrier (fc, each MLP block's gate|up and down, the head's keys) and at the step's end: 1 + k * (5 + 4 * nblocks)
+// (lab/draft_trace.py reads them)
+#if MK_TRACE
+#define DRAFT_STAMP()                                                      \
+  do {                                                                     \
+    if (blockIdx.x == 0 && threadIdx.x == 0 && a.trace != nullptr) {       \
+      unsigned long long t_;                                               \
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));               \
+      a.trace[ti++] = t_;                                                  \
+    }                                                                      \
+  } while (0)
+#else
+#define DRAFT_STAMP() \
+  do {                \
+  } while (0)
+#endif
 
 __global__ void __launch_bounds__(kThreads) draft_rollout_kernel(DraftArgs a) {
   extern __shared__ float smem[];
@@ -258,27 +302,31 @@ __global__ void __launch_bounds__(kThreads) draft_rollout_kernel(DraftArgs a) {
   float* xs = smem;                                   // [max(2H, I)] the staged vector
   float* xc = smem + (2 * H > I ? 2 * H : I);         // [max(2H, I) / 32] its chunk sums (int4 layout)
   long long tok = __ldg(a.tok);  // this step's input token: its id, afterwards its drafting-vocabulary row
+#if MK_TRACE
+  int ti = 0;
+#endif
+  DRAFT_STAMP();
   for (int j = 0; j < a.k; ++j) {
     // fc over [rmsnorm(h) * w_nh | rmsnorm(e) * w_ne]
     const bool qf = a.fc.q != nullptr;
     if (j == 0) {
-      rms_into(xs, a.w_nh, H, 0, 2 * H, qf, a.eps, red, [&](int i) { return __ldg(a.h0 + i); });
-      embed_into(a, xs, a.emb_full, tok, tok, 2 * H, qf, red);
+      rms_into(xs, xc, a.w_nh, H, 0, 2 * H, qf, a.eps, red, [&](int i) { return __ldg(a.h0 + i); });
+      embed_into(a, xs, xc, a.emb_full, tok, tok, 2 * H, qf, red);
     } else {
-      rms_into(xs, a.w_nh, H, 0, 2 * H, qf, a.eps, red, [&](int i) { return __ldcg(a.x + i); });
-      embed_into(a, xs, a.embed, tok, a.vocab_ids ? a.vocab_ids[tok] : tok, 2 * H, qf, red);
+      rms_into(xs, xc, a.w_nh, H, 0, 2 * H, qf, a.eps, red, [&](int i) { return __ldcg(a.x + i); });
+      embed_into(a, xs, xc, a.embed, tok, a.vocab_ids ? a.vocab_ids[tok] : tok, 2 * H, qf, red);
     }
-    if (qf) chunk_sums(xs, xc, 2 * H);
     for (int r = gwarp; r < H; r += nwarps) {
       const float s = mat_dot(a.fc, r, 2 * H, xs, xc);
       if (lane == 0) a.f[r] = s;
     }
+    DRAFT_STAMP();
     cg::this_grid().sync();  // (the grid_group object held across the loop spilled 8 bytes)
+    DRAFT_STAMP();
     for (int b = 0; b < a.nblocks; ++b) {
       float* fcur = b == 0 ? a.f : a.x;  // the block's input: fc's output, then the previous block's
       const bool qg = a.gu[b].q != nullptr, qd = a.down[b].q != nullptr;
-      rms_into(xs, a.w_bn[b], H, 0, H, qg, a.eps, red, [&](int i) { return __ldcg(fcur + i); });
-      if (qg) chunk_sums(xs, xc, H);
+      rms_into(xs, xc, a.w_bn[b], H, 0, H, qg, a.eps, red, [&](int i) { return __ldcg(fcur + i); });
       for (int r = gwarp; r < I; r += nwarps) {
         float g, u;
         if (qg) {  // the gate and up rows share the x loads
@@ -292,23 +340,30 @@ __global__ void __launch_bounds__(kThreads) draft_rollout_kernel(DraftArgs a) {
         }
         if (lane == 0) a.act[r] = g / (1.f + __expf(-g)) * u;
       }
+      DRAFT_STAMP();
       cg::this_grid().sync();
-      for (int i = threadIdx.x; i < I; i += kThreads) xs[xpos(i, I, qd)] = __ldcg(a.act + i);
-      __syncthreads();
-      if (qd) chunk_sums(xs, xc, I);
+      DRAFT_STAMP();
+      stage_into(xs, xc, I, qd, [&](int i) { return __ldcg(a.act + i); });
       // x = fcur + down(act); for b > 0 fcur is x itself: each row is read then written by one lane only
       for (int r = gwarp; r < H; r += nwarps) {
         const float s = mat_dot(a.down[b], r, I, xs, xc);
         if (lane == 0) a.x[r] = __ldcg(fcur + r) + s;
       }
+      DRAFT_STAMP();
       cg::this_grid().sync();
+      DRAFT_STAMP();
     }
     // the head's argmax over the drafting vocabulary on rmsnorm(x) * w_final (the logit scale cannot move it)
     const bool qh = a.head.q != nullptr;
-    rms_into(xs, a.w_final, H, 0, H, qh, a.teps, red, [&](int i) { return __ldcg(a.x + i); });
-    if (qh) chunk_sums(xs, xc, H);
+    rms_into(xs, xc, a.w_final, H, 0, H, qh, a.teps, red, [&](int i) { return __ldcg(a.x + i); });
     unsigned long long best = 0ull;
+    const unsigned long long seed = a.logits != nullptr ? __ldg(a.seed) : 0ull;
     auto keep = [&](float s, int n) {
+      if (a.logits != nullptr) {  // sampling: the logit, then its Gumbel-perturbed key
+        const float l = s / a.scale;
+        if (lane == 0) a.logits[(size_t)j * a.N + n] = l;
+        s = l / a.temp + gumbel(seed, (unsigned long long)j * (unsigned)a.N + (unsigned)n);
+      }
       const unsigned long long key = (unsigned long long)ordered(s) << 32 | (0xffffffffu - (uint32_t)n);
       best = key > best ? key : best;
     };
@@ -329,7 +384,9 @@ __global__ void __launch_bounds__(kThreads) draft_rollout_kernel(DraftArgs a) {
       for (int w = 0; w < kWarps; ++w) m = wkey[w] > m ? wkey[w] : m;
       a.keys[blockIdx.x] = m;
     }
+    DRAFT_STAMP();
     cg::this_grid().sync();
+    DRAFT_STAMP();
     // every block reduces all blocks' keys: the same token everywhere
     unsigned long long m = 0ull;
     for (int i = threadIdx.x; i < (int)gridDim.x; i += kThreads) {
@@ -350,6 +407,7 @@ __global__ void __launch_bounds__(kThreads) draft_rollout_kernel(DraftArgs a) {
     if (blockIdx.x == 0 && threadIdx.x == 0) a.out[j] = a.vocab_ids ? a.vocab_ids[row] : (long long)row;
     tok = row;
     __syncthreads();  // (xs and wkey are rewritten by the next step)
+    DRAFT_STAMP();
   }
 }
 
@@ -374,7 +432,8 @@ static bool mat_ok(const Mat& A, int K) {
 
 // ints: H, I, N, nblocks, k, e_group, then the group sizes of fc, gu[kMaxBlocks], down[kMaxBlocks], head (0: bf16).
 // ptrs, in order: fc (w, q, s, m), w_nh, w_ne, w_bn[kMaxBlocks], gu[kMaxBlocks] (4 each), down[kMaxBlocks] (4 each),
-// w_final, head (4), head's row ids, embed, vocab_ids, tok, emb_full, e_q, e_scale, e_min, h0, f, act, x, keys, out.
+// w_final, head (4), head's row ids, embed, vocab_ids, tok, emb_full, e_q, e_scale, e_min, h0, f, act, x, keys, out,
+// logits (null: greedy), seed, trace. floats: eps, the target's eps, the logit scale, the temperature (sampling).
 extern "C" int flint_draft_rollout(const long long* ints, const void* const* ptrs, const float* floats, void* stream) {
   DraftArgs a{};
   a.H = (int)ints[0]; a.I = (int)ints[1]; a.N = (int)ints[2]; a.nblocks = (int)ints[3]; a.k = (int)ints[4];
@@ -405,24 +464,40 @@ extern "C" int flint_draft_rollout(const long long* ints, const void* const* ptr
   a.x = (float*)*p++;
   a.keys = (unsigned long long*)*p++;
   a.out = (long long*)*p++;
+  a.logits = (float*)*p++;
+  a.seed = (const unsigned long long*)*p++;
+  a.trace = (unsigned long long*)*p++;
   a.eps = floats[0];
   a.teps = floats[1];
-  bool ok = mat_ok(a.fc, 2 * a.H) && mat_ok(a.head, a.H) && (a.head.rows == nullptr || a.head.q != nullptr);
+  a.scale = floats[2];
+  a.temp = floats[3];
+  bool ok = mat_ok(a.fc, 2 * a.H) && (a.fc.q == nullptr || a.H % 32 == 0) && mat_ok(a.head, a.H) && (a.head.rows == nullptr || a.head.q != nullptr);
   for (int b = 0; b < a.nblocks; ++b) ok = ok && mat_ok(a.gu[b], a.H) && mat_ok(a.down[b], a.I);
   // the first token from a bf16 table or the int4 layout; the proposals from the bf16 rows or the int4 layout
   ok = ok && (a.emb_full != nullptr || a.e_q != nullptr) && (a.embed != nullptr || a.e_q != nullptr);
   ok = ok && (a.e_q == nullptr || (a.e_scale != nullptr && a.e_min != nullptr && a.e_group > 0));
+  ok = ok && (a.logits == nullptr || (a.seed != nullptr && a.scale > 0.f && a.temp > 0.f));
   if (!ok) return (int)cudaErrorInvalidValue;
-  int dev = 0, sms = 0, per_sm = 0;
+  int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (e != cudaSuccess) return (int)e;
   const size_t xn = (size_t)(2 * a.H > a.I ? 2 * a.H : a.I);
   const size_t smem = sizeof(float) * (xn + xn / 32 + 1);  // the staged vector and its chunk sums
-  if (e == cudaSuccess && smem > 48 * 1024)
-    e = cudaFuncSetAttribute(draft_rollout_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-  if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, draft_rollout_kernel, kThreads, smem);
-  if (e != cudaSuccess) return (int)e;
-  if (per_sm < 1) return (int)cudaErrorInvalidConfiguration;
+  // the launch's checks, once per (device, shared-memory size): they cost as much as the launch
+  static struct { int sms; size_t smem; } done[kMaxDevices] = {};
+  if (dev < 0 || dev >= kMaxDevices) return (int)cudaErrorInvalidDevice;
+  if (done[dev].sms == 0 || done[dev].smem < smem) {
+    int sms = 0, per_sm = 0;
+    e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    if (e == cudaSuccess && smem > 48 * 1024)
+      e = cudaFuncSetAttribute(draft_rollout_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, draft_rollout_kernel, kThreads, smem);
+    if (e != cudaSuccess) return (int)e;
+    if (per_sm < 1) return (int)cudaErrorInvalidConfiguration;
+    done[dev].sms = sms;
+    done[dev].smem = smem;
+  }
+  const int sms = done[dev].sms;
   void* args[] = {&a};
   e = cudaLaunchCooperativeKernel((const void*)draft_rollout_kernel, dim3(sms), dim3(kThreads), args, smem,
                                   (cudaStream_t)stream);
