@@ -262,12 +262,6 @@ class DraftHead(nn.Module):
             return q
         return torch.zeros(q.shape[0], self.cfg.vocab_size, device=q.device, dtype=q.dtype).index_copy_(1, self.vocab_ids, q)
 
-    def _kernel_samples(self, sampling: tuple) -> bool:
-        """Whether the kernel rollout can draw from the draft's q for this transform: temperature only (top-k and top-p
-        need the whole row sorted; those requests take the graph, whose q applies them as the target's p does)."""
-        _, top_k, top_p = sampling
-        return (top_k == 0 or top_k >= self.draft_vocab_size) and top_p >= 1.0
-
     def _graphed_rollout(self, k: int, sampling: tuple = ()) -> "_GraphedRollout | None":
         """The captured rollout for k (and the sampling transform) on CUDA, built on first use, or
         None where graphs do not apply (CPU, FLINT_DRAFT_GRAPH=0)."""
@@ -296,14 +290,9 @@ class DraftHead(nn.Module):
         tok = torch.full((1,), int(context_ids[-1]), dtype=torch.long, device=self.device)  # (a fill: no host sync)
         if greedy:
             return self.begin(hidden, tok, k), None
+        if self.samples_pipelined(sp):  # one launch on the int4 matrices: q = softmax(logits / T), Gumbel-max draws
+            return self.finish_sampled(self.begin_sampled(hidden, tok, k, sp, gen), k, sp)
         sampling = (float(sp.temperature), int(sp.top_k), float(sp.top_p))
-        kr = self._kernel_rollout() if self._kernel_samples(sampling) else None
-        if kr is not None:  # one launch on the int4 matrices: q = softmax(logits / T), the draws Gumbel-max
-            from .engine import probs_from_logits
-
-            seed = torch.randint(0, 2 ** 62, (1,), generator=gen, device=self.device, dtype=torch.long)
-            ids, logits = kr(hidden, tok, k, sampling[0], seed)  # (ids: token ids already)
-            return ids, self._full_q(probs_from_logits(logits, sampling[0]))
         h = hidden.reshape(1, -1).to(self.device, self.dtype)
         u = torch.rand(k, generator=gen, device=self.device)
         g = self._graphed_rollout(k, sampling)
@@ -322,6 +311,32 @@ class DraftHead(nn.Module):
         h = hidden.reshape(1, -1).to(self.device, self.dtype)
         g = self._graphed_rollout(k)
         return g(h, tok, None)[0] if g is not None else self._rollout(h, tok, k)[0]
+
+    def samples_pipelined(self, sp) -> bool:
+        """Whether a sampled rollout for ``sp`` runs from device inputs (``begin_sampled``): on the rollout kernel, at
+        a temperature alone (top-k and top-p need each row sorted: those requests take the graph, whose q applies
+        them as the target's p does)."""
+        if sp is None or sp.temperature == 0 or not (sp.top_k == 0 or sp.top_k >= self.draft_vocab_size) or sp.top_p < 1:
+            return False
+        return self._kernel_rollout() is not None
+
+    @torch.inference_mode()
+    def begin_sampled(self, hidden: torch.Tensor, tok: torch.Tensor, k: int, sp, gen):
+        """``begin`` for sampling at a temperature (``samples_pipelined``): the kernel rollout draws each token from
+        softmax(logits / T) by the Gumbel-max rule, its seed drawn from ``gen`` on the device. Returns the pending
+        (token ids [k], logits [k, N]) for ``finish_sampled``."""
+        seed = torch.randint(0, 2 ** 62, (1,), generator=gen, device=self.device, dtype=torch.long)
+        return self._kernel_rollout()(hidden, tok, k, float(sp.temperature), seed)
+
+    def finish_sampled(self, pending, k: int, sp):
+        """The first ``k`` proposals of a ``begin_sampled`` rollout and their q [k, V] (softmax(logits / T) over the
+        drafting vocabulary, 0 elsewhere); a draw does not depend on the steps after it, so a shorter k keeps q."""
+        from .engine import probs_from_logits
+
+        ids, logits = pending
+        if k > ids.shape[0]:
+            raise ValueError(f"draft finish: {k} proposals asked of a rollout of {ids.shape[0]}")
+        return ids[:k], self._full_q(probs_from_logits(logits[:k], float(sp.temperature)))
 
     def finish(self, pending: torch.Tensor, context_ids: list[int], k: int) -> torch.Tensor:
         """The first ``k`` proposals of a rollout ``begin`` enqueued (k no more than it was asked for)."""

@@ -58,26 +58,29 @@ def verify_greedy(target_tokens: list[int], drafts: list[int]) -> tuple[int, int
     return n, target_tokens[n]
 
 
-def verify_sampling(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
-                    gen: torch.Generator | None) -> tuple[int, int]:
-    """Speculative sampling. p [k+1, V]: the target's distributions after each verified token;
-    q [k, V]: the draft's, drafts [k] drawn from q. Returns (accepted n, next token): the next token
-    is drawn from norm(max(0, p[n] - q[n])) after a rejection, from p[k] when all are accepted."""
+def verify_sampling(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor,
+                    gen: torch.Generator | None) -> torch.Tensor:
+    """Speculative sampling, every step on p's device (no host synchronisation). p [k+1, V]: the target's
+    distributions after each verified token; q [k, V]: the draft's, drafts [k] drawn from q (k = 0: q None).
+    Returns a LongTensor [2] on p's device: (accepted n, next token), the next token drawn from
+    norm(max(0, p[n] - q[n])) after a rejection, from p[k] when all are accepted, by inverse CDF of a uniform."""
     k = drafts.shape[0]
+    dev = p.device
+    u = torch.rand(k + 1, generator=gen, device=dev)
     if k:
-        u = torch.rand(k, generator=gen, device=p.device)
-        idx = torch.arange(k, device=p.device)
-        px, qx = p[idx, drafts], q[idx, drafts]
-        keep = (u * qx <= px).tolist()  # u < p/q without dividing; q(x) > 0 since x ~ q
-        n = keep.index(False) if False in keep else k
+        idx = torch.arange(k, device=dev)
+        keep = u[:k] * q[idx, drafts] <= p[idx, drafts]  # u < p/q without dividing; q(x) > 0 since x ~ q
+        n = keep.long().cumprod(0).sum(0, keepdim=True)
+        # row j < k: the residual after rejecting draft j; row k: p[k], the bonus token's distribution
+        r = torch.cat(((p[:k] - q).clamp_min(0), p[k:k + 1])).index_select(0, n)[0]
+        pn = p.index_select(0, n)[0]
+        r = torch.where(r.sum() > 0, r, pn)  # p == q up to rounding: that rejection had probability ~0
     else:
-        n = 0
-    if n < k:
-        r = (p[n] - q[n]).clamp_min(0)
-        if float(r.sum()) <= 0:  # p == q up to rounding: rejection had probability ~0
-            r = p[n]
-        return n, int(torch.multinomial(r / r.sum(), 1, generator=gen))
-    return n, int(torch.multinomial(p[k], 1, generator=gen))
+        n = torch.zeros(1, dtype=torch.long, device=dev)
+        r = p[0]
+    cdf = r.cumsum(0)
+    nxt = torch.searchsorted(cdf, u[k:] * cdf[-1], right=True).clamp_max(r.shape[0] - 1)
+    return torch.cat((n, nxt))
 
 
 class SpeculativeEngine(Engine):
@@ -130,14 +133,19 @@ class SpeculativeEngine(Engine):
         # greedy with a draft that rolls out from device inputs (``begin``): the next step's rollout is enqueued
         # before this step's verify is read back, from the accepted count computed on the device, so the GPU
         # drafts while the host accepts, emits and launches (that host time otherwise leaves the GPU idle)
-        pipelined = greedy and bool(getattr(self.draft, "pipelined", False))
+        # (sampling: where the draft can also roll out sampled from device inputs: the kernel rollout at a temperature)
+        pipelined = bool(getattr(self.draft, "pipelined", False)) and (
+            greedy or bool(getattr(self.draft, "samples_pipelined", lambda sp: False)(sp)))
         pending = None  # (k, handle): the rollout begun for this step
         while True:
             remaining = sp.max_new_tokens - (len(ctx) - len(prompt_ids))
             k = max(0, min(self.k, remaining - 1, self.max_seq_len - 1 - pos))
             if k:
                 if pending is not None:  # (its k bounds this one: finish refuses more)
-                    drafts, q = self.draft.finish(pending[1], ctx, k), None
+                    if greedy:
+                        drafts, q = self.draft.finish(pending[1], ctx, k), None
+                    else:
+                        drafts, q = self.draft.finish_sampled(pending[1], k, sp)
                 else:
                     drafts, q = self.draft.propose(ctx, hidden, k, None if greedy else sp, gen)
                 if drafts.shape[0] > k:
@@ -153,21 +161,32 @@ class SpeculativeEngine(Engine):
             if k:
                 step[1:].copy_(drafts, non_blocking=True)  # (from host memory: staged at once, no device sync)
             logits, hid = self.backend.forward(step, pos, return_hidden=True)
+            # the next step drafts at most this many: at least one token is emitted now
+            k_next = max(0, min(self.k, remaining - 2, self.max_seq_len - 2 - pos)) if pipelined else 0
             if greedy:
                 am = torch.argmax(logits, -1)
                 vals_dev = torch.cat((am, step[1:]))
                 if pipelined:
-                    # the next step drafts at most this many: at least one token is emitted now
-                    k_next = max(0, min(self.k, remaining - 2, self.max_seq_len - 2 - pos))
-                    vals, pending = self._read_back_beginning(vals_dev, am, step, hid, k, k_next)
+                    n_dev = (am[:k] == step[1:]).long().cumprod(0).sum(0, keepdim=True)  # (k = 0: n = 0)
+                    vals, pending = self._read_back_beginning(
+                        vals_dev, hid, n_dev, am.index_select(0, n_dev), k_next,
+                        lambda h, t, kn: self.draft.begin(h, t, kn))
                 else:
                     vals = vals_dev.tolist()  # the step's one device sync
                 proposed = vals[k + 1:]
                 n, nxt = verify_greedy(vals[: k + 1], proposed)
             else:
                 p = probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p)
-                n, nxt = verify_sampling(p, q.to(p.device) if q is not None else q, step[1:], gen)
-                proposed = drafts.tolist()
+                nn = verify_sampling(p, q.to(p.device) if q is not None else q, step[1:], gen)
+                vals_dev = torch.cat((nn, step[1:]))
+                if pipelined:
+                    vals, pending = self._read_back_beginning(
+                        vals_dev, hid, nn[:1], nn[1:], k_next,
+                        lambda h, t, kn: self.draft.begin_sampled(h, t, kn, sp, gen))
+                else:
+                    vals = vals_dev.tolist()  # the step's one device sync
+                n, nxt = vals[0], vals[1]
+                proposed = vals[2:]
             new = proposed[:n] + [nxt]
             stats.steps += 1
             stats.drafted += k
@@ -185,25 +204,25 @@ class SpeculativeEngine(Engine):
                 ctx.append(t)
                 yield t
 
-    def _read_back_beginning(self, vals_dev: torch.Tensor, am: torch.Tensor, step: torch.Tensor, hid: torch.Tensor,
-                             k: int, k_next: int):
-        """Read the verify's tokens back (the step's one host wait), having enqueued first their copy and then the
-        next step's rollout of ``k_next`` tokens from the device's own acceptance: n = the leading drafts equal
-        to the target's argmax, the rollout's token am[n] and hidden state hid[n] (what the host computes from
-        the values read back). Returns (values, (k_next, handle) or None)."""
+    def _read_back_beginning(self, vals_dev: torch.Tensor, hid: torch.Tensor, n_dev: torch.Tensor,
+                             tok_dev: torch.Tensor, k_next: int, begin):
+        """Read the verify's values back (the step's one host wait), having enqueued first their copy and then the
+        next step's rollout of ``k_next`` tokens from the device's own acceptance: ``n_dev`` [1] accepted drafts and
+        ``tok_dev`` [1] the token after them (both on the device, what the host computes from the values read
+        back), the rollout from hidden state hid[n] by ``begin(hidden, token, k_next)``. Returns (values,
+        (k_next, handle) or None)."""
         cuda = vals_dev.is_cuda
         if cuda:
             m = vals_dev.shape[0]
             if self._host_vals is None or self._host_vals.shape[0] < m:
-                self._host_vals = torch.empty(max(2 * self.k + 1, m), dtype=torch.long, pin_memory=True)
+                self._host_vals = torch.empty(max(2 * self.k + 2, m), dtype=torch.long, pin_memory=True)
                 self._read_done = torch.cuda.Event()
             buf = self._host_vals[:m]
             buf.copy_(vals_dev, non_blocking=True)
             self._read_done.record()
         pending = None
         if k_next:
-            n = (am[:k] == step[1:]).long().cumprod(0).sum(0, keepdim=True)  # (k = 0: n = 0)
-            pending = (k_next, self.draft.begin(hid.index_select(0, n)[0], am.index_select(0, n), k_next))
+            pending = (k_next, begin(hid.index_select(0, n_dev)[0], tok_dev, k_next))
         if not cuda:
             return vals_dev.tolist(), pending
         self._read_done.synchronize()  # the verify and the copy: the rollout just enqueued runs on

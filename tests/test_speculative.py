@@ -7,6 +7,8 @@ Run: ``pytest tests/test_speculative.py``
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -241,7 +243,7 @@ def test_verify_sampling_one_step_returns_p():
     n_draws = 20000
     for _ in range(n_draws):
         x = torch.multinomial(q[0], 1, generator=g)
-        n, nxt = verify_sampling(p, q, x, g)
+        n, nxt = verify_sampling(p, q, x, g).tolist()
         counts[x if n == 1 else nxt] += 1
     assert chi_square_pvalue(counts, p[0] * n_draws) > 1e-3
 
@@ -342,7 +344,7 @@ def test_sampling_check_detects_a_biased_verifier(monkeypatch):
 
     def keep_all(p, q, drafts, gen):
         k = drafts.shape[0]
-        return k, int(torch.multinomial(p[k], 1, generator=gen))
+        return torch.tensor([k, int(torch.multinomial(p[k], 1, generator=gen))])
 
     monkeypatch.setattr(speculative, "verify_sampling", keep_all)
     eng = SpeculativeEngine(Transformer(lm.cfg, lm.params, 64), None, random_draft(lm, seed=1), k=2)
@@ -531,11 +533,13 @@ def test_greedy_identical_with_kernel_draft_on_cuda(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAVE_CUDA and torch.cuda.get_device_capability() >= (9, 0)),
                     reason="needs a CUDA sm_90 (Hopper) GPU (the megakernel and the draft's rollout kernel)")
-def test_greedy_step_has_one_host_sync_on_the_megakernel():
-    """A greedy speculative step on the megakernel with the kernel draft: the draft's rollout, the verify and the
-    accept, with one host synchronisation, the wait on an event after the verify's tokens are copied out (counted
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_step_has_one_host_sync_on_the_megakernel(temperature):
+    """A speculative step on the megakernel with the kernel draft, greedy or sampled at a temperature: the draft's
+    rollout, the verify and the accept (sampling: the acceptance test and the residual or bonus draw on the
+    device), with one host synchronisation, the wait on an event after the verify's values are copied out (counted
     here), the next step's rollout enqueued before it; no synchronising torch call (torch's sync debug mode
-    warns of each); the output equals plain greedy."""
+    warns of each); greedy output equals plain greedy."""
     import warnings
 
     from flint.megakernel import MegakernelBackend
@@ -551,14 +555,15 @@ def test_greedy_step_has_one_host_sync_on_the_megakernel():
     draft = DraftHead(draft_config_for(cfg, intermediate_size=256)).to("cuda", torch.bfloat16)
     draft.attach_target(cfg, params, device="cuda", dtype=torch.bfloat16, vocab=torch.arange(0, 512, 2))
     assert draft._kernel_rollout() is not None
-    sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    sp = SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=temperature)
     prompt = [5, 17, 3, 99, 250]
     want = Engine(be).generate(prompt, sp).token_ids
     eng = SpeculativeEngine(be, None, draft, k=3)
-    eng.generate(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm-up (first launches, caches)
+    eng.generate(prompt, dataclasses.replace(sp, max_new_tokens=8))  # warm-up (first launches, caches)
     eng.cached, eng.should_stop, eng.step_logprobs = [], None, []
     eng._on_start()
-    it = eng._tokens(list(prompt), sp, None)
+    assert draft.samples_pipelined(sp) == (temperature > 0)
+    it = eng._tokens(list(prompt), sp, torch.Generator(device="cuda").manual_seed(0) if temperature else None)
     got = [next(it)]  # the prefill's token
     torch.cuda.synchronize()
     waits = []
@@ -582,7 +587,8 @@ def test_greedy_step_has_one_host_sync_on_the_megakernel():
     # feature and does not yet detect all synchronizing operations", which is not one)
     syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchronizing CUDA operation" in str(w.message)]
     steps = eng.last_stats.steps
-    assert got == want
+    assert got == want or temperature > 0
+    assert len(got) == sp.max_new_tokens and all(0 <= t < cfg.vocab_size for t in got)
     assert steps >= 8 and not syncs, f"{len(syncs)} synchronising torch calls in {steps} steps: {sorted(set(syncs))}"
     assert len(waits) == steps
 
@@ -707,9 +713,14 @@ def test_speculative_sampling_on_the_kernel_draft_matches_target_distribution(mo
     draft = DraftHead(draft_config_for(lm.cfg, intermediate_size=64)).to("cuda", torch.bfloat16)
     draft.attach_target(lm.cfg, params, device="cuda", dtype=torch.bfloat16, vocab=torch.tensor([3, 0, 6, 1, 4]))
     assert draft._kernel_rollout() is not None and draft._kernel_rollout().weights == "int4"
+    assert draft.samples_pipelined(sp)
+    begun = []
+    orig = DraftHead.begin_sampled
+    monkeypatch.setattr(DraftHead, "begin_sampled", lambda self, *a: begun.append(1) or orig(self, *a))
     eng = SpeculativeEngine(be, None, draft, k=2)
     n = 2500
     counts = sample_t2_t3(eng, prompt, sp, n)
     st = eng.total_stats
     assert 0.1 < st.accept_rate < 0.95, st
+    assert len(begun) >= n  # every proposal was the kernel's sampled rollout
     assert chi_square_pvalue(counts, exact * n) > 1e-3
