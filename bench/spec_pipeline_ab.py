@@ -13,7 +13,7 @@ Per k and variant: tokens per verify step, tok/s per round, their median and the
 round, and whether the outputs were plain greedy's. --variants pipelined,pipelined_bf16 sets the draft's int4 kernel
 rollout (the default) against the same kernel on bf16 matrices, `graph` against the CUDA graph of torch kernels
 (FLINT_DRAFT_KERNEL=0). --temperature T samples (real models; plain samples too, the same seeds; the outputs are
-not compared), where the speculative step keeps the host order. JSON with --json.
+not compared; each round and prompt its own seed, the same for every variant). JSON with --json.
 """
 from __future__ import annotations
 
@@ -74,9 +74,9 @@ class HostOrder:
 VARIANTS = ("pipelined", "host_order", "pipelined_bf16", "graph")
 
 
-def _decode(eng, ids: list[int], sp) -> tuple[list[int], float]:
+def _decode(eng, ids: list[int], sp, seed: int = 0) -> tuple[list[int], float]:
     eng.cached = []
-    res = eng.generate(ids, sp)
+    res = eng.generate(ids, dataclasses.replace(sp, seed=seed) if sp.temperature else sp)
     return res.token_ids, res.decode_s
 
 
@@ -156,14 +156,14 @@ def main() -> None:
             order = variants if r % 2 == 0 else variants[::-1]  # interleaved: where the scratch lands moves both
             n_plain, s_plain = 0, 0.0
             for i, pr in enumerate(prompts):
-                toks, s = _decode(plain, pr, sp)
+                toks, s = _decode(plain, pr, sp, 1000 * r + i)
                 n_plain, s_plain = n_plain + len(toks) - 1, s_plain + s
             plain_tok_s = n_plain / s_plain
             for v in order:
                 n_spec, s_spec = 0, 0.0
                 for i, pr in enumerate(prompts):
                     eng = engine(k, v, i)
-                    toks, s = _decode(eng, pr, sp)
+                    toks, s = _decode(eng, pr, sp, 1000 * r + i)  # (sampling: a new draw each round)
                     n_spec, s_spec = n_spec + len(toks) - 1, s_spec + s
                     st = eng.last_stats
                     per[v]["steps"] += st.steps
