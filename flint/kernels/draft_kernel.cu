@@ -26,6 +26,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "mk_config.cuh"  // (MK_TRACE: 1 in the traced library)
+
 namespace cg = cooperative_groups;
 
 namespace {
@@ -274,24 +276,6 @@ __device__ void embed_into(const DraftArgs& a, float* xs, float* xc, const __nv_
   }
 }
 
-// the traced build's stamps: block 0's %globaltimer (ns) at the start, then per step before and after each grid
-// barrier (fc, each MLP block's gate|up and down, the head's keys) and at the step's end: 1 + k * (5 + 4 * nblocks)
-// (lab/draft_trace.py reads them)
-#if MK_TRACE
-#define DRAFT_STAMP()                                                      \
-  do {                                                                     \
-    if (blockIdx.x == 0 && threadIdx.x == 0 && a.trace != nullptr) {       \
-      unsigned long long t_;                                               \
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));               \
-      a.trace[ti++] = t_;                                                  \
-    }                                                                      \
-  } while (0)
-#else
-#define DRAFT_STAMP() \
-  do {                \
-  } while (0)
-#endif
-
 __global__ void __launch_bounds__(kThreads) draft_rollout_kernel(DraftArgs a) {
   extern __shared__ float smem[];
   __shared__ float red[kWarps];
@@ -302,10 +286,20 @@ __global__ void __launch_bounds__(kThreads) draft_rollout_kernel(DraftArgs a) {
   float* xs = smem;                                   // [max(2H, I)] the staged vector
   float* xc = smem + (2 * H > I ? 2 * H : I);         // [max(2H, I) / 32] its chunk sums (int4 layout)
   long long tok = __ldg(a.tok);  // this step's input token: its id, afterwards its drafting-vocabulary row
-#if MK_TRACE
+  // the traced build's stamps (MK_TRACE): block 0's %globaltimer (ns) at the start, then per step before and after
+  // each grid barrier (fc, each MLP block's gate|up and down, the head's keys) and at the step's end:
+  // 1 + k * (5 + 4 * nblocks) (lab/draft_trace.py reads them); no code in the shipped build
   int ti = 0;
-#endif
-  DRAFT_STAMP();
+  auto stamp = [&]() {
+    if constexpr (MK_TRACE) {
+      if (blockIdx.x == 0 && threadIdx.x == 0 && a.trace != nullptr) {
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        a.trace[ti++] = t;
+      }
+    }
+  };
+  stamp();
   for (int j = 0; j < a.k; ++j) {
     // fc over [rmsnorm(h) * w_nh | rmsnorm(e) * w_ne]
     const bool qf = a.fc.q != nullptr;
@@ -320,9 +314,9 @@ __global__ void __launch_bounds__(kThreads) draft_rollout_kernel(DraftArgs a) {
       const float s = mat_dot(a.fc, r, 2 * H, xs, xc);
       if (lane == 0) a.f[r] = s;
     }
-    DRAFT_STAMP();
+    stamp();
     cg::this_grid().sync();  // (the grid_group object held across the loop spilled 8 bytes)
-    DRAFT_STAMP();
+    stamp();
     for (int b = 0; b < a.nblocks; ++b) {
       float* fcur = b == 0 ? a.f : a.x;  // the block's input: fc's output, then the previous block's
       const bool qg = a.gu[b].q != nullptr, qd = a.down[b].q != nullptr;
@@ -340,18 +334,18 @@ __global__ void __launch_bounds__(kThreads) draft_rollout_kernel(DraftArgs a) {
         }
         if (lane == 0) a.act[r] = g / (1.f + __expf(-g)) * u;
       }
-      DRAFT_STAMP();
+      stamp();
       cg::this_grid().sync();
-      DRAFT_STAMP();
+      stamp();
       stage_into(xs, xc, I, qd, [&](int i) { return __ldcg(a.act + i); });
       // x = fcur + down(act); for b > 0 fcur is x itself: each row is read then written by one lane only
       for (int r = gwarp; r < H; r += nwarps) {
         const float s = mat_dot(a.down[b], r, I, xs, xc);
         if (lane == 0) a.x[r] = __ldcg(fcur + r) + s;
       }
-      DRAFT_STAMP();
+      stamp();
       cg::this_grid().sync();
-      DRAFT_STAMP();
+      stamp();
     }
     // the head's argmax over the drafting vocabulary on rmsnorm(x) * w_final (the logit scale cannot move it)
     const bool qh = a.head.q != nullptr;
@@ -384,9 +378,9 @@ __global__ void __launch_bounds__(kThreads) draft_rollout_kernel(DraftArgs a) {
       for (int w = 0; w < kWarps; ++w) m = wkey[w] > m ? wkey[w] : m;
       a.keys[blockIdx.x] = m;
     }
-    DRAFT_STAMP();
+    stamp();
     cg::this_grid().sync();
-    DRAFT_STAMP();
+    stamp();
     // every block reduces all blocks' keys: the same token everywhere
     unsigned long long m = 0ull;
     for (int i = threadIdx.x; i < (int)gridDim.x; i += kThreads) {
@@ -407,7 +401,7 @@ __global__ void __launch_bounds__(kThreads) draft_rollout_kernel(DraftArgs a) {
     if (blockIdx.x == 0 && threadIdx.x == 0) a.out[j] = a.vocab_ids ? a.vocab_ids[row] : (long long)row;
     tok = row;
     __syncthreads();  // (xs and wkey are rewritten by the next step)
-    DRAFT_STAMP();
+    stamp();
   }
 }
 
