@@ -399,3 +399,22 @@ def test_speculative_engine_refuses_what_its_loop_does_not_apply(backend, tiny_l
 def test_new_sampling_params_validation(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad).validate()
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 0.9)])
+def test_sample_draws_follow_the_sampling_distribution(temperature, top_k, top_p):
+    """flint.engine.sample (inverse CDF of one uniform): 20000 draws from fixed logits follow probs_from_logits
+    (chi-square, p-value > 1e-3; fixed seeds, so the outcome is deterministic), and never a token of probability 0."""
+    from test_speculative import chi_square_pvalue
+
+    from flint.engine import probs_from_logits, sample
+
+    logits = torch.randn(12, generator=torch.Generator().manual_seed(3)) * 2
+    sp = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    p = probs_from_logits(logits, temperature, top_k, top_p)
+    g = torch.Generator().manual_seed(4)
+    counts = torch.zeros(12)
+    for _ in range(20000):
+        counts[sample(logits, sp, g)] += 1
+    assert (counts[p == 0] == 0).all()
+    assert chi_square_pvalue(counts, p * 20000) > 1e-3
