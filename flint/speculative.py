@@ -130,10 +130,10 @@ class SpeculativeEngine(Engine):
         ctx = list(prompt_ids) + [tok]
         yield tok
         dev = self.backend.device
-        # greedy with a draft that rolls out from device inputs (``begin``): the next step's rollout is enqueued
-        # before this step's verify is read back, from the accepted count computed on the device, so the GPU
-        # drafts while the host accepts, emits and launches (that host time otherwise leaves the GPU idle)
-        # (sampling: where the draft can also roll out sampled from device inputs: the kernel rollout at a temperature)
+        # with a draft that rolls out from device inputs (``begin``; sampling: ``begin_sampled``, where the draft's
+        # ``samples_pipelined`` says so): the next step's rollout is enqueued before this step's verify is read back,
+        # from the accepted count and token computed on the device, so the GPU drafts while the host accepts, emits
+        # and launches (that host time otherwise leaves the GPU idle)
         pipelined = bool(getattr(self.draft, "pipelined", False)) and (
             greedy or bool(getattr(self.draft, "samples_pipelined", lambda sp: False)(sp)))
         pending = None  # (k, handle): the rollout begun for this step
