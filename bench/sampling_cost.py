@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from flint.engine import probs_from_logits  # noqa: E402
+from flint.engine import inverse_cdf_draw, probs_from_logits  # noqa: E402
+from spec_cost import timed  # noqa: E402  (median wall time of synchronized calls, µs)
 
 
 def ways(temperature: float, top_p: float):
@@ -27,9 +26,8 @@ def ways(temperature: float, top_p: float):
         return int(torch.multinomial(probs_from_logits(x, temperature, 0, top_p), 1, generator=g))
 
     def inverse_cdf(x, g):
-        cdf = probs_from_logits(x, temperature, 0, top_p).cumsum(0)
         u = torch.rand(1, generator=g, device=x.device)
-        return int(torch.searchsorted(cdf, u * cdf[-1], right=True).clamp_max(x.shape[0] - 1))
+        return int(inverse_cdf_draw(probs_from_logits(x, temperature, 0, top_p), u))
 
     def gumbel(x, g):
         u = torch.rand(x.shape[0], generator=g, device=x.device)
@@ -60,15 +58,7 @@ def main() -> None:
         x = torch.randn(v, device="cuda") * 3
         row = {"vocab": v, "temperature": a.temperature, "top_p": a.top_p}
         for name, fn in ways(a.temperature, a.top_p).items():
-            for _ in range(20):
-                fn(x, g)
-            ts = []
-            for _ in range(a.reps):
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                fn(x, g)
-                ts.append((time.perf_counter() - t) * 1e6)
-            row[f"{name}_us"] = round(statistics.median(ts), 1)
+            row[f"{name}_us"] = round(timed(lambda: fn(x, g), a.reps), 1)
         rows.append(row)
         print(row)
     if a.json:

@@ -236,7 +236,7 @@ class DraftHead(nn.Module):
         scalars per row). Sampling: ``sampling`` = (temperature, top_k, top_p) and u [k] uniform
         draws; step j takes the first token whose cumulative q exceeds u[j] (inverse CDF: never a
         token of q = 0); returns (ids [k], q [k, V], 0 outside the drafting vocabulary)."""
-        from .engine import probs_from_logits
+        from .engine import inverse_cdf_draw, probs_from_logits
 
         idx, qs = [], []
         e = self.embed_tokens(tok)
@@ -247,8 +247,7 @@ class DraftHead(nn.Module):
                 i = torch.argmax(F.linear(x, self.head)[0]).view(1)
             else:
                 q = probs_from_logits(self.logits(h)[0], *sampling)
-                cdf = q.cumsum(0)
-                i = torch.searchsorted(cdf, u[j:j + 1] * cdf[-1], right=True).clamp_max(q.shape[0] - 1)
+                i = inverse_cdf_draw(q, u[j:j + 1])
                 qs.append(q)
             idx.append(i)
             e = F.embedding(i, self.embed)  # a proposal is in the drafting vocabulary: its rows embed it

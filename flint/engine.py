@@ -164,6 +164,13 @@ def probs_from_logits(logits: torch.Tensor, temperature: float, top_k: int = 0,
     return p
 
 
+def inverse_cdf_draw(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The token of weights p [V] (any nonnegative scale) at uniform u [1] in [0, 1): the first whose cumulative weight
+    exceeds u times the total, as a LongTensor [1] on p's device (no host sync; never a token of weight 0)."""
+    cdf = p.cumsum(0)
+    return torch.searchsorted(cdf, u * cdf[-1], right=True).clamp_max(p.shape[0] - 1)
+
+
 def sample(logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None) -> int:
     """The next token from logits [V]: the argmax at temperature 0, else a draw from probs_from_logits by inverse CDF
     of one uniform (on CUDA 84 against torch.multinomial's 135 µs a draw at V = 49152, bench/sampling_cost.py,
@@ -171,9 +178,7 @@ def sample(logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None
     if sp.temperature == 0:
         return int(torch.argmax(logits))
     p = probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p).reshape(-1)
-    cdf = p.cumsum(0)
-    u = torch.rand(1, generator=gen, device=p.device)
-    return int(torch.searchsorted(cdf, u * cdf[-1], right=True).clamp_max(p.shape[0] - 1))
+    return int(inverse_cdf_draw(p, torch.rand(1, generator=gen, device=p.device)))
 
 
 class LogitAdjuster:

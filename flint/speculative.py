@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine import Engine, SamplingParams, probs_from_logits, sample, token_logprob
+from .engine import Engine, SamplingParams, inverse_cdf_draw, probs_from_logits, sample, token_logprob
 
 
 @dataclass
@@ -78,9 +78,7 @@ def verify_sampling(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tenso
     else:
         n = torch.zeros(1, dtype=torch.long, device=dev)
         r = p[0]
-    cdf = r.cumsum(0)
-    nxt = torch.searchsorted(cdf, u[k:] * cdf[-1], right=True).clamp_max(r.shape[0] - 1)
-    return torch.cat((n, nxt))
+    return torch.cat((n, inverse_cdf_draw(r, u[k:])))
 
 
 class SpeculativeEngine(Engine):
@@ -170,7 +168,7 @@ class SpeculativeEngine(Engine):
                     n_dev = (am[:k] == step[1:]).long().cumprod(0).sum(0, keepdim=True)  # (k = 0: n = 0)
                     vals, pending = self._read_back_beginning(
                         vals_dev, hid, n_dev, am.index_select(0, n_dev), k_next,
-                        lambda h, t, kn: self.draft.begin(h, t, kn))
+                        self.draft.begin)
                 else:
                     vals = vals_dev.tolist()  # the step's one device sync
                 proposed = vals[k + 1:]

@@ -19,17 +19,18 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import flint.megakernel as mkmod  # noqa: E402
 from flint.config import SYNTHETIC, from_hf_dict  # noqa: E402
 from flint.draft import DraftHead, draft_config_for  # noqa: E402
 from flint.engine import SamplingParams  # noqa: E402
 from flint.synthetic import synthetic_params  # noqa: E402
+from spec_cost import timed  # noqa: E402  (median wall time of synchronized calls, µs)
 
 
 def phases(nblocks: int) -> list[str]:
@@ -72,14 +73,7 @@ def run(model: str, k: int, nv: int, temperature: float) -> dict:
     out["kernel_gpu_us"] = statistics.median(gpu)
     sp = SamplingParams(temperature=temperature) if temperature else None
     gen = torch.Generator(device="cuda").manual_seed(0)
-    wall = []
-    for _ in range(200):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        draft.propose([7], hidden, k, sp, gen)
-        torch.cuda.synchronize()
-        wall.append((time.perf_counter() - t) * 1e6)
-    out["propose_wall_us"] = statistics.median(wall)
+    out["propose_wall_us"] = timed(lambda: draft.propose([7], hidden, k, sp, gen), 200)
     out["per_token_gpu_us"] = out["kernel_gpu_us"] / k
     out["per_token_wall_us"] = out["propose_wall_us"] / k
 
