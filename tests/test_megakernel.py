@@ -456,6 +456,31 @@ def test_verify_shapes_match_reference(m, split):
 
 @gpu
 @needs_sm90
+def test_verify_attention_at_tile_edges_matches_single_steps():
+    """A verify step's row m attends to the keys up to start + m: at starts where the M rows cross a 64-key tile
+    edge (a split's rows fully masked in a tile, keys past the context in V), every row's logits against the same
+    tokens decoded one at a time (M = 1) on the same kernel, which attends through other code; head_dim 64 (the
+    verify objects' tensor-core tile at one tile a split) and fp16 dots at every M (groups of 64), so the two agree
+    to ~1e-6 where attention is right, while one key too many or too few moves the logits by ~1e-3."""
+    cfg = _cfg(num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+    mk, _ = _pair(cfg, 64, 300)
+    toks = torch.randint(0, cfg.vocab_size, (300,), generator=torch.Generator().manual_seed(11))
+    worst, filled = 0.0, 0  # (every launch writes toks[pos] at pos: the cache below `filled` is the prefix's)
+    for start, m in ((56, 8), (62, 2), (63, 4), (61, 3), (127, 5), (125, 8), (190, 6), (191, 7)):
+        for i in range(filled, start, 8):  # the cache up to start, 8 a step
+            mk.forward(toks[i:min(i + 8, start)], i)
+        filled = max(filled, start + m)
+        a = mk.forward(toks[start:start + m], start).clone()
+        one = torch.stack([mk.forward(toks[start + j:start + j + 1], start + j)[0].clone() for j in range(m)])
+        assert torch.isfinite(a).all()
+        r = rel(a, one)
+        worst = max(worst, r)
+        assert r < 1e-4, f"M = {m} at {start}: verify vs single steps rel {r:.3e}"
+    print(f"verify vs single steps: worst rel {worst:.2e}")
+
+
+@gpu
+@needs_sm90
 @pytest.mark.parametrize("split", ["auto", "0"])
 def test_interleaved_verify_widths_match_reference(split):
     # Granite widths (groups of 128: M = 1 and 2 run gate|up on the integer dot) with and without the FFN split:

@@ -26,8 +26,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 # every source of the library (megakernel.cu includes the mk_*.cuh headers; the host part shares mk_common.cuh)
 SOURCES = ("mk_config.cuh", "mk_common.cuh", "mk_ptx.cuh", "mk_sync.cuh", "mk_trace.cuh", "mk_producer.cuh",
-           "mk_stage.cuh", "mk_mma.cuh", "mk_matvec.cuh", "mk_ffn.cuh", "mk_kv8.cuh", "mk_attention.cuh", "megakernel.cu",
-           "megakernel_host.cu", "draft_kernel.cu")
+           "mk_stage.cuh", "mk_mma.cuh", "mk_matvec.cuh", "mk_ffn.cuh", "mk_kv8.cuh", "mk_att_mma.cuh",
+           "mk_attention.cuh", "megakernel.cu", "megakernel_host.cu", "draft_kernel.cu")
 M_VALUES = tuple(range(1, 9))
 # more objects of megakernel.cu: (name, its -D flags); m1gu8 / m2gu8 = M = 1 / 2 with gate|up's integer dot (groups
 # of 128; megakernel_host.cu kGu8MaxM); m1long / m1gu8long = the M = 1 ones for long contexts (attention on the tensor

@@ -13,8 +13,8 @@
 // Every merge weighs the splits in split order: deterministic, bitwise repeatable.
 // The short objects (every M; M = 1 below the long objects' threshold): sub-tiles of ATT_T = 64 keys double-buffered
 // with cp.async. M = 1, D = 64, a split of one tile (Granite and SmolLM2 at short context): scores, softmax and P V
-// inside 3 R warps (warp (r, kc) over a third of row r's keys), two block barriers instead of five; other splits the
-// generic loop (warp per row).
+// inside 3 R warps (warp (r, kc) over a third of row r's keys), two block barriers instead of five; M = 3, 4, D = 64,
+// one tile: on the tensor cores (mk_att_mma.cuh, V swizzled like K); other splits the generic loop (warp per row).
 // The long objects (FLINT_MK_LONG: M = 1, D = 64, R <= 8 rows, from kLongFromTiles tiles per split; the host's
 // choice): kAttGroups groups of 4 warps walk the split's tiles in turn (group g: tiles t0 + g, t0 + g + kAttGroups,
 // ...), each through kAttGroupBufs buffers of its own filled by two TMA tensor copies (K, V), so no block barrier
@@ -33,6 +33,7 @@
 #include "mk_sync.cuh"
 #include "mk_trace.cuh"
 #include "mk_kv8.cuh"
+#include "mk_att_mma.cuh"
 
 namespace mk {
 namespace {
@@ -82,7 +83,10 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
     const int kvh = item / nsplit, sp = item % nsplit;
     const int t0 = sp * tps, t1 = min(ntiles, t0 + tps);
     constexpr bool tc = kTc;
-    const bool one_tile = !kTc && M == 1 && D == 64 && 3 * R <= NCW && t1 - t0 == 1;
+    // the verify objects' one-tile split on the tensor cores (mk_att_mma.cuh; V swizzled like K, q as hi | lo)
+    constexpr bool kVtc = !kTc && M >= ATT_MMA_MIN_M && M <= ATT_MMA_MAX_M;
+    const bool vtc = kVtc && D == ATT_MMA_D && R <= 16 * ATT_MMA_MAX_RB && t1 - t0 == 1;
+    const bool one_tile = !kTc && !vtc && M == 1 && D == 64 && 3 * R <= NCW && t1 - t0 == 1;
     const size_t cbase = (((size_t)layer * p.nkv + kvh) * p.max_seq) * D;
     const __half* Kc = p.kcache + cbase;
     const __half* Vc = p.vcache + cbase;
@@ -140,12 +144,13 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
             const __half2 hv[4] = {__floats2half2_rn(a.x, a.y), __floats2half2_rn(a.z, a.w),
                                    __floats2half2_rn(b.x, b.y), __floats2half2_rn(b.z, b.w)};
             const uint32_t* h = reinterpret_cast<const uint32_t*>(hv);
-            __half* dst = isv ? Vb + ((size_t)buf * ATT_T + j) * D + ch * 8
+            __half* dst = isv ? Vb + ((size_t)buf * ATT_T + j) * D + ((vtc ? ch ^ (j & 7) : ch) * 8)
                               : Kb + ((size_t)buf * ATT_T + j) * D + ((ch ^ (j & 7)) * 8);
             *reinterpret_cast<uint4*>(dst) = make_uint4(h[0], h[1], h[2], h[3]);
           } else if (j0 + j < Ltot) {
             if (isv)
-              cp_async16(Vb + ((size_t)buf * ATT_T + j) * D + ch * 8, Vc + (size_t)(j0 + j) * D + ch * 8);
+              cp_async16(Vb + ((size_t)buf * ATT_T + j) * D + ((vtc ? ch ^ (j & 7) : ch) * 8),
+                         Vc + (size_t)(j0 + j) * D + ch * 8);
             else
               cp_async16(Kb + ((size_t)buf * ATT_T + j) * D + ((ch ^ (j & 7)) * 8), Kc + (size_t)(j0 + j) * D + ch * 8);
           }
@@ -180,7 +185,7 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
       const int r = i / D, d = i - r * D;
       const int hq = kvh * g + r / M, m = r % M;
       const float qv = ld_tagged(qkv_word(p, m, hq * D + d), qtag) * p.attn_scale;
-      if (tc) {
+      if (tc || vtc) {
         const __half hi = __float2half_rn(qv);
         const int o = r * D + (((d >> 3) ^ (r & 7)) << 3) + (d & 7);
         qh[o] = hi;
@@ -445,6 +450,19 @@ __device__ void attention_stage(Ctx<M>& c, int layer, uint8_t* uni) {
         if (d == 0) { ms->att_m[r] = mn; ms->att_l[r] = l; }
       }
       cbar();
+      warp_stamp(p, layer, WS_A_PV);
+    } else if (vtc) {
+      for (int i = t; i < (ATT_T - min(ATT_T, Ltot - t0 * ATT_T)) * cpr; i += NCT)  // V past the context: 0
+        *reinterpret_cast<uint4*>(Vb + (size_t)(ATT_T - 1 - i / cpr) * D + (i % cpr) * 8) = make_uint4(0u, 0u, 0u, 0u);
+      cp_async_wait<0>();
+      cbar();  // the tile and q are in
+      if (kv8) {  // the cache rows' codes -> the fp16 tile (V swizzled)
+        kv8_convert(land, Kb, Vb, D, max(0, min(ATT_T, Ltot - t0 * ATT_T)), true, t, NCT);
+        cbar();
+      }
+      warp_stamp(p, layer, WS_A_TILE);
+      att_tile_mma<M>(Kb, Vb, reinterpret_cast<const __half*>(q_s), R, t0 * ATT_T, start, o_s, ms->att_m, ms->att_l,
+                      reinterpret_cast<__half*>(s_s), reinterpret_cast<float*>(Kb + (size_t)ATT_T * D));
       warp_stamp(p, layer, WS_A_PV);
     } else
     for (int tile = t0; tile < t1; ++tile) {
