@@ -164,17 +164,39 @@ def probs_from_logits(logits: torch.Tensor, temperature: float, top_k: int = 0,
     return p
 
 
+# inverse_cdf_draw's block: the running sums are taken per block of this many weights, then over the blocks' totals
+# (on CUDA a scan along the rows of a 2-D tensor is deterministic; one over a whole long vector is not,
+# pytorch/pytorch#75240, and a seeded draw must not depend on the scan's timing)
+CDF_BLOCK = 1024
+
+
 def inverse_cdf_draw(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The token of weights p [V] (any nonnegative scale) at uniform u [1] in [0, 1): the first whose cumulative weight
-    exceeds u times the total, as a LongTensor [1] on p's device (no host sync; never a token of weight 0)."""
-    cdf = p.cumsum(0)
-    return torch.searchsorted(cdf, u * cdf[-1], right=True).clamp_max(p.shape[0] - 1)
+    """The token of weights p [V] (any nonnegative scale, a positive total) at uniform u [1] in [0, 1): the first whose
+    cumulative weight exceeds u times the total, as a LongTensor [1] on p's device (no host sync, capturable in a CUDA
+    graph; never a token of weight 0). The cumulative weights are summed in blocks of CDF_BLOCK in a fixed order:
+    the same bits on every run."""
+    v = p.shape[0]
+    nb = -(-v // CDF_BLOCK)
+    w = p if nb * CDF_BLOCK == v else torch.nn.functional.pad(p, (0, nb * CDF_BLOCK - v))
+    rows = w.view(nb, CDF_BLOCK).cumsum(1)  # running sums inside each block
+    tot = rows[:, -1].contiguous()
+    pre = tot.cumsum(0)  # the blocks' running totals (nb values: one tile)
+    target = u.reshape(1) * pre[-1:]
+    # the first block whose running total exceeds the target (at most the last block with weight)
+    b = torch.minimum(torch.searchsorted(pre, target, right=True), torch.searchsorted(pre, pre[-1:], right=False))
+    before = torch.where(b > 0, pre.index_select(0, (b - 1).clamp_min(0)), torch.zeros_like(target))
+    row = rows.index_select(0, b)  # [1, CDF_BLOCK]
+    # inside it: the first running sum past what is left (at most the block's last token with weight)
+    j = torch.minimum(torch.searchsorted(row, (target - before).view(1, 1), right=True),
+                      torch.searchsorted(row, row[:, -1:], right=False)).view(1)
+    return b * CDF_BLOCK + j
 
 
 def sample(logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None) -> int:
     """The next token from logits [V]: the argmax at temperature 0, else a draw from probs_from_logits by inverse CDF
-    of one uniform (on CUDA 84 against torch.multinomial's 135 µs a draw at V = 49152, bench/sampling_cost.py,
-    `sampling_cost_2026-12-03.json`; the same distribution)."""
+    of one uniform (inverse_cdf_draw; with one scan over the row it took 84 against torch.multinomial's 135 µs a draw
+    at V = 49152 on the H200, bench/sampling_cost.py, `sampling_cost_2026-12-03.json`; the blockwise scan is not timed
+    yet)."""
     if sp.temperature == 0:
         return int(torch.argmax(logits))
     p = probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p).reshape(-1)
@@ -236,6 +258,10 @@ class Engine:
     # greedy decoding on a backend with greedy_run: tokens per burst (each argmax feeds the next step on the
     # device, one host sync per burst; a stop inside a burst wastes at most GREEDY_BURST - 1 steps)
     GREEDY_BURST = 8
+    # sampled decoding (no penalties, no logprobs) runs in bursts of GREEDY_BURST on these devices, each draw feeding
+    # the next step on the device (on the H200 a per-token host sync left the GPU idle between steps; on a CPU it
+    # costs nothing)
+    SAMPLED_BURST_DEVICES = ("cuda",)
     # prefill tokens per forward at most: bounds a long prompt's activations and lets a caller that
     # no longer wants the answer stop between chunks
     PREFILL_CHUNK = 512
@@ -311,6 +337,10 @@ class Engine:
         greedy = sp.temperature == 0 and adjust is None and sp.logprobs is None
         burst = greedy and hasattr(self.backend, "greedy_run")
         fast = greedy and hasattr(self.backend, "greedy_next")
+        # sampling on a GPU without penalties or logprobs: bursts too, each draw (the same ops as sample) feeding the
+        # next forward on the device, one host sync per burst
+        sburst = sp.temperature > 0 and adjust is None and sp.logprobs is None and \
+            logits.device.type in self.SAMPLED_BURST_DEVICES
         if adjust:
             logits = adjust(logits)
         tok = sample(logits, sp, gen)
@@ -322,6 +352,13 @@ class Engine:
             if burst:  # the consumer asked for more: at least one token is still wanted
                 n = max(1, min(self.GREEDY_BURST, sp.max_new_tokens - produced))
                 toks = self.backend.greedy_run(tok, pos, n)
+                pos, produced = pos + n, produced + n
+                yield from toks[:-1]
+                tok = toks[-1]
+                continue
+            if sburst:
+                n = max(1, min(self.GREEDY_BURST, sp.max_new_tokens - produced))
+                toks = self._sampled_burst(tok, pos, n, sp, gen)
                 pos, produced = pos + n, produced + n
                 yield from toks[:-1]
                 tok = toks[-1]
@@ -338,6 +375,19 @@ class Engine:
                     self.step_logprobs.append(token_logprob(logits, tok, sp.logprobs))
             pos += 1
             produced += 1
+
+    def _sampled_burst(self, tok: int, pos: int, n: int, sp: SamplingParams, gen) -> list[int]:
+        """n sampled tokens after tok at pos: each step's draw (probs_from_logits, then inverse_cdf_draw of one uniform
+        from gen: sample()'s ops, so the tokens are the step-by-step loop's) is the next step's input on the device;
+        the tokens come back once."""
+        t = torch.tensor([tok], dtype=torch.long, device=self.backend.device)
+        out = []
+        for i in range(n):
+            logits = self.backend.forward(t, pos + i)[-1]
+            p = probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p).reshape(-1)
+            t = inverse_cdf_draw(p, torch.rand(1, generator=gen, device=p.device))
+            out.append(t)
+        return torch.cat(out).tolist()
 
     def _constrained(self, logits, pos: int, sp: SamplingParams, gen, adjust):
         """_tokens under a grammar: every token drawn from the grammar's allowed set (see the module doc)."""
@@ -420,8 +470,8 @@ class Engine:
         """Yield (token_id, text_piece) as tokens decode; sets self.last when done.
 
         Text pieces need a tokenizer; without one they are "". Closing the generator early (a
-        client that went away) stops decoding at the next token (greedy on a backend with greedy_run:
-        after the current burst of at most GREEDY_BURST tokens, already computed). ``should_stop()``,
+        client that went away) stops decoding at the next token (greedy on a backend with greedy_run, and sampling
+        on a GPU: after the current burst of at most GREEDY_BURST tokens, already computed). ``should_stop()``,
         when given, is asked between prefill chunks: True ends the call there, with nothing yielded
         and finish_reason "cancelled".
         """

@@ -176,6 +176,43 @@ class _Bursting:
         return out
 
 
+class _Forwards:
+    """A backend recording the (tokens' device, positions) of every forward it is asked for."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+        self.cfg, self.device, self.max_seq_len = inner.cfg, inner.device, inner.max_seq_len
+
+    def forward(self, tokens, start_pos, return_hidden=False, last_only=False):
+        self.calls.append((start_pos, tokens.numel()))
+        return self.inner.forward(tokens, start_pos, return_hidden, last_only)
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.9), dict(temperature=0.7, top_k=40, top_p=0.9, min_p=0.02)])
+def test_sampled_bursts_match_step_by_step(backend, tiny_llama, prompt_ids, monkeypatch, kw):
+    # sampling in bursts (each draw the next forward's input, the tokens read back once a burst) draws the same
+    # tokens as the token-by-token loop from the same seed, and stops at eos inside a burst
+    monkeypatch.setattr(Engine, "SAMPLED_BURST_DEVICES", ())
+    step, _ = run(Engine(backend, tiny_llama.tokenizer), prompt_ids, max_new_tokens=21, ignore_eos=True, seed=3, **kw)
+    monkeypatch.setattr(Engine, "SAMPLED_BURST_DEVICES", ("cpu", "cuda"))
+    bursts, inner = [], Engine._sampled_burst
+    monkeypatch.setattr(Engine, "_sampled_burst", lambda self, tok, pos, n, sp, gen: bursts.append((pos, n)) or
+                        inner(self, tok, pos, n, sp, gen))
+    f = _Forwards(backend)
+    eng = Engine(f, tiny_llama.tokenizer)
+    burst, pieces = run(eng, prompt_ids, max_new_tokens=21, ignore_eos=True, seed=3, **kw)
+    assert burst.token_ids == step.token_ids and "".join(pieces) == burst.text
+    n0 = len(prompt_ids)
+    assert bursts == [(n0, 8), (n0 + 8, 8), (n0 + 16, 4)]
+    decode = [c for c in f.calls if c[1] == 1]
+    assert [c[0] for c in decode] == list(range(n0, n0 + 20))  # 20 steps after the prefill's token, none past
+    eos = step.token_ids[9]
+    first = step.token_ids.index(eos)
+    stopped, _ = run(Engine(backend, tiny_llama.tokenizer, eos_token_ids=[eos]), prompt_ids, max_new_tokens=21,
+                     seed=3, **kw)
+    assert stopped.finish_reason == "stop" and stopped.token_ids == step.token_ids[: first + 1]
+
+
 def test_greedy_bursts_match_step_by_step(backend, tiny_llama, prompt_ids):
     # greedy decoding through greedy_run bursts gives the step-by-step tokens, never asks for positions past
     # max_new_tokens, stops at eos inside a burst, and its cache bookkeeping serves a follow-up prompt
@@ -418,3 +455,29 @@ def test_sample_draws_follow_the_sampling_distribution(temperature, top_k, top_p
         counts[sample(logits, sp, g)] += 1
     assert (counts[p == 0] == 0).all()
     assert chi_square_pvalue(counts, p * 20000) > 1e-3
+
+
+@pytest.mark.parametrize("v", [1, 7, 1024, 1500, 3072, 100352])
+def test_inverse_cdf_draw_is_the_first_token_past_u(v):
+    """The blockwise inverse CDF (flint.engine.inverse_cdf_draw: running sums per block of CDF_BLOCK, then over the
+    blocks) picks the token a float64 cumulative sum picks, up to fp32 rounding at a boundary, at vocabularies inside
+    one block, at block edges and beyond; never a token of weight 0 (zeros everywhere, u = 0, u just below 1)."""
+    from flint.engine import inverse_cdf_draw
+
+    g = torch.Generator().manual_seed(v)
+    for trial in range(60):
+        p = torch.rand(v, generator=g) ** 6
+        if trial % 2:
+            p[torch.rand(v, generator=g) < 0.8] = 0.0
+        p[int(torch.randint(0, v, (1,), generator=g))] = 0.5  # a positive total
+        u = torch.rand(1, generator=g)
+        if trial % 20 == 0:
+            u = torch.tensor([0.0])
+        elif trial % 20 == 1:
+            u = torch.tensor([1.0 - 2.0 ** -24])
+        i = int(inverse_cdf_draw(p, u))
+        assert 0 <= i < v and p[i] > 0
+        c = p.double().cumsum(0)
+        t, tol = float(u) * float(c[-1]), 1e-5 * float(c[-1])
+        lo = float(c[i - 1]) if i > 0 else 0.0
+        assert lo - tol <= t <= float(c[i]) + tol, (trial, i, t, lo, float(c[i]))

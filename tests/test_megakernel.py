@@ -481,6 +481,48 @@ def test_verify_attention_at_tile_edges_matches_single_steps():
 
 @gpu
 @needs_sm90
+def test_sampled_bursts_match_step_by_step_on_the_megakernel(monkeypatch):
+    """Sampling on the GPU runs in bursts (each draw the next launch's token on the device, one read-back a burst):
+    the same tokens as the token-by-token loop from the same seed, at a temperature and with top-k / top-p."""
+    from flint.engine import Engine, SamplingParams
+
+    cfg = _cfg(num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+    mk, _ = _pair(cfg, 64, 128)
+    prompt = torch.randint(0, cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(4)).tolist()
+    for kw in (dict(temperature=0.8), dict(temperature=0.7, top_k=50, top_p=0.9)):
+        sp = SamplingParams(max_new_tokens=27, seed=5, ignore_eos=True, **kw)
+        monkeypatch.setattr(Engine, "SAMPLED_BURST_DEVICES", ())
+        step = Engine(mk).generate(prompt, sp).token_ids
+        monkeypatch.setattr(Engine, "SAMPLED_BURST_DEVICES", ("cuda",))
+        burst = Engine(mk).generate(prompt, sp).token_ids
+        assert len(step) == 27 and burst == step, kw
+
+
+@gpu
+@needs_sm90
+def test_seeded_sampling_repeats_at_a_large_vocabulary(monkeypatch):
+    """A seeded sampled generation on Granite shapes (vocab 100352) is the same tokens every time, in bursts and token
+    by token: the draw's running sums are blockwise (a device-wide scan over 100352 weights is not deterministic on
+    CUDA), and the kernel's logits are the same bits whether its launches queue back to back or wait for the host."""
+    from flint.engine import Engine, SamplingParams, inverse_cdf_draw
+
+    p = torch.softmax(torch.randn(100352, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0)) * 0.05, 0)
+    u = torch.rand(1, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    first = inverse_cdf_draw(p, u)
+    assert all(torch.equal(inverse_cdf_draw(p, u), first) for _ in range(200))
+    cfg = _granite(3)
+    mk, _ = _pair(cfg, 128, 128)
+    prompt = torch.randint(0, cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(2)).tolist()
+    sp = SamplingParams(max_new_tokens=40, temperature=0.8, seed=9, ignore_eos=True)
+    runs = []
+    for devices in (("cuda",), (), ("cuda",)):
+        monkeypatch.setattr(Engine, "SAMPLED_BURST_DEVICES", devices)
+        runs.append(Engine(mk).generate(prompt, sp).token_ids)
+    assert runs[0] == runs[1] == runs[2]
+
+
+@gpu
+@needs_sm90
 @pytest.mark.parametrize("split", ["auto", "0"])
 def test_interleaved_verify_widths_match_reference(split):
     # Granite widths (groups of 128: M = 1 and 2 run gate|up on the integer dot) with and without the FFN split:
