@@ -587,7 +587,7 @@ def run_oracle_bench(model: str, backends: list[str], ks: list[int], accepts: li
     """Speculative vs plain greedy decoding with ORACLE acceptance (flint.oracle; benchmarking only): a random
     draft shaped like the shipped one (one MLP block of the target's intermediate size, a ``draft_vocab``-row head)
     runs its rollout, and its proposals are replaced by the target's own continuation, each kept with probability
-    ``accept``. Random prompts of 32 token ids; plain is the host loop of the same run."""
+    ``accept``. Random prompts of 32 token ids; plain is Engine.generate of the same run (greedy_run bursts)."""
     from .draft import DraftHead, draft_config_for
     from .engine import Engine, SamplingParams
     from .oracle import OracleDraft, expected_tokens_per_step
