@@ -25,8 +25,8 @@ constexpr int ATT_MMA_D = 64;  // the head dimension of this path (the caller's 
 // (R = 3 M)
 constexpr int ATT_MMA_MAX_RB = 3;
 // the widths whose objects take this path: M = 2 lost against the scalar loop (above); M = 1 keeps its own loop
-// (3 warps a row; with this path its int8-cache objects spilled 184-208 bytes); the M >= 5 objects, at 128 registers
-// before it, spilled 4-16 bytes with it
+// (3 warps a row; with this path its objects spilled 44-208 bytes); the M >= 5 objects, at 128 registers before it,
+// spilled 4-16 bytes with it
 constexpr int ATT_MMA_MIN_M = 3;
 constexpr int ATT_MMA_MAX_M = 4;
 
