@@ -32,6 +32,14 @@ from .draft_data import ALL_KINDS, HarvestData
 
 # ------------------------------------------------------------------ training
 
+def _begin_rollout(draft) -> None:
+    """A draft with state across the steps of one rollout (lab/draft_attn_study.py's attention over its own
+    features) starts a new one here; the shipped DraftHead has none."""
+    begin = getattr(draft, "begin_rollout", None)
+    if begin is not None:
+        begin()
+
+
 def rollout_losses(draft: DraftHead, hidden: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor,
                    depth: int, reg_weight: float = 0.5):
     """Teacher forcing (step 1) plus multi-step rollout (steps 2..depth) on a batch.
@@ -41,6 +49,7 @@ def rollout_losses(draft: DraftHead, hidden: torch.Tensor, tokens: torch.Tensor,
     target's distribution there (KL) and its normalized hidden state (smooth L1).
     Returns (loss, per-step stats [{'kl', 'reg', 'top1'}])."""
     draft._need_full_vocab("training")
+    _begin_rollout(draft)
     b, L, _ = hidden.shape
     pos = torch.arange(L, device=hidden.device)
     with torch.no_grad():
@@ -77,6 +86,7 @@ def accepted_runs(draft: DraftHead, hidden: torch.Tensor, tokens: torch.Tensor, 
     """a[b, i] = how many of the k tokens the draft proposes from region position i the greedy
     target would accept (leading matches with the target's argmax), for i < lengths-1; -1 elsewhere."""
     draft._need_full_vocab("the replayed acceptance")
+    _begin_rollout(draft)
     b, L, _ = hidden.shape
     tgt = draft.logits(hidden).argmax(-1)  # target's greedy token after each position
     emb = draft.embed_tokens(tokens)
