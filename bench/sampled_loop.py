@@ -44,7 +44,7 @@ def main() -> None:
     for r in range(a.rounds):
         toks = {}
         for loop in ("host", "burst", "greedy"):
-            Engine.SAMPLED_BURST_DEVICES = () if loop == "host" else (dev.type,)
+            eng.SAMPLED_BURST_DEVICES = () if loop == "host" else (dev.type,)
             eng.cached = []
             sp = SamplingParams(max_new_tokens=a.tokens, temperature=0.0 if loop == "greedy" else a.temperature,
                                 seed=100 + r, ignore_eos=True)
@@ -53,7 +53,6 @@ def main() -> None:
             toks[loop] = res.token_ids
         if toks["host"] != toks["burst"]:
             raise SystemExit(f"round {r}: the two sampled loops drew different tokens")
-    Engine.SAMPLED_BURST_DEVICES = ("cuda",)
     med = {k: statistics.median(v) for k, v in rows.items()}
     print(f"{a.model} {a.backend}, T = {a.temperature}, {a.tokens} tokens, {a.rounds} rounds (median decode tok/s):")
     print(f"  sampled, a host sync per token: {med['host']:.1f}")

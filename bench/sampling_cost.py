@@ -4,7 +4,8 @@ logits row of the vocabulary's size, from the row to the token id on the host, p
     python3 bench/sampling_cost.py [--vocab 49152,100352] [--temperature 0.7] [--top-p 1.0] [--reps 300]
 
 Ways: `multinomial` (probs_from_logits, then torch.multinomial), `inverse_cdf` (the same probs, then
-flint.engine.inverse_cdf_draw of one uniform: flint.engine.sample), `gumbel` (the argmax of logits / T minus log(-log u), temperature only).
+flint.engine.inverse_cdf_draw of one uniform: flint.engine.sample), `gumbel` (the argmax of logits / T minus
+log(-log u), temperature only).
 Each: the median wall time of --reps synchronized draws, µs; and greedy's argmax beside them. GPU (CUDA).
 """
 from __future__ import annotations

@@ -199,8 +199,13 @@ def sample(logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None
     yet)."""
     if sp.temperature == 0:
         return int(torch.argmax(logits))
+    return int(draw(logits, sp, gen))
+
+
+def draw(logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None) -> torch.Tensor:
+    """sample()'s draw at a temperature, left on the device: a LongTensor [1] (no host sync)."""
     p = probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p).reshape(-1)
-    return int(inverse_cdf_draw(p, torch.rand(1, generator=gen, device=p.device)))
+    return inverse_cdf_draw(p, torch.rand(1, generator=gen, device=p.device))
 
 
 class LogitAdjuster:
@@ -337,10 +342,14 @@ class Engine:
         greedy = sp.temperature == 0 and adjust is None and sp.logprobs is None
         burst = greedy and hasattr(self.backend, "greedy_run")
         fast = greedy and hasattr(self.backend, "greedy_next")
-        # sampling on a GPU without penalties or logprobs: bursts too, each draw (the same ops as sample) feeding the
-        # next forward on the device, one host sync per burst
-        sburst = sp.temperature > 0 and adjust is None and sp.logprobs is None and \
-            logits.device.type in self.SAMPLED_BURST_DEVICES
+        # sampling on a GPU without penalties or logprobs: bursts too, each draw (sample's) feeding the next forward
+        # on the device, one host sync per burst
+        if sp.temperature > 0 and adjust is None and sp.logprobs is None and \
+                logits.device.type in self.SAMPLED_BURST_DEVICES:
+            burst = True
+            run = lambda t, p, n: self._sampled_burst(t, p, n, sp, gen)  # noqa: E731
+        elif burst:
+            run = self.backend.greedy_run
         if adjust:
             logits = adjust(logits)
         tok = sample(logits, sp, gen)
@@ -351,14 +360,7 @@ class Engine:
             yield tok
             if burst:  # the consumer asked for more: at least one token is still wanted
                 n = max(1, min(self.GREEDY_BURST, sp.max_new_tokens - produced))
-                toks = self.backend.greedy_run(tok, pos, n)
-                pos, produced = pos + n, produced + n
-                yield from toks[:-1]
-                tok = toks[-1]
-                continue
-            if sburst:
-                n = max(1, min(self.GREEDY_BURST, sp.max_new_tokens - produced))
-                toks = self._sampled_burst(tok, pos, n, sp, gen)
+                toks = run(tok, pos, n)
                 pos, produced = pos + n, produced + n
                 yield from toks[:-1]
                 tok = toks[-1]
@@ -377,15 +379,12 @@ class Engine:
             produced += 1
 
     def _sampled_burst(self, tok: int, pos: int, n: int, sp: SamplingParams, gen) -> list[int]:
-        """n sampled tokens after tok at pos: each step's draw (probs_from_logits, then inverse_cdf_draw of one uniform
-        from gen: sample()'s ops, so the tokens are the step-by-step loop's) is the next step's input on the device;
-        the tokens come back once."""
+        """n sampled tokens after tok at pos: each step's draw (sample()'s, so the tokens are the step-by-step loop's)
+        is the next step's input on the device; the tokens come back once."""
         t = torch.tensor([tok], dtype=torch.long, device=self.backend.device)
         out = []
         for i in range(n):
-            logits = self.backend.forward(t, pos + i)[-1]
-            p = probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p).reshape(-1)
-            t = inverse_cdf_draw(p, torch.rand(1, generator=gen, device=p.device))
+            t = draw(self.backend.forward(t, pos + i)[-1], sp, gen)
             out.append(t)
         return torch.cat(out).tolist()
 

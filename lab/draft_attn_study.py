@@ -7,8 +7,8 @@ started from the shipped draft and trained the same steps on the same harvest; t
                                     [--budget 120] [--steps 4000] [--heads 9]
 
 SHARDS: a harvest (`flint draft harvest --model <gguf> --out SHARDS --prompt-set v2 --sampled-passes 1
---batch-size 1024 --time-budget 150` on the GPU, or bench/draft_smollm2.py's). The attention draft starts with its output projection at zero, so step 0 is the
-shipped draft exactly. Its rollout (AttnDraft): step 1 attends causally over the true pairs (h_p, token p + 1);
+--batch-size 1024 --time-budget 150` on the GPU, or bench/draft_smollm2.py's). The attention draft starts with its
+output projection at zero, so step 0 is the shipped draft exactly. Its rollout (AttnDraft): step 1 attends causally over the true pairs (h_p, token p + 1);
 step s from start i attends over the true pairs p <= i and its own steps 2..s at that start, as a speculative step
 would after the verify accepted through i (RoPE at position i + s - 1). Not runnable by the engine: a study.
 GPU (CPU works on a tiny harvest).

@@ -96,7 +96,8 @@ __device__ __forceinline__ void att_tile_mma(const __half* Kt, const __half* Vt,
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         const int j = kb + 8 * nt + 2 * (lane & 3);
-        const float2 sv = r < R ? *reinterpret_cast<const float2*>(o_s + r * KEYS + j) : make_float2(-INFINITY, -INFINITY);
+        const float2 sv =
+            r < R ? *reinterpret_cast<const float2*>(o_s + r * KEYS + j) : make_float2(-INFINITY, -INFINITY);
         const float p0 = m == -INFINITY ? 0.f : expf(sv.x - m);
         const float p1 = m == -INFINITY ? 0.f : expf(sv.y - m);
         l += p0 + p1;
