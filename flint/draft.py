@@ -327,15 +327,24 @@ class DraftHead(nn.Module):
         seed = torch.randint(0, 2 ** 62, (1,), generator=gen, device=self.device, dtype=torch.long)
         return self._kernel_rollout()(hidden, tok, k, float(sp.temperature), seed)
 
-    def finish_sampled(self, pending, k: int, sp):
+    def finish_sampled(self, pending, k: int, sp, raw: bool = False):
         """The first ``k`` proposals of a ``begin_sampled`` rollout and their q [k, V] (softmax(logits / T) over the
-        drafting vocabulary, 0 elsewhere); a draw does not depend on the steps after it, so a shorter k keeps q."""
-        from .engine import probs_from_logits
-
+        drafting vocabulary, 0 elsewhere; ``q_from_logits``); a draw does not depend on the steps after it, so a
+        shorter k keeps q. ``raw``: (ids, logits [k, N]) instead, q left to the caller (flint.speculative computes it
+        inside its captured acceptance)."""
         ids, logits = pending
         if k > ids.shape[0]:
             raise ValueError(f"draft finish: {k} proposals asked of a rollout of {ids.shape[0]}")
-        return ids[:k], self._full_q(probs_from_logits(logits[:k], float(sp.temperature)))
+        if raw:
+            return ids[:k], logits[:k]
+        return ids[:k], self.q_from_logits(logits[:k], float(sp.temperature))
+
+    def q_from_logits(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
+        """The kernel rollout's q [k, V] from its logits [k, N] at a temperature: softmax(logits / T) over the drafting
+        vocabulary, 0 elsewhere (no host sync: capturable)."""
+        from .engine import probs_from_logits
+
+        return self._full_q(probs_from_logits(logits, temperature))
 
     def finish(self, pending: torch.Tensor, context_ids: list[int], k: int) -> torch.Tensor:
         """The first ``k`` proposals of a rollout ``begin`` enqueued (k no more than it was asked for)."""

@@ -21,6 +21,7 @@ Tests: ``pytest tests/test_speculative.py`` (the refusal: ``tests/test_structure
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -63,10 +64,17 @@ def verify_sampling(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tenso
     """Speculative sampling, every step on p's device (no host synchronisation). p [k+1, V]: the target's
     distributions after each verified token; q [k, V]: the draft's, drafts [k] drawn from q (k = 0: q None).
     Returns a LongTensor [2] on p's device: (accepted n, next token), the next token drawn from
-    norm(max(0, p[n] - q[n])) after a rejection, from p[k] when all are accepted, by inverse CDF of a uniform."""
+    norm(max(0, p[n] - q[n])) after a rejection, from p[k] when all are accepted, by inverse CDF of a uniform.
+    The k + 1 uniforms are drawn from ``gen`` first, then ``accept_with`` decides."""
+    u = torch.rand(drafts.shape[0] + 1, generator=gen, device=p.device)
+    return accept_with(p, q, drafts, u)
+
+
+def accept_with(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """verify_sampling's decision given its uniforms u [k+1] (u[j] tests draft j, u[k] draws the next token): fixed
+    shapes, no host sync, no generator (the body of the captured acceptance, ``AcceptGraphs``)."""
     k = drafts.shape[0]
     dev = p.device
-    u = torch.rand(k + 1, generator=gen, device=dev)
     if k:
         idx = torch.arange(k, device=dev)
         keep = u[:k] * q[idx, drafts] <= p[idx, drafts]  # u < p/q without dividing; q(x) > 0 since x ~ q
@@ -79,6 +87,77 @@ def verify_sampling(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tenso
         n = torch.zeros(1, dtype=torch.long, device=dev)
         r = p[0]
     return torch.cat((n, inverse_cdf_draw(r, u[k:])))
+
+
+# the captured acceptances kept per engine (one per k, transform and shapes; a server's requests bring their own)
+ACCEPT_GRAPHS_MAX = 16
+
+
+class AcceptGraphs:
+    """A sampled verify step's acceptance on CUDA as one captured graph: p = probs_from_logits(verify logits), the
+    draft's q (``q_fn`` of what the draft returned: its probabilities, or the rollout kernel's logits), accept_with,
+    and the step's values (n, next token, drafts) in one tensor. Run eagerly it is ~125 small aten calls a step, and
+    the sampled step was bound by their launches (1427 against the greedy step's 975 µs with 931 against 890 µs of
+    GPU kernels, lab/spec_sampled_profile.py). Inputs are copied into static buffers, the uniforms drawn outside
+    (verify_sampling's draws, so the tokens are the eager path's bit for bit); FLINT_SPEC_GRAPH=0 runs it eagerly."""
+
+    def __init__(self):
+        self.cache: dict = {}
+
+    @staticmethod
+    def applies(device: torch.device) -> bool:
+        return device.type == "cuda" and os.environ.get("FLINT_SPEC_GRAPH", "1") != "0"
+
+    def __call__(self, logits: torch.Tensor, q_src: torch.Tensor | None, q_fn, q_key, drafts: torch.Tensor,
+                 u: torch.Tensor, sampling: tuple) -> torch.Tensor:
+        """(n, next token, drafts...) LongTensor [k + 2] on the device; the returned tensor is the graph's own output,
+        valid until its next replay (read it, or copy it, on the same stream)."""
+        k = drafts.shape[0]
+        key = (k, tuple(logits.shape), logits.dtype, logits.device, None if q_src is None else tuple(q_src.shape),
+               None if q_src is None else q_src.dtype, q_key, sampling)
+        g = self.cache.get(key)
+        if g is None:
+            if len(self.cache) >= ACCEPT_GRAPHS_MAX:
+                self.cache.pop(next(iter(self.cache)))
+            g = self.cache[key] = _AcceptGraph(logits, q_src, q_fn, drafts, u, sampling)
+        return g(logits, q_src, drafts, u)
+
+
+class _AcceptGraph:
+    def __init__(self, logits, q_src, q_fn, drafts, u, sampling):
+        dev = logits.device
+        self.logits = torch.zeros_like(logits)
+        self.q_src = None if q_src is None else torch.full_like(q_src, 1.0 / q_src.shape[-1])
+        self.drafts = torch.zeros_like(drafts)
+        self.u = torch.full_like(u, 0.5)
+        self.q_fn, self.sampling = q_fn, sampling
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.inference_mode(), torch.cuda.stream(side):  # warm-up off the capture (workspaces, kernels)
+            for _ in range(2):
+                self._body()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(self.graph):
+            self.out = self._body()
+
+    def _body(self) -> torch.Tensor:
+        p = probs_from_logits(self.logits, *self.sampling)
+        q = None if self.q_src is None else self.q_fn(self.q_src)
+        return torch.cat((accept_with(p, q, self.drafts, self.u), self.drafts))
+
+    def __call__(self, logits, q_src, drafts, u) -> torch.Tensor:
+        self.logits.copy_(logits)
+        if q_src is not None:
+            self.q_src.copy_(q_src)
+        self.drafts.copy_(drafts)
+        self.u.copy_(u)
+        self.graph.replay()
+        return self.out
+
+
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 class SpeculativeEngine(Engine):
@@ -98,6 +177,7 @@ class SpeculativeEngine(Engine):
         self.last_stats = SpeculativeStats()
         self.total_stats = SpeculativeStats()
         self._host_vals = self._read_done = None  # the pipelined step's pinned read-back buffer and its event
+        self._accept = AcceptGraphs()
 
     def acceptance(self) -> float:
         """Mean tokens per verify step of the last call (accepted drafts + the target's token)."""
@@ -135,6 +215,13 @@ class SpeculativeEngine(Engine):
         pipelined = bool(getattr(self.draft, "pipelined", False)) and (
             greedy or bool(getattr(self.draft, "samples_pipelined", lambda sp: False)(sp)))
         pending = None  # (k, handle): the rollout begun for this step
+        # sampling on CUDA: p, q and the acceptance replay as one captured graph (AcceptGraphs)
+        graphed = not greedy and AcceptGraphs.applies(torch.device(dev))
+        sampling = (float(sp.temperature), int(sp.top_k), float(sp.top_p))
+        q_fn, q_key = None, "q"
+        if graphed and pipelined:
+            def q_from_rollout(x, draft=self.draft, t=sampling[0]):
+                return draft.q_from_logits(x, t)
         while True:
             remaining = sp.max_new_tokens - (len(ctx) - len(prompt_ids))
             k = max(0, min(self.k, remaining - 1, self.max_seq_len - 1 - pos))
@@ -142,10 +229,14 @@ class SpeculativeEngine(Engine):
                 if pending is not None:  # (its k bounds this one: finish refuses more)
                     if greedy:
                         drafts, q = self.draft.finish(pending[1], ctx, k), None
+                    elif graphed:  # the rollout's logits: q is computed inside the captured acceptance
+                        drafts, q = self.draft.finish_sampled(pending[1], k, sp, raw=True)
+                        q_fn, q_key = q_from_rollout, "rollout-logits"
                     else:
                         drafts, q = self.draft.finish_sampled(pending[1], k, sp)
                 else:
                     drafts, q = self.draft.propose(ctx, hidden, k, None if greedy else sp, gen)
+                    q_fn, q_key = None, "q"
                 if drafts.shape[0] > k:
                     raise ValueError(f"speculative decoding: the draft proposed {drafts.shape[0]} tokens, "
                                      f"at most {k} were asked for")
@@ -173,6 +264,11 @@ class SpeculativeEngine(Engine):
                     vals = vals_dev.tolist()  # the step's one device sync
                 proposed = vals[k + 1:]
                 n, nxt = verify_greedy(vals[: k + 1], proposed)
+            elif graphed:
+                u = torch.rand(k + 1, generator=gen, device=dev)  # (verify_sampling's draws)
+                vals_dev = self._accept(logits, None if q is None else q.to(dev), q_fn or _same, q_key, step[1:], u,
+                                        sampling)
+                nn = vals_dev[:2]
             else:
                 p = probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p)
                 nn = verify_sampling(p, q.to(p.device) if q is not None else q, step[1:], gen)
@@ -227,4 +323,5 @@ class SpeculativeEngine(Engine):
         return buf.tolist(), pending
 
 
-__all__ = ["SpeculativeEngine", "SpeculativeStats", "verify_greedy", "verify_sampling"]
+__all__ = ["AcceptGraphs", "SpeculativeEngine", "SpeculativeStats", "accept_with", "verify_greedy",
+           "verify_sampling"]

@@ -724,3 +724,31 @@ def test_speculative_sampling_on_the_kernel_draft_matches_target_distribution(mo
     assert 0.1 < st.accept_rate < 0.95, st
     assert len(begun) >= n  # every proposal was the kernel's sampled rollout
     assert chi_square_pvalue(counts, exact * n) > 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU (the captured acceptance)")
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (40, 0.9)])
+def test_captured_acceptance_is_the_eager_one_bit_for_bit(monkeypatch, top_k, top_p):
+    """The sampled step's acceptance replayed as a CUDA graph (AcceptGraphs) emits the eager path's tokens for the
+    same seed, with the draft on the rollout kernel (a temperature alone: q from its logits inside the graph) and on
+    the captured rollout (top-k / top-p: its q); the graphs were built and replayed."""
+    lm = tiny_lm(seed=4, vocab=300, hidden=64)
+    params = {n: t.cuda() for n, t in lm.params.items()}
+    be = Transformer(lm.cfg, params, 128, device="cuda", dtype=torch.float32)
+    torch.manual_seed(2)
+    draft = DraftHead(draft_config_for(lm.cfg, intermediate_size=64)).to("cuda", torch.bfloat16)
+    draft.attach_target(lm.cfg, params, device="cuda", dtype=torch.bfloat16, vocab=torch.arange(0, 300, 3))
+    sp = SamplingParams(max_new_tokens=40, temperature=0.8, top_k=top_k, top_p=top_p, ignore_eos=True)
+    assert draft.samples_pipelined(sp) == (top_k == 0)
+    replays = []
+    orig = speculative._AcceptGraph.__call__
+    monkeypatch.setattr(speculative._AcceptGraph, "__call__", lambda self, *a: replays.append(1) or orig(self, *a))
+    for seed in range(3):
+        out = {}
+        for graph in ("0", "1"):
+            monkeypatch.setenv("FLINT_SPEC_GRAPH", graph)
+            eng = SpeculativeEngine(be, None, draft, k=3)
+            out[graph] = eng.generate([7, 1, 250, 3], dataclasses.replace(sp, seed=seed)).token_ids
+        assert out["1"] == out["0"] and len(out["1"]) == 40, seed
+    assert len(replays) >= 3 * 10
