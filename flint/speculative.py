@@ -264,15 +264,16 @@ class SpeculativeEngine(Engine):
                     vals = vals_dev.tolist()  # the step's one device sync
                 proposed = vals[k + 1:]
                 n, nxt = verify_greedy(vals[: k + 1], proposed)
-            elif graphed:
-                u = torch.rand(k + 1, generator=gen, device=dev)  # (verify_sampling's draws)
-                vals_dev = self._accept(logits, None if q is None else q.to(dev), q_fn or _same, q_key, step[1:], u,
-                                        sampling)
-                nn = vals_dev[:2]
             else:
-                p = probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p)
-                nn = verify_sampling(p, q.to(p.device) if q is not None else q, step[1:], gen)
-                vals_dev = torch.cat((nn, step[1:]))
+                if graphed:
+                    u = torch.rand(k + 1, generator=gen, device=dev)  # (verify_sampling's draws)
+                    vals_dev = self._accept(logits, None if q is None else q.to(dev), q_fn or _same, q_key, step[1:],
+                                            u, sampling)
+                    nn = vals_dev[:2]
+                else:
+                    p = probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p)
+                    nn = verify_sampling(p, q.to(p.device) if q is not None else q, step[1:], gen)
+                    vals_dev = torch.cat((nn, step[1:]))
                 if pipelined:
                     vals, pending = self._read_back_beginning(
                         vals_dev, hid, nn[:1], nn[1:], k_next,

@@ -752,3 +752,28 @@ def test_captured_acceptance_is_the_eager_one_bit_for_bit(monkeypatch, top_k, to
             out[graph] = eng.generate([7, 1, 250, 3], dataclasses.replace(sp, seed=seed)).token_ids
         assert out["1"] == out["0"] and len(out["1"]) == 40, seed
     assert len(replays) >= 3 * 10
+
+
+def test_acceptance_step_through_the_graph_interface_matches_eager(monkeypatch):
+    """On the CPU, the captured acceptance's path through the engine (static buffers copied in, the uniforms drawn
+    outside, (n, next, drafts) read from one tensor) with the graph replaced by an eager run of its body: the same
+    tokens as verify_sampling's path for the same seed."""
+
+    class EagerBody(speculative._AcceptGraph):
+        def __init__(self, logits, q_src, q_fn, drafts, u, sampling):
+            self.logits, self.drafts, self.u = torch.empty_like(logits), torch.empty_like(drafts), torch.empty_like(u)
+            self.q_src = None if q_src is None else torch.empty_like(q_src)
+            self.q_fn, self.sampling, self.graph = q_fn, sampling, self
+
+        def replay(self):
+            self.out = self._body()
+
+    lm = tiny_lm(seed=6, vocab=40)
+    be = Transformer(lm.cfg, lm.params, 64)
+    sp = SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
+    want = SpeculativeEngine(be, None, random_draft(lm, seed=4), k=3).generate([2, 3, 9], sp).token_ids
+    monkeypatch.setattr(speculative.AcceptGraphs, "applies", staticmethod(lambda device: True))
+    monkeypatch.setattr(speculative, "_AcceptGraph", EagerBody)
+    eng = SpeculativeEngine(be, None, random_draft(lm, seed=4), k=3)
+    assert eng.generate([2, 3, 9], sp).token_ids == want
+    assert len(eng._accept.cache) >= 1
