@@ -218,25 +218,29 @@ class SpeculativeEngine(Engine):
         # sampling on CUDA: p, q and the acceptance replay as one captured graph (AcceptGraphs)
         graphed = not greedy and AcceptGraphs.applies(torch.device(dev))
         sampling = (float(sp.temperature), int(sp.top_k), float(sp.top_p))
-        q_fn, q_key = None, "q"
         if graphed and pipelined:
             def q_from_rollout(x, draft=self.draft, t=sampling[0]):
                 return draft.q_from_logits(x, t)
-        while True:
+        q_state = {"fn": None, "key": "q"}
+
+        def launch(pending, hidden):
+            """Enqueue the verify of the step at ``pos`` after ``tok``: its drafts (from the rollout begun for it, or
+            proposed now) and the target's forward. Returns (k, step, logits, hidden states, q)."""
             remaining = sp.max_new_tokens - (len(ctx) - len(prompt_ids))
             k = max(0, min(self.k, remaining - 1, self.max_seq_len - 1 - pos))
+            q = None
             if k:
                 if pending is not None:  # (its k bounds this one: finish refuses more)
                     if greedy:
-                        drafts, q = self.draft.finish(pending[1], ctx, k), None
+                        drafts = self.draft.finish(pending[1], ctx, k)
                     elif graphed:  # the rollout's logits: q is computed inside the captured acceptance
                         drafts, q = self.draft.finish_sampled(pending[1], k, sp, raw=True)
-                        q_fn, q_key = q_from_rollout, "rollout-logits"
+                        q_state.update(fn=q_from_rollout, key="rollout-logits")
                     else:
                         drafts, q = self.draft.finish_sampled(pending[1], k, sp)
                 else:
                     drafts, q = self.draft.propose(ctx, hidden, k, None if greedy else sp, gen)
-                    q_fn, q_key = None, "q"
+                    q_state.update(fn=None, key="q")
                 if drafts.shape[0] > k:
                     raise ValueError(f"speculative decoding: the draft proposed {drafts.shape[0]} tokens, "
                                      f"at most {k} were asked for")
@@ -250,6 +254,15 @@ class SpeculativeEngine(Engine):
             if k:
                 step[1:].copy_(drafts, non_blocking=True)  # (from host memory: staged at once, no device sync)
             logits, hid = self.backend.forward(step, pos, return_hidden=True)
+            return k, step, logits, hid, q
+
+        launched = None  # the pipelined loop's verify, enqueued before the step before it emitted its tokens
+        while True:
+            if launched is None:
+                launched = launch(pending, hidden)
+            k, step, logits, hid, q = launched
+            launched = None
+            remaining = sp.max_new_tokens - (len(ctx) - len(prompt_ids))
             # the next step drafts at most this many: at least one token is emitted now
             k_next = max(0, min(self.k, remaining - 2, self.max_seq_len - 2 - pos)) if pipelined else 0
             if greedy:
@@ -267,8 +280,8 @@ class SpeculativeEngine(Engine):
             else:
                 if graphed:
                     u = torch.rand(k + 1, generator=gen, device=dev)  # (verify_sampling's draws)
-                    vals_dev = self._accept(logits, None if q is None else q.to(dev), q_fn or _same, q_key, step[1:],
-                                            u, sampling)
+                    vals_dev = self._accept(logits, None if q is None else q.to(dev), q_state["fn"] or _same,
+                                            q_state["key"], step[1:], u, sampling)
                     nn = vals_dev[:2]
                 else:
                     p = probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p)
@@ -283,20 +296,25 @@ class SpeculativeEngine(Engine):
                 n, nxt = vals[0], vals[1]
                 proposed = vals[2:]
             new = proposed[:n] + [nxt]
-            stats.steps += 1
-            stats.drafted += k
+            at = None
             if not sp.ignore_eos:  # tokens after an eos are never emitted: not counted as accepted
                 at = next((j for j, t in enumerate(new) if t in self.eos), None)
                 if at is not None:
                     new = new[: at + 1]
+            pos += n + 1
+            tok = nxt
+            ctx.extend(new)
+            # pipelined: the next verify is enqueued now, before this step's tokens go out (the caller's work per token
+            # and this loop's bookkeeping then overlap the GPU's verify), unless this step ends the generation
+            if pipelined and at is None and len(ctx) - len(prompt_ids) < sp.max_new_tokens:
+                launched = launch(pending, None)
+            stats.steps += 1
+            stats.drafted += k
             stats.accepted += len(new) - 1
             if sp.logprobs is not None:  # token new[j] was chosen from verify row j (the target after step[j])
                 self.step_logprobs.extend(token_logprob(logits[j], t, sp.logprobs) for j, t in enumerate(new))
-            hidden = hid[n]
-            pos += n + 1
-            tok = nxt
+            hidden = None if pipelined else hid[n]
             for t in new:
-                ctx.append(t)
                 yield t
 
     def _read_back_beginning(self, vals_dev: torch.Tensor, hid: torch.Tensor, n_dev: torch.Tensor,
