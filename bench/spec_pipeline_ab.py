@@ -13,7 +13,7 @@ Per k and variant: tokens per verify step, tok/s per round, their median and the
 round, and whether the outputs were plain greedy's. --variants pipelined,pipelined_bf16 sets the draft's int4 kernel
 rollout (the default) against the same kernel on bf16 matrices, `graph` against the CUDA graph of torch kernels
 (FLINT_DRAFT_KERNEL=0). --temperature T samples (real models; plain samples too, the same seeds; the outputs are
-not compared; each round and prompt its own seed, the same for every variant). JSON with --json.
+not compared; each round and prompt its own seed, the same for every variant), with --top-p / --top-k if given. JSON with --json.
 """
 from __future__ import annotations
 
@@ -95,6 +95,8 @@ def main() -> None:
                     help="of pipelined, host_order, pipelined_bf16 (the kernel rollout on bf16 matrices), graph "
                          "(the CUDA graph rollout)")
     ap.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (real models)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling")
+    ap.add_argument("--top-k", type=int, default=0, help="with --temperature: top-k sampling (0: off)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     variants = tuple(a.variants.split(","))
@@ -102,6 +104,8 @@ def main() -> None:
         raise SystemExit(f"--variants {a.variants!r}: a comma list of {', '.join(VARIANTS)}")
     if a.temperature < 0:
         raise SystemExit(f"--temperature {a.temperature}: must be >= 0")
+    if (a.top_p != 1.0 or a.top_k) and not a.temperature:
+        raise SystemExit("--top-p / --top-k shape sampling: they need --temperature > 0")
     ks = [int(x) for x in a.k.split(",")]
     dev = torch.device("cuda")
     synthetic = a.model.startswith("synthetic:")
@@ -130,7 +134,8 @@ def main() -> None:
         lm = load_model(a.model)
         tok = lm.tokenizer
         prompts = [tok.encode_chat([{"role": "user", "content": r["text"]}]) for r in eval_prompts(a.per_kind)]
-        sp = SamplingParams(max_new_tokens=a.tokens, temperature=a.temperature, seed=0)
+        sp = SamplingParams(max_new_tokens=a.tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                            seed=0).validate()
         backend = make_backend("megakernel", lm, max_seq_len=2048, device="cuda", group_size=128)
         inner = load_draft(a.draft, lm.cfg, lm.params, device=dev)
     plain = Engine(backend)
@@ -146,7 +151,7 @@ def main() -> None:
         return SpeculativeEngine(backend, None, d, k=k)
 
     doc = {"device": device_name(dev), "model": a.model, "oracle": synthetic, "oracle_accept": a.oracle_accept,
-           "temperature": a.temperature,
+           "temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k,
            "tokens": a.tokens, "prompts": len(prompts), "rounds": a.rounds, "rows": []}
     for k in ks:
         for v in variants:  # warm-up: the draft's launches for every k reached

@@ -545,25 +545,30 @@ def plot(doc: dict, path: str) -> None:
 def run_draft_bench(model: str | None, backends: list[str], draft_path: str, k: int | list[int] | None,
                     per_kind: int, max_new_tokens: int, device: str | None = None,
                     group_size: int = 128, draft_vocab: list[int | None] | None = None,
-                    temperature: float = 0.0, seed: int = 0, log=print) -> dict:
+                    temperature: float = 0.0, seed: int = 0, top_p: float = 1.0, top_k: int = 0,
+                    log=print) -> dict:
     """Speculative vs plain decoding on held-out draft prompts (flint.draft_data.eval_prompts), per
     backend, k and drafting-vocabulary size: tokens per verify step (accepted drafts + the target's
     own token), acceptance rate, decode tok/s of both, and (greedy) whether the outputs were
-    identical. ``temperature`` > 0 samples (lossless speculative sampling; plain samples too)."""
+    identical. ``temperature`` > 0 samples (lossless speculative sampling; plain samples too), with ``top_p`` /
+    ``top_k`` if given."""
     from .draft import load_draft
     from .draft_data import eval_prompts
     from .draft_train import eval_acceptance
     from .engine import SamplingParams
     from .loading import load_model
 
+    if (top_p != 1.0 or top_k) and not temperature:
+        raise BenchError("--top-p / --top-k shape sampling: they need --temperature > 0")
+    sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                        seed=seed).validate()
     lm = load_model(model)
     if lm.tokenizer is None:
         raise BenchError(f"--draft needs a model with a tokenizer (real prompts); {model!r} has none")
     dev = device or default_device()
     ks = k if isinstance(k, list) else [k]
-    sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed).validate()
     doc = {"device": device_name(torch.device(dev)), "model": model or "embedded:smollm2",
-           "draft": draft_path, "temperature": temperature, "speculative": []}
+           "draft": draft_path, "temperature": temperature, "top_p": top_p, "top_k": top_k, "speculative": []}
     prompts = eval_prompts(per_kind)
     for bname in backends:
         backend = make_backend(bname, lm, max_seq_len=2048, device=dev, group_size=group_size)
@@ -845,6 +850,10 @@ def _run(args) -> int:
     head_groups = getattr(args, "head_group_size", None)  # (a Namespace built by hand may lack it)
     if head_groups and (args.draft or args.response_format):
         raise BenchError("--head-group-size times plain decoding; it does not combine with --draft or --response-format")
+    top_p, top_k = getattr(args, "top_p", 1.0), getattr(args, "top_k", 0)
+    if (top_p != 1.0 or top_k) and (not args.draft or args.draft == "oracle"):
+        raise BenchError("--top-p / --top-k shape the sampling of --draft PATH (with --temperature > 0); "
+                         "no other bench mode samples with them")
     if args.draft == "oracle":
         if not (args.model or "").startswith("synthetic:"):
             raise BenchError("--draft oracle is for synthetic models (random weights accept nothing); a real model "
@@ -868,7 +877,7 @@ def _run(args) -> int:
                               args.draft_prompts, args.tokens * 4, device=str(dev),
                               group_size=args.group_size,
                               draft_vocab=_parse_list(args.draft_vocab, "draft-vocab", int) if args.draft_vocab else None,
-                              temperature=args.temperature, seed=args.seed)
+                              temperature=args.temperature, seed=args.seed, top_p=top_p, top_k=top_k)
         print(draft_table(doc))
         if args.json:
             Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
@@ -955,6 +964,8 @@ def register(sub) -> None:
                         "is kept, comma-separated to sweep (default 0.7: 2.8 tokens per step at k = 4)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="with --draft: sample at this temperature (lossless speculative sampling; default 0 = greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --draft and --temperature: nucleus sampling")
+    p.add_argument("--top-k", type=int, default=0, help="with --draft and --temperature: top-k sampling (0: off)")
     p.add_argument("--draft-prompts", type=int, default=2, help="held-out prompts per kind (default 2)")
     p.add_argument("--response-format", default=None, metavar="json|SCHEMA.json",
                    help="constrained decoding: greedy decode tok/s under a JSON schema (json: a built-in bounded "

@@ -279,10 +279,11 @@ class DraftHead(nn.Module):
         """Draft ``k`` tokens after ``context_ids``. ``hidden`` is the target's hidden state [H] at
         the position before context_ids[-1]. Greedy (sp None or temperature 0): returns
         (tokens LongTensor[k], None); sampling: (tokens, q [k, V]) with tokens drawn from q, the
-        draft distribution after the same temperature/top-k/top-p as the target's (over the
-        drafting vocabulary: q is 0 outside it). On CUDA the rollout is one launch of the rollout kernel
-        (greedy, and sampling at a temperature alone: its seed drawn from ``gen``); otherwise it replays a
-        captured CUDA graph of ~13 k small kernels (its uniform draws from ``gen`` outside it);
+        draft's distribution over the drafting vocabulary (q is 0 outside it). On CUDA the rollout is one
+        launch of the rollout kernel (greedy, or sampling with its seed drawn from ``gen``: q = softmax(logits / T),
+        a request's top-k / top-p left to the target's side, ``samples_pipelined``); otherwise it replays a
+        captured CUDA graph of ~13 k small kernels (q after the same temperature / top-k / top-p as the target's,
+        its uniform draws from ``gen`` outside it);
         FLINT_DRAFT_GRAPH=0 runs the same kernels eagerly."""
         self._need_target()
         greedy = sp is None or sp.temperature == 0
@@ -312,10 +313,12 @@ class DraftHead(nn.Module):
         return g(h, tok, None)[0] if g is not None else self._rollout(h, tok, k)[0]
 
     def samples_pipelined(self, sp) -> bool:
-        """Whether a sampled rollout for ``sp`` runs from device inputs (``begin_sampled``): on the rollout kernel, at
-        a temperature alone (top-k and top-p need each row sorted: those requests take the graph, whose q applies
-        them as the target's p does)."""
-        if sp is None or sp.temperature == 0 or not (sp.top_k == 0 or sp.top_k >= self.draft_vocab_size) or sp.top_p < 1:
+        """Whether a sampled rollout for ``sp`` runs from device inputs (``begin_sampled``): on the rollout kernel, for
+        any temperature, top-k and top-p. The kernel draws from softmax(logits / T) alone; speculative sampling is
+        exact for any proposal distribution q as long as the acceptance uses the q the draws came from, so a request's
+        top-k / top-p shape the target's p only (its drafts outside the target's nucleus are rejected; the graph
+        rollout, without the kernel, applies them to q as well)."""
+        if sp is None or sp.temperature == 0:
             return False
         return self._kernel_rollout() is not None
 

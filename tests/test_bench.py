@@ -112,6 +112,14 @@ def test_bad_arguments_are_clear_errors(tiny_spec, capsys):
     assert "flint: error: --ctx 100 + --tokens 32" in capsys.readouterr().err
     assert main(["--model", tiny_spec, "--ctx", "8,x", "--device", "cpu"]) == 2
     assert "not a comma-separated list of integers" in capsys.readouterr().err
+    # top-p / top-k sample the --draft bench only, at a temperature, in range; refused before any model is loaded
+    assert main(["--model", tiny_spec, "--top-p", "0.9", "--device", "cpu"]) == 2
+    assert "--top-p / --top-k shape the sampling of --draft PATH" in capsys.readouterr().err
+    assert main(["--model", "no-such-model.gguf", "--draft", "smollm2-135m", "--top-k", "5", "--device", "cpu"]) == 2
+    assert "they need --temperature > 0" in capsys.readouterr().err
+    assert main(["--model", "no-such-model.gguf", "--draft", "smollm2-135m", "--temperature", "0.7", "--top-p", "1.5",
+                 "--device", "cpu"]) == 2
+    assert "top_p must be in (0, 1], got 1.5" in capsys.readouterr().err
 
 
 def test_cli_writes_json_and_table(tiny_spec, tmp_path, capsys):

@@ -699,13 +699,15 @@ def test_kernel_rollout_draws_follow_its_q(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU (the draft's one-launch rollout kernel)")
-def test_speculative_sampling_on_the_kernel_draft_matches_target_distribution(monkeypatch):
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.9, 4, 1.0), (0.8, 0, 0.8)])
+def test_speculative_sampling_on_the_kernel_draft_matches_target_distribution(monkeypatch, temperature, top_k, top_p):
     """Speculative sampling with the draft on the rollout kernel (int4 matrices, a drafting vocabulary) and the target
-    on CUDA: the (2nd, 3rd) generated tokens over 2500 seeds follow the target's exact joint law (chi-square)."""
+    on CUDA: the (2nd, 3rd) generated tokens over 2500 seeds follow the target's exact joint law (chi-square), also
+    under top-k / top-p, which shape the target's p while the kernel draws from softmax(logits / T)."""
     monkeypatch.setenv("FLINT_DRAFT_WEIGHTS", "int4")
     lm = tiny_lm(seed=5, vocab=8)
     prompt = [1, 5, 2]
-    sp = SamplingParams(max_new_tokens=4, temperature=1.0)
+    sp = SamplingParams(max_new_tokens=4, temperature=temperature, top_k=top_k, top_p=top_p)
     exact = exact_joint_t2_t3(lm, prompt, sp)
     params = {n: t.cuda() for n, t in lm.params.items()}
     be = Transformer(lm.cfg, params, 64, device="cuda", dtype=torch.float32)
@@ -728,11 +730,12 @@ def test_speculative_sampling_on_the_kernel_draft_matches_target_distribution(mo
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU (the captured acceptance)")
-@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (40, 0.9)])
-def test_captured_acceptance_is_the_eager_one_bit_for_bit(monkeypatch, top_k, top_p):
+@pytest.mark.parametrize("top_k,top_p,kernel", [(0, 1.0, "1"), (40, 0.9, "1"), (40, 0.9, "0")])
+def test_captured_acceptance_is_the_eager_one_bit_for_bit(monkeypatch, top_k, top_p, kernel):
     """The sampled step's acceptance replayed as a CUDA graph (AcceptGraphs) emits the eager path's tokens for the
-    same seed, with the draft on the rollout kernel (a temperature alone: q from its logits inside the graph) and on
-    the captured rollout (top-k / top-p: its q); the graphs were built and replayed."""
+    same seed, with the draft on the rollout kernel (q from its logits inside the graph) and on the captured rollout
+    (FLINT_DRAFT_KERNEL=0: its q); the graphs were built and replayed."""
+    monkeypatch.setenv("FLINT_DRAFT_KERNEL", kernel)
     lm = tiny_lm(seed=4, vocab=300, hidden=64)
     params = {n: t.cuda() for n, t in lm.params.items()}
     be = Transformer(lm.cfg, params, 128, device="cuda", dtype=torch.float32)
@@ -740,7 +743,7 @@ def test_captured_acceptance_is_the_eager_one_bit_for_bit(monkeypatch, top_k, to
     draft = DraftHead(draft_config_for(lm.cfg, intermediate_size=64)).to("cuda", torch.bfloat16)
     draft.attach_target(lm.cfg, params, device="cuda", dtype=torch.bfloat16, vocab=torch.arange(0, 300, 3))
     sp = SamplingParams(max_new_tokens=40, temperature=0.8, top_k=top_k, top_p=top_p, ignore_eos=True)
-    assert draft.samples_pipelined(sp) == (top_k == 0)
+    assert draft.samples_pipelined(sp) == (kernel == "1")
     replays = []
     orig = speculative._AcceptGraph.__call__
     monkeypatch.setattr(speculative._AcceptGraph, "__call__", lambda self, *a: replays.append(1) or orig(self, *a))
