@@ -671,10 +671,12 @@ def test_kernel_rollout_sampling_logits_follow_the_emulation(monkeypatch, weight
             torch.testing.assert_close(q[j, vocab.cuda()], want, atol=2e-4, rtol=2e-3)
             e = ref.embed[(vocab == t).nonzero()[0].cuda()]
     assert len(calls) == 8  # every sampled proposal ran on the kernel
-    # a top-p request takes the graph (its q is top-p's), not the kernel
+    # a top-p request takes the kernel too, and its q is the kernel's softmax(logits / T) (top-p shapes the target's p)
     n = len(calls)
-    draft.propose([3], h0, 2, SamplingParams(temperature=0.8, top_p=0.9), torch.Generator(device="cuda").manual_seed(0))
-    assert len(calls) == n
+    toks, q = draft.propose([tok0], h0, 3, SamplingParams(temperature=0.8, top_p=0.5),
+                            torch.Generator(device="cuda").manual_seed(0))
+    assert len(calls) == n + 1
+    assert (q[:, vocab.cuda()] > 0).all()  # not truncated to a nucleus
 
 
 @pytest.mark.gpu
