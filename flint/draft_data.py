@@ -673,12 +673,14 @@ def harvest(lm, out_dir: str | Path, prompts: list[dict], batch_size: int = 64,
     dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
     meta = {"format": FORMAT + "-harvest", "prompt_set": prompt_set, "target": cfg.name,
             "fingerprint": target_fingerprint(cfg), "max_new_tokens": max_new_tokens,
-            "hidden_size": cfg.hidden_size}
+            "hidden_size": cfg.hidden_size * (1 + len(Transformer.hidden_layers))}
+    if Transformer.hidden_layers:  # (a draft-feature study's harvest: those layers' residuals, then the last's)
+        meta["hidden_layers"] = ",".join(map(str, Transformer.hidden_layers))
     done = set()
     for sh in sorted(out.glob("shard_*.safetensors")):
         with safe_open(str(sh), framework="pt") as fh:
             m = fh.metadata() or {}
-            for key in ("fingerprint", "max_new_tokens"):
+            for key in ("fingerprint", "max_new_tokens", "hidden_size"):
                 if str(m.get(key)) != str(meta[key]):
                     raise DraftError(f"{sh}: metadata {key!r} is {m.get(key)!r}, this harvest uses "
                                      f"{meta[key]!r}; pass another --out to start a new harvest")
@@ -767,7 +769,7 @@ def harvest(lm, out_dir: str | Path, prompts: list[dict], batch_size: int = 64,
         hiddens = torch.stack(hiddens, 1)  # [b, steps, H]
         n = max_new_tokens + 1
         tokens = torch.zeros(b, n, dtype=torch.int32)
-        hidden = torch.zeros(b, n, cfg.hidden_size, dtype=torch.bfloat16)
+        hidden = torch.zeros(b, n, hiddens.shape[-1], dtype=torch.bfloat16)  # (H, or more: Transformer.hidden_layers)
         lengths = []
         for r in range(b):
             p = int(plen[r])  # region index 0 is position p - 1

@@ -40,6 +40,13 @@ def _begin_rollout(draft) -> None:
         begin()
 
 
+def _top_hidden(draft, hidden: torch.Tensor) -> torch.Tensor:
+    """The target's last-layer hidden state in a harvest's hidden rows: all of it for the shipped DraftHead; a draft
+    that reads several layers' states (lab/draft_eagle3_study.py) says which part is the last layer's."""
+    top = getattr(draft, "top_hidden", None)
+    return hidden if top is None else top(hidden)
+
+
 def rollout_losses(draft: DraftHead, hidden: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor,
                    depth: int, reg_weight: float = 0.5):
     """Teacher forcing (step 1) plus multi-step rollout (steps 2..depth) on a batch.
@@ -58,7 +65,8 @@ def rollout_losses(draft: DraftHead, hidden: torch.Tensor, tokens: torch.Tensor,
         entropy = -(p * logp).sum(-1)
         target_tok = logp.argmax(-1)
         del logp
-        hn = F.normalize(hidden[:, 1:].float(), dim=-1) * math.sqrt(hidden.shape[-1])
+        ht = _top_hidden(draft, hidden[:, 1:]).float()
+        hn = F.normalize(ht, dim=-1) * math.sqrt(ht.shape[-1])
     emb = draft.embed_tokens(tokens)
     f_prev = hidden[:, :-1]
     total, stats = 0.0, []

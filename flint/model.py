@@ -150,6 +150,10 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 class Transformer:
     name = "reference"
+    # layer indices whose output residual forward(return_hidden=True) also returns, concatenated before the last
+    # layer's along the last dimension: draft-feature studies only (lab/draft_eagle3_study.py sets it on the class for
+    # a harvest); () in every product path
+    hidden_layers: tuple = ()
 
     def __init__(self, cfg: ModelConfig, params: dict, max_seq_len: int | None = None,
                  device="cpu", dtype=torch.float32, batch_size: int = 1, kv_cache: str = "fp16"):
@@ -241,6 +245,7 @@ class Transformer:
             mask = kpos <= qpos  # [M, end]
         rm = cfg.residual_multiplier
         li_in = self.linear_input or (lambda t: t)
+        caught = []
         for li, L in enumerate(self.layers):
             h = rms_norm(x, L["attn_norm"], cfg.rms_norm_eps)
             qkv = li_in(h) @ L["wqkv"].T
@@ -258,9 +263,12 @@ class Transformer:
             gu = li_in(h) @ L["w_gu"].T
             inter = cfg.intermediate_size
             x = x + (li_in(F.silu(gu[..., :inter]) * gu[..., inter:]) @ L["w_down"].T) * rm
+            if li in self.hidden_layers:
+                caught.append(x)
         if last_only:  # a prefill needs the next token's logits only: skip the head on the other rows
             x = x[:, -1:]
-        hidden = x
+            caught = [c[:, -1:] for c in caught]
+        hidden = torch.cat((*caught, x), -1) if caught else x
         logits = (li_in(rms_norm(x, self.norm, cfg.rms_norm_eps)) @ self.lm_head.T).float()
         logits = logits / cfg.logits_scaling
         if single:
