@@ -546,12 +546,15 @@ def run_draft_bench(model: str | None, backends: list[str], draft_path: str, k: 
                     per_kind: int, max_new_tokens: int, device: str | None = None,
                     group_size: int = 128, draft_vocab: list[int | None] | None = None,
                     temperature: float = 0.0, seed: int = 0, top_p: float = 1.0, top_k: int = 0,
-                    log=print) -> dict:
+                    rounds: int = 1, log=print) -> dict:
     """Speculative vs plain decoding on held-out draft prompts (flint.draft_data.eval_prompts), per
     backend, k and drafting-vocabulary size: tokens per verify step (accepted drafts + the target's
     own token), acceptance rate, decode tok/s of both, and (greedy) whether the outputs were
     identical. ``temperature`` > 0 samples (lossless speculative sampling; plain samples too), with ``top_p`` /
-    ``top_k`` if given."""
+    ``top_k`` if given. ``rounds`` > 1 runs the prompt set that many times (each prompt speculative then plain):
+    tok/s are the rounds' medians, each round's kept as spec_tok_s_rounds / plain_tok_s_rounds / x_plain_rounds."""
+    if rounds < 1:
+        raise BenchError(f"--repeats {rounds}: the draft bench's rounds must be >= 1")
     from .draft import load_draft
     from .draft_data import eval_prompts
     from .draft_train import eval_acceptance
@@ -577,13 +580,33 @@ def run_draft_bench(model: str | None, backends: list[str], draft_path: str, k: 
             nv_used = getattr(draft, "draft_vocab_size", None) if draft_path != "ngram" else None
             for kk in ks:
                 kk = kk or getattr(getattr(draft, "cfg", None), "k_default", 4)
-                table = eval_acceptance(backend, lm.tokenizer, draft, prompts, kk, max_new_tokens=max_new_tokens,
-                                        sp=sp, log=lambda *a, **kw: log(*a, file=sys.stderr))
+                tables = [eval_acceptance(backend, lm.tokenizer, draft, prompts, kk, max_new_tokens=max_new_tokens,
+                                          sp=sp, log=lambda *a, **kw: log(*a, file=sys.stderr))
+                          for _ in range(rounds)]
+                table = tables[0] if rounds == 1 else _median_rounds(tables)
                 for kind, row in table.items():
                     doc["speculative"].append({"backend": bname, "k": kk, "draft_vocab": nv_used, "kind": kind,
                                                **row})
                 log(f"  {bname} k={kk} draft_vocab={nv_used}: {table.get('all')}", file=sys.stderr)
+    if rounds > 1:
+        doc["rounds"] = rounds
     return doc
+
+
+def _median_rounds(tables: list[dict]) -> dict:
+    """Per kind: the first round's row (acceptance: the same text every round at a fixed seed) with its tok/s replaced
+    by the rounds' medians, and every round's tok/s and speculative / plain ratio kept."""
+    out = {}
+    for kind, row in tables[0].items():
+        rows = [t[kind] for t in tables if kind in t]
+        spec = [r["spec_tok_s"] for r in rows]
+        new = {**row, "spec_tok_s": statistics.median(spec), "spec_tok_s_rounds": spec}
+        if row.get("plain_tok_s") is not None:
+            plain = [r["plain_tok_s"] for r in rows]
+            new.update(plain_tok_s=statistics.median(plain), plain_tok_s_rounds=plain,
+                       x_plain_rounds=[round(a / b, 4) for a, b in zip(spec, plain)])
+        out[kind] = new
+    return out
 
 
 def run_oracle_bench(model: str, backends: list[str], ks: list[int], accepts: list[float], n_prompts: int,
@@ -854,6 +877,11 @@ def _run(args) -> int:
     if (top_p != 1.0 or top_k) and (not args.draft or args.draft == "oracle"):
         raise BenchError("--top-p / --top-k shape the sampling of --draft PATH (with --temperature > 0); "
                          "no other bench mode samples with them")
+    rounds = args.repeats
+    if args.draft == "oracle" and rounds not in (None, 1):
+        raise BenchError("--repeats: --draft oracle runs one pass over its prompts (more: --draft-prompts)")
+    if not args.draft:
+        args.repeats = 3 if rounds is None else rounds
     if args.draft == "oracle":
         if not (args.model or "").startswith("synthetic:"):
             raise BenchError("--draft oracle is for synthetic models (random weights accept nothing); a real model "
@@ -877,7 +905,8 @@ def _run(args) -> int:
                               args.draft_prompts, args.tokens * 4, device=str(dev),
                               group_size=args.group_size,
                               draft_vocab=_parse_list(args.draft_vocab, "draft-vocab", int) if args.draft_vocab else None,
-                              temperature=args.temperature, seed=args.seed, top_p=top_p, top_k=top_k)
+                              temperature=args.temperature, seed=args.seed, top_p=top_p, top_k=top_k,
+                              rounds=1 if rounds is None else rounds)
         print(draft_table(doc))
         if args.json:
             Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
@@ -929,7 +958,9 @@ def register(sub) -> None:
     p.add_argument("--ctx", default=None, help="contexts, comma-separated (default 128,512,2048,8192 on a GPU, "
                    "128,512 on a CPU)")
     p.add_argument("--tokens", type=int, default=32, help="decoded tokens per timed pass (default 32)")
-    p.add_argument("--repeats", type=int, default=3, help="timed passes; the median is reported (default 3)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed passes; the median is reported (default 3; with --draft PATH: rounds over the prompt "
+                        "set, default 1)")
     p.add_argument("--prompt-len", type=int, default=None, help="also time TTFT for a prompt of this many tokens")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--group-size", type=int, default=128, choices=(32, 64, 128),

@@ -133,18 +133,36 @@ def test_cli_writes_json_and_table(tiny_spec, tmp_path, capsys):
 
 def test_bench_draft_reports_acceptance_beside_plain():
     """`flint bench --draft`: speculative and plain decoding on the same held-out prompts, greedy
-    outputs identical on the fp32 reference, acceptance within [1, k + 1]."""
+    outputs identical on the fp32 reference, acceptance within [1, k + 1]; two rounds, each kept."""
     from flint.bench import draft_table, run_draft_bench
 
     doc = run_draft_bench(None, ["reference"], "smollm2-135m", 3, per_kind=1, max_new_tokens=8,
-                          device="cpu", log=lambda *a, **k: None)
+                          device="cpu", rounds=2, log=lambda *a, **k: None)
+    assert doc["rounds"] == 2
     rows = {r["kind"]: r for r in doc["speculative"]}
+    assert all(len(r["spec_tok_s_rounds"]) == len(r["x_plain_rounds"]) == 2 for r in rows.values())
     assert set(rows) >= {"code", "all"}
     allrow = rows["all"]
     assert 1.0 <= allrow["tokens_per_step"] <= 4.0
     assert allrow["identical_to_plain"] == f"{allrow['prompts']}/{allrow['prompts']}"
     assert allrow["spec_tok_s"] > 0 and allrow["plain_tok_s"] > 0
     assert "tokens_per_step" in draft_table(doc)
+
+
+def test_bench_draft_rounds_report_medians(capsys):
+    """`flint bench --draft PATH --repeats N`: N rounds over the prompt set, tok/s the rounds' medians with every
+    round's kept; acceptance from the first round; --draft oracle refuses rounds (it takes --draft-prompts)."""
+    from flint.bench import _median_rounds
+
+    t = [{"all": {"prompts": 2, "tokens_per_step": 1.8, "spec_tok_s": v, "plain_tok_s": w, "identical_to_plain": "2/2"}}
+         for v, w in ((100.0, 90.0), (120.0, 80.0), (110.0, 100.0))]
+    row = _median_rounds(t)["all"]
+    assert (row["spec_tok_s"], row["plain_tok_s"], row["tokens_per_step"]) == (110.0, 90.0, 1.8)
+    assert row["spec_tok_s_rounds"] == [100.0, 120.0, 110.0] and row["x_plain_rounds"] == [1.1111, 1.5, 1.1]
+    assert main(["--model", "synthetic:smollm2-135m", "--draft", "oracle", "--repeats", "2", "--device", "cpu"]) == 2
+    assert "--draft oracle runs one pass" in capsys.readouterr().err
+    assert main(["--model", "no-such-model.gguf", "--draft", "smollm2-135m", "--repeats", "0", "--device", "cpu"]) == 2
+    assert "rounds must be >= 1" in capsys.readouterr().err
 
 
 def test_ratio_rows_take_the_median_of_interleaved_runs():
