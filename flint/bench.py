@@ -877,7 +877,7 @@ def _run(args) -> int:
     if (top_p != 1.0 or top_k) and (not args.draft or args.draft == "oracle"):
         raise BenchError("--top-p / --top-k shape the sampling of --draft PATH (with --temperature > 0); "
                          "no other bench mode samples with them")
-    rounds = args.repeats
+    rounds = getattr(args, "repeats", None)  # (a Namespace built by hand may lack it)
     if args.draft == "oracle" and rounds not in (None, 1):
         raise BenchError("--repeats: --draft oracle runs one pass over its prompts (more: --draft-prompts)")
     if not args.draft:
