@@ -8,7 +8,8 @@ target's own final norm and LM head (tied, read-only, never saved with the draft
     logits = target_head(target_norm(f))
 
 Rolling forward K steps feeds each predicted f back in as the next h (on CUDA: one kernel launch
-greedy, else a captured CUDA graph). Drafts are saved as ``draft.safetensors`` + ``draft.json``
+greedy, else a captured CUDA graph). ``attention_heads`` > 0 adds one attention block over the draft's own features
+after fc (flint/draft_attn.py: state across steps, decoded on torch only). Drafts are saved as ``draft.safetensors`` + ``draft.json``
 (format, shapes, target name/fingerprint, default K, training record); ``load_draft`` refuses a
 draft whose hidden_size or vocab_size differ from the target's. A drafting vocabulary comes from
 the token ranking in ``vocab.safetensors``, read and written here.
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .draft_attn import DraftAttention
 from .model import dense, rms_norm
 from .quant import Int4Weight, fit_group_size, quantize_int4
 
@@ -54,6 +56,7 @@ class DraftConfig:
     rms_norm_eps: float = 1e-5
     k_default: int = 4
     draft_vocab: int = 0  # drafting vocabulary: the first N ids of vocab.safetensors' ranking (0: all V)
+    attention_heads: int = 0  # > 0: one attention block over the draft's own features after fc (flint/draft_attn.py)
     target: dict = field(default_factory=dict)  # name, arch, num_layers, fingerprint
     training: dict = field(default_factory=dict)  # how it was trained (steps, depth, val acceptance)
     format: str = FORMAT
@@ -67,11 +70,11 @@ def target_fingerprint(cfg) -> str:
 
 
 def draft_config_for(target_cfg, num_layers: int = 1, intermediate_size: int | None = None,
-                     k_default: int = 4) -> DraftConfig:
+                     k_default: int = 4, attention_heads: int = 0) -> DraftConfig:
     return DraftConfig(
         hidden_size=target_cfg.hidden_size, vocab_size=target_cfg.vocab_size,
         intermediate_size=intermediate_size or target_cfg.intermediate_size, num_layers=num_layers,
-        rms_norm_eps=target_cfg.rms_norm_eps, k_default=k_default,
+        rms_norm_eps=target_cfg.rms_norm_eps, k_default=k_default, attention_heads=attention_heads,
         target={"name": target_cfg.name, "arch": target_cfg.arch,
                 "num_layers": target_cfg.num_layers, "fingerprint": target_fingerprint(target_cfg)})
 
@@ -132,6 +135,7 @@ class DraftHead(nn.Module):
         self.norm_embed = RMSNorm(h, eps)
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.blocks = nn.ModuleList(MLPBlock(h, cfg.intermediate_size, eps) for _ in range(cfg.num_layers))
+        self.attn = DraftAttention(h, cfg.attention_heads, eps) if cfg.attention_heads else None
         with torch.no_grad():  # start as "the next hidden state is the current one" plus noise
             nn.init.normal_(self.fc.weight, std=0.02)
             self.fc.weight[:, :h] += torch.eye(h)
@@ -222,11 +226,43 @@ class DraftHead(nn.Module):
     def forward(self, hidden: torch.Tensor, token_embed: torch.Tensor) -> torch.Tensor:
         """(hidden at i [.., H], embedding of token i+1 [.., H]) -> predicted hidden at i+1."""
         dt = self.fc.weight.dtype
-        x = torch.cat((self.norm_hidden(hidden.to(dt)), self.norm_embed(token_embed.to(dt))), -1)
-        x = self.fc(x)
+        x = self.fc(torch.cat((self.norm_hidden(hidden.to(dt)), self.norm_embed(token_embed.to(dt))), -1))
+        if self.attn is not None:  # over the true pairs so far and this rollout's own steps (flint/draft_attn.py)
+            x = x + self.attn(self.attn.norm(x))
         for b in self.blocks:
             x = b(x)
         return x
+
+    # ---------------------------------------------------------------- state (a draft with attention)
+    @property
+    def stateful(self) -> bool:
+        """Whether decoding carries state across steps (``reset_state`` / ``observe``): a draft with attention."""
+        return self.attn is not None
+
+    def begin_rollout(self) -> None:
+        """Training and validation: the next forward is step 1 of a batched rollout (flint/draft_train.py)."""
+        if self.attn is not None:
+            self.attn.begin_rollout()
+
+    def reset_state(self, max_len: int) -> None:
+        """A generation starts: the attention's cache of true pairs, empty, for ``max_len`` positions of the region
+        (from the prompt's last token on). Nothing to do without attention."""
+        if self.attn is not None:
+            self.attn.reset_state(max_len, self.device, self.dtype)
+
+    @torch.inference_mode()
+    def observe(self, hidden: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor) -> None:
+        """After a verify: the first ``count`` [1] (on the device) of the pairs (hidden[j], tokens[j]), the target's
+        state at the step's position j and the token after it, were accepted; they join the attention's true pairs
+        before the next rollout (whose own start pair joins there itself). Nothing to do without attention."""
+        if self.attn is None or tokens.shape[0] == 0:
+            return
+        self._need_target()
+        h = hidden.reshape(-1, self.cfg.hidden_size).to(self.device, self.dtype)
+        e = self.embed_tokens(tokens.reshape(-1).to(self.device))
+        dt = self.fc.weight.dtype
+        x = self.fc(torch.cat((self.norm_hidden(h.to(dt)), self.norm_embed(e.to(dt))), -1))
+        self.attn.observe(self.attn.norm(x), count.to(self.device))
 
     def _rollout(self, h: torch.Tensor, tok: torch.Tensor, k: int, u: torch.Tensor | None = None,
                  sampling: tuple = ()):
@@ -240,6 +276,8 @@ class DraftHead(nn.Module):
 
         idx, qs = [], []
         e = self.embed_tokens(tok)
+        if self.attn is not None:
+            self.attn.begin_decode()
         for j in range(k):
             h = self.forward(h, e)
             if u is None:
@@ -264,8 +302,8 @@ class DraftHead(nn.Module):
     def _graphed_rollout(self, k: int, sampling: tuple = ()) -> "_GraphedRollout | None":
         """The captured rollout for k (and the sampling transform) on CUDA, built on first use, or
         None where graphs do not apply (CPU, FLINT_DRAFT_GRAPH=0)."""
-        if self.device.type != "cuda" or os.environ.get("FLINT_DRAFT_GRAPH", "1") == "0":
-            return None
+        if self.device.type != "cuda" or os.environ.get("FLINT_DRAFT_GRAPH", "1") == "0" or self.attn is not None:
+            return None  # (attention: its state is not captured; the rollout runs eagerly)
         cache = self.__dict__.setdefault("_graphs", {})
         key = (k, sampling, self.device, self.dtype, id(self.head), id(self.embed), id(self.vocab_ids))
         if key not in cache:
@@ -361,6 +399,7 @@ class DraftHead(nn.Module):
         the int4 matrices of ``int4_rollout_weights`` where the widths are multiples of 32 (FLINT_DRAFT_WEIGHTS=bf16,
         or other widths: the bf16 ones)."""
         if (self.device.type != "cuda" or self.dtype != torch.bfloat16 or os.environ.get("FLINT_DRAFT_KERNEL", "1") == "0"
+                or self.attn is not None  # (the kernel has no attention)
                 or self.cfg.hidden_size % 8 or self.cfg.intermediate_size % 8 or not 1 <= len(self.blocks) <= 4
                 or (self.embed_src is not None and self.embed_src.qweight.device != self.device)):
             return None

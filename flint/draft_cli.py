@@ -73,15 +73,18 @@ def cmd_harvest(args) -> int:
 def cmd_train(args) -> int:
     from .loading import load_model
 
+    if args.attention_heads < 0:
+        raise DraftError(f"--attention-heads must be >= 0, got {args.attention_heads}")
     lm = load_model(args.model)
     dev, _ = _device_dtype(args)
+    dcfg = draft_config_for(lm.cfg, args.layers, args.intermediate_size, args.k, args.attention_heads)
+    draft = DraftHead(dcfg).to(dev)  # (refuses heads that do not divide the hidden size, before the harvest loads)
     data = load_harvest(args.data, lm.cfg)
-    dcfg = draft_config_for(lm.cfg, args.layers, args.intermediate_size, args.k)
-    draft = DraftHead(dcfg).to(dev)
     init = init_weights(draft, args.init, lm.cfg) if args.init else None
     draft.attach_target(lm.cfg, lm.params, dev, torch.float32 if dev.type == "cpu" else torch.bfloat16)
     print(f"train: {data.tokens.shape[0]} sequences; draft {num_parameters(draft) / 1e6:.2f}M params "
-          f"({args.layers} block(s)), rollout depth {args.depth}, on {dev}", flush=True)
+          f"({args.layers} block(s){f', attention in {args.attention_heads} heads' if args.attention_heads else ''}), "
+          f"rollout depth {args.depth}, on {dev}", flush=True)
     rec = train_draft(draft, data, args.out, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                       depth=args.depth, reg_weight=args.reg_weight, time_budget=args.time_budget,
                       eval_every=args.eval_every, ckpt_every=args.ckpt_every, k_eval=args.k,
@@ -185,6 +188,9 @@ def register(sub) -> None:
                    help="draft directory (draft.json, draft.safetensors, train_state.pt)")
     q.add_argument("--layers", type=int, default=1, help="MLP blocks after the 2H->H projection")
     q.add_argument("--intermediate-size", type=int, default=None, help="default: the target's")
+    q.add_argument("--attention-heads", type=int, default=0,
+                   help="one attention block over the draft's own features after fc, in this many heads (0: none; "
+                        "decoded on the torch path: the rollout kernel has no attention)")
     q.add_argument("--depth", type=int, default=3, help="rollout depth (1 = teacher forcing only)")
     q.add_argument("--steps", type=int, default=2000)
     q.add_argument("--batch-size", type=int, default=32, help="sequences per step")

@@ -215,6 +215,11 @@ class SpeculativeEngine(Engine):
         pipelined = bool(getattr(self.draft, "pipelined", False)) and (
             greedy or bool(getattr(self.draft, "samples_pipelined", lambda sp: False)(sp)))
         pending = None  # (k, handle): the rollout begun for this step
+        # a draft with state across steps (attention over its own features): a fresh cache of true pairs now, and
+        # after each verify the pairs it accepted (``observe``, their count on the device) before the next rollout
+        stateful = bool(getattr(self.draft, "stateful", False))
+        if stateful:
+            self.draft.reset_state(self.max_seq_len + self.k + 2)
         # sampling on CUDA: p, q and the acceptance replay as one captured graph (AcceptGraphs)
         graphed = not greedy and AcceptGraphs.applies(torch.device(dev))
         sampling = (float(sp.temperature), int(sp.top_k), float(sp.top_p))
@@ -272,7 +277,7 @@ class SpeculativeEngine(Engine):
                     n_dev = (am[:k] == step[1:]).long().cumprod(0).sum(0, keepdim=True)  # (k = 0: n = 0)
                     vals, pending = self._read_back_beginning(
                         vals_dev, hid, n_dev, am.index_select(0, n_dev), k_next,
-                        self.draft.begin)
+                        self.draft.begin, (lambda: self.draft.observe(hid[:k], step[1:], n_dev)) if stateful else None)
                 else:
                     vals = vals_dev.tolist()  # the step's one device sync
                 proposed = vals[k + 1:]
@@ -290,11 +295,14 @@ class SpeculativeEngine(Engine):
                 if pipelined:
                     vals, pending = self._read_back_beginning(
                         vals_dev, hid, nn[:1], nn[1:], k_next,
-                        lambda h, t, kn: self.draft.begin_sampled(h, t, kn, sp, gen))
+                        lambda h, t, kn: self.draft.begin_sampled(h, t, kn, sp, gen),
+                        (lambda: self.draft.observe(hid[:k], step[1:], nn[:1])) if stateful else None)
                 else:
                     vals = vals_dev.tolist()  # the step's one device sync
                 n, nxt = vals[0], vals[1]
                 proposed = vals[2:]
+            if stateful and not pipelined:  # (pipelined: observed on the device before the next rollout was begun)
+                self.draft.observe(hid[:k], step[1:], torch.full((1,), n, dtype=torch.long, device=dev))
             new = proposed[:n] + [nxt]
             at = None
             if not sp.ignore_eos:  # tokens after an eos are never emitted: not counted as accepted
@@ -318,7 +326,7 @@ class SpeculativeEngine(Engine):
                 yield t
 
     def _read_back_beginning(self, vals_dev: torch.Tensor, hid: torch.Tensor, n_dev: torch.Tensor,
-                             tok_dev: torch.Tensor, k_next: int, begin):
+                             tok_dev: torch.Tensor, k_next: int, begin, observe=None):
         """Read the verify's values back (the step's one host wait), having enqueued first their copy and then the
         next step's rollout of ``k_next`` tokens from the device's own acceptance: ``n_dev`` [1] accepted drafts and
         ``tok_dev`` [1] the token after them (both on the device, what the host computes from the values read
@@ -334,6 +342,8 @@ class SpeculativeEngine(Engine):
             buf.copy_(vals_dev, non_blocking=True)
             self._read_done.record()
         pending = None
+        if observe is not None:  # (a stateful draft: this step's accepted pairs, before the next rollout)
+            observe()
         if k_next:
             pending = (k_next, begin(hid.index_select(0, n_dev)[0], tok_dev, k_next))
         if not cuda:

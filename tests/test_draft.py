@@ -173,7 +173,10 @@ def test_cli_registers_draft_commands():
     ap = argparse.ArgumentParser()
     draft_cli.register(ap.add_subparsers(dest="command"))
     a = ap.parse_args(["draft", "train", "--data", "h", "--out", "d", "--depth", "2"])
-    assert a.func is draft_cli.cmd_train and a.depth == 2 and a.k == 4
+    assert a.func is draft_cli.cmd_train and a.depth == 2 and a.k == 4 and a.attention_heads == 0
+    a = ap.parse_args(["draft", "train", "--data", "h", "--out", "d", "--attention-heads", "-1"])
+    with pytest.raises(DraftError, match="--attention-heads must be >= 0"):
+        draft_cli.cmd_train(a)  # (before the model or the harvest is read)
     a = ap.parse_args(["draft", "eval", "--draft", "d", "--k", "2,3"])
     assert a.func is draft_cli.cmd_eval
     a = ap.parse_args(["draft", "harvest", "--out", "h"])

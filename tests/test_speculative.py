@@ -314,6 +314,25 @@ def test_speculative_sampling_matches_target_distribution(temperature, top_k, to
     assert chi_square_pvalue(counts, exact * n) > 1e-3
 
 
+def test_speculative_sampling_with_an_attention_draft_matches_target_distribution():
+    """The same law with a draft that attends over its own features (a live block: its output projection random),
+    its cache of true pairs fed by every verify (flint/draft_attn.py)."""
+    lm = tiny_lm(seed=5, vocab=8)
+    prompt = [1, 5, 2]
+    sp = SamplingParams(max_new_tokens=5, temperature=1.0)
+    exact = exact_joint_t2_t3(lm, prompt, sp)
+    torch.manual_seed(1)
+    draft = DraftHead(draft_config_for(lm.cfg, intermediate_size=48, attention_heads=4)).attach_target(lm.cfg,
+                                                                                                         lm.params)
+    with torch.no_grad():
+        torch.nn.init.normal_(draft.attn.wo.weight, std=0.3)
+    eng = SpeculativeEngine(Transformer(lm.cfg, lm.params, 64), None, draft, k=2)
+    n = 2500
+    counts = sample_t2_t3(eng, prompt, sp, n)
+    assert 0.1 < eng.total_stats.accept_rate < 0.95, eng.total_stats
+    assert chi_square_pvalue(counts, exact * n) > 1e-3
+
+
 def test_draft_draws_follow_its_q():
     """The rollout's inverse-CDF draw from uniform u: its tokens are distributed as the q it
     returns (chi-square over 4000 draws), and never a token of q = 0 (top-k cuts most)."""

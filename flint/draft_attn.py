@@ -1,0 +1,157 @@
+"""The draft's optional attention over its own features (EAGLE-1's decoder layer, one causal self-attention block
+after fc): ``DraftConfig.attention_heads`` > 0 adds it to flint.draft.DraftHead as x = x + Attn(norm(x)).
+
+What it attends over. The draft's feature at region position p is x_p = fc([norm(h_p), norm(embed[t_{p+1}])]), the
+pair of the target's hidden state at p and the token after it; the region starts at the last prompt token. A
+rollout from start i (the pair of the target's state at i and the token it chose) attends over the true pairs 0..i,
+and its step s >= 2 also over its own steps 2..s of that rollout, RoPE at position i + s - 1. The true pairs are
+what the verify confirmed, so they never roll back: the rollout's own steps are kept only for the rollout.
+
+Two modes, told apart by the input's rank. Training and validation (flint/draft_train.py: [B, n, H], every start at
+once): begin_rollout(), then the first call is step 1 over the true pairs (causal), later calls step s over starts
+0..n-s (the inputs shifted as rollout_losses and accepted_runs shift them). Decoding ([1, H], flint.speculative):
+reset_state(max_len) when a generation starts, ``observe`` appends the pairs each verify accepted before the next
+rollout (their count on the device: no host sync), each rollout's first step appends its own start pair; the cache
+is [max_len] rows with a device-side length, masked, so every shape is fixed.
+
+Runs on torch only (the rollout kernel and the graph rollout refuse a draft with attention: DraftHead). The
+acceptance it buys, measured as a study: docs/speculative.md (lab/draft_attn_study.py).
+Tests: tests/test_draft_attn.py.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROPE_THETA = 10000.0  # the draft's own positions (region indices), not the target's
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, theta: float = ROPE_THETA) -> torch.Tensor:
+    """Half-split rotary embedding of x [..., n, d] at positions pos [n] (a tensor: it may live on the device)."""
+    d = x.shape[-1]
+    inv = theta ** (-torch.arange(0, d // 2, device=x.device, dtype=torch.float32) / (d // 2))
+    ang = pos.float()[:, None] * inv[None]
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    a, b = x[..., : d // 2], x[..., d // 2:]
+    return torch.cat((a * cos - b * sin, a * sin + b * cos), -1)
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, dim: int, heads: int, eps: float):
+        super().__init__()
+        from .draft import DraftError, RMSNorm
+
+        if heads < 1 or dim % heads or (dim // heads) % 2:
+            raise DraftError(f"attention_heads {heads}: must divide the hidden size {dim} into heads of even width")
+        self.heads, self.hd = heads, dim // heads
+        self.norm = RMSNorm(dim, eps)
+        self.wq, self.wk, self.wv = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.wo = nn.Linear(dim, dim, bias=False)
+        with torch.no_grad():
+            self.wo.weight.zero_()  # a new block starts as no attention: the draft it was added to
+        self._train = None  # training: the rollout's step-1 keys and its own steps
+        self._cache = None  # decoding: the true pairs' keys and values, their count, this rollout's own steps
+
+    # ---------------------------------------------------------------- training ([B, n, H])
+    def begin_rollout(self) -> None:
+        self._train = None
+
+    def _split(self, x):
+        b, n, _ = x.shape
+        return x.view(b, n, self.heads, self.hd).transpose(1, 2)
+
+    def _attend_train(self, xn: torch.Tensor) -> torch.Tensor:
+        q, k, v = self._split(self.wq(xn)), self._split(self.wk(xn)), self._split(self.wv(xn))
+        n = q.shape[2]
+        st = self._train
+        if st is None:  # step 1: the true pairs, causal, positions 0..n-1
+            pos = torch.arange(n, device=xn.device)
+            q, k = rope(q, pos), rope(k, pos)
+            self._train = {"k1": k, "v1": v, "own": []}
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # step s >= 2 from starts i = 0..n-1: the true pairs p <= i, then its own steps 2..s at start i
+            s = len(st["own"]) + 2
+            pos = torch.arange(n, device=xn.device) + s - 1
+            q, k = rope(q, pos), rope(k, pos)
+            own = [(ko[:, :, :n], vo[:, :, :n]) for ko, vo in st["own"]] + [(k, v)]
+            k1, v1 = st["k1"][:, :, :n], st["v1"][:, :, :n]
+            scale = 1.0 / math.sqrt(self.hd)
+            s_true = (q @ k1.transpose(-1, -2)) * scale  # [B, heads, n, n]
+            causal = torch.ones(n, n, dtype=torch.bool, device=xn.device).tril()
+            s_true = s_true.masked_fill(~causal, float("-inf"))
+            s_own = torch.stack([(q * ko).sum(-1) * scale for ko, _ in own], -1)  # [B, heads, n, s - 1]
+            w = torch.softmax(torch.cat((s_true, s_own), -1).float(), -1).to(q.dtype)
+            o = w[..., :n] @ v1 + sum(w[..., n + t, None] * vo for t, (_, vo) in enumerate(own))
+            st["own"].append((k, v))
+        b = o.shape[0]
+        return self.wo(o.transpose(1, 2).reshape(b, n, -1))
+
+    # ---------------------------------------------------------------- decoding ([1, H])
+    def reset_state(self, max_len: int, device, dtype) -> None:
+        """A new generation: an empty cache of ``max_len`` true pairs."""
+        z = torch.zeros(max_len, self.heads, self.hd, device=device, dtype=dtype)
+        self._cache = {"k": z, "v": z.clone(), "len": torch.zeros(1, dtype=torch.long, device=device),
+                       "own": None, "start": None}
+
+    def _need_cache(self):
+        if self._cache is None:
+            from .draft import DraftError
+
+            raise DraftError("a draft with attention decodes with state: call reset_state(max_len) when a generation "
+                             "starts (flint.speculative does)")
+        return self._cache
+
+    def _append(self, xn: torch.Tensor, count: torch.Tensor) -> None:
+        """Write the keys / values of the true pairs xn [m, H] (normed features) at rows len .. len + m - 1 and
+        advance the length by ``count`` [1] (<= m, on the device): rows past it are rewritten by the next append."""
+        c = self._need_cache()
+        m = xn.shape[0]
+        if m == 0:
+            return
+        rows = c["len"] + torch.arange(m, device=xn.device)
+        k = rope(self.wk(xn).view(m, self.heads, self.hd).transpose(0, 1), rows).transpose(0, 1)
+        v = self.wv(xn).view(m, self.heads, self.hd)
+        c["k"].index_copy_(0, rows, k.to(c["k"].dtype))
+        c["v"].index_copy_(0, rows, v.to(c["v"].dtype))
+        c["len"] += count.reshape(1).to(torch.long)
+
+    def observe(self, xn: torch.Tensor, count: torch.Tensor) -> None:
+        self._append(xn, count)
+
+    def begin_decode(self) -> None:
+        """A rollout starts: its first call appends its start pair as a true one."""
+        c = self._need_cache()
+        c["own"], c["start"] = [], None
+
+    def _attend_decode(self, xn: torch.Tensor) -> torch.Tensor:
+        c = self._need_cache()
+        if c["own"] is None:
+            raise RuntimeError("draft attention: begin_decode() before a rollout's first step")
+        first = c["start"] is None
+        if first:  # step 1: the start pair joins the true pairs (it attends over them, itself included)
+            self._append(xn, torch.ones(1, dtype=torch.long, device=xn.device))
+            c["start"] = c["len"] - 1
+            pos = c["start"]
+        else:  # step s >= 2: over the true pairs and this rollout's steps 2..s, itself included
+            pos = c["start"] + len(c["own"]) + 1
+            k = rope(self.wk(xn).view(1, self.heads, self.hd).transpose(0, 1), pos).transpose(0, 1)
+            c["own"].append((k, self.wv(xn).view(1, self.heads, self.hd)))
+        q = rope(self.wq(xn).view(1, self.heads, self.hd).transpose(0, 1), pos).transpose(0, 1)  # [1, heads, hd]
+        scale = 1.0 / math.sqrt(self.hd)
+        kc, vc = c["k"].to(q.dtype), c["v"].to(q.dtype)
+        live = torch.arange(kc.shape[0], device=xn.device) < c["len"]
+        scores = [(torch.einsum("qhd,lhd->hl", q, kc) * scale).masked_fill(~live[None], float("-inf"))]
+        values = [vc]
+        if not first:
+            ko = torch.cat([a for a, _ in c["own"]])  # [s - 1, heads, hd]
+            scores.append(torch.einsum("qhd,lhd->hl", q, ko) * scale)
+            values.append(torch.cat([v for _, v in c["own"]]))
+        w = torch.softmax(torch.cat(scores, -1).float(), -1).to(q.dtype)  # [heads, rows]
+        o = torch.einsum("hl,lhd->hd", w, torch.cat(values))
+        return self.wo(o.reshape(1, -1))
+
+    def forward(self, xn: torch.Tensor) -> torch.Tensor:
+        return self._attend_train(xn) if xn.dim() == 3 else self._attend_decode(xn)
