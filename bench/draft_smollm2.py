@@ -14,7 +14,7 @@ init), OUT/results.json, OUT/train_log.json. docs/speculative.md has the staging
 the figures.
 
     python bench/draft_smollm2.py --model PATH.gguf --out OUT [--work DIR] [--prompt-set v2]
-        [--sampled-passes S] [--temperature 0.7,1.0] [--init smollm2-135m]
+        [--sampled-passes S] [--temperature 0.7,1.0] [--init smollm2-135m] [--attention-heads 9]
 """
 from __future__ import annotations
 
@@ -52,6 +52,9 @@ def parse_args(argv=None):
     ap.add_argument("--top-p", type=float, default=None, help="nucleus of the sampled passes (default 0.95)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the sampled passes")
     ap.add_argument("--init", default=None, help="start from this draft's weights (a directory or a shipped name)")
+    ap.add_argument("--attention-heads", type=int, default=0,
+                    help="add the attention block over the draft's own features in this many heads (0: none; "
+                         "flint/draft_attn.py; its output projection starts at zero, so --init's draft is step 0)")
     ap.add_argument("--batch-size", type=int, default=1024, help="harvest rows per step (lengths mix)")
     ap.add_argument("--max-new-tokens", type=int, default=192)
     ap.add_argument("--harvest-budget", type=float, default=75)
@@ -108,7 +111,7 @@ def main(argv=None) -> int:
     save()
 
     torch.manual_seed(0)
-    draft = DraftHead(draft_config_for(lm.cfg, k_default=4)).to(dev)
+    draft = DraftHead(draft_config_for(lm.cfg, k_default=4, attention_heads=args.attention_heads)).to(dev)
     init = init_weights(draft, args.init, lm.cfg) if args.init else None
     draft.attach_target(lm.cfg, lm.params, dev)
     res["draft_params"] = num_parameters(draft)

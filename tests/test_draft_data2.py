@@ -285,7 +285,7 @@ def test_build_script_end_to_end_on_a_tiny_model(tmp_path):
             "--prompt-set", "v2", "--sampled-passes", "1", "--temperature", "0.8", "--init", str(tmp_path / "init"),
             "--batch-size", "16", "--max-new-tokens", "6", "--harvest-budget", "0.01", "--train-budget", "2",
             "--train-batch", "4", "--draft-vocab", "40", "--sweep", "2", "--eval-per-kind", "1",
-            "--eval-budget", "5", "--eval-new-tokens", "4"]
+            "--eval-budget", "5", "--eval-new-tokens", "4", "--attention-heads", "2"]
     assert mod.main(argv) == 0
     res = json.loads((out / "results.json").read_text())
     assert res["harvest"]["prompt_set"] == PROMPT_SET_V2 and res["harvest"]["sequences"] == 16
@@ -296,5 +296,5 @@ def test_build_script_end_to_end_on_a_tiny_model(tmp_path):
     assert tr["init"]["draft"] == str(tmp_path / "init")
     assert d["draft_vocab"] == 40 and d["k_default"] == 2
     dr = load_draft(out / "draft", lm.cfg, lm.params)
-    assert dr.draft_vocab_size == 40
+    assert dr.draft_vocab_size == 40 and d["attention_heads"] == 2 and dr.stateful  # (the eval decoded with it)
     assert "greedy" in res["eval"] and res["eval"]["prompt_set"] == PROMPT_SET
