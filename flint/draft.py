@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .draft_attn import DraftAttention
+from .draft_attn import DraftAttention, heads_fit
 from .model import dense, rms_norm
 from .quant import Int4Weight, fit_group_size, quantize_int4
 
@@ -135,7 +135,10 @@ class DraftHead(nn.Module):
         self.norm_embed = RMSNorm(h, eps)
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.blocks = nn.ModuleList(MLPBlock(h, cfg.intermediate_size, eps) for _ in range(cfg.num_layers))
-        self.attn = DraftAttention(h, cfg.attention_heads, eps) if cfg.attention_heads else None
+        if cfg.attention_heads and not heads_fit(h, cfg.attention_heads):
+            raise DraftError(f"attention_heads {cfg.attention_heads}: must divide the hidden size {h} into heads of "
+                             "even width")
+        self.attn = DraftAttention(h, cfg.attention_heads, RMSNorm(h, eps)) if cfg.attention_heads else None
         with torch.no_grad():  # start as "the next hidden state is the current one" plus noise
             nn.init.normal_(self.fc.weight, std=0.02)
             self.fc.weight[:, :h] += torch.eye(h)
@@ -239,6 +242,11 @@ class DraftHead(nn.Module):
         """Whether decoding carries state across steps (``reset_state`` / ``observe``): a draft with attention."""
         return self.attn is not None
 
+    def _need_state(self):
+        if not self.attn.has_state:
+            raise DraftError("a draft with attention decodes with state: call reset_state(max_len) when a generation "
+                             "starts (flint.speculative does)")
+
     def begin_rollout(self) -> None:
         """Training and validation: the next forward is step 1 of a batched rollout (flint/draft_train.py)."""
         if self.attn is not None:
@@ -258,6 +266,7 @@ class DraftHead(nn.Module):
         if self.attn is None or tokens.shape[0] == 0:
             return
         self._need_target()
+        self._need_state()
         h = hidden.reshape(-1, self.cfg.hidden_size).to(self.device, self.dtype)
         e = self.embed_tokens(tokens.reshape(-1).to(self.device))
         dt = self.fc.weight.dtype
@@ -277,6 +286,7 @@ class DraftHead(nn.Module):
         idx, qs = [], []
         e = self.embed_tokens(tok)
         if self.attn is not None:
+            self._need_state()
             self.attn.begin_decode()
         for j in range(k):
             h = self.forward(h, e)

@@ -39,15 +39,20 @@ def rope(x: torch.Tensor, pos: torch.Tensor, theta: float = ROPE_THETA) -> torch
     return torch.cat((a * cos - b * sin, a * sin + b * cos), -1)
 
 
-class DraftAttention(nn.Module):
-    def __init__(self, dim: int, heads: int, eps: float):
-        super().__init__()
-        from .draft import DraftError, RMSNorm
+def heads_fit(dim: int, heads: int) -> bool:
+    """Whether ``heads`` split ``dim`` into heads of even width (RoPE's halves)."""
+    return heads >= 1 and dim % heads == 0 and (dim // heads) % 2 == 0
 
-        if heads < 1 or dim % heads or (dim // heads) % 2:
-            raise DraftError(f"attention_heads {heads}: must divide the hidden size {dim} into heads of even width")
+
+class DraftAttention(nn.Module):
+    """The block: ``norm`` (the draft's RMSNorm of the features), q / k / v / o projections of dim -> dim."""
+
+    def __init__(self, dim: int, heads: int, norm: nn.Module):
+        super().__init__()
+        if not heads_fit(dim, heads):
+            raise ValueError(f"attention heads {heads} do not split {dim} into heads of even width")
         self.heads, self.hd = heads, dim // heads
-        self.norm = RMSNorm(dim, eps)
+        self.norm = norm
         self.wq, self.wk, self.wv = (nn.Linear(dim, dim, bias=False) for _ in range(3))
         self.wo = nn.Linear(dim, dim, bias=False)
         with torch.no_grad():
@@ -96,12 +101,13 @@ class DraftAttention(nn.Module):
         self._cache = {"k": z, "v": z.clone(), "len": torch.zeros(1, dtype=torch.long, device=device),
                        "own": None, "start": None}
 
+    @property
+    def has_state(self) -> bool:
+        return self._cache is not None
+
     def _need_cache(self):
         if self._cache is None:
-            from .draft import DraftError
-
-            raise DraftError("a draft with attention decodes with state: call reset_state(max_len) when a generation "
-                             "starts (flint.speculative does)")
+            raise RuntimeError("draft attention: reset_state(max_len) before decoding")
         return self._cache
 
     def _append(self, xn: torch.Tensor, count: torch.Tensor) -> None:
