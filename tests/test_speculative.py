@@ -552,13 +552,14 @@ def test_greedy_identical_with_kernel_draft_on_cuda(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAVE_CUDA and torch.cuda.get_device_capability() >= (9, 0)),
                     reason="needs a CUDA sm_90 (Hopper) GPU (the megakernel and the draft's rollout kernel)")
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_step_has_one_host_sync_on_the_megakernel(temperature):
+@pytest.mark.parametrize("temperature,heads", [(0.0, 0), (0.8, 0), (0.0, 4)])
+def test_step_has_one_host_sync_on_the_megakernel(temperature, heads):
     """A speculative step on the megakernel with the kernel draft, greedy or sampled at a temperature: the draft's
     rollout, the verify and the accept (sampling: the acceptance test and the residual or bonus draw on the
     device), with one host synchronisation, the wait on an event after the verify's values are copied out (counted
     here), the next step's rollout enqueued before it; no synchronising torch call (torch's sync debug mode
-    warns of each); greedy output equals plain greedy."""
+    warns of each); greedy output equals plain greedy. heads > 0: a draft with attention (its eager rollout, the
+    cache fed after each verify, on the device too)."""
     import warnings
 
     from flint.megakernel import MegakernelBackend
@@ -571,9 +572,12 @@ def test_step_has_one_host_sync_on_the_megakernel(temperature):
     params = synthetic_params(cfg, seed=0, int4_group_size=64, dtype=torch.float32, device="cuda")
     be = MegakernelBackend(cfg, params, 256)
     torch.manual_seed(3)
-    draft = DraftHead(draft_config_for(cfg, intermediate_size=256)).to("cuda", torch.bfloat16)
+    draft = DraftHead(draft_config_for(cfg, intermediate_size=256, attention_heads=heads)).to("cuda", torch.bfloat16)
     draft.attach_target(cfg, params, device="cuda", dtype=torch.bfloat16, vocab=torch.arange(0, 512, 2))
-    assert draft._kernel_rollout() is not None
+    if heads:
+        with torch.no_grad():
+            torch.nn.init.normal_(draft.attn.wo.weight, std=0.05)
+    assert (draft._kernel_rollout() is not None) == (heads == 0)
     sp = SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=temperature)
     prompt = [5, 17, 3, 99, 250]
     want = Engine(be).generate(prompt, sp).token_ids
