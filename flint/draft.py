@@ -228,13 +228,17 @@ class DraftHead(nn.Module):
     # ---------------------------------------------------------------- the step
     def forward(self, hidden: torch.Tensor, token_embed: torch.Tensor) -> torch.Tensor:
         """(hidden at i [.., H], embedding of token i+1 [.., H]) -> predicted hidden at i+1."""
-        dt = self.fc.weight.dtype
-        x = self.fc(torch.cat((self.norm_hidden(hidden.to(dt)), self.norm_embed(token_embed.to(dt))), -1))
+        x = self._features(hidden, token_embed)
         if self.attn is not None:  # over the true pairs so far and this rollout's own steps (flint/draft_attn.py)
             x = x + self.attn(self.attn.norm(x))
         for b in self.blocks:
             x = b(x)
         return x
+
+    def _features(self, hidden: torch.Tensor, token_embed: torch.Tensor) -> torch.Tensor:
+        """fc([norm(h), norm(embed)]): the step's feature (and, with attention, what it attends over)."""
+        dt = self.fc.weight.dtype
+        return self.fc(torch.cat((self.norm_hidden(hidden.to(dt)), self.norm_embed(token_embed.to(dt))), -1))
 
     # ---------------------------------------------------------------- state (a draft with attention)
     @property
@@ -268,10 +272,8 @@ class DraftHead(nn.Module):
         self._need_target()
         self._need_state()
         h = hidden.reshape(-1, self.cfg.hidden_size).to(self.device, self.dtype)
-        e = self.embed_tokens(tokens.reshape(-1).to(self.device))
-        dt = self.fc.weight.dtype
-        x = self.fc(torch.cat((self.norm_hidden(h.to(dt)), self.norm_embed(e.to(dt))), -1))
-        self.attn.observe(self.attn.norm(x), count.to(self.device))
+        x = self._features(h, self.embed_tokens(tokens.reshape(-1).to(self.device)))
+        self.attn.append(self.attn.norm(x), count.to(self.device))
 
     def _rollout(self, h: torch.Tensor, tok: torch.Tensor, k: int, u: torch.Tensor | None = None,
                  sampling: tuple = ()):

@@ -10,7 +10,7 @@ what the verify confirmed, so they never roll back: the rollout's own steps are 
 Two modes, told apart by the input's rank. Training and validation (flint/draft_train.py: [B, n, H], every start at
 once): begin_rollout(), then the first call is step 1 over the true pairs (causal), later calls step s over starts
 0..n-s (the inputs shifted as rollout_losses and accepted_runs shift them). Decoding ([1, H], flint.speculative):
-reset_state(max_len) when a generation starts, ``observe`` appends the pairs each verify accepted before the next
+reset_state(max_len) when a generation starts, ``append`` (DraftHead.observe) adds the pairs each verify accepted before the next
 rollout (their count on the device: no host sync), each rollout's first step appends its own start pair; the cache
 is [max_len] rows with a device-side length, masked, so every shape is fixed.
 
@@ -26,17 +26,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .model import apply_rope
+
 ROPE_THETA = 10000.0  # the draft's own positions (region indices), not the target's
 
 
-def rope(x: torch.Tensor, pos: torch.Tensor, theta: float = ROPE_THETA) -> torch.Tensor:
-    """Half-split rotary embedding of x [..., n, d] at positions pos [n] (a tensor: it may live on the device)."""
+_INV_FREQ: dict = {}  # (width, device) -> the rotary frequencies, built once (a decode step rotates twice)
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """flint.model.apply_rope (half-split, fp32) of x [..., n, heads, d] at positions pos [n], a tensor that may live
+    on the device (a decode step's position is the cache's device-side length)."""
     d = x.shape[-1]
-    inv = theta ** (-torch.arange(0, d // 2, device=x.device, dtype=torch.float32) / (d // 2))
+    inv = _INV_FREQ.get((d, x.device))
+    if inv is None:
+        inv = _INV_FREQ[(d, x.device)] = ROPE_THETA ** (
+            -torch.arange(0, d // 2, device=x.device, dtype=torch.float32) / (d // 2))
     ang = pos.float()[:, None] * inv[None]
-    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
-    a, b = x[..., : d // 2], x[..., d // 2:]
-    return torch.cat((a * cos - b * sin, a * sin + b * cos), -1)
+    return apply_rope(x, ang.cos(), ang.sin())
 
 
 def heads_fit(dim: int, heads: int) -> bool:
@@ -48,9 +55,7 @@ class DraftAttention(nn.Module):
     """The block: ``norm`` (the draft's RMSNorm of the features), q / k / v / o projections of dim -> dim."""
 
     def __init__(self, dim: int, heads: int, norm: nn.Module):
-        super().__init__()
-        if not heads_fit(dim, heads):
-            raise ValueError(f"attention heads {heads} do not split {dim} into heads of even width")
+        super().__init__()  # (DraftHead refuses heads that do not fit: heads_fit)
         self.heads, self.hd = heads, dim // heads
         self.norm = norm
         self.wq, self.wk, self.wv = (nn.Linear(dim, dim, bias=False) for _ in range(3))
@@ -64,23 +69,17 @@ class DraftAttention(nn.Module):
     def begin_rollout(self) -> None:
         self._train = None
 
-    def _split(self, x):
-        b, n, _ = x.shape
-        return x.view(b, n, self.heads, self.hd).transpose(1, 2)
-
     def _attend_train(self, xn: torch.Tensor) -> torch.Tensor:
-        q, k, v = self._split(self.wq(xn)), self._split(self.wk(xn)), self._split(self.wv(xn))
-        n = q.shape[2]
+        b, n, _ = xn.shape
+        q, k, v = (w(xn).view(b, n, self.heads, self.hd) for w in (self.wq, self.wk, self.wv))
         st = self._train
-        if st is None:  # step 1: the true pairs, causal, positions 0..n-1
-            pos = torch.arange(n, device=xn.device)
-            q, k = rope(q, pos), rope(k, pos)
+        # step 1: the true pairs, causal, positions 0..n-1; step s: positions i + s - 1 from starts i
+        pos = torch.arange(n, device=xn.device) + (0 if st is None else len(st["own"]) + 1)
+        q, k, v = (t.transpose(1, 2) for t in (rope(q, pos), rope(k, pos), v))  # [B, heads, n, hd]
+        if st is None:
             self._train = {"k1": k, "v1": v, "own": []}
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:  # step s >= 2 from starts i = 0..n-1: the true pairs p <= i, then its own steps 2..s at start i
-            s = len(st["own"]) + 2
-            pos = torch.arange(n, device=xn.device) + s - 1
-            q, k = rope(q, pos), rope(k, pos)
             own = [(ko[:, :, :n], vo[:, :, :n]) for ko, vo in st["own"]] + [(k, v)]
             k1, v1 = st["k1"][:, :, :n], st["v1"][:, :, :n]
             scale = 1.0 / math.sqrt(self.hd)
@@ -91,7 +90,6 @@ class DraftAttention(nn.Module):
             w = torch.softmax(torch.cat((s_true, s_own), -1).float(), -1).to(q.dtype)
             o = w[..., :n] @ v1 + sum(w[..., n + t, None] * vo for t, (_, vo) in enumerate(own))
             st["own"].append((k, v))
-        b = o.shape[0]
         return self.wo(o.transpose(1, 2).reshape(b, n, -1))
 
     # ---------------------------------------------------------------- decoding ([1, H])
@@ -110,7 +108,7 @@ class DraftAttention(nn.Module):
             raise RuntimeError("draft attention: reset_state(max_len) before decoding")
         return self._cache
 
-    def _append(self, xn: torch.Tensor, count: torch.Tensor) -> None:
+    def append(self, xn: torch.Tensor, count: torch.Tensor) -> None:
         """Write the keys / values of the true pairs xn [m, H] (normed features) at rows len .. len + m - 1 and
         advance the length by ``count`` [1] (<= m, on the device): rows past it are rewritten by the next append."""
         c = self._need_cache()
@@ -118,14 +116,11 @@ class DraftAttention(nn.Module):
         if m == 0:
             return
         rows = c["len"] + torch.arange(m, device=xn.device)
-        k = rope(self.wk(xn).view(m, self.heads, self.hd).transpose(0, 1), rows).transpose(0, 1)
+        k = rope(self.wk(xn).view(m, self.heads, self.hd), rows)
         v = self.wv(xn).view(m, self.heads, self.hd)
         c["k"].index_copy_(0, rows, k.to(c["k"].dtype))
         c["v"].index_copy_(0, rows, v.to(c["v"].dtype))
         c["len"] += count.reshape(1).to(torch.long)
-
-    def observe(self, xn: torch.Tensor, count: torch.Tensor) -> None:
-        self._append(xn, count)
 
     def begin_decode(self) -> None:
         """A rollout starts: its first call appends its start pair as a true one."""
@@ -138,14 +133,14 @@ class DraftAttention(nn.Module):
             raise RuntimeError("draft attention: begin_decode() before a rollout's first step")
         first = c["start"] is None
         if first:  # step 1: the start pair joins the true pairs (it attends over them, itself included)
-            self._append(xn, torch.ones(1, dtype=torch.long, device=xn.device))
+            self.append(xn, torch.ones(1, dtype=torch.long, device=xn.device))
             c["start"] = c["len"] - 1
             pos = c["start"]
         else:  # step s >= 2: over the true pairs and this rollout's steps 2..s, itself included
             pos = c["start"] + len(c["own"]) + 1
-            k = rope(self.wk(xn).view(1, self.heads, self.hd).transpose(0, 1), pos).transpose(0, 1)
+            k = rope(self.wk(xn).view(1, self.heads, self.hd), pos)
             c["own"].append((k, self.wv(xn).view(1, self.heads, self.hd)))
-        q = rope(self.wq(xn).view(1, self.heads, self.hd).transpose(0, 1), pos).transpose(0, 1)  # [1, heads, hd]
+        q = rope(self.wq(xn).view(1, self.heads, self.hd), pos)  # [1, heads, hd]
         scale = 1.0 / math.sqrt(self.hd)
         kc, vc = c["k"].to(q.dtype), c["v"].to(q.dtype)
         live = torch.arange(kc.shape[0], device=xn.device) < c["len"]

@@ -226,7 +226,7 @@ class SpeculativeEngine(Engine):
         if graphed and pipelined:
             def q_from_rollout(x, draft=self.draft, t=sampling[0]):
                 return draft.q_from_logits(x, t)
-        q_state = {"fn": None, "key": "q"}
+        q_state = {"fn": _same, "key": "q"}
 
         def launch(pending, hidden):
             """Enqueue the verify of the step at ``pos`` after ``tok``: its drafts (from the rollout begun for it, or
@@ -245,7 +245,7 @@ class SpeculativeEngine(Engine):
                         drafts, q = self.draft.finish_sampled(pending[1], k, sp)
                 else:
                     drafts, q = self.draft.propose(ctx, hidden, k, None if greedy else sp, gen)
-                    q_state.update(fn=None, key="q")
+                    q_state.update(fn=_same, key="q")
                 if drafts.shape[0] > k:
                     raise ValueError(f"speculative decoding: the draft proposed {drafts.shape[0]} tokens, "
                                      f"at most {k} were asked for")
@@ -285,7 +285,7 @@ class SpeculativeEngine(Engine):
             else:
                 if graphed:
                     u = torch.rand(k + 1, generator=gen, device=dev)  # (verify_sampling's draws)
-                    vals_dev = self._accept(logits, None if q is None else q.to(dev), q_state["fn"] or _same,
+                    vals_dev = self._accept(logits, None if q is None else q.to(dev), q_state["fn"],
                                             q_state["key"], step[1:], u, sampling)
                     nn = vals_dev[:2]
                 else:

@@ -26,10 +26,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flint.draft import DraftHead, draft_config_for  # noqa: E402
 
 
+def train_warm(draft, lm, data, out_dir: Path, init: str, dev, steps: int, batch_size: int, lr: float, budget: float,
+               k: int) -> dict:
+    """Train ``draft`` from ``init``'s weights (the keys they share) for ``budget`` seconds on ``data``; the record's
+    steps, kept step, validated tokens per step (by k and by kind) and first / last loss. (The studies' common run.)"""
+    from flint.draft_train import init_weights, train_draft
+
+    draft = draft.to(dev)
+    rec_init = init_weights(draft, init, lm.cfg)
+    draft.attach_target(lm.cfg, lm.params, dev, torch.float32 if dev.type == "cpu" else torch.bfloat16)
+    rec = train_draft(draft, data, out_dir, steps=steps, batch_size=batch_size, lr=lr, time_budget=budget, k_eval=k,
+                      init=rec_init)
+    return {key: rec.get(key) for key in ("steps", "kept_step", "val_tokens_per_step", "val_tokens_per_step_by_kind",
+                                          "loss_first", "loss_last")}
+
+
 def main() -> None:
     from flint.draft import load_draft
     from flint.draft_data import load_harvest
-    from flint.draft_train import init_weights, train_draft
     from flint.loading import load_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -52,14 +66,9 @@ def main() -> None:
     doc = {"model": a.model, "data": a.data, "init": a.init, "budget_s": a.budget, "heads": a.heads, "variants": {}}
     for name, make in (("plain", lambda: DraftHead(dcfg)),
                        ("attention", lambda: DraftHead(dataclasses.replace(dcfg, attention_heads=a.heads)))):
-        draft = make().to(dev)
-        init = init_weights(draft, a.init, lm.cfg)
-        draft.attach_target(lm.cfg, lm.params, dev, torch.float32 if dev.type == "cpu" else torch.bfloat16)
-        rec = train_draft(draft, data, Path(a.out) / name, steps=a.steps, batch_size=a.batch_size, lr=a.lr,
-                          time_budget=a.budget, k_eval=a.k, init=init)
-        doc["variants"][name] = {k: rec.get(k) for k in ("steps", "kept_step", "val_tokens_per_step",
-                                                          "val_tokens_per_step_by_kind", "loss_first", "loss_last")}
-        print(f"{name}: val tokens/step {rec.get('val_tokens_per_step')}", flush=True)
+        rec = doc["variants"][name] = train_warm(make(), lm, data, Path(a.out) / name, a.init, dev, a.steps,
+                                                 a.batch_size, a.lr, a.budget, a.k)
+        print(f"{name}: val tokens/step {rec['val_tokens_per_step']}", flush=True)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "draft_attn_study.json").write_text(json.dumps(doc, indent=1) + "\n")
 

@@ -72,7 +72,7 @@ class FusedDraft(TopView):
 def main() -> None:
     from flint.draft_cli import parse_passes
     from flint.draft_data import draft_prompts, harvest, load_harvest
-    from flint.draft_train import init_weights, train_draft
+    from draft_attn_study import train_warm
     from flint.loading import load_model
     from flint.model import Transformer
 
@@ -120,14 +120,9 @@ def main() -> None:
     doc = {"model": "<SmolLM2 GGUF>" if a.model.endswith(".gguf") else a.model, "layers": list(layers),
            "sequences": int(data.tokens.shape[0]), "init": a.init, "budget_s": a.budget, "variants": {}}
     for name, make in (("last layer", lambda: TopView(dcfg, n_in)), ("fused", lambda: FusedDraft(dcfg, n_in))):
-        draft = make().to(dev)
-        init = init_weights(draft, a.init, lm.cfg)
-        draft.attach_target(lm.cfg, lm.params, dev, torch.float32 if dev.type == "cpu" else torch.bfloat16)
-        rec = train_draft(draft, data, Path(a.out) / name.replace(" ", "_"), steps=a.steps,
-                          batch_size=a.train_batch, lr=a.lr, time_budget=a.budget, k_eval=a.k, init=init)
-        doc["variants"][name] = {k: rec.get(k) for k in ("steps", "kept_step", "val_tokens_per_step",
-                                                          "val_tokens_per_step_by_kind", "loss_first", "loss_last")}
-        print(f"{name}: val tokens/step {rec.get('val_tokens_per_step')}", flush=True)
+        rec = doc["variants"][name] = train_warm(make(), lm, data, Path(a.out) / name.replace(" ", "_"), a.init, dev,
+                                                 a.steps, a.train_batch, a.lr, a.budget, a.k)
+        print(f"{name}: val tokens/step {rec['val_tokens_per_step']}", flush=True)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "draft_eagle3_study.json").write_text(json.dumps(doc, indent=1) + "\n")
 
