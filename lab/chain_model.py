@@ -172,13 +172,20 @@ def _staging(p: Prims, M: int, K: int, norm: bool, fx: bool, design: Design) -> 
     return p.round * rounds + (p.reduce if norm else 0.0) + (p.conv + (p.conv_fx if fx else 0.0)) * M * K / NCT
 
 
+def ffn_tiles(shape: Shape) -> int:
+    """gate|up tiles an FFN block owns under the split (flint/megakernel.py ffn_split_plan: the fewest tiles, a
+    multiple of 4 dividing the gate|up tiles, with at most one FFN block per SM)."""
+    ntg = 2 * shape.I // TILE
+    return next(t for t in range(4, ntg + 1, 4) if ntg % t == 0 and ntg // t <= SMS)
+
+
 def _block_units(shape: Shape, M: int) -> list[tuple[str, int, int]]:
     """Block 0's stream units of one layer, in ring order: (stage, bytes, count)."""
     q = (shape.nh + 2 * shape.nkv) * shape.D
     t_qkv = -(-(q // TILE) // SMS)
     t_o = -(-(shape.H // TILE) // SMS)
     if shape.ffn_split:
-        t_gu = (2 * shape.I // TILE) // 128
+        t_gu = ffn_tiles(shape)
         n_ds = -(-(shape.H // TILE) // DS_CHUNK)
         ds = [("down", DS_CHUNK * 40 * TILE, n_ds)]
     else:

@@ -81,6 +81,7 @@ def main() -> None:
                     runs[-1].update(attention_phases(traced))
             st = {k: statistics.median(r[k] for r in runs if k in r) for k in dict.fromkeys(k for r in runs for k in r)}
             st["step_us"] = median_step(plain, tok, a.pos, 30)
+            st["ring_slots"] = plain.smem_info(m)["ring_slots"]  # (lab/chain_model.py's Shape.nslots)
             rows[m] = st
         doc.append({"model": model, "pos": a.pos, "stages": rows})
         keys = [k for k in rows[ms[0]] if not k.startswith("w.")] + \
