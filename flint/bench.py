@@ -428,6 +428,8 @@ def _bench_backend(doc, save, lm, name, bname, ctxs, n_tokens, repeats, prompt_l
             row["kv_cache"] = kv_cache
         if getattr(backend, "placement", None):  # the megakernel's scratch sets timed at load (docs/bench.md)
             row["placement"] = backend.placement
+        if bname == "megakernel" and backend.cfg.num_layers >= 3:  # the chain figure (docs/bench.md)
+            row["chain_us_per_layer"] = round(backend.chain_us(ctx), 3)
         doc["results"].append(row)
         save()
         log(f"  {name} {bname} ctx {ctx}: {row['tok_s']} tok/s, {row['ms_per_token']} ms/token, "
@@ -468,13 +470,14 @@ def ratio_rows(doc: dict) -> list[dict]:
 
 def markdown_table(doc: dict) -> str:
     lines = [f"device: {doc['device']} · measured read bandwidth {doc['hbm_read_GBps']:.1f} GB/s", "",
-             "| model | backend | ctx | loop | tok/s | ms/token | GB/token | MBU |",
-             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+             "| model | backend | ctx | loop | tok/s | ms/token | GB/token | MBU | chain µs/layer |",
+             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in doc["results"]:
         kv = r.get("kv_cache", "fp16")
         bname = r["backend"] + ("" if kv == "fp16" else f" ({kv} KV cache)")
         lines.append(f"| {r['model']} | {bname} | {r['ctx']} | {r.get('loop', 'host')} | {r['tok_s']:.2f} | "
-                     f"{r['ms_per_token']:.3f} | {r['bytes_per_token'] / 1e9:.4f} | {r['mbu']:.1%} |")
+                     f"{r['ms_per_token']:.3f} | {r['bytes_per_token'] / 1e9:.4f} | {r['mbu']:.1%} | "
+                     f"{r['chain_us_per_layer'] if r.get('chain_us_per_layer') is not None else '-'} |")
     ratios = ratio_rows(doc)
     if ratios:
         lines += ["", "| model | ctx | backend | tok/s | × compiled |", "| --- | ---: | --- | ---: | ---: |"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import statistics
 
 import torch
 
@@ -371,6 +372,72 @@ class MegakernelBackend:
         _check(self._lib.flint_mk_create((ctypes.c_longlong * len(ia))(*ia), len(ia),
                                          (ctypes.c_double * len(fa))(*fa), len(fa), ctypes.byref(h)), self._lib)
         return h
+
+    # the flat argument array (_pack_args): the layer count's slot, and where the matrices' descriptors start (10
+    # values each, in mk::MAT_* order; the layer stride is the second)
+    _ARG_LAYERS = 5
+    _ARG_MATS = 14 + 23
+    _MAT_ORDER = ("qkv", "o", "gu", "down", "lm_head", "dslice")
+
+    def chain_us(self, pos: int, rounds: int = 5, steps: int = 8) -> float:
+        """The chain figure: µs a layer of an M = 1 step when the layers' weights are L2-resident. Two more handles
+        over this backend's buffers read layer 0's weights at every layer (layer stride 0), one with the model's L
+        layers and one with 2; the difference of their steps over L - 2 is a layer (the lm_head, the embedding and
+        the launch cancel). A layer's weights stay in L2 where they fit it (SmolLM2 ~3 MB; Granite-4.1-3B 44 MB
+        against 50 MB on an H100, 60 MB on an H200), so on large layers the figure carries part of the stream.
+        Steps at ``pos``; the K/V rows at pos are restored afterwards, and the tagged words are cleared before each
+        handle's first launch and after the last (their 8-bit tags assume one layer count per buffer set)."""
+        L = self.cfg.num_layers
+        if L < 3:
+            raise ValueError(f"megakernel chain_us: needs at least 3 layers (the model has {L})")
+        if not 0 <= pos < self.max_seq_len:
+            raise ValueError(f"megakernel chain_us: pos {pos} outside the cache (max_seq_len {self.max_seq_len})")
+        ia, fa = self._pack_args()
+        handles = {}
+        for n in (L, 2):
+            a = list(ia)
+            a[self._ARG_LAYERS] = n
+            for i, key in enumerate(self._MAT_ORDER):
+                if key != "lm_head":
+                    a[self._ARG_MATS + 10 * i + 1] = 0
+            h = ctypes.c_void_p()
+            _check(self._lib.flint_mk_create((ctypes.c_longlong * len(a))(*a), len(a),
+                                             (ctypes.c_double * len(fa))(*fa), len(fa), ctypes.byref(h)), self._lib)
+            handles[n] = h
+        caches = [self.k_cache, self.v_cache] + ([self.k_scale, self.v_scale] if self.kv_scale is not None else [])
+        saved = [t[:, :, pos].clone() for t in caches]
+        tok = torch.zeros(1, dtype=torch.int64, device=self.device)
+        stream = torch.cuda.current_stream(self.device)
+        times = {n: [] for n in handles}
+        try:
+            for r in range(rounds + 1):  # round 0 warms both
+                for n, h in handles.items():
+                    self._clear_tags()
+                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    for i in range(steps + 1):
+                        if i == 1:
+                            s.record(stream)
+                        _check(self._lib.flint_mk_forward(h, 1, ctypes.c_void_p(tok.data_ptr()), int(pos),
+                                                          ctypes.c_void_p(stream.cuda_stream)), self._lib)
+                    e.record(stream)
+                    e.synchronize()
+                    if r:
+                        times[n].append(s.elapsed_time(e) / steps * 1e3)
+        finally:
+            torch.cuda.synchronize(self.device)
+            for h in handles.values():
+                self._lib.flint_mk_destroy(h)
+            self._clear_tags()
+            for t, v in zip(caches, saved):
+                t[:, :, pos].copy_(v)
+        med = {n: statistics.median(t) for n, t in times.items()}
+        return (med[L] - med[2]) / (L - 2)
+
+    def _clear_tags(self) -> None:
+        """Zero the tagged words and the attention partials (no tag is 0), so that no word left by a launch of
+        another layer count reads as this launch's."""
+        self.qkv_tag.zero_()
+        self.part.zero_()
 
     def _place_scratch(self, tries: int) -> None:  # (no inference_mode: the chosen set's tensors stay ordinary ones)
         """The scratch placement (docs/megakernel.md): the step's time depends on WHERE the scratch lands, by up to

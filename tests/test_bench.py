@@ -86,7 +86,7 @@ def test_bytes_per_token(cpu_run):
 def test_table_and_plot(cpu_run, tmp_path):
     doc, _ = cpu_run
     table = markdown_table(doc)
-    assert "| model | backend | ctx | loop | tok/s | ms/token | GB/token | MBU |" in table
+    assert "| model | backend | ctx | loop | tok/s | ms/token | GB/token | MBU | chain µs/layer |" in table
     assert table.count("| compiled-bf16 |") == 2 + 1 + 2  # two decode rows, one TTFT row, two ratio rows
     assert "| model | ctx | backend | tok/s | × compiled |" in table  # every other backend against compiled
     assert table.count("× |") == 2 * 2  # reference and compiled-bf16, two contexts each

@@ -599,6 +599,32 @@ def test_scratch_placement_keeps_the_bits(monkeypatch):
 
 @gpu
 @needs_sm90
+@pytest.mark.parametrize("split", ["auto", "0"])
+def test_chain_figure_leaves_the_backend_as_it_was(split, monkeypatch):
+    # chain_us runs two more handles over the backend's buffers (every layer on layer 0's weights, L and 2 layers):
+    # it gives a positive µs a layer below the whole step's, and afterwards the backend computes the same bits as a
+    # twin that never ran it (its K/V rows restored, no tagged word of the other layer counts left behind)
+    from flint.megakernel import MegakernelBackend
+    from flint.synthetic import synthetic_params
+
+    monkeypatch.setenv("FLINT_MK_PLACE", "1")
+    cfg = _granite(4)
+    params = synthetic_params(cfg, seed=4, int4_group_size=128, dtype=torch.float32, device="cuda")
+    a, b = MegakernelBackend(cfg, params, 300, ffn_split=split), MegakernelBackend(cfg, params, 300, ffn_split=split)
+    toks = torch.randint(0, cfg.vocab_size, (48,), generator=torch.Generator().manual_seed(6))
+    for mk in (a, b):
+        for i in range(0, 40, 8):
+            mk.forward(toks[i:i + 8], i)
+    us = a.chain_us(40, rounds=2, steps=4)
+    assert 0 < us < 200, us
+    for i in range(40, 48):
+        assert torch.equal(a.forward(toks[i:i + 1], i), b.forward(toks[i:i + 1], i))
+    with pytest.raises(ValueError, match="outside the cache"):
+        a.chain_us(300)
+
+
+@gpu
+@needs_sm90
 def test_unsupported_shapes_raise():
     from flint.megakernel import MegakernelBackend
     from flint.synthetic import synthetic_params
