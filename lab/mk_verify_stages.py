@@ -2,6 +2,7 @@
 library), on synthetic Granite-4.1-3B and SmolLM2-135M shapes at one context, beside the untraced step time.
 
     FLINT_KERNEL_DIR=build/kernels FLINT_MK_TRACE=1 python3 lab/mk_verify_stages.py [--ms 1,2,4,8] [--pos 511] [--warps]
+        [--traced-only] [--models granite-4.1-3b,smollm2-135m]
 
 Each (model, M): 4 warm-up launches, then 9 traced launches; the table holds the median over launches of block
 0's mean per-layer stage times (MegakernelBackend.stage_times), µs. The untraced step times come from a second
@@ -52,6 +53,8 @@ def main() -> None:
     ap.add_argument("--pos", type=int, default=511)
     ap.add_argument("--json", default=None)
     ap.add_argument("--warps", action="store_true", help="block 0's attention phases per M (the middle layer)")
+    ap.add_argument("--traced-only", action="store_true",
+                    help="no untraced backend (no step_us): only the traced library needs to be present")
     a = ap.parse_args()
     if os.environ.get("FLINT_MK_TRACE") != "1":
         sys.exit("set FLINT_MK_TRACE=1 (the traced library: python3 -m flint.kernels.build --traced)")
@@ -62,9 +65,11 @@ def main() -> None:
         params = synthetic_params(cfg, seed=0, int4_group_size=128 if "granite" in model else 64,
                                   dtype=torch.float32, device="cuda")
         traced = MegakernelBackend(cfg, params, a.pos + 16)
-        os.environ["FLINT_MK_TRACE"] = "0"
-        plain = MegakernelBackend(cfg, params, a.pos + 16)
-        os.environ["FLINT_MK_TRACE"] = "1"
+        plain = None
+        if not a.traced_only:
+            os.environ["FLINT_MK_TRACE"] = "0"
+            plain = MegakernelBackend(cfg, params, a.pos + 16)
+            os.environ["FLINT_MK_TRACE"] = "1"
         del params
         rows = {}
         for m in ms:
@@ -80,8 +85,9 @@ def main() -> None:
                 if a.warps:
                     runs[-1].update(attention_phases(traced))
             st = {k: statistics.median(r[k] for r in runs if k in r) for k in dict.fromkeys(k for r in runs for k in r)}
-            st["step_us"] = median_step(plain, tok, a.pos, 30)
-            st["ring_slots"] = plain.smem_info(m)["ring_slots"]  # (lab/chain_model.py's Shape.nslots)
+            if plain is not None:
+                st["step_us"] = median_step(plain, tok, a.pos, 30)
+            st["ring_slots"] = traced.smem_info(m)["ring_slots"]  # (lab/chain_model.py's Shape.nslots)
             rows[m] = st
         doc.append({"model": model, "pos": a.pos, "stages": rows})
         keys = [k for k in rows[ms[0]] if not k.startswith("w.")] + \
