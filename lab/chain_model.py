@@ -431,6 +431,40 @@ def leave_one_m_out(traces: dict, card: Card = CARDS["h200"]) -> list[dict]:
     return rows
 
 
+# ---- checks on measurements the fit does not use ----
+
+CHECK_FILE = "bench_chain_figure_h100_2026-12-07.json"  # flint bench on the H100: verify curve and chain figure
+
+
+def checks(prims: Prims, file: str = CHECK_FILE) -> list[dict]:
+    """The model against a flint bench file of another card: each shape's M = 1 step and its verify ratios (the
+    steps timed one by one with CUDA events), and the chain figure against the streamed layer."""
+    doc = json.loads((ROOT / "bench" / "results" / file).read_text())
+    card = CARDS["h100"] if "H100" in doc["device"] else CARDS["h200"]
+    card = dataclasses.replace(card, read_gbs=doc["hbm_read_GBps"])
+    rows = []
+    for v in doc["verify"]:
+        name = v["model"].split(":")[-1]
+        if name not in SHAPES or v["m"] > 4 or not v.get("us_per_step"):
+            continue
+        shape = SHAPES[name]
+        base = next(x["us_per_step"] for x in doc["verify"] if x["model"] == v["model"] and x["m"] == 1)
+        model = step_us(shape, card, v["m"], prims)
+        model1 = step_us(shape, card, 1, prims)
+        rows.append(dict(what=f"{name} M = {v['m']} step µs", measured=v["us_per_step"], model=model,
+                         err=model / v["us_per_step"] - 1))
+        if v["m"] > 1:
+            rows.append(dict(what=f"{name} M = {v['m']} / M = 1", measured=v["us_per_step"] / base,
+                             model=model / model1, err=(model / model1) / (v["us_per_step"] / base) - 1))
+    for r in doc["results"]:
+        name = r["model"].split(":")[-1]
+        if name in SHAPES and r.get("chain_us_per_layer"):
+            rows.append(dict(what=f"{name} chain µs a layer", measured=r["chain_us_per_layer"],
+                             model=chain_us(SHAPES[name], card, 1, prims),
+                             err=chain_us(SHAPES[name], card, 1, prims) / r["chain_us_per_layer"] - 1))
+    return rows
+
+
 # ---- the candidates: each figure's reason in ``why``; every row a projection ----
 
 HOP_FLOOR = 0.5  # a hand-off at one L2 round trip under load (GPU.md: one-way 0.22-0.30 µs idle; a poll sees it
@@ -521,11 +555,17 @@ def main() -> None:
     print("fitted primitives (µs):", ", ".join(f"{n} {getattr(prims, n):.3f}" for n in FIT_NAMES))
     print("\ncalibration (H200 traces, block 0, ctx 512):\n" + _md_calibration(cal))
     print("\nleave one M out (fit without it, predict it):\n" + _md_calibration(loo))
+    print("\nchecks on data the fit did not use (" + CHECK_FILE + "):")
+    print("| what | measured | model | error |\n|---|---:|---:|---:|")
+    chk = checks(prims)
+    for r in chk:
+        print(f"| {r['what']} | {r['measured']:.2f} | {r['model']:.2f} | {100 * r['err']:+.1f}% |")
     print("\nwhere a layer goes today (model, H200):\n" + _md_split(prims, CARDS["h200"]))
     print("\n" + _md_candidates(cand, card))
     if a.json:
         Path(a.json).write_text(json.dumps(dict(prims=dataclasses.asdict(prims), calibration=cal,
-                                                leave_one_m_out=loo, candidates=cand, card=card.name), indent=1))
+                                                leave_one_m_out=loo, checks=chk, candidates=cand, card=card.name),
+                                           indent=1, default=float))
 
 
 if __name__ == "__main__":
