@@ -26,7 +26,6 @@ from flint.token_mask import check_token_mask
 
 class StubBackend:
     """greedy_next = the lowest allowed token (no model); forward = zeros (the first token's logits)."""
-    supports_token_mask = True
     name = "stub"
 
     def __init__(self, vocab: int):

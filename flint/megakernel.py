@@ -531,7 +531,6 @@ class MegakernelBackend:
             return logits, self.resid[rows].clone()
         return logits
 
-    supports_token_mask = True
     _token_mask = None
     _launched = False
 
