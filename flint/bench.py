@@ -697,7 +697,7 @@ BENCH_SCHEMA = {"type": "object",
                                "kind": {"enum": ["capital", "port", "village"]}, "coastal": {"type": "boolean"}},
                 "required": ["city", "country", "population", "kind", "coastal"], "additionalProperties": False}
 # strings of at most 24 characters: what random weights would need to end a document unforced, and what costs
-# llguidance most per token (bench/constrained_host_cost.py, lab/constrained_trace.py --bounded)
+# llguidance most per token (lab/studies/constrained_host_cost.py, lab/constrained_trace.py --bounded)
 BENCH_SCHEMA_BOUNDED = {**BENCH_SCHEMA, "properties": {**BENCH_SCHEMA["properties"],
                                                        "city": {"type": "string", "maxLength": 24},
                                                        "country": {"type": "string", "maxLength": 24}}}
