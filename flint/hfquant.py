@@ -63,7 +63,7 @@ missing or misshapen tensors, source groups that no layout group divides.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
