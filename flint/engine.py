@@ -197,8 +197,8 @@ def inverse_cdf_draw(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def sample(logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None) -> int:
     """The next token from logits [V]: the argmax at temperature 0, else a draw from probs_from_logits by inverse CDF
     of one uniform (inverse_cdf_draw; with one scan over the row it took 84 against torch.multinomial's 135 µs a draw
-    at V = 49152 on the H200, lab/studies/sampling_cost.py, `sampling_cost_2026-12-03.json`; the blockwise scan is not timed
-    yet)."""
+    at V = 49152 on the H200, lab/studies/sampling_cost.py, `sampling_cost_2026-12-03.json`; the blockwise scan is not
+    timed yet)."""
     if sp.temperature == 0:
         return int(torch.argmax(logits))
     return int(draw(logits, sp, gen))

@@ -168,8 +168,8 @@ def test_pipelined_loop_stops_cleanly(tiny_llama, grammars):
 
 
 def test_reference_pipe_contract(tiny_llama):
-    """The reference backend's pipelined step: tokens equal greedy_finish over the same masks; a step from the device
-    token needs a begin; an all-zero mask is an error, not a token."""
+    """The reference backend's pipelined step: tokens equal the masked greedy_next's over the same masks; a step
+    from the device token needs a begin; an all-zero mask is an error, not a token."""
     from flint.backend import make_backend
 
     b = make_backend("reference", tiny_llama, 32, device="cpu")
@@ -189,9 +189,10 @@ def test_reference_pipe_contract(tiny_llama):
     b.pipe_close()
     want, tok = [], 5
     for i, m in enumerate(masks):
-        b.greedy_launch(tok, i)
-        tok = b.greedy_finish(m)
+        b.set_token_mask(m)
+        tok = b.greedy_next(tok, i)
         want.append(tok)
+    b.set_token_mask(None)
     assert got == want
     b.pipe_begin(5, 0)
     b.pipe_mask.zero_()
