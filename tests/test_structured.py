@@ -63,6 +63,17 @@ def test_backend_protocols(tiny_llama):
     assert not isinstance(object(), DecodeBackend)
 
 
+def test_megakernel_defines_the_steps_it_serves():
+    """The megakernel (built on a GPU only) defines every method of the optional steps; its data members
+    (max_chunk, weight_bytes_per_token, cfg, device, max_seq_len) are set when it is built."""
+    from flint.megakernel import MegakernelBackend
+
+    for proto in (GreedyStep, GreedyRun, MaskedStep, PipelinedStep, KVBytes):
+        methods = {n for c in proto.__mro__ if c.__module__ == "flint.backend_api" for n in vars(c)
+                   if not n.startswith("_")}
+        assert methods and all(hasattr(MegakernelBackend, n) for n in methods), (proto.__name__, methods)
+
+
 def test_set_token_mask_restricts_the_argmax_not_the_logits(tiny_llama):
     from flint.backend import mask_logits
 
