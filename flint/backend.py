@@ -1,22 +1,10 @@
-"""The factory that builds a decode backend by name.
+"""The factory that builds a decode backend by name, and the reference backend.
 
-Every backend serves the decode-step API described in flint.backend_api (forward, and optionally
-greedy_next, greedy_run, max_chunk), with ``BackendError`` (re-exported here) and
-``check_greedy_run``.
-
-Token masks (grammar-constrained decoding): a backend with ``supports_token_mask = True`` takes
-``set_token_mask(mask)``, a contiguous int32 tensor of ceil(V / 32) words on its device (bit i & 31 of
-word i >> 5 set = token i allowed), or None to clear it; it applies to the argmax of every following
-``greedy_next`` / ``greedy_run`` call until set again, never to ``forward()``'s logits (logprobs stay the
-model's distribution). An all-zero mask is the caller's error (the result is undefined). A backend may also
-pipeline the masked steps, so that no host round trip sits between two steps (the engine then takes that loop):
-``pipe_begin(token, pos)``
-enqueues the step and its masked argmax, which waits until the host has filled ``pipe_mask`` (a CPU int32 tensor
-of the same words) and called ``pipe_publish()``; ``pipe_ahead(pos)`` enqueues the next step, whose token is the
-latest enqueued argmax's (it never leaves the device); ``pipe_token()`` returns the oldest published argmax's token
-(RuntimeError when its mask allowed nothing); ``pipe_close()`` releases whatever still waits. flint.token_mask
-holds the shared torch side (``check_token_mask``, ``mask_logits``: the reference and compiled backends
-use them, the engine masks logits with it before sampling). Test: ``pytest tests/test_structured.py -k mask``.
+Every backend serves the decode-step API of flint.backend_api: ``forward`` (the DecodeBackend
+protocol), and the optional steps it lists (greedy_next, greedy_run, the masked and pipelined
+steps), with ``BackendError`` (re-exported here). flint.token_mask holds the masks' shared torch side
+(``check_token_mask``, ``mask_logits``: the reference and compiled backends use them, the engine masks
+logits with it before sampling). Test: ``pytest tests/test_structured.py -k mask``.
 
 Backends: reference (eager PyTorch), compiled / compiled-bf16 (torch.compile baselines,
 flint.compiled), megakernel (the persistent CUDA kernel, flint.megakernel).
@@ -40,59 +28,56 @@ BACKENDS = ("reference", "compiled", "compiled-bf16", "megakernel")
 
 
 class ReferenceBackend(Transformer):
-    """The reference decoder (flint.model) with the M = 1 argmax step ``greedy_next`` and its token mask."""
+    """The reference decoder (flint.model) with the masked M = 1 argmax step ``greedy_next`` and the pipelined
+    masked step (flint.backend_api.PipelinedStep), run in order: a step is computed when its mask is published."""
 
-    supports_token_mask = True
     token_mask = None
-    _launched = None
+    _pipe = None
+    _pipe_out = ()  # (a list from pipe_begin on)
+    _pipe_words = None
 
     def set_token_mask(self, mask) -> None:
         self.token_mask = check_token_mask(self, mask)
 
     def greedy_next(self, token: int, pos: int) -> int:
-        self.greedy_launch(token, pos)
-        return self.greedy_finish(self.token_mask)
+        return self._argmax(self._step(token, pos), self.token_mask)
 
-    def greedy_launch(self, token: int, pos: int) -> None:
-        self._launched = self.forward(torch.tensor([int(token)], dtype=torch.long), pos)[-1]
+    def _step(self, token: int, pos: int) -> torch.Tensor:
+        return self.forward(torch.tensor([int(token)], dtype=torch.long), pos)[-1]
 
-    def greedy_finish(self, mask) -> int:
-        logits, self._launched = self._launched, None
-        if logits is None:
-            raise RuntimeError(f"{self.name}: greedy_finish without a greedy_launch before it")
+    def _argmax(self, logits: torch.Tensor, mask) -> int:
         if mask is not None:
             logits = mask_logits(logits, check_token_mask(self, mask))
         return int(torch.argmax(logits))
 
-    # the pipelined masked step (the contract above), run in order: a step is computed when its mask is published
     def pipe_begin(self, token: int, pos: int) -> None:
         self._pipe = [(int(pos), int(token))]
-        self._pipe_out: list[int] = []
+        self._pipe_out = []
         self._pipe_last = None
 
     def pipe_ahead(self, pos: int) -> None:
-        if getattr(self, "_pipe", None) is None:
+        if self._pipe is None:
             raise RuntimeError(f"{self.name}: pipe_ahead without a pipe_begin before it")
         self._pipe.append((int(pos), None))
 
     @property
     def pipe_mask(self) -> torch.Tensor:
-        if getattr(self, "_pipe_words", None) is None:
+        if self._pipe_words is None:
             self._pipe_words = torch.zeros((self.cfg.vocab_size + 31) // 32, dtype=torch.int32)
         return self._pipe_words
 
     def pipe_publish(self) -> None:
-        if not getattr(self, "_pipe", None):
+        if not self._pipe:
             raise RuntimeError(f"{self.name}: pipe_publish with no step waiting")
         pos, tok = self._pipe.pop(0)
-        self.greedy_launch(self._pipe_last if tok is None else tok, pos)
+        logits = self._step(self._pipe_last if tok is None else tok, pos)
         mask = self.pipe_mask.to(self.device)
-        t = self.greedy_finish(mask) if bool(mask.any()) else -1
+        t = self._argmax(logits, mask) if bool(mask.any()) else -1
         self._pipe_last = max(t, 0)
         self._pipe_out.append(t)
 
     def pipe_token(self) -> int:
-        if not getattr(self, "_pipe_out", None):
+        if not self._pipe_out:
             raise RuntimeError(f"{self.name}: pipe_token with no published step")
         t = self._pipe_out.pop(0)
         if t < 0:

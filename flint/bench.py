@@ -70,11 +70,13 @@ from pathlib import Path
 import torch
 
 from .backend import BACKENDS, BackendError, check_kv_cache, default_device, make_backend
+from .backend_api import ChunkedPrefill, GreedyRun, GreedyStep, KVBytes, MaskedStep, WeightBytes
 from .bench_head import INT4_BACKENDS, check_head_backends, head_variants, parse_head_groups
+from .errors import FlintError
 DEFAULT_BACKENDS = "reference,compiled,compiled-bf16"
 
 
-class BenchError(ValueError):
+class BenchError(FlintError, ValueError):
     pass
 
 
@@ -128,9 +130,8 @@ def _tensor_bytes(t) -> int:
 
 def weight_bytes_per_token(backend) -> int:
     """Bytes of weights one decode step of ``backend`` reads."""
-    n = getattr(backend, "weight_bytes_per_token", None)
-    if n is not None:
-        return int(n)
+    if isinstance(backend, WeightBytes):
+        return int(backend.weight_bytes_per_token)
     from .model import Transformer
 
     if isinstance(backend, Transformer):
@@ -143,11 +144,10 @@ def weight_bytes_per_token(backend) -> int:
 
 def kv_bytes(backend, ctx: int) -> int:
     """Bytes of K and V one decode step reads at context ``ctx``."""
-    if hasattr(backend, "kv_bytes"):
+    if isinstance(backend, KVBytes):
         return int(backend.kv_bytes(ctx))
     c = backend.cfg
-    el = backend.k_cache.element_size() if hasattr(backend, "k_cache") else 2
-    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * ctx * el
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * ctx * 2  # (an fp16 cache)
 
 
 # ------------------------------------------------------------------ timing
@@ -159,7 +159,7 @@ def _sync(device):
 
 def _stepper(backend):
     """step(token, pos) -> next greedy token (an int: one host sync per token)."""
-    if hasattr(backend, "greedy_next"):
+    if isinstance(backend, GreedyStep):
         return backend.greedy_next
 
     def step(tok: int, pos: int) -> int:
@@ -170,7 +170,7 @@ def _stepper(backend):
 
 def prefill(backend, start: int, end: int, gen: torch.Generator) -> None:
     """Write random tokens at positions start..end-1 (chunked like the engine)."""
-    chunk = getattr(backend, "max_chunk", None) or 1024
+    chunk = (backend.max_chunk if isinstance(backend, ChunkedPrefill) else None) or 1024
     vocab = backend.cfg.vocab_size
     for s in range(start, end, chunk):
         n = min(chunk, end - s)
@@ -188,7 +188,7 @@ def decode_loop(backend, loop: str = "device", flush: torch.Tensor | None = None
     "host" (one host round trip per token: greedy_next, or forward + argmax); always "host" with an L2
     flush before each token (tokens are timed one by one then)."""
     _check_loop(loop)
-    return "device" if loop == "device" and flush is None and hasattr(backend, "greedy_run") else "host"
+    return "device" if loop == "device" and flush is None and isinstance(backend, GreedyRun) else "host"
 
 
 def time_decode(backend, ctx: int, n_tokens: int, repeats: int, device: torch.device,
@@ -274,7 +274,7 @@ def time_verify(backend, ctx: int, m: int, repeats: int, device: torch.device, g
 
 def time_ttft(backend, prompt_len: int, device: torch.device, gen: torch.Generator, repeats: int = 3) -> float:
     """Median seconds from a prompt of prompt_len random tokens to its first token (cold cache)."""
-    chunk = getattr(backend, "max_chunk", None) or prompt_len
+    chunk = (backend.max_chunk if isinstance(backend, ChunkedPrefill) else None) or prompt_len
     prompt = torch.randint(0, backend.cfg.vocab_size, (prompt_len,), generator=gen)
     times = []
     for i in range(repeats + 1):
@@ -437,7 +437,7 @@ def _bench_backend(doc, save, lm, name, bname, ctxs, n_tokens, repeats, prompt_l
             file=sys.stderr)
         base = None
         for m in verify:  # the verify curve: one forward of m tokens (m - 1 drafts) against m = 1
-            limit = getattr(backend, "max_chunk", None)
+            limit = backend.max_chunk if isinstance(backend, ChunkedPrefill) else None
             if limit is not None and m > limit:
                 doc["verify"].append({"model": name, "backend": bname, "ctx": ctx, "m": m, "us_per_step": None,
                                       "note": f"the backend takes at most {limit} tokens per forward"})
@@ -700,7 +700,7 @@ BENCH_SCHEMA = {"type": "object",
                                "kind": {"enum": ["capital", "port", "village"]}, "coastal": {"type": "boolean"}},
                 "required": ["city", "country", "population", "kind", "coastal"], "additionalProperties": False}
 # strings of at most 24 characters: what random weights would need to end a document unforced, and what costs
-# llguidance most per token (bench/constrained_host_cost.py, lab/constrained_trace.py --bounded)
+# llguidance most per token (lab/studies/constrained_host_cost.py, lab/constrained_trace.py --bounded)
 BENCH_SCHEMA_BOUNDED = {**BENCH_SCHEMA, "properties": {**BENCH_SCHEMA["properties"],
                                                        "city": {"type": "string", "maxLength": 24},
                                                        "country": {"type": "string", "maxLength": 24}}}
@@ -836,7 +836,7 @@ def run_constrained_bench(models: list[str | None], backends: list[str], schema:
             row = {"model": name, "backend": bname, "unconstrained_tok_s": round(statistics.median(plain), 2),
                    "constrained_tok_s": round(statistics.median(masked), 2),
                    "ratio": round(statistics.median(masked) / statistics.median(plain), 4),
-                   "kernel_mask": bool(getattr(backend, "supports_token_mask", False)),
+                   "kernel_mask": isinstance(backend, MaskedStep),
                    "grammar_us_per_token": round(statistics.median(grammar_s) * 1e6, 1),
                    "outputs": repeats, "valid": valid, "constrained_tokens": lengths, "vocab": lm.cfg.vocab_size,
                    "schema": schema, "forced": forced}

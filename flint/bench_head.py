@@ -25,12 +25,13 @@ import dataclasses
 
 import torch
 
+from .errors import FlintError
 from .quant import GROUP_SIZES, Int4Weight, quantize_int4
 
 INT4_BACKENDS = ("compiled", "megakernel")
 
 
-class HeadOptionError(ValueError):
+class HeadOptionError(FlintError, ValueError):
     pass
 
 

@@ -149,7 +149,6 @@ class CompiledBackend:
     step. On CPU both backends therefore run eagerly: the CPU is where they are tested, not timed."""
 
     max_chunk = 512  # prefill chunk: bounds the eager attention scores to M x A
-    supports_token_mask = True  # set_token_mask: the argmax of greedy_next / greedy_run only
 
     def __init__(self, cfg: ModelConfig, params: dict, max_seq_len: int | None = None, device="cuda",
                  int4: bool = True, group_size: int = 128, compile: bool | None = None,

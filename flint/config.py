@@ -12,11 +12,13 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .errors import FlintError
+
 
 MAX_CONTEXT = 2**31 - 1
 
 
-class ConfigError(ValueError):
+class ConfigError(FlintError, ValueError):
     """A config file or field flint cannot run; the message names the file and field."""
 
 

@@ -10,11 +10,11 @@ decode tok/s). Test: ``pytest tests/test_engine.py`` (logprobs: ``tests/test_ser
 
 Grammar constraints (``sp.constraint``, a flint.grammar.Constraint): each step the host advances the
 grammar with the chosen token and fills the next step's allowed-token bitmask into a pinned buffer, which
-is copied to the device (non-blocking); greedy decoding on a backend with ``supports_token_mask`` then
-sets it and takes ``greedy_next`` (the argmax is masked on the device, no logits reach the host), other
+is copied to the device (non-blocking); greedy decoding on a backend with the masked step (flint.backend_api.MaskedStep)
+then sets it and takes ``greedy_next`` (the argmax is masked on the device, no logits reach the host), other
 decoding masks the logits on the device before sampling. Constrained greedy decoding runs one token per
 host round trip (the next mask needs the token before it), not in ``greedy_run`` bursts; on a backend with the
-pipelined step (``pipe_begin`` ...: the megakernel, the reference) the next step is enqueued before the mask is
+pipelined step (``PipelinedStep``: the megakernel, the reference) the next step is enqueued before the mask is
 filled and takes its token on the device, so no host round trip sits between two steps. Test:
 ``pytest tests/test_structured.py``.
 """
@@ -26,14 +26,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .backend_api import ChunkedPrefill, GreedyRun, GreedyStep, MaskedStep, PipelinedStep
+from .errors import FlintError
 from .token_mask import mask_logits
 
 
-class ContextError(ValueError):
+class ContextError(FlintError, ValueError):
     pass
 
 
-class Cancelled(Exception):
+class Cancelled(FlintError):
     """The caller's should_stop() said yes between two prefill chunks."""
 
 
@@ -195,8 +197,8 @@ def inverse_cdf_draw(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def sample(logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None) -> int:
     """The next token from logits [V]: the argmax at temperature 0, else a draw from probs_from_logits by inverse CDF
     of one uniform (inverse_cdf_draw; with one scan over the row it took 84 against torch.multinomial's 135 µs a draw
-    at V = 49152 on the H200, bench/sampling_cost.py, `sampling_cost_2026-12-03.json`; the blockwise scan is not timed
-    yet)."""
+    at V = 49152 on the H200, lab/studies/sampling_cost.py, `sampling_cost_2026-12-03.json`; the blockwise scan is not
+    timed yet)."""
     if sp.temperature == 0:
         return int(torch.argmax(logits))
     return int(draw(logits, sp, gen))
@@ -313,7 +315,8 @@ class Engine:
                 break
             c += 1
         c = min(c, len(ids) - 1)
-        chunk = min(getattr(self.backend, "max_chunk", None) or self.PREFILL_CHUNK, self.PREFILL_CHUNK)
+        limit = self.backend.max_chunk if isinstance(self.backend, ChunkedPrefill) else None
+        chunk = min(limit or self.PREFILL_CHUNK, self.PREFILL_CHUNK)
         out = None
         self.cached = self.cached[:c]
         for s in range(c, len(ids), chunk):
@@ -340,8 +343,8 @@ class Engine:
             return
         # the on-device greedy shortcuts return no logits: logprobs take the logits path
         greedy = sp.temperature == 0 and adjust is None and sp.logprobs is None
-        burst = greedy and hasattr(self.backend, "greedy_run")
-        fast = greedy and hasattr(self.backend, "greedy_next")
+        burst = greedy and isinstance(self.backend, GreedyRun)
+        fast = greedy and isinstance(self.backend, GreedyStep)
         # sampling on a GPU without penalties or logprobs: bursts too, each draw (sample's) feeding the next forward
         # on the device, one host sync per burst
         if sp.temperature > 0 and adjust is None and sp.logprobs is None and \
@@ -398,7 +401,7 @@ class Engine:
         dev = host if on_cpu else torch.empty(words, dtype=torch.int32, device=logits.device)
         # the kernel's masked argmax: greedy, no logit changes, no logprobs (they need the logits)
         kernel = (sp.temperature == 0 and adjust is None and sp.logprobs is None
-                  and getattr(b, "supports_token_mask", False) and hasattr(b, "greedy_next"))
+                  and isinstance(b, MaskedStep))
 
         def next_mask() -> torch.Tensor:
             matcher.fill(host)
@@ -415,7 +418,7 @@ class Engine:
             return tok
 
         tok = choose(logits)
-        if kernel and hasattr(b, "pipe_begin") and pos < b.max_seq_len:
+        if kernel and isinstance(b, PipelinedStep) and pos < b.max_seq_len:
             tok, pos = yield from self._piped(b, matcher, tok, pos)
         try:
             while True:
@@ -436,7 +439,7 @@ class Engine:
 
     @staticmethod
     def _piped(b, matcher, tok: int, pos: int):
-        """The pipelined masked steps (flint.backend's contract): step n + 1 is enqueued before step n's mask is
+        """The pipelined masked steps (flint.backend_api.PipelinedStep): step n + 1 is enqueued before step n's mask is
         filled, and takes step n's token on the device, so the device runs step after step while the host consumes
         a token and fills the next mask. Returns (token, pos) where the context has no room for one more step."""
         b.pipe_begin(tok, pos)

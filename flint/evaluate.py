@@ -47,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from .errors import FlintError
 from .model import kv_format_bytes
 from .quant import (GROUP_SIZES, Int4Weight, fit_group_size, int8_rows, quantize_int4,
                     kernel_params, quantize_params, requantize_params)
@@ -54,7 +55,7 @@ from .quant import (GROUP_SIZES, Int4Weight, fit_group_size, int8_rows, quantize
 DEFAULT_CORPUS = Path(__file__).parent / "data" / "eval-corpus.txt"
 
 
-class EvalError(ValueError):
+class EvalError(FlintError, ValueError):
     pass
 
 

@@ -24,8 +24,10 @@ import time
 
 import torch
 
+from .errors import FlintError
 
-class GrammarError(ValueError):
+
+class GrammarError(FlintError, ValueError):
     """A grammar, schema or pattern the engine cannot compile; ``param`` names the request field."""
 
     def __init__(self, message: str, param: str | None = None):

@@ -3,7 +3,7 @@
 flint.loading.load_hf_dir hands a Hugging Face directory whose config.json has a
 ``quantization_config`` with one of these methods to ``parse_config`` (the fields) and ``decode``
 (the tensors). Test: ``pytest tests/test_hfquant.py``; the fp16-min measurement:
-``python3 bench/hfquant_mins.py``.
+``python3 lab/studies/hfquant_mins.py``.
 
 The formats (per linear module ``P``, weight W [N, K] = [out_features, in_features]):
 
@@ -63,7 +63,7 @@ missing or misshapen tensors, source groups that no layout group divides.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 

@@ -20,15 +20,19 @@ import torch
 
 from .backend_api import check_greedy_run
 from .config import ModelConfig
+from .errors import FlintError
 from .model import kv_format_bytes
 from .quant import Int4Weight
 
-MAX_M = 8          # tokens per launch compiled (1..8); must match mk::MAX_M
-KSEG_MAX = 2560    # codes per K segment; must match mk::KSEG_MAX
-TILE_ROWS = 16     # rows per weight tile (one mma A operand); must match mk::TILE_ROWS
-ATT_T = 64         # keys per attention tile; must match mk::ATT_T
+# the kernel's constants this module plans with (mk_common.cuh); check_abi compares them with the library's at load
+MAX_M = 8          # tokens per launch compiled (1..8): mk::MAX_M
+KSEG_MAX = 2560    # codes per K segment: mk::KSEG_MAX
+TILE_ROWS = 16     # rows per weight tile (one mma A operand): mk::TILE_ROWS
+ATT_T = 64         # keys per attention tile: mk::ATT_T
+ABI_VERSION = 6    # flint_mk_abi_version of the host part whose arguments _pack_args names
 KV_CACHE_FORMATS_MK = ("fp16", "int8")  # the KV caches the kernel reads (int8: flint.model's layout, codes + fp16 scales)
 LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+MATRICES = ("qkv", "o", "gu", "down", "lm_head", "dslice")  # the kernel's matrices (mk::MAT_*), as its ABI names them
 
 _libs: dict[bool, ctypes.CDLL] = {}
 
@@ -41,6 +45,7 @@ def load_library(traced: bool = False):
     from .kernels.build import build
 
     lib = bind_library(ctypes.CDLL(str(build(traced=traced))))
+    check_abi(lib)
     _libs[traced] = lib
     return lib
 
@@ -72,6 +77,11 @@ def bind_library(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.flint_mk_smem_info.restype = ctypes.c_int
     lib.flint_mk_last_error.argtypes = []
     lib.flint_mk_last_error.restype = ctypes.c_char_p
+    if hasattr(lib, "flint_mk_abi_layout"):  # (variant libraries of older revisions lack them)
+        lib.flint_mk_abi_layout.argtypes = []
+        lib.flint_mk_abi_layout.restype = ctypes.c_char_p
+        lib.flint_mk_abi_constants.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        lib.flint_mk_abi_constants.restype = None
     if hasattr(lib, "flint_mk_long_layout_info"):  # (variant libraries of older revisions lack it)
         lib.flint_mk_long_layout_info.argtypes = [vp, ctypes.POINTER(ctypes.c_int)]
         lib.flint_mk_long_layout_info.restype = ctypes.c_int
@@ -104,8 +114,32 @@ def names_int4(cfg: ModelConfig) -> list[str]:
     return [f"layers.{i}.{n}" for i in range(cfg.num_layers) for n in LINEARS] + ["lm_head"]
 
 
-class MegakernelError(RuntimeError):
+class MegakernelError(FlintError, RuntimeError):
     pass
+
+
+def check_abi(lib: ctypes.CDLL) -> None:
+    """Refuse a library whose ABI version, shared constants or count of kernel objects differ from this module's
+    and flint/kernels/build.py's object list (MegakernelError)."""
+    from .kernels.build import EXTRA_OBJECTS, M_VALUES
+
+    if not hasattr(lib, "flint_mk_abi_constants"):
+        raise MegakernelError("the kernel library reports no ABI (rebuild: python -m flint.kernels.build --force)")
+    got = (ctypes.c_int * 6)()
+    lib.flint_mk_abi_constants(got)
+    want = {"ABI version": ABI_VERSION, "MAX_M": MAX_M, "KSEG_MAX": KSEG_MAX, "TILE_ROWS": TILE_ROWS, "ATT_T": ATT_T,
+            "kernel objects": len(M_VALUES) + len(EXTRA_OBJECTS)}
+    bad = [f"{k} {g} (flint: {w})" for (k, w), g in zip(want.items(), got) if g != w]
+    if bad:
+        raise MegakernelError(f"the kernel library does not match flint.megakernel: {', '.join(bad)} "
+                              "(rebuild: python -m flint.kernels.build --force)")
+
+
+def abi_layout(lib: ctypes.CDLL) -> tuple[list[str], list[str]]:
+    """The names of flint_mk_create's int and float argument slots, in order (megakernel_host.cu defines them; a
+    matrix's fields as "qkv.base", "qkv.layer_stride", ...)."""
+    ints, floats = lib.flint_mk_abi_layout().decode().split("|")
+    return ints.split(), floats.split()
 
 
 def _check(rc: int, lib) -> None:
@@ -528,27 +562,35 @@ class MegakernelBackend:
                 raise ValueError(f"megakernel: tensor {n!r} is missing")
 
     def _pack_args(self) -> tuple[list[int], list[float]]:
-        c = self.cfg
-        ia = [c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers,
-              c.vocab_size, self.max_seq_len, int(bool(c.use_rope)), self.nblocks,
-              int(self.kv_cache == "int8"),  # kv8
-              self.ffn_plan["nffn"] if self.ffn_plan else 0, self.ffn_plan["nffn_pad"] if self.ffn_plan else 0,
-              0]  # the ohead slot: always 0 (the o projection runs as its own stage)
-        for t in (self.embed, self.norms, self.final_norm, self.rope_cos, self.rope_sin, self.k_cache,
-                  self.v_cache, self.resid, self.kv_scale, self.attn, self.act, self.part, self.att_count,
-                  self.logits, self.arg_val, self.arg_idx, self.argmax, self.done_count, self.bar_counter,
-                  self.epoch, self.dpart, self.trace, self.qkv_tag):
-            ia.append(t.data_ptr() if t is not None else 0)
-        for key in ("qkv", "o", "gu", "down", "lm_head", "dslice"):  # mk::MAT_* order
-            dsc = self.mat_desc.get(key)
-            if dsc is None:  # absent: down with FFN split-K, dslice without
-                ia += [0] * 10
-                continue
-            ia += [self.weights[key].data_ptr(), dsc["layer_stride"], dsc["seg_stride"], dsc["N"], dsc["K"],
-                   dsc["G"], dsc["nseg"], dsc["kseg"], dsc["srb"], dsc["nreal"]]
-        fa = [c.rms_norm_eps, c.embedding_multiplier, c.residual_multiplier, c.attn_scale,
-              1.0 / c.logits_scaling]
-        return ia, fa
+        """flint_mk_create's int and float arrays: each value named as the library names its slot (abi_layout)."""
+        c, plan = self.cfg, self.ffn_plan or {}
+        vals = {"H": c.hidden_size, "I": c.intermediate_size, "nh": c.num_heads, "nkv": c.num_kv_heads,
+                "D": c.head_dim, "L": c.num_layers, "V": c.vocab_size, "max_seq": self.max_seq_len,
+                "use_rope": int(bool(c.use_rope)), "nblocks": self.nblocks, "kv8": int(self.kv_cache == "int8"),
+                "nffn": plan.get("nffn", 0), "nffn_pad": plan.get("nffn_pad", 0),
+                "ohead": 0}  # always 0 (the o projection runs as its own stage)
+        tensors = {"embed": self.embed, "norms": self.norms, "final_norm": self.final_norm,
+                   "rope_cos": self.rope_cos, "rope_sin": self.rope_sin, "kcache": self.k_cache,
+                   "vcache": self.v_cache, "resid": self.resid, "kvscale": self.kv_scale, "attn": self.attn,
+                   "act": self.act, "part": self.part, "att_count": self.att_count, "logits": self.logits,
+                   "arg_val": self.arg_val, "arg_idx": self.arg_idx, "argmax": self.argmax,
+                   "done_count": self.done_count, "bar_counter": self.bar_counter, "epoch": self.epoch,
+                   "dpart": self.dpart, "trace": self.trace, "qkvt": self.qkv_tag}
+        vals.update((n, t.data_ptr() if t is not None else 0) for n, t in tensors.items())
+        for key, dsc in self.mat_desc.items():
+            vals[f"{key}.base"] = self.weights[key].data_ptr()
+            vals.update((f"{key}.{f}", v) for f, v in dsc.items())
+        floats = {"eps": c.rms_norm_eps, "emb_mult": c.embedding_multiplier, "res_mult": c.residual_multiplier,
+                  "attn_scale": c.attn_scale, "inv_logit_scale": 1.0 / c.logits_scaling}
+        int_names, float_names = abi_layout(self._lib)
+        # an absent matrix's fields (down with FFN split-K, dslice without) are zeros
+        vals.update((n, 0) for n in int_names if n.partition(".")[0] in set(MATRICES) - set(self.mat_desc))
+        missing = [n for n in int_names if n not in vals] + [n for n in float_names if n not in floats]
+        unused = sorted(set(vals) - set(int_names)) + sorted(set(floats) - set(float_names))
+        if missing or unused:
+            raise MegakernelError(f"the kernel library's arguments differ from flint.megakernel's: it asks for "
+                                  f"{missing or 'nothing more'}, flint also has {unused or 'nothing more'}")
+        return [vals[n] for n in int_names], [floats[n] for n in float_names]
 
     def kv_bytes(self, ctx: int) -> int:
         """Bytes of K and V (int8: codes and scales) one decode step reads at context ``ctx``."""
@@ -598,7 +640,6 @@ class MegakernelBackend:
             return logits, self.resid[rows].clone()
         return logits
 
-    supports_token_mask = True
     _token_mask = None
     _launched = False
 

@@ -15,12 +15,13 @@ import re
 from dataclasses import dataclass
 
 from .config import ModelConfig
+from .errors import FlintError
 
 LINEAR_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 FLOAT_DTYPES = ("torch.float32", "torch.float16", "torch.bfloat16")
 
 
-class LoadError(ValueError):
+class LoadError(FlintError, ValueError):
     """A checkpoint flint cannot load; the message names the file and the tensor or field."""
 
 

@@ -51,6 +51,7 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig
+from .errors import FlintError
 from .loading import QUANT_METHOD, LoadedModel, load_model
 from .params import LINEAR_NAMES
 from .quant import (GROUP_SIZES, Int4Weight, check_shape, int4_group_size, quantize_int4,
@@ -60,7 +61,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.jinja")
 
 
-class QuantizeError(ValueError):
+class QuantizeError(FlintError, ValueError):
     pass
 
 

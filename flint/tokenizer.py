@@ -18,8 +18,10 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors
 
+from .errors import FlintError
 
-class TokenizerError(ValueError):
+
+class TokenizerError(FlintError, ValueError):
     pass
 
 

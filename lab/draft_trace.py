@@ -7,7 +7,7 @@ A random draft shaped like the shipped one (1 MLP block, the target's intermedia
 (int4 groups of 128 on Granite, 64 otherwise), the default int4 matrices. Two measurements per model:
 - the untraced kernel's GPU time per launch by CUDA events (25 launches back to back, median of 9 such runs; the host
   enqueues faster than the GPU runs them, so no host time is counted), and the
-  wall time of one synchronized `propose` call (what bench/spec_cost.py reports), per draft token;
+  wall time of one synchronized `propose` call (what lab/studies/spec_cost.py reports), per draft token;
 - the traced library (built with `python3 -m flint.kernels.build --traced`): block 0's %globaltimer stamps before and
   after every grid barrier, medians over 100 launches, per step: each phase's own work on block 0 (its staging, dots
   and stores) and its barrier (the wait for the slowest block plus the barrier itself); `tail` is the keys' reduction

@@ -9,8 +9,6 @@ Shows whether a kv head's merge (split 0's block with MK_TMERGE) waits for one l
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mk_dev import traced_step_stamps, warm_granite  # noqa: E402

@@ -133,7 +133,7 @@ def test_cli_writes_json_and_table(tiny_spec, tmp_path, capsys):
 
 def test_bench_draft_reports_acceptance_beside_plain():
     """`flint bench --draft`: speculative and plain decoding on the same held-out prompts, greedy
-    outputs identical on the fp32 reference, acceptance within [1, k + 1]; two rounds, each kept."""
+    outputs identical on the fp32 reference, the draft's tokens accepted; two rounds, each kept."""
     from flint.bench import draft_table, run_draft_bench
 
     doc = run_draft_bench(None, ["reference"], "smollm2-135m", 3, per_kind=1, max_new_tokens=8,
@@ -143,7 +143,10 @@ def test_bench_draft_reports_acceptance_beside_plain():
     assert all(len(r["spec_tok_s_rounds"]) == len(r["x_plain_rounds"]) == 2 for r in rows.values())
     assert set(rows) >= {"code", "all"}
     allrow = rows["all"]
-    assert 1.0 <= allrow["tokens_per_step"] <= 4.0
+    # the shipped draft gets tokens accepted (a broken draft or verify gives 1.0), and the accepted drafts per step
+    # are at most k times the acceptance rate (at most k drafts a step)
+    assert allrow["tokens_per_step"] > 1.2
+    assert all(r["tokens_per_step"] - 1 <= 3 * r["accept_rate"] + 1e-3 for r in rows.values())
     assert allrow["identical_to_plain"] == f"{allrow['prompts']}/{allrow['prompts']}"
     assert allrow["spec_tok_s"] > 0 and allrow["plain_tok_s"] > 0
     assert "tokens_per_step" in draft_table(doc)

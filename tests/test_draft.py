@@ -142,8 +142,10 @@ def test_training_lowers_loss_and_val_acceptance_matches_engine(tmp_path):
     assert rec["val_sequences"] > 0
     assert rec["val_sequences"] + rec["sequences"] == int((data.lengths >= 2).sum())
     assert set(rec["val_tokens_per_step_by_kind"]) <= {"all", *KINDS}
-    assert 1.0 <= rec["val_tokens_per_step"]["3"] <= 4.0
-    log = json.loads((tmp_path / "d" / "train_log.json").read_text())["steps"]
+    hist = json.loads((tmp_path / "d" / "train_log.json").read_text())
+    # the draft kept is the best validated one (its k = 3 figure at least every validation's during training)
+    assert rec["val_tokens_per_step"]["3"] >= max(v["tokens_per_step_k3"] for v in hist["val"]) - 5e-4 > 1.0
+    log = hist["steps"]
     first = sum(r["loss"] for r in log[:5]) / 5
     last = sum(r["loss"] for r in log[-5:]) / 5
     assert rec["steps"] == 60 and last < 0.8 * first, (first, last)

@@ -2,6 +2,7 @@
 what the batched training-time rollout predicts at every start; a new block starts as the draft without it; it saves
 and loads; the kernel and graph rollouts refuse it; the speculative engine stays exact with it (greedy identical to
 plain; sampled tokens follow the target's law: tests/test_speculative.py)."""
+import json
 import math
 
 import pytest
@@ -197,5 +198,7 @@ def test_trains_through_train_draft(tmp_path):
         d.attn.wo.weight.normal_(0, 0.02)
     rec = train_draft(d, data, tmp_path / "d", steps=40, batch_size=8, lr=3e-3, depth=3, val_frac=0.25,
                       eval_every=20, k_eval=3, log=lambda *a: None)
-    assert 1.0 <= rec["val_tokens_per_step"]["3"] <= 4.0
+    val = json.loads((tmp_path / "d" / "train_log.json").read_text())["val"]
+    # the draft kept is the best validated one (its k = 3 figure at least every validation's during training)
+    assert rec["val_tokens_per_step"]["3"] >= max(v["tokens_per_step_k3"] for v in val) - 5e-4 > 1.0
     assert rec["loss_last"] < rec["loss_first"]

@@ -1,4 +1,4 @@
-"""bench/make_q4km.py: its Q4_K / Q6_K writer, and a tiny model written as Q4_K_M loading in flint.
+"""lab/studies/make_q4km.py: its Q4_K / Q6_K writer, and a tiny model written as Q4_K_M loading in flint.
 
 * the Q4_K and Q6_K quantizers' bytes decode with gguf.quants.dequantize to exactly the values the
   quantizer meant (bit for bit, zero and outlier sub-blocks included), and those are within the
@@ -32,7 +32,7 @@ from flint.params import LINEAR_NAMES
 from flint.quant import ExactInt4Weight, Int4Weight, kernel_params, quantize_params
 
 QT = gguf.GGMLQuantizationType
-_spec = importlib.util.spec_from_file_location("make_q4km", Path(__file__).parents[1] / "bench" / "make_q4km.py")
+_spec = importlib.util.spec_from_file_location("make_q4km", Path(__file__).parents[1] / "lab" / "studies" / "make_q4km.py")
 mq = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(mq)
 

@@ -13,7 +13,6 @@ import importlib.util
 import json
 import signal
 import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 

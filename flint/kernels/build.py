@@ -51,7 +51,13 @@ NVCC_FLAGS = [
 LINK_FLAGS = ["-shared", "-gencode", "arch=compute_90a,code=sm_90a", "-Xcompiler", "-fPIC"]
 
 
-class BuildError(RuntimeError):
+try:
+    from flint.errors import FlintError
+except ImportError:  # (this file loaded by its path, outside the package: lab/sass_hash.py, lab/mk_ab1.py)
+    FlintError = Exception
+
+
+class BuildError(FlintError, RuntimeError):
     pass
 
 

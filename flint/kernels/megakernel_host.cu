@@ -3,9 +3,11 @@
 // launch functions of megakernel.cu (an unsupported M is an error, never another M's kernel).
 // Every CUDA return code is checked; failures return nonzero and flint_mk_last_error() says why.
 // Build: python -m flint.kernels.build      Test: pytest tests/test_megakernel.py
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <new>
+#include <string>
 
 #include "mk_common.cuh"
 #include "mk_mma.cuh"
@@ -103,7 +105,18 @@ struct Handle {
 
 extern "C" const char* flint_mk_last_error() { return g_err; }
 
-extern "C" int flint_mk_abi_version() { return 5; }
+extern "C" int flint_mk_abi_version() { return 6; }
+
+// What flint/megakernel.py checks at load against its own copies: the ABI version, the four constants it shares with
+// the kernel (mk::MAX_M, KSEG_MAX, TILE_ROWS, ATT_T), and how many kernel objects this host part dispatches to
+// (flint/kernels/build.py builds one per entry of its object list).
+extern "C" void flint_mk_abi_constants(int* out6) {
+  int objects = 4;  // the long-context M = 1 objects: m1long, m1gu8long and their kv8 copies
+  for (int m = 1; m <= mk::MAX_M; ++m) objects += (kLaunch[m] != nullptr) + (kLaunch8[m] != nullptr);
+  for (int m = 1; m <= kGu8MaxM; ++m) objects += (kLaunchGu8[0][m] != nullptr) + (kLaunchGu8[1][m] != nullptr);
+  const int v[6] = {flint_mk_abi_version(), mk::MAX_M, mk::KSEG_MAX, mk::TILE_ROWS, mk::ATT_T, objects};
+  for (int i = 0; i < 6; ++i) out6[i] = v[i];
+}
 
 // The long-context objects' K/V tensor maps (mk_common.cuh, Params::kv_map): the driver's encoder through the runtime's
 // entry-point query (no link against libcuda). 0 = made; otherwise the long objects are not launched (the short ones
@@ -134,39 +147,92 @@ static int make_kv_maps(mk::Params& p) {
   return 0;
 }
 
-// iargs: see flint/megakernel.py (_pack_args) for the order; it is the one definition of it.
+// The flat argument arrays of flint_mk_create, in order: their one definition. flint_mk_abi_layout names every slot,
+// flint/megakernel.py packs its values by those names (and refuses a library that asks for a value it does not have).
+enum class Slot { Int, LongLong, Ptr, Float };
+struct Arg {
+  const char* name;
+  size_t offset;  // in mk::Params, mk::Mat (the kMatArgs) or the floats' mk::Params fields
+  Slot type;
+};
+static const Arg kParamArgs[] = {
+    {"H", offsetof(mk::Params, H), Slot::Int}, {"I", offsetof(mk::Params, I), Slot::Int},
+    {"nh", offsetof(mk::Params, nh), Slot::Int}, {"nkv", offsetof(mk::Params, nkv), Slot::Int},
+    {"D", offsetof(mk::Params, D), Slot::Int}, {"L", offsetof(mk::Params, L), Slot::Int},
+    {"V", offsetof(mk::Params, V), Slot::Int}, {"max_seq", offsetof(mk::Params, max_seq), Slot::Int},
+    {"use_rope", offsetof(mk::Params, use_rope), Slot::Int}, {"nblocks", offsetof(mk::Params, nblocks), Slot::Int},
+    {"kv8", offsetof(mk::Params, kv8), Slot::Int}, {"nffn", offsetof(mk::Params, nffn), Slot::Int},
+    {"nffn_pad", offsetof(mk::Params, nffn_pad), Slot::Int},
+    {"ohead", offsetof(mk::Params, ohead), Slot::Int},  // (a slot of the argument layout: must be 0)
+    {"embed", offsetof(mk::Params, embed), Slot::Ptr}, {"norms", offsetof(mk::Params, norms), Slot::Ptr},
+    {"final_norm", offsetof(mk::Params, final_norm), Slot::Ptr},
+    {"rope_cos", offsetof(mk::Params, rope_cos), Slot::Ptr}, {"rope_sin", offsetof(mk::Params, rope_sin), Slot::Ptr},
+    {"kcache", offsetof(mk::Params, kcache), Slot::Ptr}, {"vcache", offsetof(mk::Params, vcache), Slot::Ptr},
+    {"resid", offsetof(mk::Params, resid), Slot::Ptr}, {"kvscale", offsetof(mk::Params, kvscale), Slot::Ptr},
+    {"attn", offsetof(mk::Params, attn), Slot::Ptr}, {"act", offsetof(mk::Params, act), Slot::Ptr},
+    {"part", offsetof(mk::Params, part), Slot::Ptr}, {"att_count", offsetof(mk::Params, att_count), Slot::Ptr},
+    {"logits", offsetof(mk::Params, logits), Slot::Ptr}, {"arg_val", offsetof(mk::Params, arg_val), Slot::Ptr},
+    {"arg_idx", offsetof(mk::Params, arg_idx), Slot::Ptr}, {"argmax", offsetof(mk::Params, argmax), Slot::Ptr},
+    {"done_count", offsetof(mk::Params, done_count), Slot::Ptr},
+    {"bar_counter", offsetof(mk::Params, bar_counter), Slot::Ptr}, {"epoch", offsetof(mk::Params, epoch), Slot::Ptr},
+    {"dpart", offsetof(mk::Params, dpart), Slot::Ptr}, {"trace", offsetof(mk::Params, trace), Slot::Ptr},
+    {"qkvt", offsetof(mk::Params, qkvt), Slot::Ptr}};
+// then each matrix's (mk::MAT_* order, named kMatNames) fields
+static const char* const kMatNames[mk::NMAT] = {"qkv", "o", "gu", "down", "lm_head", "dslice"};
+static const Arg kMatArgs[] = {
+    {"base", offsetof(mk::Mat, base), Slot::Ptr}, {"layer_stride", offsetof(mk::Mat, layer_stride), Slot::LongLong},
+    {"seg_stride", offsetof(mk::Mat, seg_stride), Slot::LongLong}, {"N", offsetof(mk::Mat, N), Slot::Int},
+    {"K", offsetof(mk::Mat, K), Slot::Int}, {"G", offsetof(mk::Mat, G), Slot::Int},
+    {"nseg", offsetof(mk::Mat, nseg), Slot::Int}, {"kseg", offsetof(mk::Mat, kseg), Slot::Int},
+    {"srb", offsetof(mk::Mat, srb), Slot::Int}, {"nreal", offsetof(mk::Mat, nreal), Slot::Int}};
+// the float array
+static const Arg kFloatArgs[] = {
+    {"eps", offsetof(mk::Params, eps), Slot::Float}, {"emb_mult", offsetof(mk::Params, emb_mult), Slot::Float},
+    {"res_mult", offsetof(mk::Params, res_mult), Slot::Float},
+    {"attn_scale", offsetof(mk::Params, attn_scale), Slot::Float},
+    {"inv_logit_scale", offsetof(mk::Params, inv_logit_scale), Slot::Float}};
+constexpr int kNParamArgs = sizeof(kParamArgs) / sizeof(Arg), kNMatArgs = sizeof(kMatArgs) / sizeof(Arg);
+constexpr int kNIntArgs = kNParamArgs + mk::NMAT * kNMatArgs, kNFloatArgs = sizeof(kFloatArgs) / sizeof(Arg);
+
+static void put(void* base, const Arg& a, long long v) {
+  char* at = (char*)base + a.offset;
+  switch (a.type) {
+    case Slot::Int: *(int*)at = (int)v; break;
+    case Slot::LongLong: *(long long*)at = v; break;
+    case Slot::Ptr: *(void**)at = (void*)(uintptr_t)v; break;
+    case Slot::Float: break;  // (the float array: put_float)
+  }
+}
+
+// "name name ... | name ...": the int array's slots (a matrix's as "qkv.base"), then the float array's
+extern "C" const char* flint_mk_abi_layout() {
+  static const std::string layout = [] {
+    std::string s;
+    for (const Arg& a : kParamArgs) s += std::string(a.name) + " ";
+    for (const char* m : kMatNames)
+      for (const Arg& a : kMatArgs) s += std::string(m) + "." + a.name + " ";
+    s += "|";
+    for (const Arg& a : kFloatArgs) s += std::string(" ") + a.name;
+    return s;
+  }();
+  return layout.c_str();
+}
+
 extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, int n_f, void** out) {
   *out = nullptr;
-  const int NI = 14 + 23 + mk::NMAT * 10, NF = 5;
-  if (n_i != NI || n_f != NF) {
-    snprintf(g_err, sizeof(g_err), "flint_mk_create: expected %d int and %d float args, got %d and %d", NI, NF, n_i,
-             n_f);
+  if (n_i != kNIntArgs || n_f != kNFloatArgs) {
+    snprintf(g_err, sizeof(g_err), "flint_mk_create: expected %d int and %d float args, got %d and %d", kNIntArgs,
+             kNFloatArgs, n_i, n_f);
     return 1;
   }
   Handle* h = new (std::nothrow) Handle();
   if (!h) return fail("flint_mk_create: out of host memory");
   mk::Params& p = h->p;
   int k = 0;
-  p.H = (int)ia[k++]; p.I = (int)ia[k++]; p.nh = (int)ia[k++]; p.nkv = (int)ia[k++]; p.D = (int)ia[k++];
-  p.L = (int)ia[k++]; p.V = (int)ia[k++]; p.max_seq = (int)ia[k++]; p.use_rope = (int)ia[k++];
-  p.nblocks = (int)ia[k++];
-  p.kv8 = (int)ia[k++];
-  p.nffn = (int)ia[k++];
-  p.nffn_pad = (int)ia[k++];
-  p.ohead = (int)ia[k++];  // (a slot of the argument layout: must be 0)
-  void** ptrs[] = {(void**)&p.embed, (void**)&p.norms, (void**)&p.final_norm, (void**)&p.rope_cos,
-                   (void**)&p.rope_sin, (void**)&p.kcache, (void**)&p.vcache, (void**)&p.resid, (void**)&p.kvscale,
-                   (void**)&p.attn, (void**)&p.act, (void**)&p.part, (void**)&p.att_count, (void**)&p.logits,
-                   (void**)&p.arg_val, (void**)&p.arg_idx, (void**)&p.argmax, (void**)&p.done_count,
-                   (void**)&p.bar_counter, (void**)&p.epoch, (void**)&p.dpart, (void**)&p.trace,
-                   (void**)&p.qkvt};
-  for (int i = 0; i < 23; ++i) *ptrs[i] = (void*)(uintptr_t)ia[k++];
+  for (const Arg& a : kParamArgs) put(&p, a, ia[k++]);
   for (int m = 0; m < mk::NMAT; ++m) {
     mk::Mat& mt = p.mat[m];
-    mt.base = (const uint8_t*)(uintptr_t)ia[k++];
-    mt.layer_stride = ia[k++]; mt.seg_stride = ia[k++];
-    mt.N = (int)ia[k++]; mt.K = (int)ia[k++]; mt.G = (int)ia[k++]; mt.nseg = (int)ia[k++];
-    mt.kseg = (int)ia[k++]; mt.srb = (int)ia[k++]; mt.nreal = (int)ia[k++];
+    for (const Arg& a : kMatArgs) put(&mt, a, ia[k++]);
     // absent: MAT_D with FFN split-K, MAT_DS without (never touched by the kernel then)
     const bool absent = (m == mk::MAT_D && p.nffn > 0) || (m == mk::MAT_DS && p.nffn == 0);
     if (absent) {
@@ -200,8 +266,7 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
       return 1;
     }
   }
-  p.eps = (float)fa[0]; p.emb_mult = (float)fa[1]; p.res_mult = (float)fa[2]; p.attn_scale = (float)fa[3];
-  p.inv_logit_scale = (float)fa[4];
+  for (int i = 0; i < kNFloatArgs; ++i) *(float*)((char*)&p + kFloatArgs[i].offset) = (float)fa[i];
   if (p.D != 64 && p.D != 128) { delete h; return fail("flint_mk_create: head_dim must be 64 or 128"); }
 
   int dev, e;

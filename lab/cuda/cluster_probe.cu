@@ -9,6 +9,7 @@
 //      barrier; timed over many rounds with clock64 (SM clocks per round).
 // Build: nvcc -gencode arch=compute_90a,code=sm_90a -O3 -std=c++17 -o build/dev/cluster_probe lab/cuda/cluster_probe.cu
 // Run:   build/dev/cluster_probe            (H200, 2026-11-30: bench/results/cluster_probe_session15_2026-11-30.log)
+#include <cuda.h>  // (CUtensorMap: mk_ptx.cuh's TMA helpers name it)
 #include <cuda_runtime.h>
 #include <cstdio>
 #include <cstdlib>

@@ -25,6 +25,7 @@
 // Run (device): ./build/dev/hop_bench [--iters 200] [--n 2560] [--stream 0|1] [--inflight 8] [--gib 2]
 //                                    [--work 0] [--policy 0|1] [--sync 0|1|2]
 #include <cooperative_groups.h>
+#include <cuda.h>  // (CUtensorMap: mk_ptx.cuh's TMA helpers name it)
 #include <cuda_runtime.h>
 
 #include <algorithm>

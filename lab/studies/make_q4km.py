@@ -1,7 +1,7 @@
 """Write a Q4_K_M-like GGUF of a GGUF model (default: the embedded SmolLM2), to measure what
 flint's K-quant load path costs (`flint eval`, docs/eval.md).
 
-    python3 bench/make_q4km.py OUT.gguf [--src PATH] [--check] [--report]
+    python3 lab/studies/make_q4km.py OUT.gguf [--src PATH] [--check] [--report]
 
 Each matrix is dequantized (gguf.quants.dequantize) and quantized again with the types llama.cpp's
 Q4_K_M recipe assigns: Q6_K for the output head (the token embedding when the head is tied) and
@@ -190,7 +190,7 @@ def check(path: str) -> int:
     un-permuted as flint does); returns how many were compared."""
     import torch
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     from flint.loading import _GGUF_LAYER, _unpermute_rows, load_model
     from flint.quant import Int4Weight
 
@@ -223,7 +223,7 @@ def requant_report(path: str, group_sizes=(32, 128), log=print) -> None:
     sub-blocks whose (d sc, dmin m) fp16 holds exactly (the others' fp16 pair is rounded once)."""
     from collections import defaultdict
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     from flint.loading import _GGUF_LAYER, load_model
     from flint.quant import ExactInt4Weight, Int4Weight, quantize_params
 
@@ -283,7 +283,7 @@ def main() -> None:
     a = ap.parse_args()
     src = a.src
     if src is None:
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
         from flint.loading import embedded_gguf_path
 
         src = str(embedded_gguf_path())

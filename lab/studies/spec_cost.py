@@ -4,7 +4,7 @@ head either the target's whole tied head in bf16 or a pruned one of N rows, --dr
 Acceptance is NOT measured here (random weights accept nothing): the tokens-per-step figures that turn these costs into tok/s come from the real SmolLM2 draft
 (docs/speculative.md, `flint bench --draft`).
 
-    FLINT_KERNEL_DIR=build/kernels python3 bench/spec_cost.py [--models smollm2-135m,granite-4.1-3b] [--k 5]
+    FLINT_KERNEL_DIR=build/kernels python3 lab/studies/spec_cost.py [--models smollm2-135m,granite-4.1-3b] [--k 5]
 
 Per model: plain M = 1 step (greedy_next), verify steps M = 1..k+1 (forward with hidden states),
 the draft's k-step greedy rollout eager, as a CUDA graph and as the one-launch kernel (on bf16 matrices, and on
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from flint.config import SYNTHETIC, from_hf_dict  # noqa: E402
 from flint.draft import DraftHead, draft_config_for  # noqa: E402
 from flint.engine import Engine, SamplingParams  # noqa: E402

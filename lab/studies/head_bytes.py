@@ -1,6 +1,6 @@
 """Bytes per decode token of each LM-head variant on the SmolLM2 and Granite-4.1-3B shapes, computed.
 
-    python3 bench/head_bytes.py
+    python3 lab/studies/head_bytes.py
 
 The int4 rows are what the megakernel's ``weight_bytes_per_token`` counts (flint-int4-v1: a nibble
 a weight and an fp16 (scale, min) a group, the body at --group-size 128 or the largest group
@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from flint.bench_head import int4_bytes  # noqa: E402
 from flint.params import LINEAR_NAMES, expected_shapes  # noqa: E402
 from flint.quant import fit_group_size  # noqa: E402

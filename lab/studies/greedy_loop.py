@@ -1,7 +1,7 @@
 """The greedy loop's host round trip, measured: the same backend timed with one host sync per token
 (greedy_next) and with the argmax fed back on the device (greedy_run), alternately, in one process.
 
-    python3 bench/greedy_loop.py [--backends megakernel,compiled] [--ctx 512] [--tokens 32] [--rounds 3]
+    python3 lab/studies/greedy_loop.py [--backends megakernel,compiled] [--ctx 512] [--tokens 32] [--rounds 3]
 
 Per backend: fill the cache to ctx with random tokens, check that both loops produce the same tokens, then
 `flint.bench.time_decode` with loop="host" and loop="device" per round (each the median of 3 passes).

@@ -1,6 +1,6 @@
 """Per-token host cost of three grammar engines (llguidance, xgrammar, outlines-core) on CPU.
 
-    python3 bench/grammar_engines.py [--engines llguidance,xgrammar,outlines-core] [--reps 3]
+    python3 lab/studies/grammar_engines.py [--engines llguidance,xgrammar,outlines-core] [--reps 3]
 
 For each vocabulary (the embedded SmolLM2's, 49152 tokens, and a Granite-size one of 100352: SmolLM2's
 plus 51200 merges of two of its tokens, a proxy, as no Granite tokenizer ships in a package) and a JSON

@@ -1,7 +1,7 @@
 """What drawing one sampled token costs on the host loop's critical path (device): the engine's sampling step on a
 logits row of the vocabulary's size, from the row to the token id on the host, per way of drawing it.
 
-    python3 bench/sampling_cost.py [--vocab 49152,100352] [--temperature 0.7] [--top-p 1.0] [--reps 300]
+    python3 lab/studies/sampling_cost.py [--vocab 49152,100352] [--temperature 0.7] [--top-p 1.0] [--reps 300]
 
 Ways: `multinomial` (probs_from_logits, then torch.multinomial), `inverse_cdf` (the same probs, then
 flint.engine.inverse_cdf_draw of one uniform: flint.engine.sample), `gumbel` (the argmax of logits / T minus
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from flint.engine import inverse_cdf_draw, probs_from_logits  # noqa: E402
 from spec_cost import timed  # noqa: E402  (median wall time of synchronized calls, µs)
 

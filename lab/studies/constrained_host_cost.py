@@ -4,7 +4,7 @@ work (llguidance's mask fill, the mask copy and set_token_mask, the grammar adva
 plus the stub's pick, which is timed alone and subtracted. The lowest allowed token inside a free string never
 closes it, so that walk ends at 300 tokens, most of them in a string (the common state of real outputs).
 
-    python3 bench/constrained_host_cost.py [--vocab 49152,100352] [--reps 5]
+    python3 lab/studies/constrained_host_cost.py [--vocab 49152,100352] [--reps 5]
 
 Results: bench/results/grammar_engines_2026-12-02.md.
 """
@@ -26,7 +26,6 @@ from flint.token_mask import check_token_mask
 
 class StubBackend:
     """greedy_next = the lowest allowed token (no model); forward = zeros (the first token's logits)."""
-    supports_token_mask = True
     name = "stub"
 
     def __init__(self, vocab: int):

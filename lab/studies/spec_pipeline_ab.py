@@ -4,9 +4,9 @@ host order (the draft wrapped so that it only has ``propose``: rollout after the
 between the two and plain greedy decoding, all in one process (device).
 
     # real SmolLM2 and its shipped draft, the held-out prompts of `flint bench --draft`:
-    FLINT_KERNEL_DIR=build/kernels python3 bench/spec_pipeline_ab.py --model <SmolLM2 GGUF> --k 2,3 --rounds 3
+    FLINT_KERNEL_DIR=build/kernels python3 lab/studies/spec_pipeline_ab.py --model <SmolLM2 GGUF> --k 2,3 --rounds 3
     # Granite-4.1-3B shapes, oracle acceptance (benchmarking only, flint.oracle):
-    FLINT_KERNEL_DIR=build/kernels python3 bench/spec_pipeline_ab.py --model synthetic:granite-4.1-3b \\
+    FLINT_KERNEL_DIR=build/kernels python3 lab/studies/spec_pipeline_ab.py --model synthetic:granite-4.1-3b \\
         --oracle-accept 0.77 --k 3 --rounds 3
 
 Per k and variant: tokens per verify step, tok/s per round, their median and the ratio to plain greedy of the same
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from flint.bench import device_name, load_bench_model, make_backend  # noqa: E402
 from flint.engine import Engine, SamplingParams  # noqa: E402
 from flint.speculative import SpeculativeEngine  # noqa: E402

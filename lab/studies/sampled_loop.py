@@ -2,7 +2,7 @@
 draw feeds the next step on the device, the tokens read back once a burst: Engine.SAMPLED_BURST_DEVICES), rounds
 alternating in one process on one backend, beside greedy decoding (greedy_run bursts) of the same prompt.
 
-    python3 bench/sampled_loop.py [--model synthetic:smollm2-135m] [--backend megakernel] [--tokens 128]
+    python3 lab/studies/sampled_loop.py [--model synthetic:smollm2-135m] [--backend megakernel] [--tokens 128]
                                   [--temperature 0.7] [--rounds 5] [--json PATH]
 
 Per round and loop: one generate of --tokens tokens from a random 32-token prompt (a new seed each round, the same

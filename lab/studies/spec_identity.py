@@ -1,6 +1,6 @@
 """Greedy speculative output vs plain greedy on one device and precision (is a mismatch numerics or a bug?).
 
-    python bench/spec_identity.py --model PATH.gguf --device cuda --dtype float32 [--dtype bfloat16]
+    python lab/studies/spec_identity.py --model PATH.gguf --device cuda --dtype float32 [--dtype bfloat16]
 """
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from flint.backend import make_backend  # noqa: E402
 from flint.draft import load_draft  # noqa: E402

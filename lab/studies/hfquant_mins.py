@@ -1,7 +1,7 @@
 """How often, and by how much, fp16 cannot hold the min -u s of a GPTQ / AWQ / compressed-tensors
 group (CPU, about a minute).
 
-    python3 bench/hfquant_mins.py [--tokens 96] [--seed 0]
+    python3 lab/studies/hfquant_mins.py [--tokens 96] [--seed 0]
 
 flint-int4-v1 stores per group (scale, min) in fp16; a zero-point format stores (s, u) with
 W = s (q - u), so min = -u s, exact in float32 but not always in fp16 (flint.hfquant). Part 1: a
@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from flint.hfquant import ExactMinInt4Weight  # noqa: E402
 from flint.quant import Int4Weight, pack_int4  # noqa: E402
 

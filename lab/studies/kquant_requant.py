@@ -1,6 +1,6 @@
 """What requantizing a Q4_K tensor to flint-int4-v1 costs, on a simulated tensor (CPU, seconds).
 
-    python3 bench/kquant_requant.py [--n 576] [--k 1536] [--seed 0]
+    python3 lab/studies/kquant_requant.py [--n 576] [--k 1536] [--seed 0]
 
 A Gaussian weight is quantized to Q4_K the simple way (per sub-block of 32: min = min(0, lowest),
 scale = range / 15; per super-block d = max scale / 63 and dmin = max min / 63 in fp16, 6-bit
@@ -21,7 +21,7 @@ import gguf
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from flint.quant import dequant_q4_k_blocks, quantize_int4  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """Each GGUF tensor type's share of what the int4 backends cost on a K-quant file, one type at a time.
 
-    python3 bench/q4k_share.py FILE.gguf [--max-tokens 2048]
+    python3 lab/studies/q4k_share.py FILE.gguf [--max-tokens 2048]
 
 Every row changes the matrices of one source type only, the rest (the head included) as the
 reference backend loads them (the file's exact values), and is scored by `flint eval`'s evaluate
@@ -16,7 +16,7 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import gguf  # noqa: E402
 
