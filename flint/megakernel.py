@@ -400,18 +400,12 @@ class MegakernelBackend:
         for n in self.SCRATCH:
             setattr(self, n, bufs[n])
 
-    def _create_handle(self) -> ctypes.c_void_p:
+    def _create_handle(self, override: dict | None = None) -> ctypes.c_void_p:
         h = ctypes.c_void_p()
-        ia, fa = self._pack_args()
+        ia, fa = self._pack_args(override)
         _check(self._lib.flint_mk_create((ctypes.c_longlong * len(ia))(*ia), len(ia),
                                          (ctypes.c_double * len(fa))(*fa), len(fa), ctypes.byref(h)), self._lib)
         return h
-
-    # the flat argument array (_pack_args): the layer count's slot, and where the matrices' descriptors start (10
-    # values each, in mk::MAT_* order; the layer stride is the second)
-    _ARG_LAYERS = 5
-    _ARG_MATS = 14 + 23
-    _MAT_ORDER = ("qkv", "o", "gu", "down", "lm_head", "dslice")
 
     def chain_us(self, pos: int, rounds: int = 5, steps: int = 8) -> float:
         """The chain figure: µs a layer of an M = 1 step when the layers' weights are L2-resident. Two more handles
@@ -426,24 +420,15 @@ class MegakernelBackend:
             raise ValueError(f"megakernel chain_us: needs at least 3 layers (the model has {L})")
         if not 0 <= pos < self.max_seq_len:
             raise ValueError(f"megakernel chain_us: pos {pos} outside the cache (max_seq_len {self.max_seq_len})")
-        ia, fa = self._pack_args()
-        handles = {}
-        for n in (L, 2):
-            a = list(ia)
-            a[self._ARG_LAYERS] = n
-            for i, key in enumerate(self._MAT_ORDER):
-                if key != "lm_head":
-                    a[self._ARG_MATS + 10 * i + 1] = 0
-            h = ctypes.c_void_p()
-            _check(self._lib.flint_mk_create((ctypes.c_longlong * len(a))(*a), len(a),
-                                             (ctypes.c_double * len(fa))(*fa), len(fa), ctypes.byref(h)), self._lib)
-            handles[n] = h
+        strides = {f"{k}.layer_stride": 0 for k in self.mat_desc if k != "lm_head"}
         caches = [self.k_cache, self.v_cache] + ([self.k_scale, self.v_scale] if self.kv_scale is not None else [])
         saved = [t[:, :, pos].clone() for t in caches]
         tok = torch.zeros(1, dtype=torch.int64, device=self.device)
         stream = torch.cuda.current_stream(self.device)
-        times = {n: [] for n in handles}
+        handles, times = {}, {L: [], 2: []}
         try:
+            for n in times:
+                handles[n] = self._create_handle({"L": n, **strides})
             for r in range(rounds + 1):  # round 0 warms both
                 for n, h in handles.items():
                     self._clear_tags()
@@ -561,8 +546,9 @@ class MegakernelBackend:
             if n not in params:
                 raise ValueError(f"megakernel: tensor {n!r} is missing")
 
-    def _pack_args(self) -> tuple[list[int], list[float]]:
-        """flint_mk_create's int and float arrays: each value named as the library names its slot (abi_layout)."""
+    def _pack_args(self, override: dict | None = None) -> tuple[list[int], list[float]]:
+        """flint_mk_create's int and float arrays: each value named as the library names its slot (abi_layout);
+        ``override``: values replaced by name (chain_us: the layer count, the layer strides)."""
         c, plan = self.cfg, self.ffn_plan or {}
         vals = {"H": c.hidden_size, "I": c.intermediate_size, "nh": c.num_heads, "nkv": c.num_kv_heads,
                 "D": c.head_dim, "L": c.num_layers, "V": c.vocab_size, "max_seq": self.max_seq_len,
@@ -585,6 +571,7 @@ class MegakernelBackend:
         int_names, float_names = abi_layout(self._lib)
         # an absent matrix's fields (down with FFN split-K, dslice without) are zeros
         vals.update((n, 0) for n in int_names if n.partition(".")[0] in set(MATRICES) - set(self.mat_desc))
+        vals.update(override or {})
         missing = [n for n in int_names if n not in vals] + [n for n in float_names if n not in floats]
         unused = sorted(set(vals) - set(int_names)) + sorted(set(floats) - set(float_names))
         if missing or unused:
