@@ -501,6 +501,13 @@ def main(argv=None) -> int:
             raise
         print(f"flint: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        from .engine import NonFiniteLogits
+
+        if not isinstance(e, NonFiniteLogits) or os.environ.get("FLINT_DEBUG"):
+            raise
+        print(f"flint: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -58,8 +58,9 @@ MEMORY_GIB = 2.0  # the worker's address-space headroom; a load that needs more 
 
 # ------------------------------------------------------------------ the targets
 
-def write_small_gguf(path: Path, seed: int = 0) -> None:
-    """A 2-layer llama GGUF with the embedded SmolLM2's metadata keys and tensor types."""
+def write_small_gguf(path: Path, seed: int = 0, edit=None) -> None:
+    """A 2-layer llama GGUF with the embedded SmolLM2's metadata keys and tensor types;
+    ``edit(name, values, kind)``, when given, returns the [(name, values, kind)] written instead."""
     from tokenizers import Tokenizer
 
     vocab = Tokenizer.from_str(byte_tokenizer_json()).get_vocab()
@@ -95,7 +96,8 @@ def write_small_gguf(path: Path, seed: int = 0) -> None:
 
     def add(name, shape, kind):
         x = (rng.standard_normal(shape) * 0.1 + (1.0 if len(shape) == 1 else 0.0)).astype(np.float32)
-        w.add_tensor(name, gguf.quants.quantize(x, kind), raw_dtype=kind)
+        for n, y, k in edit(name, x, kind) if edit else [(name, x, kind)]:
+            w.add_tensor(n, gguf.quants.quantize(y, k), raw_dtype=k)
 
     add("token_embd.weight", (len(tokens), H), QT.Q8_0)
     for i in range(LAYERS):
