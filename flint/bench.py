@@ -867,7 +867,24 @@ def default_backends(device: torch.device) -> str:
     return DEFAULT_BACKENDS + (",megakernel" if device.type == "cuda" and cuda_sm90() else "")
 
 
+# the options each bench mode reads (flint.cli.refuse_unused refuses any other given a value)
+_MODE_OPTIONS = {
+    "oracle_accept": ("with --draft oracle",),
+    **dict.fromkeys(("draft_k", "draft_vocab", "draft_prompts"), ("with --draft oracle", "with --draft PATH")),
+    "temperature": ("with --draft PATH",),
+    **dict.fromkeys(("bw_gib", "verify", "plot", "ctx", "prompt_len"), ("in plain decode timing",)),
+}
+
+
+def _mode(args) -> str:
+    return ("with --draft oracle" if args.draft == "oracle" else "with --draft PATH" if args.draft
+            else "with --response-format" if getattr(args, "response_format", None) else "in plain decode timing")
+
+
 def _run(args) -> int:
+    from .cli import refuse_unused
+
+    refuse_unused(args, _mode(args), _MODE_OPTIONS)
     dev = torch.device(args.device or default_device())
     args.backend = args.backend or default_backends(dev)
     head_groups = getattr(args, "head_group_size", None)  # (a Namespace built by hand may lack it)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 # JSON nesting deeper than this is refused (HF configs nest 3 or 4 levels; tokenizer.json ~6)
@@ -82,13 +83,18 @@ def parse_json(raw: bytes, source: str, err=ValueError, max_depth: int = MAX_JSO
                       or _depth(text) > max_depth):
         raise err(f"{source}: JSON nested deeper than {max_depth} levels")
 
+    def where(value: str) -> str:
+        """' (field NAME)' for the first field holding the literal ``value``, if one can be found."""
+        m = re.search(r'"((?:[^"\\]|\\.){0,200})"\s*:\s*' + re.escape(value) + r"\b", text)
+        return f" (field {m.group(1)!r})" if m else ""
+
     def constant(name):
-        raise err(f"{source}: {name} is not a JSON number (NaN and Infinity are refused)")
+        raise err(f"{source}: {name}{where(name)} is not a JSON number (NaN and Infinity are refused)")
 
     def number(s):
         v = float(s)
         if not math.isfinite(v):
-            raise err(f"{source}: the number {s[:40]} is beyond a float's range")
+            raise err(f"{source}: the number {s[:40]}{where(s)} is beyond a float's range")
         return v
 
     def pairs(items):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from flint import __version__
-from flint.cli import build_parser, main
+from flint.cli import build_parser, leaf_parsers, main
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BAD = b"ab\xffcd".decode("utf-8", "surrogateescape")  # how Linux hands the bytes ab\xffcd to argv
@@ -58,7 +58,12 @@ def no_model_load(monkeypatch):
     (["--draft", "ngram", "--draft-k", "0"], "argument --draft-k: must be >= 1"),
     (["--draft", "smollm2-135m", "--draft-vocab", "-1"], "argument --draft-vocab: must be >= 0"),
     (["--stop", ""], "argument --stop: must not be empty"),
-    (["--threads", "0"], "argument --threads: must be >= 1"),
+    (["--threads", "0"], "argument --threads: must be in [1, "),
+    (["--threads", "100000"], "argument --threads: must be in [1, "),
+    (["--draft-k", "3"], "--draft-k does nothing here"),
+    (["--draft-vocab", "10"], "--draft-vocab does nothing here"),
+    (["--model", ""], "--model: must not be empty"),
+    (["--system", "be brief"], "--system does nothing without --chat"),
     (["--device", "gpu0"], "--device 'gpu0': not a device"),
     (["--device", "cuda:99"], "--device 'cuda:99'"),
     (["--prompt", BAD], "argument --prompt: not valid UTF-8 at byte 2 (0xff)"),
@@ -79,6 +84,20 @@ def test_bad_values_are_refused_before_the_model_loads(argv, needle, no_model_lo
     (["draft", "harvest", "--out", "unused", "--temperature", "-1"],
      "flint draft harvest: error: argument --temperature: must be a finite number >= 0"),
     (["bench", "--device", "cuda:99"], "flint bench: error: --device 'cuda:99'"),
+    (["bench", "--bw-gib", "-1"], "flint bench: error: argument --bw-gib: must be a finite number in (0, 64]"),
+    (["bench", "--bw-gib", "100000"], "argument --bw-gib: must be a finite number in (0, 64]"),
+    (["eval", "--stride", "0"], "flint eval: error: argument --stride: must be >= 1, got 0"),
+    (["eval", "--max-tokens", "-1"], "flint eval: error: argument --max-tokens: must be >= 1"),
+    *[(["draft", "train", "--data", "d", "--out", "o", f"--{o}", "0"], f"argument --{o}: must be >= 1, got 0")
+      for o in ("batch-size", "k", "depth", "eval-every", "ckpt-every", "steps", "layers", "intermediate-size")],
+    (["draft", "train", "--data", "d", "--out", "o", "--lr", "nan"], "argument --lr: must be a finite number > 0"),
+    (["draft", "train", "--data", "d", "--out", "o", "--attention-heads", "-1"], "argument --attention-heads"),
+    (["draft", "eval", "--draft", "d", "--prompts-per-kind", "0"], "argument --prompts-per-kind: must be >= 1"),
+    (["draft", "eval", "--draft", "d", "--max-seq-len", "0"], "argument --max-seq-len: must be >= 1"),
+    (["draft", "eval", "--draft", "d", "--top-p", "2"], "argument --top-p: must be a finite number in (0, 1]"),
+    (["draft", "eval", "--draft", "d", "--time-budget", "-5"], "argument --time-budget"),
+    (["draft", "harvest", "--out", "o", "--batch-size", "0"], "argument --batch-size: must be >= 1"),
+    (["draft", "vocab", "--draft", "d", "--size", "-1"], "argument --size: must be >= 0"),
 ])
 def test_other_subcommands_refuse_out_of_range_values_at_parse_time(argv, needle, monkeypatch, capsys):
     import flint.bench
@@ -87,12 +106,25 @@ def test_other_subcommands_refuse_out_of_range_values_at_parse_time(argv, needle
 
     def ran(args):
         raise AssertionError(f"flint {args.command} ran with a bad value")
-    for mod, fn in ((flint.server, "cmd_serve"), (flint.draft_cli, "cmd_harvest"), (flint.bench, "_run")):
+    import flint.evaluate
+
+    for mod, fn in ((flint.server, "cmd_serve"), (flint.draft_cli, "cmd_harvest"), (flint.bench, "_run"),
+                    (flint.draft_cli, "cmd_train"), (flint.draft_cli, "cmd_eval"), (flint.draft_cli, "cmd_vocab"),
+                    (flint.evaluate, "_run")):
         monkeypatch.setattr(mod, fn, ran)  # register() reads these names when main() builds the parser
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def test_every_numeric_option_has_a_range():
+    """No subcommand option parses as a bare int or float (any value, 0 or -1 or 1e9, accepted):
+    each has a range (flint.cli.OPTION_RANGES) or a list of choices. flint serve's are checked by
+    flint.server before it starts."""
+    bare = [f"{p.prog} --{a.dest}" for p in leaf_parsers(build_parser()) for a in p._actions
+            if a.type in (int, float) and not a.choices and not p.prog.endswith(" serve")]
+    assert bare == []
 
 
 def test_non_utf8_argv_from_a_real_command_line_is_refused_without_traceback(tiny_llama_dir):
