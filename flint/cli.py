@@ -528,8 +528,11 @@ def check_args(args) -> None:
 
 
 def main(argv=None) -> int:
-    ap = build_parser()
-    args = ap.parse_args(argv)
+    try:
+        ap = build_parser()
+        args = ap.parse_args(argv)
+    except KeyboardInterrupt:  # Ctrl-C while the subcommand modules import torch: no traceback
+        return 130
     try:
         check_args(args)
     except ValueError as e:
