@@ -729,13 +729,6 @@ def test_safetensors_fuzz(small_st, tmp_path):
     check(run_safetensors(small_st, mutants, tmp_path))
 
 
-@pytest.fixture
-def slow_run(request):
-    """The long runs only when asked for (``-m slow``): plain ``pytest`` is what CI runs."""
-    if "slow" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("a slow run: pytest -m slow tests/test_loader_fuzz.py")
-
-
 @pytest.mark.slow
 @pytest.mark.usefixtures("slow_run")
 @pytest.mark.parametrize("seed", [1, 2, 3, 4])

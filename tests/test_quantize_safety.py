@@ -100,12 +100,6 @@ def test_stale_old_folder_kept_while_out_is_missing(tmp_path):
     assert remove_stale_siblings(tmp_path / "out") == [] and old.exists()
 
 
-@pytest.fixture
-def slow_run(request):
-    if "slow" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("a slow run: pytest -m slow tests/test_quantize_safety.py")
-
-
 @pytest.mark.slow
 @pytest.mark.usefixtures("slow_run")
 def test_signals_at_random_times(src, tmp_path):
