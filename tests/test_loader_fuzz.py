@@ -18,6 +18,10 @@ Two classes of mutant:
   the original's (a changed value that is still valid, such as a name or a slightly different
   rope base, is a model the file legitimately describes).
 
+Targeted kinds include broken weights with valid bytes: a NaN or infinite value, block scale or
+min in each tensor type, and an F16 tensor relabelled BF16 (the load must name the tensor).
+tests/test_input_fuzz.py does the same for HF side files, the int4 formats and the CLI.
+
 Either way a load that outlives its time limit is a hang, any other exception an escape, and a
 targeted mutant that loads a silent accept: all three must be zero. CI runs about 800 mutants
 (~15 s on 2 cores); ``pytest -m slow tests/test_loader_fuzz.py`` runs about 24,000 (~3 min).
@@ -107,7 +111,7 @@ def write_small_gguf(path: Path, seed: int = 0, edit=None) -> None:
         add(f"blk.{i}.ffn_up.weight", (FF, H), QT.Q4_1)
         add(f"blk.{i}.ffn_norm.weight", (H,), QT.F32)
         add(f"blk.{i}.attn_k.weight", (KV_HEADS * HEAD_DIM, H), QT.Q4_1)
-        add(f"blk.{i}.attn_output.weight", (H, H), QT.Q4_1)
+        add(f"blk.{i}.attn_output.weight", (H, H), QT.F16 if i == 1 else QT.Q4_1)  # an F16 to swap
         add(f"blk.{i}.attn_q.weight", (H, H), QT.Q4_1)
         add(f"blk.{i}.attn_v.weight", (KV_HEADS * HEAD_DIM, H), QT.Q4_1)
     add("output_norm.weight", (H,), QT.F32)
@@ -384,6 +388,34 @@ def gguf_targeted(head: bytes, lay: Layout, rng: random.Random) -> list[Mutant]:
     t = infos[rng.choice([n for n in names if infos[n].n_dims == 2 and infos[n].dims[0] != infos[n].dims[1]])]
     out.append(Mutant("shape transposed", [(t.dims_pos, struct.pack("<Q", t.dims[1])),
                                            (t.dims_pos + 8, struct.pack("<Q", t.dims[0]))], ["tensor"]))
+    out += gguf_broken_weights(lay, rng)
+    return out
+
+
+# a non-finite value per tensor type, at the first block: (byte offset in the block, bytes)
+_NAN_F16, _INF_F16 = struct.pack("<e", math.nan), struct.pack("<e", math.inf)
+_BROKEN = {QT.F32: [(0, struct.pack("<f", math.nan)), (0, struct.pack("<f", -math.inf))],
+           QT.F16: [(0, _NAN_F16), (0, _INF_F16)],
+           QT.Q8_0: [(0, _NAN_F16), (0, _INF_F16)],  # the block's scale
+           QT.Q4_1: [(0, _NAN_F16), (2, _INF_F16), (2, _NAN_F16)],  # its scale, its min
+           QT.Q4_0: [(0, _NAN_F16)]}
+
+
+def gguf_broken_weights(lay: Layout, rng: random.Random) -> list[Mutant]:
+    """Weights whose bytes are valid but whose values are not: a NaN or infinite value, scale or
+    min (the load must name the tensor), and a same-width type swap, F16 <-> BF16 (the magnitudes
+    give it away). Patches land in the tensor data, past the header."""
+    out = []
+    for kind in sorted({t.kind for t in lay.infos.values()} & set(_BROKEN)):
+        name = rng.choice([n for n, t in lay.infos.items() if t.kind == kind])
+        block = gguf.GGML_QUANT_SIZES[kind][1]
+        at, value = rng.choice(_BROKEN[kind])
+        pos = lay.data_start + lay.infos[name].offset + block * rng.randrange(4) + at
+        out.append(Mutant(f"non-finite {kind.name} weight", [(pos, value)], [name, "NaN or infinite"]))
+    for name, t in lay.infos.items():
+        if t.kind in (QT.F16, QT.BF16) and t.n_dims == 2:
+            swap = QT.BF16 if t.kind == QT.F16 else QT.F16
+            out.append(Mutant("F16 <-> BF16 swap", [(t.type_pos, struct.pack("<I", swap))], [name, "likely wrong"]))
     return out
 
 
@@ -711,7 +743,8 @@ def test_embedded_gguf_fuzz(tmp_path):
         pytest.skip(str(e))
     kinds = {"norm epsilon not finite or <= 0", "rope base not finite or <= 0", "token id outside the vocabulary",
              "block count != layers present", "array count past the end", "non-UTF-8 string",
-             "misaligned offset", "overlapping offset", "type change", "field type unsuitable"}
+             "misaligned offset", "overlapping offset", "type change", "field type unsuitable",
+             "non-finite Q4_1 weight", "non-finite Q8_0 weight", "non-finite F32 weight"}
     head, lay = gguf_layout(src)
     chosen, seen = [], set()
     for m in gguf_targeted(head, lay, random.Random(1)):
