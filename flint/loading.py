@@ -33,7 +33,7 @@ from . import hfquant
 from .checks import check_types, check_weight, parse_json, read_json
 from .config import ConfigError, ModelConfig, from_hf_dict
 from .params import LoadedModel, LoadError, check_params, expected_shapes
-from .quant import (Int4Weight, dequant_q4_k_blocks, dequant_q5_k_blocks, dequant_q6_k_blocks,
+from .quant import (GROUP_SIZES, Int4Weight, dequant_q4_k_blocks, dequant_q5_k_blocks, dequant_q6_k_blocks,
                     dequant_q8_0_blocks, from_q4_0_blocks, from_q4_1_blocks, from_q4_k_blocks)
 
 DEFAULT_MODEL = "embedded:smollm2"
@@ -198,7 +198,7 @@ def load_hf_dir(d: str | Path, dtype=torch.float32) -> LoadedModel:
     except (TypeError, ValueError) as e:  # a field of the wrong JSON type
         raise LoadError(f"{d / 'config.json'}: a field has the wrong type ({e})") from None
     gen = _read_json(d / "generation_config.json", required=False)
-    gen = {} if gen is None else gen
+    gen = {} if gen is None and not (d / "generation_config.json").exists() else gen
     if not isinstance(gen, dict):
         raise LoadError(f"{d / 'generation_config.json'}: expected a JSON object, got {type(gen).__name__}")
     check_types(gen, {"eos_token_id": "ids", "bos_token_id": "uint"}, str(d / "generation_config.json"), LoadError)
@@ -228,9 +228,9 @@ def load_hf_dir(d: str | Path, dtype=torch.float32) -> LoadedModel:
     params = {}
     if qc.get("quant_method") == QUANT_METHOD:
         g = qc.get("group_size")
-        if type(g) is not int:
+        if type(g) is not int or g not in GROUP_SIZES:
             raise LoadError(f"{d / 'config.json'}: field 'quantization_config.group_size'={g!r} "
-                            "must be an integer")
+                            f"must be one of {', '.join(map(str, GROUP_SIZES))} (flint quantize writes those)")
         for k in [k for k in flat if k.endswith(".qweight")]:
             name = k[:-len(".qweight")]
             if name + ".scales" not in flat or name + ".mins" not in flat:

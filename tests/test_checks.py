@@ -18,10 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import CHATML, byte_tokenizer_json
 from flint.checks import magnitude_problem, parse_json
 from flint.loading import LoadError, load_model
-from test_loader_fuzz import SAFETENSORS_CONFIG, write_small_gguf, write_small_safetensors
+from test_loader_fuzz import write_small_gguf, write_small_safetensors
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -30,19 +29,7 @@ pytestmark = pytest.mark.usefixtures("torch_one_thread")
 def hf_dir(tmp_path_factory) -> Path:
     """A small HF llama directory with the byte tokenizer and a ChatML template (read-only)."""
     d = tmp_path_factory.mktemp("checks") / "ckpt"
-    write_small_safetensors(d)
-    c = dict(SAFETENSORS_CONFIG, vocab_size=259)  # the byte tokenizer's size
-    (d / "config.json").write_text(json.dumps(c))
-    from safetensors.torch import load_file, save_file
-
-    t = load_file(str(d / "model.safetensors"))
-    g = torch.Generator().manual_seed(0)
-    for k in ("model.embed_tokens.weight", "lm_head.weight"):
-        t[k] = torch.randn(259, c["hidden_size"], generator=g) * 0.1
-    save_file(t, str(d / "model.safetensors"))
-    (d / "tokenizer.json").write_text(byte_tokenizer_json())
-    (d / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False, "chat_template": CHATML}))
+    write_small_safetensors(d, tokenizer=True)
     return d
 
 

@@ -127,12 +127,15 @@ SAFETENSORS_CONFIG = dict(model_type="llama", vocab_size=64, hidden_size=32, int
                           bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
 
 
-def write_small_safetensors(d: Path, seed: int = 0) -> None:
-    """An HF llama directory (config.json, model.safetensors; no tokenizer) with random weights."""
+def write_small_safetensors(d: Path, seed: int = 0, tokenizer: bool = False) -> None:
+    """An HF llama directory (config.json, model.safetensors) with random weights; with
+    ``tokenizer``, the byte tokenizer and a ChatML template too (and its vocabulary size)."""
     import torch
     from safetensors.torch import save_file
 
-    c = SAFETENSORS_CONFIG
+    from conftest import BYTE_VOCAB, CHATML
+
+    c = dict(SAFETENSORS_CONFIG, vocab_size=BYTE_VOCAB) if tokenizer else SAFETENSORS_CONFIG
     h, i, hd = c["hidden_size"], c["intermediate_size"], c["hidden_size"] // c["num_attention_heads"]
     g = torch.Generator().manual_seed(seed)
 
@@ -151,6 +154,10 @@ def write_small_safetensors(d: Path, seed: int = 0) -> None:
     d.mkdir(parents=True, exist_ok=True)
     save_file(t, str(d / "model.safetensors"))
     (d / "config.json").write_text(json.dumps(c))
+    if tokenizer:
+        (d / "tokenizer.json").write_text(byte_tokenizer_json())
+        (d / "tokenizer_config.json").write_text(json.dumps(
+            {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False, "chat_template": CHATML}))
 
 
 # ------------------------------------------------------------------ where things are in a GGUF
