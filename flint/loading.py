@@ -10,11 +10,17 @@ importable from here.
 
 What is checked before a model is returned: GGUF structure by flint.gguf_file (counts bounded by
 the file, UTF-8 strings, tensor data in bounds, aligned, tiling the data section); GGUF field
-types (an integer where an integer is needed, a float where a float is); safetensors headers entry
-by entry (float dtypes for float weights, sizes, bounds, no overlaps or holes); the config's
-ranges (ModelConfig.validate: norm epsilon, rope base and scales finite and > 0, token ids inside
-the vocabulary); and check_params: the layer count equal to the layers present, every tensor's
-name, shape and dtype.
+types (an integer where an integer is needed, a float where a float is); the HF side files read
+strictly and every field flint reads typed the same way (flint.checks: no "false" for false, no
+NaN / Infinity, no repeated key, nesting bounded; shard names inside the directory); safetensors
+headers entry by entry (float dtypes for float weights, sizes, bounds, no overlaps or holes); the
+config's ranges (ModelConfig.validate: norm epsilon, rope base and scales finite and in the
+plausible ranges of flint.checks.PLAUSIBLE, token ids inside the vocabulary); layer indices in
+canonical ASCII form and one source per flint tensor; check_params: the layer count equal to the
+layers present, every tensor's name, shape and dtype; every weight, int4 scale and min finite and
+of plausible magnitudes (flint.checks.check_weight: a half-precision type mislabelled, a quantized
+type swapped); the chat template compiled. Any other exception while loading becomes a LoadError
+naming the spec (load_model's backstop).
 Tests: ``pytest tests/test_loading.py tests/test_gguf.py tests/test_kquants.py tests/test_loader_fuzz.py
 tests/test_hfquant.py``.
 """
