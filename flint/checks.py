@@ -240,7 +240,7 @@ def check_weight(name: str, w, source: str, err=ValueError) -> None:
         what = f"tensor {name!r}" + (f" ({part})" if part else "")
         bad = nonfinite(t)
         if bad:
-            raise err(f"{source}: {what}: {bad}")
+            raise err(f"{source}: {what}: {bad}; the weights are broken, or the file's type for them is wrong")
         if t.dim() == 2 and t.is_floating_point() and part != "mins":  # the scales tell a swap already
             odd = magnitude_problem(t)
             if odd:

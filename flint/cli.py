@@ -395,7 +395,12 @@ def cmd_chat(args) -> int:
             print(_stats_line(last, engine) if last else "(no answer yet)")
             continue
         history.append({"role": "user", "content": line})
-        n_prompt = len(tok.encode_chat(system + history))
+        try:
+            n_prompt = len(tok.encode_chat(system + history))
+        except ValueError as e:  # the template refuses this conversation (raise_exception, a render error)
+            history.pop()
+            print(f"({e}; nothing was sent)", file=sys.stderr, flush=True)
+            continue
         if n_prompt + sp.max_new_tokens > backend.max_seq_len:
             history.pop()
             print(f"(the conversation is {n_prompt} tokens; with --max-new-tokens "

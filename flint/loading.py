@@ -539,6 +539,8 @@ def _gguf_tensor(t, path: str):
 
 
 def load_gguf(path: str | Path, dtype=torch.float32) -> LoadedModel:
+    import numpy as np
+
     from . import gguf_file
     from .tokenizer import Tokenizer
 
@@ -556,7 +558,8 @@ def load_gguf(path: str | Path, dtype=torch.float32) -> LoadedModel:
         if shape != want[fl]:
             raise LoadError(f"{path}: tensor {t.name!r} has shape {list(shape)}, the metadata "
                             f"implies {list(want[fl])}")
-        w = _gguf_tensor(t, path)
+        with np.errstate(all="ignore"):  # a broken scale is reported by check_weight, not by numpy's warnings
+            w = _gguf_tensor(t, path)
         check_weight(t.name, w, path, LoadError)
         if t.tensor_type in (q.Q4_K, q.Q5_K, q.Q6_K) and not isinstance(w, Int4Weight):
             requant[fl] = t.tensor_type.name

@@ -216,6 +216,30 @@ def test_magnitudes_of_real_and_mislabelled_tensors():
     assert "decades" in magnitude_problem(random_scales)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_q4_k_and_q4_0_swapped_caught(seed):
+    """Q4_K and Q4_0 take the same bytes a value (144 per 256): either read as the other gives
+    scales from code bytes, NaN or absurdly spread, and check_weight refuses the tensor."""
+    import gguf
+
+    from flint.checks import check_weight
+    from flint.quant import dequant_q4_k_blocks, from_q4_0_blocks, from_q4_k_blocks
+    from test_kquants import kquant_blocks
+
+    qt = gguf.GGMLQuantizationType
+    rng = np.random.default_rng(seed)
+    n, k = 64, 512
+    q4k = kquant_blocks(qt.Q4_K, n, k, rng).reshape(-1)
+    q40 = gguf.quants.quantize((rng.standard_normal((n, k)) * 0.02).astype(np.float32), qt.Q4_0).reshape(-1)
+    with np.errstate(all="ignore"):
+        as_q40 = from_q4_0_blocks(q4k, n, k)
+        as_q4k = from_q4_k_blocks(q40.view(np.uint8), n, k) or dequant_q4_k_blocks(q40.view(np.uint8), n, k)
+    for w in (as_q40, as_q4k):
+        with pytest.raises(ValueError, match="tensor 't'.*(NaN or infinite|decades)"):
+            check_weight("t", w, "f")
+    check_weight("t", from_q4_0_blocks(q40.view(np.uint8), n, k), "f")  # read as itself: fine
+
+
 def test_parse_json_refuses_before_recursing():
     with pytest.raises(ValueError, match="nested deeper"):
         parse_json(b"[" * 10_000_000, "x.json")

@@ -177,6 +177,44 @@ def test_chat_survives_a_non_utf8_line_and_has_help(tiny_llama_dir, monkeypatch,
     assert out.count("⚡ 3 tokens") == 1  # "hi" got its answer; the bad line got none
 
 
+def test_chat_reports_a_template_that_refuses_a_message_and_goes_on(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    """A template's raise_exception (or a render error) on one message: reported, nothing sent, the
+    session goes on; transformers' {% generation %} tag compiles."""
+    import json
+    import shutil
+
+    d = Path(shutil.copytree(tiny_llama_dir, tmp_path / "m"))
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    tc["chat_template"] = ("{% for m in messages %}{% if m.content == 'bad' %}{{ raise_exception('no bad') }}"
+                           "{% endif %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}")
+    (d / "tokenizer_config.json").write_text(json.dumps(tc))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"bad\nhi\n"), encoding="utf-8"))
+    assert main(["chat", "--model", str(d), "--backend", "reference", "--device", "cpu", "--max-new-tokens", "3"]) == 0
+    out, err = capsys.readouterr()
+    assert "(chat template: no bad; nothing was sent)" in err
+    assert out.count("⚡ 3 tokens") == 1  # "hi" got its answer
+
+
+def test_nan_logits_end_generate_with_a_clear_error(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    """A model whose output is NaN (weights that passed the load checks, a runaway activation):
+    `flint generate` says so and exits 1, at any temperature; no IndexError, no empty answer."""
+    import flint.model
+
+    real = flint.model.Transformer.forward
+
+    def nan_forward(self, *a, **k):
+        out = real(self, *a, **k)
+        if isinstance(out, tuple):
+            return (torch.full_like(out[0], float("nan")), *out[1:])
+        return torch.full_like(out, float("nan"))
+    monkeypatch.setattr(flint.model.Transformer, "forward", nan_forward)
+    for t in ("0", "0.8"):
+        assert main(gen_args(tiny_llama_dir, "--prompt", "hi", "--temperature", t)) == 1
+        out, err = capsys.readouterr()
+        assert "flint: error: the model's logits are NaN or infinite" in err and "Traceback" not in err
+        assert out == ""
+
+
 def test_every_subcommand_takes_threads_and_help_shows_defaults():
     from flint.cli import leaf_parsers
 
