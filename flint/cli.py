@@ -526,6 +526,11 @@ def check_args(args) -> None:
         check_kv_cache_arg(args, args.backend)
         refuse_unused(args, "with --draft" if args.draft else "", {"draft_k": ("with --draft",),
                                                                    "draft_vocab": ("with --draft",)})
+        from .backend import default_backend
+
+        backend = f"with --backend {args.backend or default_backend(quiet=True)}"
+        refuse_unused(args, backend, {"dtype": ("with --backend reference",),
+                                      "group_size": ("with --backend compiled", "with --backend megakernel")})
     if getattr(args, "model", None) == "":
         raise ValueError("--model: must not be empty (leave it out for the default model)")
     if getattr(args, "system", None) is not None and hasattr(args, "chat") and not args.chat:

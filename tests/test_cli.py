@@ -64,6 +64,9 @@ def no_model_load(monkeypatch):
     (["--draft-vocab", "10"], "--draft-vocab does nothing here"),
     (["--model", ""], "--model: must not be empty"),
     (["--system", "be brief"], "--system does nothing without --chat"),
+    (["--backend", "compiled", "--dtype", "bfloat16"], "--dtype does nothing here (it is read only with --backend "
+                                                       "reference)"),
+    (["--backend", "reference", "--group-size", "32"], "--group-size does nothing here"),
     (["--device", "gpu0"], "--device 'gpu0': not a device"),
     (["--device", "cuda:99"], "--device 'cuda:99'"),
     (["--prompt", BAD], "argument --prompt: not valid UTF-8 at byte 2 (0xff)"),
