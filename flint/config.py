@@ -147,6 +147,9 @@ def from_hf_dict(d: dict, source: str = "config.json") -> ModelConfig:
         if rope_type not in ("default", None):
             raise ConfigError(f"{source}: field {key!r}: rope type {rope_type!r} is not supported")
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    for key in ("rope_parameters", "rope_scaling"):
+        check_types(d.get(key) or {}, {"rope_theta": "number", "rope_type": "str", "type": "str"}, source,
+                    ConfigError, prefix=f"{key}.")
     theta = d.get("rope_theta")
     if theta is None and isinstance(rope, dict):
         theta = rope.get("rope_theta")

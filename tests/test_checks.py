@@ -71,6 +71,7 @@ def test_the_target_loads(hf_dir):
     ("rope_theta", 1e13, "plausible range"),
     ("hidden_act", 1, "a string"),
     ("rope_scaling", [1], "an object"),
+    ("rope_parameters", {"rope_theta": True, "rope_type": "default"}, "rope_parameters.rope_theta"),
 ])
 def test_config_field_of_the_wrong_type_or_range(ckpt, field, value, needle):
     edit_json(ckpt / "config.json", **{field: value})
