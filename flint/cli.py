@@ -522,6 +522,9 @@ def check_args(args) -> None:
         check_device(args.device)
     if getattr(args, "sampling", False):
         _params(args)
+        sampled = "at --temperature > 0"
+        refuse_unused(args, sampled if args.temperature > 0 else "greedy",
+                      dict.fromkeys(("top_p", "top_k", "seed"), (sampled,)))
     if getattr(args, "model_args", False):
         check_kv_cache_arg(args, args.backend)
         refuse_unused(args, "with --draft" if args.draft else "", {"draft_k": ("with --draft",),

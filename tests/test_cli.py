@@ -64,6 +64,8 @@ def no_model_load(monkeypatch):
     (["--draft-vocab", "10"], "--draft-vocab does nothing here"),
     (["--model", ""], "--model: must not be empty"),
     (["--system", "be brief"], "--system does nothing without --chat"),
+    (["--top-k", "5"], "--top-k does nothing here (it is read only at --temperature > 0)"),
+    (["--seed", "7", "--temperature", "0"], "--seed does nothing here"),
     (["--backend", "compiled", "--dtype", "bfloat16"], "--dtype does nothing here (it is read only with --backend "
                                                        "reference)"),
     (["--backend", "reference", "--group-size", "32"], "--group-size does nothing here"),
