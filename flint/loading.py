@@ -234,13 +234,14 @@ def load_hf_dir(d: str | Path, dtype=torch.float32) -> LoadedModel:
         if type(g) is not int or g not in GROUP_SIZES:
             raise LoadError(f"{d / 'config.json'}: field 'quantization_config.group_size'={g!r} "
                             f"must be one of {', '.join(map(str, GROUP_SIZES))} (flint quantize writes those)")
+        params = _OneSource(source)
         for k in [k for k in flat if k.endswith(".qweight")]:
             name = k[:-len(".qweight")]
             if name + ".scales" not in flat or name + ".mins" not in flat:
                 raise LoadError(f"{source}: tensor {k!r} has no {name}.scales or {name}.mins")
-            params[name] = _int4_from_flat(flat, name, g)
+            params.put(name, _int4_from_flat(flat, name, g), k)
         for k in list(flat):  # the float tensors; check_params refuses any name it does not expect
-            params["embed" if k == "embed.weight" else k] = flat.pop(k)
+            params.put("embed" if k == "embed.weight" else k, flat.pop(k), k)
     elif spec:
         params = _map_hf(cfg, cfg_json.get("model_type"), hfquant.decode(spec, flat, source), source)
     elif qc:

@@ -183,6 +183,19 @@ def test_two_sources_for_one_tensor_refused(ckpt):
                "layers.0.w_down")
 
 
+@pytest.mark.parametrize("extra", ["embed.weight", "layers.0.wq"])
+def test_flint_int4_checkpoint_with_two_sources_refused(hf_dir, tmp_path, extra):
+    """A flint checkpoint with a float tensor beside the int4 one of the same flint name (or
+    "embed.weight" beside "embed"): refused, not the later one silently kept."""
+    from flint.quantize import quantize_checkpoint
+    from test_quantize_safety import TINY
+
+    (tmp_path / "tiny.json").write_text(json.dumps(TINY))
+    out = quantize_checkpoint(f"synthetic:{tmp_path / 'tiny.json'}", tmp_path / "q", 32, log=lambda *a, **k: None)
+    _retensor(out, lambda t: t.update({extra: torch.zeros(TINY["hidden_size"], TINY["hidden_size"])}))
+    load_error(out, "both flint's")
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_non_finite_weight_named(ckpt, value):
     def change(t):

@@ -317,6 +317,8 @@ def gguf_targeted(head: bytes, lay: Layout, rng: random.Random) -> list[Mutant]:
     bad_float = [math.nan, math.inf, -math.inf, 0.0, -rng.uniform(1e-9, 1e3), -0.0]
     scalar("norm epsilon not finite or <= 0", eps, "<f", rng.choice(bad_float))
     scalar("rope base not finite or <= 0", rope, "<f", rng.choice(bad_float))
+    scalar("implausible norm epsilon", eps, "<f", rng.choice([3e38, 1.0, 0.2, 1e-30]), "plausible range")
+    scalar("implausible rope base", rope, "<f", rng.choice([1e-30, 0.5, 1e13, 3e38]), "plausible range")
     for key in ("eos", "bos", "unknown", "padding"):
         scalar("token id outside the vocabulary", f"tokenizer.ggml.{key}_token_id", "<I",
                rng.choice([vocab, vocab + 1, rng.randrange(vocab, 2**32)]))
