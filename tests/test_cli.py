@@ -144,6 +144,24 @@ def test_non_utf8_argv_from_a_real_command_line_is_refused_without_traceback(tin
     assert r.stdout == b""
 
 
+def test_ctrl_c_while_starting_exits_130_without_a_traceback(tmp_path):
+    """Ctrl-C while `python -m flint` imports torch and builds its parser (the first second): exit
+    130, no traceback. (Earlier than ~0.15 s the interpreter itself is still importing its site
+    packages, which no program can catch.)"""
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    env.pop("FLINT_DEBUG", None)
+    for delay in (0.6, 1.0, 1.5):
+        p = subprocess.Popen([sys.executable, "-m", "flint", "quantize", "synthetic:smollm2-135m", str(tmp_path / "q")],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path)
+        time.sleep(delay)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 130 and b"Traceback" not in err, (delay, p.returncode, err[-2000:])
+
+
 def test_prompt_file_and_stdin_give_the_prompt(tiny_llama_dir, tmp_path, monkeypatch, capsys):
     prompt = "héllo wörld"
     assert main(gen_args(tiny_llama_dir, "--prompt", prompt)) == 0
