@@ -497,11 +497,10 @@ def refuse_unused(args, mode: str, only: dict) -> None:
     """ValueError for an option given a value other than its default in a mode that does not read
     it; ``only`` maps an option's dest to the modes that read it."""
     parser = getattr(args, "cli_parser", None)
+    if parser is None:  # a Namespace built by hand, not parsed: no defaults to compare with
+        return
     for dest, modes in only.items():
-        if mode in modes or not hasattr(args, dest):
-            continue
-        default = parser.get_default(dest) if parser is not None else None
-        if getattr(args, dest) != default:
+        if mode not in modes and hasattr(args, dest) and getattr(args, dest) != parser.get_default(dest):
             raise ValueError(f"--{dest.replace('_', '-')} does nothing here (it is read only "
                              f"{' or '.join(modes)}); leave it out")
 
