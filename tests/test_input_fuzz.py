@@ -5,7 +5,7 @@ readers): the side files of an HF directory, the int4 formats, and the command l
   targeted mutants, each a field of the wrong JSON type, NaN / Infinity / an overflowing number, a
   repeated key, deep nesting, a non-UTF-8 byte, an implausible hyperparameter, a template jinja
   cannot compile, a shard outside the directory; random mutants (any value at any key, any byte).
-* int4: a flint-int4 checkpoint (written by flint quantize) and a GPTQ directory: a NaN or
+* int4: a flint-int4 checkpoint (written by flint quantize), a GPTQ and an AWQ directory: a NaN or
   infinite scale or min, a scale dtype swapped, a group size of the wrong type or value.
 * CLI: every leaf command with random values for random options (numbers out of range, NaN,
   empty, huge, non-numeric) with the commands themselves stubbed: argparse's exit 2 or the
@@ -13,8 +13,8 @@ readers): the side files of an HF directory, the int4 formats, and the command l
 
 A targeted mutant must be a LoadError naming the file and the field or tensor; a random one a
 LoadError naming the file or a model equal to the original; hangs and escapes are failures (the
-loads run in the worker of tests/test_loader_fuzz.py). CI runs 525 cases (177 side-file mutants,
-48 int4, 300 command lines; 44 s on the shared 2-core box); ``pytest -m slow
+loads run in the worker of tests/test_loader_fuzz.py). CI runs 549 cases (177 side-file mutants,
+72 int4, 300 command lines; about a minute on the shared 2-core box); ``pytest -m slow
 tests/test_input_fuzz.py`` adds 4,284 side-file mutants (2 min).
 """
 from __future__ import annotations
@@ -204,19 +204,28 @@ def flint_int4_target(tmp_path_factory) -> Path:
     return quantize_checkpoint(f"synthetic:{d / 'tiny.json'}", d / "q", 32, log=lambda *a, **k: None)
 
 
-@pytest.fixture(scope="module")
-def gptq_target(tmp_path_factory) -> Path:
+def _hfquant_target(tmp_path_factory, method: str) -> Path:
     from test_hfquant import quantized_dir
 
-    return quantized_dir(tmp_path_factory.mktemp("fuzz-gptq"), "llama", "gptq", 32, False, seed=3,
+    return quantized_dir(tmp_path_factory.mktemp(f"fuzz-{method}"), "llama", method, 32, False, seed=3,
                          num_hidden_layers=1)[0]
+
+
+@pytest.fixture(scope="module")
+def gptq_target(tmp_path_factory) -> Path:
+    return _hfquant_target(tmp_path_factory, "gptq")
+
+
+@pytest.fixture(scope="module")
+def awq_target(tmp_path_factory) -> Path:
+    return _hfquant_target(tmp_path_factory, "awq")
 
 
 def test_side_file_fuzz(side_target, tmp_path):
     check(run_safetensors(side_target, side_file_mutants(random.Random(0), n_random=120), tmp_path))
 
 
-@pytest.mark.parametrize("target", ["flint_int4_target", "gptq_target"])
+@pytest.mark.parametrize("target", ["flint_int4_target", "gptq_target", "awq_target"])
 def test_int4_fuzz(target, tmp_path, request):
     src = request.getfixturevalue(target)
     check(run_safetensors(src, int4_mutants(src, random.Random(0), rounds=8), tmp_path))
