@@ -127,6 +127,10 @@ def test_bad_arguments_are_clear_errors(tiny_spec, capsys):
     assert "--oracle-accept does nothing here (it is read only with --draft oracle)" in capsys.readouterr().err
     assert main(["--model", "no-such-model.gguf", "--draft", "smollm2-135m", "--bw-gib", "1", "--device", "cpu"]) == 2
     assert "--bw-gib does nothing here" in capsys.readouterr().err
+    for opt, bad in (("--ctx", "8,0"), ("--verify", "-1"), ("--draft-k", "0"), ("--oracle-accept", "nan")):
+        draft = ["--draft", "oracle"] if opt in ("--draft-k", "--oracle-accept") else []
+        assert main(["--model", "synthetic:smollm2-135m", *draft, opt, bad, "--device", "cpu"]) == 2
+        assert f"flint: error: {opt}: " in capsys.readouterr().err
     for bad in ("-1", "100000", "nan"):
         with pytest.raises(SystemExit):
             main(["--model", tiny_spec, "--bw-gib", bad, "--device", "cpu"])
