@@ -99,6 +99,7 @@ def test_bad_values_are_refused_before_the_model_loads(argv, needle, no_model_lo
     (["draft", "train", "--data", "d", "--out", "o", "--attention-heads", "-1"], "argument --attention-heads"),
     (["draft", "eval", "--draft", "d", "--prompts-per-kind", "0"], "argument --prompts-per-kind: must be >= 1"),
     (["draft", "eval", "--draft", "d", "--max-seq-len", "0"], "argument --max-seq-len: must be >= 1"),
+    (["draft", "eval", "--draft", "d", "--k", "2,0"], "argument --k: must be >= 1, got 0"),
     (["draft", "eval", "--draft", "d", "--top-p", "2"], "argument --top-p: must be a finite number in (0, 1]"),
     (["draft", "eval", "--draft", "d", "--time-budget", "-5"], "argument --time-budget"),
     (["draft", "harvest", "--out", "o", "--batch-size", "0"], "argument --batch-size: must be >= 1"),
