@@ -59,6 +59,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import math
 import os
 import platform
 import statistics
@@ -870,7 +871,42 @@ def default_backends(device: torch.device) -> str:
     return DEFAULT_BACKENDS + (",megakernel" if device.type == "cuda" and cuda_sm90() else "")
 
 
+# the options each bench mode reads (flint.cli.refuse_unused refuses any other given a value)
+_MODE_OPTIONS = {
+    "oracle_accept": ("with --draft oracle",),
+    **dict.fromkeys(("draft_k", "draft_vocab", "draft_prompts"), ("with --draft oracle", "with --draft PATH")),
+    "temperature": ("with --draft PATH",),
+    **dict.fromkeys(("bw_gib", "verify", "plot", "ctx", "prompt_len"), ("in plain decode timing",)),
+}
+
+
+# the comma-list options: (item type, lowest, highest) of each item
+_LIST_RANGES = {"ctx": (int, 1, None), "draft_k": (int, 1, None), "draft_vocab": (int, 0, None),
+                "verify": (int, 1, None), "oracle_accept": (float, 0.0, 1.0)}
+
+
+def _check_lists(args) -> None:
+    """Every item of a comma-list option parses and lies in its range (BenchError naming it)."""
+    for dest, (conv, lo, hi) in _LIST_RANGES.items():
+        raw = getattr(args, dest, None)
+        if raw is None:
+            continue
+        name = dest.replace("_", "-")
+        for v in _parse_list(raw, name, conv):
+            if not (math.isfinite(v) and v >= lo and (hi is None or v <= hi)):
+                raise BenchError(f"--{name}: {v} is outside [{lo}, {'inf' if hi is None else hi}]")
+
+
+def _mode(args) -> str:
+    return ("with --draft oracle" if args.draft == "oracle" else "with --draft PATH" if args.draft
+            else "with --response-format" if getattr(args, "response_format", None) else "in plain decode timing")
+
+
 def _run(args) -> int:
+    from .cli import refuse_unused
+
+    refuse_unused(args, _mode(args), _MODE_OPTIONS)
+    _check_lists(args)
     dev = torch.device(args.device or default_device())
     args.backend = args.backend or default_backends(dev)
     head_groups = getattr(args, "head_group_size", None)  # (a Namespace built by hand may lack it)

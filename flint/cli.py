@@ -395,7 +395,12 @@ def cmd_chat(args) -> int:
             print(_stats_line(last, engine) if last else "(no answer yet)")
             continue
         history.append({"role": "user", "content": line})
-        n_prompt = len(tok.encode_chat(system + history))
+        try:
+            n_prompt = len(tok.encode_chat(system + history))
+        except ValueError as e:  # the template refuses this conversation (raise_exception, a render error)
+            history.pop()
+            print(f"({e}; nothing was sent)", file=sys.stderr, flush=True)
+            continue
         if n_prompt + sp.max_new_tokens > backend.max_seq_len:
             history.pop()
             print(f"(the conversation is {n_prompt} tokens; with --max-new-tokens "
@@ -446,7 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
             raise
         m.register(sub)
     ranged = {"port": int_at_least(0, 65535), "temperature": finite_float(0.0),
-              "max_new_tokens": int_at_least(0)}
+              "max_new_tokens": int_at_least(0), **OPTION_RANGES}
     for p in leaf_parsers(ap):
         for a in p._actions:
             # a subcommand module's plain int / float option of this name gets its range checked
@@ -454,7 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
             if a.dest in ranged and a.type in (int, float):
                 a.type = ranged[a.dest]
         if "--threads" not in p._option_string_actions:
-            p.add_argument("--threads", type=int_at_least(1), default=None,
+            p.add_argument("--threads", type=int_at_least(1, max_threads()), default=None,
                            help=f"torch CPU threads (default: 1 on a machine with at most "
                                 f"{SMALL_MACHINE_CORES} cores, else torch's choice; OMP_NUM_THREADS wins)")
         for a in p._actions:
@@ -462,6 +467,42 @@ def build_parser() -> argparse.ArgumentParser:
                 a.help = "default: %(default)s"  # argparse prints no help line for help=None
         p.set_defaults(cli_parser=p)
     return ap
+
+
+# The range of every plain int / float option of a subcommand module, by its dest: build_parser
+# puts these types in place, so no number outside its range reaches a command (a batch size of 0,
+# a negative stride, a 100000 GiB buffer). tests/test_cli.py checks that no numeric option is left
+# without one, except flint serve's, which flint.server checks (check_serve_args).
+SEED = int_at_least(-2**63, 2**64 - 1)  # torch's range
+OPTION_RANGES = {
+    **dict.fromkeys(("batch_size", "k", "depth", "steps", "layers", "intermediate_size", "eval_every",
+                     "ckpt_every", "num_prompts", "prompts_per_kind", "max_seq_len", "tokens", "repeats",
+                     "prompt_len", "draft_prompts", "stride", "max_tokens"), int_at_least(1)),
+    **dict.fromkeys(("attention_heads", "size", "draft_vocab", "top_k"), int_at_least(0)),
+    "seed": SEED,
+    **dict.fromkeys(("lr", "time_budget"), finite_float(0.0, lo_open=True)),
+    "reg_weight": finite_float(0.0),
+    "top_p": finite_float(0.0, 1.0, lo_open=True),
+    "bw_gib": finite_float(0.0, 64.0, lo_open=True),  # a buffer in memory: at most 64 GiB
+}
+
+
+def max_threads() -> int:
+    """The most --threads this machine takes: its CPU count (more threads than cores only contend,
+    and OpenMP aborts on an absurd count)."""
+    return max(os.cpu_count() or 1, available_cores())
+
+
+def refuse_unused(args, mode: str, only: dict) -> None:
+    """ValueError for an option given a value other than its default in a mode that does not read
+    it; ``only`` maps an option's dest to the modes that read it."""
+    parser = getattr(args, "cli_parser", None)
+    if parser is None:  # a Namespace built by hand, not parsed: no defaults to compare with
+        return
+    for dest, modes in only.items():
+        if mode not in modes and hasattr(args, dest) and getattr(args, dest) != parser.get_default(dest):
+            raise ValueError(f"--{dest.replace('_', '-')} does nothing here (it is read only "
+                             f"{' or '.join(modes)}); leave it out")
 
 
 def leaf_parsers(parser: argparse.ArgumentParser):
@@ -480,13 +521,30 @@ def check_args(args) -> None:
         check_device(args.device)
     if getattr(args, "sampling", False):
         _params(args)
+        sampled = "at --temperature > 0"
+        refuse_unused(args, sampled if args.temperature > 0 else "greedy",
+                      dict.fromkeys(("top_p", "top_k", "seed"), (sampled,)))
     if getattr(args, "model_args", False):
         check_kv_cache_arg(args, args.backend)
+        refuse_unused(args, "with --draft" if args.draft else "", {"draft_k": ("with --draft",),
+                                                                   "draft_vocab": ("with --draft",)})
+        from .backend import default_backend
+
+        backend = f"with --backend {args.backend or default_backend(quiet=True)}"
+        refuse_unused(args, backend, {"dtype": ("with --backend reference",),
+                                      "group_size": ("with --backend compiled", "with --backend megakernel")})
+    if getattr(args, "model", None) == "":
+        raise ValueError("--model: must not be empty (leave it out for the default model)")
+    if getattr(args, "system", None) is not None and hasattr(args, "chat") and not args.chat:
+        raise ValueError("--system does nothing without --chat (the chat template places it)")
 
 
 def main(argv=None) -> int:
-    ap = build_parser()
-    args = ap.parse_args(argv)
+    try:
+        ap = build_parser()
+        args = ap.parse_args(argv)
+    except KeyboardInterrupt:  # Ctrl-C while the subcommand modules import torch: no traceback
+        return 130
     try:
         check_args(args)
     except ValueError as e:
@@ -501,6 +559,13 @@ def main(argv=None) -> int:
             raise
         print(f"flint: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        from .engine import NonFiniteLogits
+
+        if not isinstance(e, NonFiniteLogits) or os.environ.get("FLINT_DEBUG"):
+            raise
+        print(f"flint: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

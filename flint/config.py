@@ -7,12 +7,12 @@ with its four multipliers) and ``granitemoehybrid`` when every layer is attentio
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .errors import FlintError
+from .checks import PLAUSIBLE, check_types, plausible_range_error, read_json
 
 
 MAX_CONTEXT = 2**31 - 1
@@ -80,6 +80,8 @@ class ModelConfig:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < math.inf):
                 raise ConfigError(f"{source}: field {name(f)!r} must be a finite number > 0, got {v!r}")
+            if f in PLAUSIBLE and (why := plausible_range_error(f, v)):
+                raise ConfigError(f"{source}: field {name(f)!r} {why}")
         ids = ([] if self.bos_token_id is None else [("bos_token_id", self.bos_token_id)]) + [
             ("eos_token_id", i) for i in self.eos_token_ids]
         for f, i in ids:
@@ -122,6 +124,7 @@ def from_hf_dict(d: dict, source: str = "config.json") -> ModelConfig:
     """Build a ModelConfig from a parsed HF config.json."""
     if not isinstance(d, dict):
         raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
+    check_types(d, HF_FIELD_KINDS, source, ConfigError)
     mt = d.get("model_type")
     if mt not in ("llama", "granite", "granitemoehybrid", "mistral"):
         arch = d.get("architectures")
@@ -145,6 +148,9 @@ def from_hf_dict(d: dict, source: str = "config.json") -> ModelConfig:
         if rope_type not in ("default", None):
             raise ConfigError(f"{source}: field {key!r}: rope type {rope_type!r} is not supported")
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    for key in ("rope_parameters", "rope_scaling"):
+        check_types(d.get(key) or {}, {"rope_theta": "number", "rope_type": "str", "type": "str"}, source,
+                    ConfigError, prefix=f"{key}.")
     theta = d.get("rope_theta")
     if theta is None and isinstance(rope, dict):
         theta = rope.get("rope_theta")
@@ -197,6 +203,22 @@ def from_hf_dict(d: dict, source: str = "config.json") -> ModelConfig:
     return cfg.validate(source, _HF_NAMES)
 
 
+# config.json field -> the JSON kind it must hold (flint.checks.KINDS; null counts as absent):
+# no coercion, so "false" is not false and "12" is not 12
+HF_FIELD_KINDS = {
+    **dict.fromkeys(("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+                     "shared_intermediate_size"), "posint"),
+    **dict.fromkeys(("num_local_experts", "sliding_window"), "uint"),
+    **dict.fromkeys(("rms_norm_eps", "rope_theta", "embedding_multiplier", "attention_multiplier",
+                     "residual_multiplier", "logits_scaling"), "number"),
+    **dict.fromkeys(("tie_word_embeddings", "attention_bias", "mlp_bias"), "bool"),
+    "bos_token_id": "uint", "eos_token_id": "ids",
+    **dict.fromkeys(("model_type", "hidden_act", "_name_or_path", "position_embedding_type"), "str"),
+    **dict.fromkeys(("architectures", "layer_types", "layers_block_type"), "strs"),
+    **dict.fromkeys(("rope_scaling", "rope_parameters", "quantization_config"), "object"),
+}
+
 # ModelConfig attribute -> config.json field, for error messages
 _HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
              "num_kv_heads": "num_key_value_heads"}
@@ -204,13 +226,7 @@ _HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_head
 
 def load_hf_config(path: str | Path) -> ModelConfig:
     p = Path(path)
-    try:
-        d = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{p}: file not found") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{p}: not valid JSON ({e})") from None
-    return from_hf_dict(d, str(p))
+    return from_hf_dict(read_json(p, ConfigError), str(p))
 
 
 # Named shapes for speed work without downloads (random weights; see flint.synthetic).

@@ -37,6 +37,12 @@ def temperature_list(s: str) -> list[float]:
     return [one(x) for x in s.split(",")]
 
 
+def k_list(s: str) -> list[int]:
+    """argparse type: a draft length (>= 1) or a comma list of them."""
+    one = int_at_least(1)
+    return [one(x) for x in s.split(",")]
+
+
 def parse_passes(sampled: int, temperatures: list[float] | None, top_p: float | None):
     """--sampled-passes / --temperature / --top-p as harvest passes (pass 0 greedy); the sampling
     options without sampled passes are refused, not ignored."""
@@ -141,7 +147,7 @@ def cmd_eval(args) -> int:
     results = {"draft": str(args.draft), "backend": name, "device": str(backend.device),
                "prompt_set": prompt_set, "max_new_tokens": args.max_new_tokens,
                "temperature": args.temperature, "by_k": {}}
-    ks = [int(x) for x in args.k.split(",")] if args.k else [draft.cfg.k_default]
+    ks = args.k or [draft.cfg.k_default]
     for i, k in enumerate(ks):
         table = eval_acceptance(backend, lm.tokenizer, draft, prompts, k, args.max_new_tokens, sp,
                                 compare_plain=args.plain and i == 0, time_budget=args.time_budget)
@@ -218,7 +224,7 @@ def register(sub) -> None:
     q.add_argument("--draft", required=True, help="draft directory or shipped draft name")
     q.add_argument("--backend", default=None, help="decode backend (default: as flint chat)")
     q.add_argument("--max-seq-len", type=int, default=1024)
-    q.add_argument("--k", default=None,
+    q.add_argument("--k", type=k_list, default=None,
                    help="draft tokens per step; comma list to sweep (default: the draft's)")
     q.add_argument("--prompt-set", default="v1", help=f"held-out prompts of: {sets} (default v1)")
     q.add_argument("--prompts-per-kind", type=int, default=8)

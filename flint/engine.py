@@ -20,6 +20,7 @@ filled and takes its token on the device, so no host round trip sits between two
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -199,9 +200,18 @@ def sample(logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None
     of one uniform (inverse_cdf_draw; with one scan over the row it took 84 against torch.multinomial's 135 µs a draw
     at V = 49152 on the H200, lab/studies/sampling_cost.py, `sampling_cost_2026-12-03.json`; the blockwise scan is not
     timed yet)."""
+    top = float(logits.max())  # one reduction: NaN propagates (a draw from NaN weights is no token at all)
+    if not math.isfinite(top):
+        raise NonFiniteLogits(f"the model's logits are {'all -inf' if top < 0 else 'NaN or infinite'}: its weights "
+                              "or hyperparameters are broken (a NaN weight, an overflowing activation); no token "
+                              "can be drawn")
     if sp.temperature == 0:
         return int(torch.argmax(logits))
     return int(draw(logits, sp, gen))
+
+
+class NonFiniteLogits(FlintError, RuntimeError):
+    """A decode step's logits hold NaN or +inf (or are all -inf): the model's output is broken."""
 
 
 def draw(logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None) -> torch.Tensor:

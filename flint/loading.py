@@ -10,18 +10,23 @@ importable from here.
 
 What is checked before a model is returned: GGUF structure by flint.gguf_file (counts bounded by
 the file, UTF-8 strings, tensor data in bounds, aligned, tiling the data section); GGUF field
-types (an integer where an integer is needed, a float where a float is); safetensors headers entry
-by entry (float dtypes for float weights, sizes, bounds, no overlaps or holes); the config's
-ranges (ModelConfig.validate: norm epsilon, rope base and scales finite and > 0, token ids inside
-the vocabulary); and check_params: the layer count equal to the layers present, every tensor's
-name, shape and dtype.
+types (an integer where an integer is needed, a float where a float is); the HF side files read
+strictly and every field flint reads typed the same way (flint.checks: no "false" for false, no
+NaN / Infinity, no repeated key, nesting bounded; shard names inside the directory); safetensors
+headers entry by entry (float dtypes for float weights, sizes, bounds, no overlaps or holes); the
+config's ranges (ModelConfig.validate: norm epsilon, rope base and scales finite and in the
+plausible ranges of flint.checks.PLAUSIBLE, token ids inside the vocabulary); layer indices in
+canonical ASCII form and one source per flint tensor; check_params: the layer count equal to the
+layers present, every tensor's name, shape and dtype; every weight, int4 scale and min finite and
+of plausible magnitudes (flint.checks.check_weight: a half-precision type mislabelled, a quantized
+type swapped); the chat template compiled. Any other exception while loading becomes a LoadError
+naming the spec (load_model's backstop).
 Tests: ``pytest tests/test_loading.py tests/test_gguf.py tests/test_kquants.py tests/test_loader_fuzz.py
 tests/test_hfquant.py``.
 """
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import re
 import sys
@@ -31,9 +36,10 @@ import torch
 from tqdm import tqdm
 
 from . import hfquant
+from .checks import check_types, check_weight, parse_json, read_json
 from .config import ConfigError, ModelConfig, from_hf_dict
 from .params import LoadedModel, LoadError, check_params, expected_shapes
-from .quant import (Int4Weight, dequant_q4_k_blocks, dequant_q5_k_blocks, dequant_q6_k_blocks,
+from .quant import (GROUP_SIZES, Int4Weight, dequant_q4_k_blocks, dequant_q5_k_blocks, dequant_q6_k_blocks,
                     dequant_q8_0_blocks, from_q4_0_blocks, from_q4_1_blocks, from_q4_k_blocks)
 
 DEFAULT_MODEL = "embedded:smollm2"
@@ -64,14 +70,7 @@ _GGUF_LAYER = {
 # ------------------------------------------------------------------ HF directories
 
 def _read_json(path: Path, required=True):
-    if not path.exists():
-        if required:
-            raise LoadError(f"{path}: file not found")
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise LoadError(f"{path}: not valid JSON ({e})") from None
+    return read_json(path, LoadError, required)
 
 
 def _safetensor_files(d: Path) -> list[Path]:
@@ -79,10 +78,10 @@ def _safetensor_files(d: Path) -> list[Path]:
     index = d / "model.safetensors.index.json"
     if index.exists():
         idx = _read_json(index)
-        wm = idx.get("weight_map")
+        wm = idx.get("weight_map") if isinstance(idx, dict) else None
         if not isinstance(wm, dict):
             raise LoadError(f"{index}: field 'weight_map' missing or not an object")
-        files = sorted(set(wm.values()))
+        files = sorted(set(_shard_name(index, k, f) for k, f in wm.items()))
         for f in files:
             if not (d / f).exists():
                 raise LoadError(f"{index}: names shard {f!r}, which is absent from {d}")
@@ -92,18 +91,18 @@ def _safetensor_files(d: Path) -> list[Path]:
     raise LoadError(f"{d}: no model.safetensors or model.safetensors.index.json")
 
 
+def _shard_name(index: Path, tensor, f) -> str:
+    """The shard file of ``tensor`` in ``index``'s weight_map: a plain file name inside the model
+    directory (no folder, no "..", no absolute path: a shard outside it is not the model's)."""
+    if not isinstance(f, str) or not f or f != Path(f).name or f in (".", ".."):
+        raise LoadError(f"{index}: field 'weight_map'[{tensor!r}]={f!r} must be the file name of a shard "
+                        "inside the model directory")
+    return f
+
+
 _FLOAT_DTYPES = ("F32", "F16", "BF16")
 _ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
                "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-
-
-def _no_duplicate_keys(pairs):
-    d = {}
-    for k, v in pairs:
-        if k in d:
-            raise LoadError(f"key {k!r} appears twice")
-        d[k] = v
-    return d
 
 
 def _flint_dtypes(name: str, default: tuple) -> tuple:
@@ -169,10 +168,7 @@ def _read_safetensors(files: list[Path], desc: str, dtypes=_flint_dtypes) -> dic
                 if 8 + n > size:
                     raise LoadError(f"{f}: truncated or corrupt safetensors file: header length {n} "
                                     f"exceeds the file's {size} bytes")
-                try:
-                    hdr = json.loads(fh.read(n), object_pairs_hook=_no_duplicate_keys)
-                except LoadError as e:
-                    raise LoadError(f"{f}: safetensors header: {e}") from None
+                hdr = parse_json(fh.read(n), f"{f}: safetensors header", LoadError)
             _check_safetensors_header(f, hdr, size - 8 - n, dtypes)
             handles.append(safe_open(str(f), framework="pt"))
         except LoadError:
@@ -207,13 +203,14 @@ def load_hf_dir(d: str | Path, dtype=torch.float32) -> LoadedModel:
         raise LoadError(str(e)) from None
     except (TypeError, ValueError) as e:  # a field of the wrong JSON type
         raise LoadError(f"{d / 'config.json'}: a field has the wrong type ({e})") from None
-    gen = _read_json(d / "generation_config.json", required=False) or {}
+    gen = _read_json(d / "generation_config.json", required=False)
+    gen = {} if gen is None and not (d / "generation_config.json").exists() else gen
+    if not isinstance(gen, dict):
+        raise LoadError(f"{d / 'generation_config.json'}: expected a JSON object, got {type(gen).__name__}")
+    check_types(gen, {"eos_token_id": "ids", "bos_token_id": "uint"}, str(d / "generation_config.json"), LoadError)
     if gen.get("eos_token_id") is not None:
-        eos = gen["eos_token_id"]
+        eos = gen["eos_token_id"]  # typed above
         eos = [eos] if isinstance(eos, int) else eos
-        if not isinstance(eos, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in eos):
-            raise LoadError(f"{d / 'generation_config.json'}: field 'eos_token_id'={eos!r} must be "
-                            "an integer or a list of integers")
         cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | set(eos))
         try:
             cfg.validate(str(d / "generation_config.json"))
@@ -234,16 +231,17 @@ def load_hf_dir(d: str | Path, dtype=torch.float32) -> LoadedModel:
     params = {}
     if qc.get("quant_method") == QUANT_METHOD:
         g = qc.get("group_size")
-        if type(g) is not int:
+        if type(g) is not int or g not in GROUP_SIZES:
             raise LoadError(f"{d / 'config.json'}: field 'quantization_config.group_size'={g!r} "
-                            "must be an integer")
+                            f"must be one of {', '.join(map(str, GROUP_SIZES))} (flint quantize writes those)")
+        params = _OneSource(source)
         for k in [k for k in flat if k.endswith(".qweight")]:
             name = k[:-len(".qweight")]
             if name + ".scales" not in flat or name + ".mins" not in flat:
                 raise LoadError(f"{source}: tensor {k!r} has no {name}.scales or {name}.mins")
-            params[name] = _int4_from_flat(flat, name, g)
+            params.put(name, _int4_from_flat(flat, name, g), k)
         for k in list(flat):  # the float tensors; check_params refuses any name it does not expect
-            params["embed" if k == "embed.weight" else k] = flat.pop(k)
+            params.put("embed" if k == "embed.weight" else k, flat.pop(k), k)
     elif spec:
         params = _map_hf(cfg, cfg_json.get("model_type"), hfquant.decode(spec, flat, source), source)
     elif qc:
@@ -255,6 +253,7 @@ def load_hf_dir(d: str | Path, dtype=torch.float32) -> LoadedModel:
     if "lm_head" not in params and cfg.tie_word_embeddings and "embed" in params:
         params["lm_head"] = params["embed"]
     check_params(cfg, params, source, f"{d / 'config.json'} field 'num_hidden_layers'")
+    _check_weights(params, source, getattr(params, "origin", {}))
     tok = Tokenizer.from_hf_dir(d, cfg) if (d / "tokenizer.json").exists() else None
     if tok is not None:
         cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | set(tok.eos_token_ids))
@@ -263,9 +262,38 @@ def load_hf_dir(d: str | Path, dtype=torch.float32) -> LoadedModel:
     return LoadedModel(cfg, params, tok, str(d))
 
 
+# a layer index in canonical form only: ASCII digits, no leading zero ("01" or "١" would be a
+# second spelling of a layer, a second source for one flint tensor)
+LAYER_INDEX = r"(0|[1-9][0-9]*)"
+
+
+class _OneSource(dict):
+    """A params dict that refuses a second tensor for one flint name, naming both sources."""
+
+    def __init__(self, source: str):
+        super().__init__()
+        self.source, self.origin = source, {}
+
+    def put(self, name: str, t, from_name: str) -> None:
+        if name in self:
+            raise LoadError(f"{self.source}: tensors {self.origin[name]!r} and {from_name!r} are both "
+                            f"flint's {name!r}; a checkpoint gives each tensor once")
+        self[name], self.origin[name] = t, from_name
+
+
+def _check_weights(params: dict, source: str, names: dict) -> None:
+    """Every weight finite and of plausible magnitudes (flint.checks.check_weight), named as the
+    file names it (``names``: flint name -> the file's); a tied head is checked once."""
+    done = set()
+    for k, w in params.items():
+        if id(w) not in done:
+            done.add(id(w))
+            check_weight(names.get(k, k), w, source, LoadError)
+
+
 def _map_hf(cfg: ModelConfig, model_type: str, flat: dict, source: str) -> dict:
-    params = {}
-    pat = re.compile(r"model\.layers\.(\d+)\.(.+)")
+    params = _OneSource(source)
+    pat = re.compile(r"model\.layers\." + LAYER_INDEX + r"\.(.+)")
     for k in list(flat):
         t = flat[k]
         if k == "model.embed_tokens.weight":
@@ -283,10 +311,10 @@ def _map_hf(cfg: ModelConfig, model_type: str, flat: dict, source: str) -> dict:
                 inter = t.shape[0] // 2
                 # an int4 one (GPTQ / AWQ / compressed-tensors) splits by rows too, exactly
                 part = t.rows if isinstance(t, Int4Weight) else t.__getitem__
-                params[f"layers.{li}.w_gate"] = part(slice(0, inter))
-                params[f"layers.{li}.w_up"] = part(slice(inter, None))
+                params.put(f"layers.{li}.w_gate", part(slice(0, inter)), k)
+                params.put(f"layers.{li}.w_up", part(slice(inter, None)), k)
             elif rest in _HF_LAYER:
-                params[f"layers.{li}.{_HF_LAYER[rest]}"] = t
+                params.put(f"layers.{li}.{_HF_LAYER[rest]}", t, k)
             elif rest.endswith("rotary_emb.inv_freq"):
                 continue
             else:
@@ -443,8 +471,8 @@ def read_gguf(path: str | Path):
 
 def _gguf_flint_names(tensors, cfg: ModelConfig, path: str) -> list[str]:
     """flint's name for each tensor; every layer index below block_count, each layer present."""
-    pat = re.compile(r"blk\.(\d+)\.(.+)")
-    out, layers = [], set()
+    pat = re.compile(r"blk\." + LAYER_INDEX + r"\.(.+)")
+    out, layers, seen = [], set(), _OneSource(path)
     for t in tensors:
         name = t.name
         if name == "token_embd.weight":
@@ -464,6 +492,7 @@ def _gguf_flint_names(tensors, cfg: ModelConfig, path: str) -> list[str]:
             raise LoadError(f"{path}: tensor 'rope_freqs.weight' (scaled RoPE) is not supported")
         else:
             raise LoadError(f"{path}: unexpected tensor {name!r}")
+        seen.put(fl, None, name)
         want = 1 if fl == "norm" or fl.endswith("_norm") else 2
         if len(t.shape) != want:
             raise LoadError(f"{path}: tensor {name!r} has {len(t.shape)} dimensions, expected {want}")
@@ -508,6 +537,8 @@ def _gguf_tensor(t, path: str):
 
 
 def load_gguf(path: str | Path, dtype=torch.float32) -> LoadedModel:
+    import numpy as np
+
     from . import gguf_file
     from .tokenizer import Tokenizer
 
@@ -525,7 +556,9 @@ def load_gguf(path: str | Path, dtype=torch.float32) -> LoadedModel:
         if shape != want[fl]:
             raise LoadError(f"{path}: tensor {t.name!r} has shape {list(shape)}, the metadata "
                             f"implies {list(want[fl])}")
-        w = _gguf_tensor(t, path)
+        with np.errstate(all="ignore"):  # a broken scale is reported by check_weight, not by numpy's warnings
+            w = _gguf_tensor(t, path)
+        check_weight(t.name, w, path, LoadError)
         if t.tensor_type in (q.Q4_K, q.Q5_K, q.Q6_K) and not isinstance(w, Int4Weight):
             requant[fl] = t.tensor_type.name
         if fl.endswith(".wq") or fl.endswith(".wk"):
@@ -557,6 +590,7 @@ def load_gguf(path: str | Path, dtype=torch.float32) -> LoadedModel:
     except Exception as e:  # the fields were checked; this is the tokenizers library refusing them
         raise LoadError(f"{path}: fields 'tokenizer.ggml.*' do not make a BPE tokenizer "
                         f"({type(e).__name__}: {e})") from None
+    tok.compile_template(f"{path}: field 'tokenizer.chat_template'")
     return LoadedModel(cfg, params, tok, path)
 
 
@@ -604,8 +638,23 @@ def _hub_download(repo: str) -> Path:
 
 def load_model(spec: str | None = None, dtype=torch.float32, seed: int = 0) -> LoadedModel:
     """Load by spec: None / 'embedded:smollm2' (the default), a .gguf file, an HF directory,
-    'synthetic:NAME' or 'synthetic:/path/config.json', or a hub id 'org/name'."""
+    'synthetic:NAME' or 'synthetic:/path/config.json', or a hub id 'org/name'. Any failure is a
+    LoadError naming the file: the checks' own, and any other exception a loader or a library it
+    calls raises (a backstop: the message then says which exception it was)."""
     spec = spec or DEFAULT_MODEL
+    try:
+        return _load_model(spec, dtype, seed)
+    except LoadError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the backstop: never a traceback from a file's contents
+        from .tokenizer import TokenizerError
+
+        if isinstance(e, (ConfigError, TokenizerError)):  # their messages name the file and field
+            raise LoadError(str(e)) from None
+        raise LoadError(f"{spec}: cannot be loaded ({type(e).__name__}: {str(e)[:400]})") from None
+
+
+def _load_model(spec: str, dtype, seed: int) -> LoadedModel:
     if spec in ("embedded:smollm2", "smollm2"):
         return load_gguf(embedded_gguf_path(), dtype)
     if spec.startswith("synthetic:"):

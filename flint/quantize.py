@@ -41,11 +41,15 @@ old one, so no file of the old checkpoint (a stale shard index) survives next to
 """
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
 import secrets
 import shutil
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -349,6 +353,8 @@ def check_out_dir(model: str | None, out: Path, force: bool = False) -> None:
     """Refuse an OUT that quantizing ``model`` into must not touch; runs before any work."""
     if out.exists() and not out.is_dir():
         raise QuantizeError(f"{out}: exists and is not a directory")
+    if not out.absolute().parents or not Path(os.path.abspath(out)).name:
+        raise QuantizeError(f"{out}: is a filesystem root; choose another OUT directory")
     parent = next(p for p in out.absolute().parents if p.exists())
     if not parent.is_dir():
         raise QuantizeError(f"{out}: {parent} is not a directory")
@@ -376,33 +382,90 @@ def _sibling(out: Path, tag: str) -> Path:
     return out.parent / f".{out.name}.{tag}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    except (OverflowError, ValueError):  # no process can have this id
+        return False
+    return True
+
+
+def remove_stale_siblings(out: Path) -> list[Path]:
+    """Remove the hidden folders next to ``out`` that a killed run left (SIGKILL, a power cut):
+    a partial folder whose process is gone, and an old folder whose swap completed (``out``
+    there). An old folder without ``out`` still holds the previous checkpoint: it is kept."""
+    gone = []
+    for tag in ("partial", "old"):
+        for p in out.parent.glob(f".{glob.escape(out.name)}.{tag}-*-*"):
+            pid = p.name[len(f".{out.name}.{tag}-"):].split("-")[0]
+            if not pid.isascii() or not pid.isdigit() or _pid_alive(int(pid)) or (tag == "old" and not out.exists()):
+                continue
+            if p.is_symlink():
+                p.unlink()
+            else:
+                shutil.rmtree(p, ignore_errors=True)
+            gone.append(p)
+    return gone
+
+
+@contextlib.contextmanager
+def _signals_raise():
+    """SIGTERM and SIGHUP raise SystemExit(128 + signal) here (as Ctrl-C raises KeyboardInterrupt),
+    so the partial folder is removed on the way out; outside the main thread nothing changes."""
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            old[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
 def write_dir_atomically(out: Path, write) -> Path:
     """Call ``write(tmp)`` on a new folder next to ``out``, then put it in place of ``out``
-    (an existing ``out`` is swapped out and deleted). On any failure, Ctrl-C included, the
-    partial folder is removed and ``out`` is left as it was."""
+    (an existing ``out`` is swapped out and deleted). On any failure, Ctrl-C, SIGTERM and SIGHUP
+    included, the partial folder is removed and ``out`` is left as it was; a writer's error is a
+    QuantizeError naming ``out``. Folders a killed run left next to ``out`` are removed first
+    (remove_stale_siblings)."""
     out = Path(os.path.abspath(out))  # "x/.." has no usable .name to put a sibling next to
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_siblings(out)
     tmp = _sibling(out, "partial")
-    tmp.mkdir()
-    try:
-        write(tmp)
-        if out.exists():
-            old = _sibling(out, "old")
-            os.rename(out, old)
+    with _signals_raise():  # from here to the rename, SIGTERM / SIGHUP unwind through the cleanup below
+        tmp.mkdir()
+        try:
             try:
-                os.rename(tmp, out)
-            except BaseException:
-                os.rename(old, out)
+                write(tmp)
+            except (QuantizeError, KeyboardInterrupt, SystemExit):
                 raise
-            if old.is_symlink():  # OUT was a link: drop the link, not what it pointed to
-                old.unlink()
+            except Exception as e:  # noqa: BLE001 - OSError, and the safetensors / tokenizers writers' own errors
+                raise QuantizeError(f"{out}: writing the checkpoint failed, nothing was written there "
+                                    f"({type(e).__name__}: {str(e)[:300]})") from None
+            if out.exists():
+                old = _sibling(out, "old")
+                os.rename(out, old)
+                try:
+                    os.rename(tmp, out)
+                except BaseException:
+                    os.rename(old, out)
+                    raise
+                if old.is_symlink():  # OUT was a link: drop the link, not what it pointed to
+                    old.unlink()
+                else:
+                    shutil.rmtree(old, ignore_errors=True)
             else:
-                shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+                os.rename(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return out
 
 

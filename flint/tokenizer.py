@@ -15,10 +15,13 @@ from datetime import datetime
 from pathlib import Path
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors
 
 from .errors import FlintError
+from .checks import check_types, read_json
 
 
 class TokenizerError(FlintError, ValueError):
@@ -78,26 +81,37 @@ class Tokenizer:
         except Exception as e:
             raise TokenizerError(f"{d / 'tokenizer.json'}: cannot be read ({e})") from None
         tc = {}
-        if (d / "tokenizer_config.json").exists():
-            try:
-                tc = json.loads((d / "tokenizer_config.json").read_text())
-            except ValueError as e:  # bad JSON or bad UTF-8
-                raise TokenizerError(f"{d / 'tokenizer_config.json'}: not valid JSON ({e})") from None
+        tc_path = d / "tokenizer_config.json"
+        if tc_path.exists():
+            tc = read_json(tc_path, TokenizerError)
             if not isinstance(tc, dict):
-                raise TokenizerError(f"{d / 'tokenizer_config.json'}: expected a JSON object")
-        tmpl = tc.get("chat_template")
+                raise TokenizerError(f"{tc_path}: expected a JSON object")
+            check_types(tc, {"bos_token": "token", "eos_token": "token", "add_bos_token": "bool"},
+                        str(tc_path), TokenizerError)
+        tmpl, where = tc.get("chat_template"), f"{tc_path}: field 'chat_template'"
         if isinstance(tmpl, list):  # [{"name": "default", "template": ...}, ...]
+            if not all(isinstance(t, dict) and isinstance(t.get("template"), str) for t in tmpl):
+                raise TokenizerError(f"{where}: a list must hold objects with a string 'template'")
             named = {t.get("name"): t.get("template") for t in tmpl}
             tmpl = named.get("default") or next(iter(named.values()), None)
+        elif tmpl is not None and not isinstance(tmpl, str):
+            raise TokenizerError(f"{where} must be a string or a list of named templates")
         if tmpl is None and (d / "chat_template.jinja").exists():
-            tmpl = (d / "chat_template.jinja").read_text()
+            where = str(d / "chat_template.jinja")
+            raw = (d / "chat_template.jinja").read_bytes()
+            try:
+                tmpl = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise TokenizerError(f"{where}: not valid UTF-8 at byte {e.start}") from None
         bos, eos = _content(tc.get("bos_token")), _content(tc.get("eos_token"))
         eos_ids = []
         if eos and tk.token_to_id(eos) is not None:
             eos_ids.append(tk.token_to_id(eos))
         if cfg is not None:
             eos_ids = sorted(set(eos_ids) | set(cfg.eos_token_ids))
-        return cls(tk, tmpl, bos, eos, eos_ids, bool(tc.get("add_bos_token", False)))
+        tok = cls(tk, tmpl, bos, eos, eos_ids, bool(tc.get("add_bos_token", False)))
+        tok.compile_template(where)
+        return tok
 
     @classmethod
     def from_gguf_fields(cls, f: dict, path: str = "gguf") -> "Tokenizer":
@@ -160,26 +174,39 @@ class Tokenizer:
         if not self.chat_template:
             raise TokenizerError("this model has no chat template; use plain prompts (no --chat)")
         if self._template is None:
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-
-            def raise_exception(msg):
-                raise TokenizerError(f"chat template: {msg}")
-
-            def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-                return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
-                                  separators=separators, sort_keys=sort_keys)
-
-            env.filters["tojson"] = tojson
-            env.globals["raise_exception"] = raise_exception
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._template = env.from_string(self.chat_template)
+            self.compile_template()
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise TokenizerError(f"chat message {m!r} needs 'role' and 'content'")
         extra = {"tools": tools} if tools else {}  # HF passes tools only when given; templates test "is defined"
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
+        return _render(self._template, messages=messages, add_generation_prompt=add_generation_prompt,
+                       bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
+
+    def compile_template(self, where: str = "chat template") -> None:
+        """Compile the chat template (the loaders call this, so a template jinja cannot parse is a
+        load error naming ``where``: the file and field), in a sandboxed environment set up as
+        transformers sets up its own."""
+        if not self.chat_template:
+            return
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationTag])
+
+        def raise_exception(msg):
+            raise TokenizerError(f"chat template: {msg}")
+
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
+                              separators=separators, sort_keys=sort_keys)
+
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self._template = env.from_string(self.chat_template)
+        except Exception as e:  # noqa: BLE001 - jinja's syntax errors, and a recursion on deep nesting
+            line = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+            raise TokenizerError(f"{where}: not a template jinja can compile{line}: "
+                                 f"{type(e).__name__}: {str(e)[:300]}") from None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None) -> list[int]:
@@ -210,6 +237,41 @@ class Tokenizer:
             raise TokenizerError("chat template: it rewrites message contents, so a content holding "
                                  "control-token text cannot be kept as text")
         return ids
+
+
+# a rendered conversation longer than this is a runaway template, not a prompt
+MAX_RENDER_CHARS = 1 << 24
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """transformers' ``{% generation %}...{% endgeneration %}`` (it marks the assistant's part for
+    training masks): rendered as its body, as transformers renders it."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
+
+
+def _render(template, **context) -> str:
+    """template rendered with context; a failure or a runaway output is a TokenizerError."""
+    out, n = [], 0
+    try:
+        for piece in template.generate(**context):
+            n += len(piece)
+            if n > MAX_RENDER_CHARS:
+                raise TokenizerError(f"chat template: its output exceeds {MAX_RENDER_CHARS} characters")
+            out.append(piece)
+    except TokenizerError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever the template's own code raises
+        raise TokenizerError(f"chat template: cannot render this conversation "
+                             f"({type(e).__name__}: {str(e)[:300]})") from None
+    return "".join(out)
 
 
 class StreamDecoder:

@@ -160,3 +160,10 @@ def smol(tmp_path_factory):
         yield s
     finally:
         s.stop()
+
+
+@pytest.fixture
+def slow_run(request):
+    """The long runs only when asked for (``-m slow``): plain ``pytest`` is what CI runs."""
+    if "slow" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip(f"a slow run: pytest -m slow {request.node.path.name}")

@@ -117,9 +117,24 @@ def test_bad_arguments_are_clear_errors(tiny_spec, capsys):
     assert "--top-p / --top-k shape the sampling of --draft PATH" in capsys.readouterr().err
     assert main(["--model", "no-such-model.gguf", "--draft", "smollm2-135m", "--top-k", "5", "--device", "cpu"]) == 2
     assert "they need --temperature > 0" in capsys.readouterr().err
-    assert main(["--model", "no-such-model.gguf", "--draft", "smollm2-135m", "--temperature", "0.7", "--top-p", "1.5",
-                 "--device", "cpu"]) == 2
-    assert "top_p must be in (0, 1], got 1.5" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:  # argparse's range check
+        main(["--model", "no-such-model.gguf", "--draft", "smollm2-135m", "--temperature", "0.7", "--top-p", "1.5",
+              "--device", "cpu"])
+    assert info.value.code == 2
+    assert "argument --top-p: must be a finite number in (0, 1], got 1.5" in capsys.readouterr().err
+    # an option the chosen mode does not read is refused, naming it
+    assert main(["--model", tiny_spec, "--oracle-accept", "2", "--device", "cpu"]) == 2
+    assert "--oracle-accept does nothing here (it is read only with --draft oracle)" in capsys.readouterr().err
+    assert main(["--model", "no-such-model.gguf", "--draft", "smollm2-135m", "--bw-gib", "1", "--device", "cpu"]) == 2
+    assert "--bw-gib does nothing here" in capsys.readouterr().err
+    for opt, bad in (("--ctx", "8,0"), ("--verify", "-1"), ("--draft-k", "0"), ("--oracle-accept", "nan")):
+        draft = ["--draft", "oracle"] if opt in ("--draft-k", "--oracle-accept") else []
+        assert main(["--model", "synthetic:smollm2-135m", *draft, opt, bad, "--device", "cpu"]) == 2
+        assert f"flint: error: {opt}: " in capsys.readouterr().err
+    for bad in ("-1", "100000", "nan"):
+        with pytest.raises(SystemExit):
+            main(["--model", tiny_spec, "--bw-gib", bad, "--device", "cpu"])
+        assert "argument --bw-gib: must be a finite number in (0, 64]" in capsys.readouterr().err
 
 
 def test_cli_writes_json_and_table(tiny_spec, tmp_path, capsys):
@@ -164,8 +179,9 @@ def test_bench_draft_rounds_report_medians(capsys):
     assert row["spec_tok_s_rounds"] == [100.0, 120.0, 110.0] and row["x_plain_rounds"] == [1.1111, 1.5, 1.1]
     assert main(["--model", "synthetic:smollm2-135m", "--draft", "oracle", "--repeats", "2", "--device", "cpu"]) == 2
     assert "--draft oracle runs one pass" in capsys.readouterr().err
-    assert main(["--model", "no-such-model.gguf", "--draft", "smollm2-135m", "--repeats", "0", "--device", "cpu"]) == 2
-    assert "rounds must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["--model", "no-such-model.gguf", "--draft", "smollm2-135m", "--repeats", "0", "--device", "cpu"])
+    assert info.value.code == 2 and "argument --repeats: must be >= 1" in capsys.readouterr().err
 
 
 def test_ratio_rows_take_the_median_of_interleaved_runs():

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from flint import __version__
-from flint.cli import build_parser, main
+from flint.cli import build_parser, leaf_parsers, main
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BAD = b"ab\xffcd".decode("utf-8", "surrogateescape")  # how Linux hands the bytes ab\xffcd to argv
@@ -58,7 +58,17 @@ def no_model_load(monkeypatch):
     (["--draft", "ngram", "--draft-k", "0"], "argument --draft-k: must be >= 1"),
     (["--draft", "smollm2-135m", "--draft-vocab", "-1"], "argument --draft-vocab: must be >= 0"),
     (["--stop", ""], "argument --stop: must not be empty"),
-    (["--threads", "0"], "argument --threads: must be >= 1"),
+    (["--threads", "0"], "argument --threads: must be in [1, "),
+    (["--threads", "100000"], "argument --threads: must be in [1, "),
+    (["--draft-k", "3"], "--draft-k does nothing here"),
+    (["--draft-vocab", "10"], "--draft-vocab does nothing here"),
+    (["--model", ""], "--model: must not be empty"),
+    (["--system", "be brief"], "--system does nothing without --chat"),
+    (["--top-k", "5"], "--top-k does nothing here (it is read only at --temperature > 0)"),
+    (["--seed", "7", "--temperature", "0"], "--seed does nothing here"),
+    (["--backend", "compiled", "--dtype", "bfloat16"], "--dtype does nothing here (it is read only with --backend "
+                                                       "reference)"),
+    (["--backend", "reference", "--group-size", "32"], "--group-size does nothing here"),
     (["--device", "gpu0"], "--device 'gpu0': not a device"),
     (["--device", "cuda:99"], "--device 'cuda:99'"),
     (["--prompt", BAD], "argument --prompt: not valid UTF-8 at byte 2 (0xff)"),
@@ -79,6 +89,21 @@ def test_bad_values_are_refused_before_the_model_loads(argv, needle, no_model_lo
     (["draft", "harvest", "--out", "unused", "--temperature", "-1"],
      "flint draft harvest: error: argument --temperature: must be a finite number >= 0"),
     (["bench", "--device", "cuda:99"], "flint bench: error: --device 'cuda:99'"),
+    (["bench", "--bw-gib", "-1"], "flint bench: error: argument --bw-gib: must be a finite number in (0, 64]"),
+    (["bench", "--bw-gib", "100000"], "argument --bw-gib: must be a finite number in (0, 64]"),
+    (["eval", "--stride", "0"], "flint eval: error: argument --stride: must be >= 1, got 0"),
+    (["eval", "--max-tokens", "-1"], "flint eval: error: argument --max-tokens: must be >= 1"),
+    *[(["draft", "train", "--data", "d", "--out", "o", f"--{o}", "0"], f"argument --{o}: must be >= 1, got 0")
+      for o in ("batch-size", "k", "depth", "eval-every", "ckpt-every", "steps", "layers", "intermediate-size")],
+    (["draft", "train", "--data", "d", "--out", "o", "--lr", "nan"], "argument --lr: must be a finite number > 0"),
+    (["draft", "train", "--data", "d", "--out", "o", "--attention-heads", "-1"], "argument --attention-heads"),
+    (["draft", "eval", "--draft", "d", "--prompts-per-kind", "0"], "argument --prompts-per-kind: must be >= 1"),
+    (["draft", "eval", "--draft", "d", "--max-seq-len", "0"], "argument --max-seq-len: must be >= 1"),
+    (["draft", "eval", "--draft", "d", "--k", "2,0"], "argument --k: must be >= 1, got 0"),
+    (["draft", "eval", "--draft", "d", "--top-p", "2"], "argument --top-p: must be a finite number in (0, 1]"),
+    (["draft", "eval", "--draft", "d", "--time-budget", "-5"], "argument --time-budget"),
+    (["draft", "harvest", "--out", "o", "--batch-size", "0"], "argument --batch-size: must be >= 1"),
+    (["draft", "vocab", "--draft", "d", "--size", "-1"], "argument --size: must be >= 0"),
 ])
 def test_other_subcommands_refuse_out_of_range_values_at_parse_time(argv, needle, monkeypatch, capsys):
     import flint.bench
@@ -87,12 +112,25 @@ def test_other_subcommands_refuse_out_of_range_values_at_parse_time(argv, needle
 
     def ran(args):
         raise AssertionError(f"flint {args.command} ran with a bad value")
-    for mod, fn in ((flint.server, "cmd_serve"), (flint.draft_cli, "cmd_harvest"), (flint.bench, "_run")):
+    import flint.evaluate
+
+    for mod, fn in ((flint.server, "cmd_serve"), (flint.draft_cli, "cmd_harvest"), (flint.bench, "_run"),
+                    (flint.draft_cli, "cmd_train"), (flint.draft_cli, "cmd_eval"), (flint.draft_cli, "cmd_vocab"),
+                    (flint.evaluate, "_run")):
         monkeypatch.setattr(mod, fn, ran)  # register() reads these names when main() builds the parser
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def test_every_numeric_option_has_a_range():
+    """No subcommand option parses as a bare int or float (any value, 0 or -1 or 1e9, accepted):
+    each has a range (flint.cli.OPTION_RANGES) or a list of choices. flint serve's are checked by
+    flint.server before it starts."""
+    bare = [f"{p.prog} --{a.dest}" for p in leaf_parsers(build_parser()) for a in p._actions
+            if a.type in (int, float) and not a.choices and not p.prog.endswith(" serve")]
+    assert bare == []
 
 
 def test_non_utf8_argv_from_a_real_command_line_is_refused_without_traceback(tiny_llama_dir):
@@ -105,6 +143,24 @@ def test_non_utf8_argv_from_a_real_command_line_is_refused_without_traceback(tin
     assert b"Traceback" not in r.stderr
     assert b"argument --prompt: not valid UTF-8 at byte 3 (0xe9)" in r.stderr
     assert r.stdout == b""
+
+
+def test_ctrl_c_while_starting_exits_130_without_a_traceback(tmp_path):
+    """Ctrl-C while `python -m flint` imports torch and builds its parser (the first second): exit
+    130, no traceback. (Earlier than ~0.15 s the interpreter itself is still importing its site
+    packages, which no program can catch.)"""
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    env.pop("FLINT_DEBUG", None)
+    for delay in (0.6, 1.0, 1.5):
+        p = subprocess.Popen([sys.executable, "-m", "flint", "quantize", "synthetic:smollm2-135m", str(tmp_path / "q")],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path)
+        time.sleep(delay)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 130 and b"Traceback" not in err, (delay, p.returncode, err[-2000:])
 
 
 def test_prompt_file_and_stdin_give_the_prompt(tiny_llama_dir, tmp_path, monkeypatch, capsys):
@@ -143,6 +199,44 @@ def test_chat_survives_a_non_utf8_line_and_has_help(tiny_llama_dir, monkeypatch,
     for cmd in ("/reset", "/stats", "/exit"):
         assert f"  {cmd} " in out, out
     assert out.count("⚡ 3 tokens") == 1  # "hi" got its answer; the bad line got none
+
+
+def test_chat_reports_a_template_that_refuses_a_message_and_goes_on(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    """A template's raise_exception (or a render error) on one message: reported, nothing sent, the
+    session goes on; transformers' {% generation %} tag compiles."""
+    import json
+    import shutil
+
+    d = Path(shutil.copytree(tiny_llama_dir, tmp_path / "m"))
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    tc["chat_template"] = ("{% for m in messages %}{% if m.content == 'bad' %}{{ raise_exception('no bad') }}"
+                           "{% endif %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}")
+    (d / "tokenizer_config.json").write_text(json.dumps(tc))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"bad\nhi\n"), encoding="utf-8"))
+    assert main(["chat", "--model", str(d), "--backend", "reference", "--device", "cpu", "--max-new-tokens", "3"]) == 0
+    out, err = capsys.readouterr()
+    assert "(chat template: no bad; nothing was sent)" in err
+    assert out.count("⚡ 3 tokens") == 1  # "hi" got its answer
+
+
+def test_nan_logits_end_generate_with_a_clear_error(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    """A model whose output is NaN (weights that passed the load checks, a runaway activation):
+    `flint generate` says so and exits 1, at any temperature; no IndexError, no empty answer."""
+    import flint.model
+
+    real = flint.model.Transformer.forward
+
+    def nan_forward(self, *a, **k):
+        out = real(self, *a, **k)
+        if isinstance(out, tuple):
+            return (torch.full_like(out[0], float("nan")), *out[1:])
+        return torch.full_like(out, float("nan"))
+    monkeypatch.setattr(flint.model.Transformer, "forward", nan_forward)
+    for t in ("0", "0.8"):
+        assert main(gen_args(tiny_llama_dir, "--prompt", "hi", "--temperature", t)) == 1
+        out, err = capsys.readouterr()
+        assert "flint: error: the model's logits are NaN or infinite" in err and "Traceback" not in err
+        assert out == ""
 
 
 def test_every_subcommand_takes_threads_and_help_shows_defaults():

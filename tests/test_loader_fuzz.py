@@ -18,6 +18,10 @@ Two classes of mutant:
   the original's (a changed value that is still valid, such as a name or a slightly different
   rope base, is a model the file legitimately describes).
 
+Targeted kinds include broken weights with valid bytes: a NaN or infinite value, block scale or
+min in each tensor type, and an F16 tensor relabelled BF16 (the load must name the tensor).
+tests/test_input_fuzz.py does the same for HF side files, the int4 formats and the CLI.
+
 Either way a load that outlives its time limit is a hang, any other exception an escape, and a
 targeted mutant that loads a silent accept: all three must be zero. CI runs about 800 mutants
 (~15 s on 2 cores); ``pytest -m slow tests/test_loader_fuzz.py`` runs about 24,000 (~3 min).
@@ -58,8 +62,9 @@ MEMORY_GIB = 2.0  # the worker's address-space headroom; a load that needs more 
 
 # ------------------------------------------------------------------ the targets
 
-def write_small_gguf(path: Path, seed: int = 0) -> None:
-    """A 2-layer llama GGUF with the embedded SmolLM2's metadata keys and tensor types."""
+def write_small_gguf(path: Path, seed: int = 0, edit=None) -> None:
+    """A 2-layer llama GGUF with the embedded SmolLM2's metadata keys and tensor types;
+    ``edit(name, values, kind)``, when given, returns the [(name, values, kind)] written instead."""
     from tokenizers import Tokenizer
 
     vocab = Tokenizer.from_str(byte_tokenizer_json()).get_vocab()
@@ -95,7 +100,8 @@ def write_small_gguf(path: Path, seed: int = 0) -> None:
 
     def add(name, shape, kind):
         x = (rng.standard_normal(shape) * 0.1 + (1.0 if len(shape) == 1 else 0.0)).astype(np.float32)
-        w.add_tensor(name, gguf.quants.quantize(x, kind), raw_dtype=kind)
+        for n, y, k in edit(name, x, kind) if edit else [(name, x, kind)]:
+            w.add_tensor(n, gguf.quants.quantize(y, k), raw_dtype=k)
 
     add("token_embd.weight", (len(tokens), H), QT.Q8_0)
     for i in range(LAYERS):
@@ -105,7 +111,7 @@ def write_small_gguf(path: Path, seed: int = 0) -> None:
         add(f"blk.{i}.ffn_up.weight", (FF, H), QT.Q4_1)
         add(f"blk.{i}.ffn_norm.weight", (H,), QT.F32)
         add(f"blk.{i}.attn_k.weight", (KV_HEADS * HEAD_DIM, H), QT.Q4_1)
-        add(f"blk.{i}.attn_output.weight", (H, H), QT.Q4_1)
+        add(f"blk.{i}.attn_output.weight", (H, H), QT.F16 if i == 1 else QT.Q4_1)  # an F16 to swap
         add(f"blk.{i}.attn_q.weight", (H, H), QT.Q4_1)
         add(f"blk.{i}.attn_v.weight", (KV_HEADS * HEAD_DIM, H), QT.Q4_1)
     add("output_norm.weight", (H,), QT.F32)
@@ -121,12 +127,15 @@ SAFETENSORS_CONFIG = dict(model_type="llama", vocab_size=64, hidden_size=32, int
                           bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
 
 
-def write_small_safetensors(d: Path, seed: int = 0) -> None:
-    """An HF llama directory (config.json, model.safetensors; no tokenizer) with random weights."""
+def write_small_safetensors(d: Path, seed: int = 0, tokenizer: bool = False) -> None:
+    """An HF llama directory (config.json, model.safetensors) with random weights; with
+    ``tokenizer``, the byte tokenizer and a ChatML template too (and its vocabulary size)."""
     import torch
     from safetensors.torch import save_file
 
-    c = SAFETENSORS_CONFIG
+    from conftest import BYTE_VOCAB, CHATML
+
+    c = dict(SAFETENSORS_CONFIG, vocab_size=BYTE_VOCAB) if tokenizer else SAFETENSORS_CONFIG
     h, i, hd = c["hidden_size"], c["intermediate_size"], c["hidden_size"] // c["num_attention_heads"]
     g = torch.Generator().manual_seed(seed)
 
@@ -145,6 +154,10 @@ def write_small_safetensors(d: Path, seed: int = 0) -> None:
     d.mkdir(parents=True, exist_ok=True)
     save_file(t, str(d / "model.safetensors"))
     (d / "config.json").write_text(json.dumps(c))
+    if tokenizer:
+        (d / "tokenizer.json").write_text(byte_tokenizer_json())
+        (d / "tokenizer_config.json").write_text(json.dumps(
+            {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False, "chat_template": CHATML}))
 
 
 # ------------------------------------------------------------------ where things are in a GGUF
@@ -304,6 +317,8 @@ def gguf_targeted(head: bytes, lay: Layout, rng: random.Random) -> list[Mutant]:
     bad_float = [math.nan, math.inf, -math.inf, 0.0, -rng.uniform(1e-9, 1e3), -0.0]
     scalar("norm epsilon not finite or <= 0", eps, "<f", rng.choice(bad_float))
     scalar("rope base not finite or <= 0", rope, "<f", rng.choice(bad_float))
+    scalar("implausible norm epsilon", eps, "<f", rng.choice([3e38, 1.0, 0.2, 1e-30]), "plausible range")
+    scalar("implausible rope base", rope, "<f", rng.choice([1e-30, 0.5, 1e13, 3e38]), "plausible range")
     for key in ("eos", "bos", "unknown", "padding"):
         scalar("token id outside the vocabulary", f"tokenizer.ggml.{key}_token_id", "<I",
                rng.choice([vocab, vocab + 1, rng.randrange(vocab, 2**32)]))
@@ -382,6 +397,34 @@ def gguf_targeted(head: bytes, lay: Layout, rng: random.Random) -> list[Mutant]:
     t = infos[rng.choice([n for n in names if infos[n].n_dims == 2 and infos[n].dims[0] != infos[n].dims[1]])]
     out.append(Mutant("shape transposed", [(t.dims_pos, struct.pack("<Q", t.dims[1])),
                                            (t.dims_pos + 8, struct.pack("<Q", t.dims[0]))], ["tensor"]))
+    out += gguf_broken_weights(lay, rng)
+    return out
+
+
+# a non-finite value per tensor type, at the first block: (byte offset in the block, bytes)
+_NAN_F16, _INF_F16 = struct.pack("<e", math.nan), struct.pack("<e", math.inf)
+_BROKEN = {QT.F32: [(0, struct.pack("<f", math.nan)), (0, struct.pack("<f", -math.inf))],
+           QT.F16: [(0, _NAN_F16), (0, _INF_F16)],
+           QT.Q8_0: [(0, _NAN_F16), (0, _INF_F16)],  # the block's scale
+           QT.Q4_1: [(0, _NAN_F16), (2, _INF_F16), (2, _NAN_F16)],  # its scale, its min
+           QT.Q4_0: [(0, _NAN_F16)]}
+
+
+def gguf_broken_weights(lay: Layout, rng: random.Random) -> list[Mutant]:
+    """Weights whose bytes are valid but whose values are not: a NaN or infinite value, scale or
+    min (the load must name the tensor), and a same-width type swap, F16 <-> BF16 (the magnitudes
+    give it away). Patches land in the tensor data, past the header."""
+    out = []
+    for kind in sorted({t.kind for t in lay.infos.values()} & set(_BROKEN)):
+        name = rng.choice([n for n, t in lay.infos.items() if t.kind == kind])
+        block = gguf.GGML_QUANT_SIZES[kind][1]
+        at, value = rng.choice(_BROKEN[kind])
+        pos = lay.data_start + lay.infos[name].offset + block * rng.randrange(4) + at
+        out.append(Mutant(f"non-finite {kind.name} weight", [(pos, value)], [name, "NaN or infinite"]))
+    for name, t in lay.infos.items():
+        if t.kind in (QT.F16, QT.BF16) and t.n_dims == 2:
+            swap = QT.BF16 if t.kind == QT.F16 else QT.F16
+            out.append(Mutant("F16 <-> BF16 swap", [(t.type_pos, struct.pack("<I", swap))], [name, "likely wrong"]))
     return out
 
 
@@ -709,7 +752,8 @@ def test_embedded_gguf_fuzz(tmp_path):
         pytest.skip(str(e))
     kinds = {"norm epsilon not finite or <= 0", "rope base not finite or <= 0", "token id outside the vocabulary",
              "block count != layers present", "array count past the end", "non-UTF-8 string",
-             "misaligned offset", "overlapping offset", "type change", "field type unsuitable"}
+             "misaligned offset", "overlapping offset", "type change", "field type unsuitable",
+             "non-finite Q4_1 weight", "non-finite Q8_0 weight", "non-finite F32 weight"}
     head, lay = gguf_layout(src)
     chosen, seen = [], set()
     for m in gguf_targeted(head, lay, random.Random(1)):
@@ -725,13 +769,6 @@ def test_safetensors_fuzz(small_st, tmp_path):
     rng = random.Random(0)
     mutants = st_mutants(small_st, rng, n_random=150) + st_mutants(small_st, rng, n_random=0)
     check(run_safetensors(small_st, mutants, tmp_path))
-
-
-@pytest.fixture
-def slow_run(request):
-    """The long runs only when asked for (``-m slow``): plain ``pytest`` is what CI runs."""
-    if "slow" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("a slow run: pytest -m slow tests/test_loader_fuzz.py")
 
 
 @pytest.mark.slow
