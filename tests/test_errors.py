@@ -11,6 +11,7 @@ from flint.errors import FlintError
 ERRORS = [("backend_api", "BackendError", ValueError), ("bench", "BenchError", ValueError),
           ("bench_head", "HeadOptionError", ValueError), ("config", "ConfigError", ValueError),
           ("engine", "ContextError", ValueError), ("engine", "Cancelled", Exception),
+          ("engine", "NonFiniteLogits", RuntimeError),
           ("evaluate", "EvalError", ValueError), ("grammar", "GrammarError", ValueError),
           ("kernels.build", "BuildError", RuntimeError), ("megakernel", "MegakernelError", RuntimeError),
           ("params", "LoadError", ValueError), ("quantize", "QuantizeError", ValueError),

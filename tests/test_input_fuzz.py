@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import shutil
 import struct
 from pathlib import Path
 
