@@ -53,6 +53,17 @@ _HF_LAYER = {
     "mlp.up_proj.weight": "w_up",
     "mlp.down_proj.weight": "w_down",
     "shared_mlp.output_linear.weight": "w_down",
+    "self_attn.q_proj.bias": "bq",
+    "self_attn.k_proj.bias": "bk",
+    "self_attn.v_proj.bias": "bv",
+    "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm",
+}
+# fused HF tensors (Granite-hybrid's and Phi-3's) -> the flint names their row blocks split into
+_HF_FUSED = {
+    "shared_mlp.input_linear.weight": ("w_gate", "w_up"),
+    "mlp.gate_up_proj.weight": ("w_gate", "w_up"),
+    "self_attn.qkv_proj.weight": ("wq", "wk", "wv"),
 }
 _GGUF_LAYER = {
     "attn_norm.weight": "attn_norm", "attn_q.weight": "wq", "attn_k.weight": "wk",
@@ -277,16 +288,16 @@ def _map_hf(cfg: ModelConfig, model_type: str, flat: dict, source: str) -> dict:
                 params["lm_head"] = t
         elif (m := pat.fullmatch(k)):
             li, rest = int(m.group(1)), m.group(2)
-            if rest == "shared_mlp.input_linear.weight":
+            if rest in _HF_FUSED:
                 if len(t.shape) != 2:
                     raise LoadError(f"{source}: tensor {k!r} has shape {list(t.shape)}, expected 2-D")
-                inter = t.shape[0] // 2
-                # an int4 one (GPTQ / AWQ / compressed-tensors) splits by rows too, exactly
-                part = t.rows if isinstance(t, Int4Weight) else t.__getitem__
-                params[f"layers.{li}.w_gate"] = part(slice(0, inter))
-                params[f"layers.{li}.w_up"] = part(slice(inter, None))
+                params.update(_split_rows(t, cfg, li, _HF_FUSED[rest], k, source))
             elif rest in _HF_LAYER:
-                params[f"layers.{li}.{_HF_LAYER[rest]}"] = t
+                fl = _HF_LAYER[rest]
+                if (fl in ("bq", "bk", "bv") and not cfg.qkv_bias) or (fl in ("q_norm", "k_norm") and not cfg.qk_norm):
+                    raise LoadError(f"{source}: unexpected tensor {k!r} (model_type {model_type!r} has no "
+                                    f"{'q/k/v biases' if fl[0] == 'b' else 'q/k norms'})")
+                params[f"layers.{li}.{fl}"] = t
             elif rest.endswith("rotary_emb.inv_freq"):
                 continue
             else:
@@ -297,6 +308,25 @@ def _map_hf(cfg: ModelConfig, model_type: str, flat: dict, source: str) -> dict:
         if not cfg.tie_word_embeddings:
             raise LoadError(f"{source}: tensor 'lm_head.weight' is missing and tie_word_embeddings is false")
     return params
+
+
+def _split_rows(t, cfg: ModelConfig, li: int, names: tuple, key: str, source: str) -> dict:
+    """A fused weight's row blocks under their flint names: gate|up (intermediate_size rows each) or
+    q|k|v (heads x head_dim, then kv heads x head_dim twice). An int4 one (GPTQ / AWQ /
+    compressed-tensors) splits by rows too, exactly."""
+    d = cfg.head_dim
+    sizes = {"w_gate": cfg.intermediate_size, "w_up": cfg.intermediate_size, "wq": cfg.num_heads * d,
+             "wk": cfg.num_kv_heads * d, "wv": cfg.num_kv_heads * d}
+    rows = [sizes[n] for n in names]
+    if t.shape[0] != sum(rows):
+        raise LoadError(f"{source}: tensor {key!r} has {t.shape[0]} rows; the config implies {sum(rows)} "
+                        f"({' + '.join(f'{n} {r}' for n, r in zip(names, rows))})")
+    part = t.rows if isinstance(t, Int4Weight) else t.__getitem__
+    out, at = {}, 0
+    for n, r in zip(names, rows):
+        out[f"layers.{li}.{n}"] = part(slice(at, at + r))
+        at += r
+    return out
 
 
 # ------------------------------------------------------------------ GGUF

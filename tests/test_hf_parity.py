@@ -1,7 +1,8 @@
 """flint's reference decoder against transformers, on tiny random checkpoints.
 
-Each case builds a random GraniteForCausalLM, LlamaForCausalLM or (all-attention, dense)
-GraniteMoeHybridForCausalLM, saves it with save_pretrained, loads the directory with
+Each case builds a random GraniteForCausalLM, LlamaForCausalLM (plain, or with llama3 / linear /
+yarn RoPE scaling), Qwen2, Qwen3, Mistral (a sliding window), Phi3 (LongRoPE, partial RoPE, a
+window) or (all-attention, dense) GraniteMoeHybridForCausalLM, saves it with save_pretrained, loads the directory with
 flint.loading.load_model and checks, in fp32, that flint's logits equal HF's: for a prefill from
 position 0, for token-by-token decode through the KV cache, for an M > 1 chunk at start_pos > 0,
 and after rolling the cache back. Cases vary head_dim, kv heads (1, 2, = heads), tied/untied,
@@ -36,6 +37,22 @@ CASES = {
     "granitemoehybrid-norope-mha": ("granitemoehybrid", 10000.0,
                                     dict(GRANITE_MULTIPLIERS, position_embedding_type=None,
                                          num_key_value_heads=4)),
+    # the families of docs/loading.md: each feature on the tiny shape (original contexts below SEQ
+    # so the scaled frequencies are the ones in use)
+    "llama3-rope": ("llama", 500000.0, dict(head_dim=32, rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=16))),
+    "llama-linear-rope": ("llama", 10000.0, dict(rope_parameters=dict(rope_type="linear", rope_theta=1e4,
+                                                                      factor=2.5))),
+    "llama-yarn-rope": ("llama", 10000.0, dict(head_dim=32, rope_parameters=dict(
+        rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=12))),
+    "qwen2-biases": ("qwen2", 1e6, dict(tie_word_embeddings=True)),
+    "qwen3-qknorm": ("qwen3", 1e6, dict(head_dim=24, num_key_value_heads=1)),
+    "mistral-window5": ("mistral", 1e6, dict(sliding_window=5, head_dim=16)),
+    "phi3-longrope-partial-window": ("phi3", 1e4, dict(
+        partial_rotary_factor=0.75, sliding_window=7, original_max_position_embeddings=64,
+        rope_parameters=dict(rope_type="longrope", rope_theta=1e4, partial_rotary_factor=0.75,
+                             short_factor=[1.0, 1.5, 2.0, 3.0, 1.2, 1.1], long_factor=[4.0] * 6))),
 }
 
 SEQ = 20  # tokens compared per case
