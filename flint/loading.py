@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from . import hfquant
-from .config import ConfigError, ModelConfig, from_hf_dict
+from .config import ConfigError, ModelConfig, from_hf_dict, parse_rope_scaling
 from .params import LoadedModel, LoadError, check_params, expected_shapes
 from .quant import (Int4Weight, dequant_q4_k_blocks, dequant_q5_k_blocks, dequant_q6_k_blocks,
                     dequant_q8_0_blocks, from_q4_0_blocks, from_q4_1_blocks, from_q4_k_blocks)
@@ -69,6 +69,9 @@ _GGUF_LAYER = {
     "attn_norm.weight": "attn_norm", "attn_q.weight": "wq", "attn_k.weight": "wk",
     "attn_v.weight": "wv", "attn_output.weight": "wo", "ffn_norm.weight": "ffn_norm",
     "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up", "ffn_down.weight": "w_down",
+    "attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv",
+    "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
+    "attn_qkv.weight": "wq+wk+wv",  # fused (phi3): split at load, like phi3's ffn_up (gate|up)
 }
 
 
@@ -361,8 +364,9 @@ def _gguf_getter(gf, path: str):
 def _gguf_config(gf, path: str) -> ModelConfig:
     get = _gguf_getter(gf, path)
     arch = get("general.architecture", "str")
-    if arch not in ("llama", "granite"):
-        raise LoadError(f"{path}: field 'general.architecture'={arch!r} is not supported (llama, granite)")
+    if arch not in GGUF_ARCHES:
+        raise LoadError(f"{path}: field 'general.architecture'={arch!r} is not supported "
+                        f"({', '.join(GGUF_ARCHES)})")
 
     def g(key, kind="uint", default=None, required=False):
         return get(f"{arch}.{key}", kind, default, required)
@@ -370,11 +374,15 @@ def _gguf_config(gf, path: str) -> ModelConfig:
     heads = g("attention.head_count", required=True)
     hidden = g("embedding_length", required=True)
     # the head width: key_length, else the RoPE width, else hidden / heads (a 0 is an error, not absent)
-    head_key = next((k for k in ("attention.key_length", "rope.dimension_count") if g(k) is not None), None)
+    # (phi3 rotates part of each head: there the RoPE width is not the head width, as in llama.cpp)
+    head_keys = ("attention.key_length",) if arch == "phi3" else ("attention.key_length", "rope.dimension_count")
+    head_key = next((k for k in head_keys if g(k) is not None), None)
     head_dim = g(head_key) if head_key else (hidden // heads if heads else 0)
+    rot = g("rope.dimension_count")
+    rotary_dim = rot if arch == "phi3" and rot is not None and rot != head_dim else None
     for key in ("attention.value_length", "rope.dimension_count"):  # flint: V as wide as K, full RoPE
         v = g(key)
-        if v is not None and v != head_dim:
+        if v is not None and v != head_dim and not (key == "rope.dimension_count" and rotary_dim):
             raise LoadError(f"{path}: field '{arch}.{key}'={v} differs from the head width {head_dim} "
                             "(partial RoPE or a separate value width is not supported)")
     tokens = get("tokenizer.ggml.tokens", "strs")
@@ -389,8 +397,9 @@ def _gguf_config(gf, path: str) -> ModelConfig:
         return float(g(key, "float", 1.0)) if granite else 1.0
 
     attn = g("attention.scale", "float") if granite else None
+    window = g("attention.sliding_window")
     cfg = ModelConfig(
-        arch="granite" if granite else "llama",
+        arch=arch,
         vocab_size=vocab, hidden_size=hidden,
         intermediate_size=g("feed_forward_length", required=True),
         num_layers=g("block_count", required=True), num_heads=heads,
@@ -406,6 +415,11 @@ def _gguf_config(gf, path: str) -> ModelConfig:
         bos_token_id=get("tokenizer.ggml.bos_token_id", "uint"),
         eos_token_ids=[eos] if eos is not None else [],
         name=str(get("general.name", "str", "")),
+        qkv_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
+        rotary_dim=rotary_dim,
+        rope_scaling=_gguf_rope_scaling(gf, path, arch, g),
+        sliding_window=window or None,  # llama.cpp writes 0 for none
     )
     keys = {"rms_norm_eps": "attention.layer_norm_rms_epsilon", "rope_theta": "rope.freq_base",
             "max_position_embeddings": "context_length", "num_layers": "block_count",
@@ -413,13 +427,64 @@ def _gguf_config(gf, path: str) -> ModelConfig:
             "num_heads": "attention.head_count", "num_kv_heads": "attention.head_count_kv",
             "head_dim": head_key or "embedding_length", "vocab_size": "vocab_size",
             "embedding_multiplier": "embedding_scale", "attention_multiplier": "attention.scale",
-            "residual_multiplier": "residual_scale", "logits_scaling": "logit_scale"}
+            "residual_multiplier": "residual_scale", "logits_scaling": "logit_scale",
+            "sliding_window": "attention.sliding_window", "rope_scaling": "rope.scaling.*"}
     names = {k: f"{arch}.{v}" for k, v in keys.items()}
     names.update(bos_token_id="tokenizer.ggml.bos_token_id", eos_token_id="tokenizer.ggml.eos_token_id")
     try:
         return cfg.validate(path, names)
     except ConfigError as e:
         raise LoadError(str(e)) from None
+
+
+GGUF_ARCHES = ("llama", "granite", "qwen2", "qwen3", "phi3")
+# the RoPE tensors a GGUF may carry: read into ModelConfig.rope_scaling, not into params
+_GGUF_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def _gguf_rope_scaling(gf, path: str, arch: str, g) -> dict | None:
+    """ModelConfig.rope_scaling from a GGUF: llama.cpp stores Llama 3's scaling as a rope_freqs tensor
+    (a divisor per frequency), Phi-3's LongRoPE as rope_factors_long / _short tensors with the
+    ``rope.scaling.attn_factor`` and ``original_context_length`` fields, linear and YaRN as
+    ``rope.scaling.type`` with its fields. What flint cannot honour is refused naming the field."""
+    from .gguf_file import QT
+
+    vecs = {}
+    for t in gf.tensors:
+        if t.name in _GGUF_ROPE_TENSORS:
+            if t.tensor_type != QT.F32 or len(t.shape) != 1:
+                raise LoadError(f"{path}: tensor {t.name!r} must be a 1-D F32 vector, got "
+                                f"{t.tensor_type.name} shape {list(t.shape)}")
+            vecs[t.name] = t.data.view("<f4").astype(float).tolist()
+    kind = g("rope.scaling.type", "str")
+    if kind not in (None, "none", "linear", "yarn"):
+        raise LoadError(f"{path}: field '{arch}.rope.scaling.type'={kind!r} is not supported (none, linear, yarn)")
+    for key in ("rope.scaling.yarn_log_multiplier", "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor"):
+        if g(key, "float") is not None:
+            raise LoadError(f"{path}: field '{arch}.{key}' is not supported (YaRN as transformers computes it)")
+    orig = g("rope.scaling.original_context_length")
+    if "rope_factors_long.weight" in vecs or "rope_factors_short.weight" in vecs:
+        if kind not in (None, "none") or "rope_freqs.weight" in vecs:
+            raise LoadError(f"{path}: tensors 'rope_factors_*' (LongRoPE) next to another RoPE scaling")
+        return {"rope_type": "longrope", "short_factor": vecs.get("rope_factors_short.weight"),
+                "long_factor": vecs.get("rope_factors_long.weight"), "original_max_position_embeddings": orig,
+                "attention_factor": g("rope.scaling.attn_factor", "float", 1.0)}
+    if "rope_freqs.weight" in vecs:
+        if kind not in (None, "none"):
+            raise LoadError(f"{path}: tensor 'rope_freqs.weight' next to field '{arch}.rope.scaling.type'={kind!r}")
+        return {"rope_type": "freq_factors", "factors": vecs["rope_freqs.weight"]}
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": g("rope.scaling.factor", "float")}
+    if kind == "yarn":
+        r = {"rope_type": "yarn", "factor": g("rope.scaling.factor", "float"),
+             "original_max_position_embeddings": orig,
+             "beta_fast": g("rope.scaling.yarn_beta_fast", "float"), "beta_slow": g("rope.scaling.yarn_beta_slow", "float")}
+        try:
+            return parse_rope_scaling(r, {"max_position_embeddings": g("context_length")}, path,
+                                      f"{arch}.rope.scaling.*")
+        except ConfigError as e:
+            raise LoadError(str(e)) from None
+    return None
 
 
 def _gguf_check_tokenizer(gf, path: str, vocab: int) -> None:
@@ -490,11 +555,14 @@ def _gguf_flint_names(tensors, cfg: ModelConfig, path: str) -> list[str]:
                                 f"'{cfg.arch}.block_count' is {cfg.num_layers}")
             layers.add(li)
             fl = f"layers.{li}.{_GGUF_LAYER[m.group(2)]}"
-        elif name == "rope_freqs.weight":
-            raise LoadError(f"{path}: tensor 'rope_freqs.weight' (scaled RoPE) is not supported")
+            if cfg.arch == "phi3" and m.group(2) == "ffn_up.weight":
+                fl = f"layers.{li}.w_gate+w_up"
+        elif name in _GGUF_ROPE_TENSORS:  # read into cfg.rope_scaling by _gguf_rope_scaling
+            out.append(None)
+            continue
         else:
             raise LoadError(f"{path}: unexpected tensor {name!r}")
-        want = 1 if fl == "norm" or fl.endswith("_norm") else 2
+        want = 1 if fl == "norm" or fl.endswith(("_norm", ".bq", ".bk", ".bv")) else 2
         if len(t.shape) != want:
             raise LoadError(f"{path}: tensor {name!r} has {len(t.shape)} dimensions, expected {want}")
         out.append(fl)
@@ -551,14 +619,24 @@ def load_gguf(path: str | Path, dtype=torch.float32) -> LoadedModel:
     q = gguf_file.QT
     for t, fl in tqdm(list(zip(gf.tensors, names)), desc=f"loading {os.path.basename(path)}",
                       unit="tensor", leave=False, disable=None):
+        if fl is None:
+            continue
         shape = tuple(int(x) for x in reversed(t.shape))
-        if shape != want[fl]:
+        prefix, dot, last = fl.rpartition(".")
+        parts = [f"{prefix}{dot}{n}" for n in last.split("+")]  # a fused tensor's row blocks, in order
+        implied = (sum(want[n][0] for n in parts), *want[parts[0]][1:])
+        if shape != implied:
             raise LoadError(f"{path}: tensor {t.name!r} has shape {list(shape)}, the metadata "
-                            f"implies {list(want[fl])}")
+                            f"implies {list(implied)}")
         w = _gguf_tensor(t, path)
         if t.tensor_type in (q.Q4_K, q.Q5_K, q.Q6_K) and not isinstance(w, Int4Weight):
             requant[fl] = t.tensor_type.name
-        if fl.endswith(".wq") or fl.endswith(".wk"):
+        if len(parts) > 1:
+            params.update(_split_rows(w, cfg, int(prefix.split(".")[1]), tuple(last.split("+")), t.name, path))
+            continue
+        # llama.cpp interleaves the q / k rows of the archs it ropes pairwise (llama, granite); qwen2,
+        # qwen3 and phi3 rope halves (NEOX) as HF does, and their rows are stored as they are
+        if cfg.arch in ("llama", "granite") and (fl.endswith(".wq") or fl.endswith(".wk")):
             nh = cfg.num_heads if fl.endswith(".wq") else cfg.num_kv_heads
             idx = _unpermute_rows(w.shape[0], nh)
             w = w.rows(idx) if isinstance(w, Int4Weight) else w[idx].contiguous()

@@ -1,0 +1,143 @@
+"""The model families beyond the plain Llama layer (docs/loading.md): what flint refuses and why, and
+the cases tests/test_hf_parity.py's per-family parity does not reach.
+
+* LongRoPE past the original context: the long factor set, against transformers on a prefill;
+* config fields flint cannot honour are refused naming the field (HF and GGUF);
+* the GPU backends refuse a feature they do not implement, naming it, before touching weights;
+* a flint int4 checkpoint of such a model keeps its features.
+
+Run: ``pytest tests/test_families.py``.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import make_hf_model, save_hf_dir
+from flint.backend import BackendError, make_backend
+from flint.config import kernel_features
+from flint.loading import LoadError, load_model
+from flint.model import Transformer
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+transformers = pytest.importorskip("transformers")
+
+LONGROPE = dict(rope_type="longrope", rope_theta=1e4, short_factor=[1.0, 1.5, 2.0, 3.0, 1.2, 1.1, 1.0, 1.0],
+                long_factor=[4.0, 3.0, 2.5, 2.0, 6.0, 1.5, 1.2, 1.1])
+
+
+def logits_close(got: torch.Tensor, want: torch.Tensor) -> float:
+    diff = (got - want).abs().max().item()
+    assert diff <= 1e-4 * max(1.0, want.abs().max().item()), f"logits differ from transformers by {diff}"
+    return diff
+
+
+def test_longrope_long_factors_past_the_original_context(tmp_path):
+    """A context longer than original_max_position_embeddings takes the long factors (flint picks
+    them from the context it is built with); a 20-token prefill past an original 8 is where
+    transformers uses them too. Within the original context, the short ones (both agree)."""
+    hf = make_hf_model("phi3", seed=4, original_max_position_embeddings=8, rope_parameters=LONGROPE)
+    lm = load_model(str(save_hf_dir(hf, tmp_path / "phi3", tokenizer=False)))
+    assert lm.cfg.rope_scaling["original_max_position_embeddings"] == 8
+    ids = torch.arange(3, 23)
+    with torch.no_grad():
+        want = hf(ids[None]).logits[0]
+    logits_close(Transformer(lm.cfg, lm.params, max_seq_len=64).forward(ids, 0), want)
+    with torch.no_grad():
+        short = hf(ids[None, :8]).logits[0]
+    logits_close(Transformer(lm.cfg, lm.params, max_seq_len=8).forward(ids[:8], 0), short)
+    # and the two factor sets do differ here (the test would not see a wrong pick otherwise)
+    assert (Transformer(lm.cfg, lm.params, max_seq_len=8).forward(ids[:8], 0) -
+            Transformer(lm.cfg, lm.params, max_seq_len=64).forward(ids[:8], 0)).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("family,edit,field", [
+    ("llama", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "rope_parameters"),
+    ("llama", {"rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0}}, "original_max_position_embeddings"),
+    ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 4.0,
+                                   "high_freq_factor": 1.0, "original_max_position_embeddings": 16}},
+     "high_freq_factor"),
+    ("phi3", {"rope_parameters": dict(LONGROPE, short_factor=[1.0] * 3)}, "short_factor"),
+    ("phi3", {"partial_rotary_factor": 1.5}, "partial_rotary_factor"),
+    ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),
+    ("qwen3", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
+    ("qwen3", {"attention_bias": True}, "attention_bias"),
+    ("mistral", {"sliding_window": 0}, "sliding_window"),
+])
+def test_unhonoured_fields_are_refused(tmp_path, family, edit, field):
+    d = save_hf_dir(make_hf_model(family, seed=2), tmp_path / family, tokenizer=False)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(edit)
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(LoadError) as info:
+        load_model(str(d))
+    assert field in str(info.value) and "config.json" in str(info.value)
+
+
+def test_gguf_unhonoured_rope_scaling_refused(tmp_path):
+    from test_gguf import write_tiny_gguf
+
+    hf = make_hf_model("llama", seed=3, rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0,
+                                                             original_max_position_embeddings=16))
+    write_tiny_gguf(hf, tmp_path / "ok.gguf")
+    assert load_model(str(tmp_path / "ok.gguf")).cfg.rope_scaling["rope_type"] == "yarn"
+    # the same file with a YaRN field flint does not compute
+    write_tiny_gguf(hf, tmp_path / "yarn.gguf", extra=lambda w: w.add_rope_scaling_yarn_log_mul(0.1))
+    with pytest.raises(LoadError) as info:
+        load_model(str(tmp_path / "yarn.gguf"))
+    assert "llama.rope.scaling.yarn_log_multiplier" in str(info.value)
+
+
+@pytest.mark.parametrize("family,overrides,feature", [
+    ("qwen2", {}, "q/k/v projection biases"),
+    ("qwen3", {}, "q/k RMSNorm"),
+    ("llama", dict(rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0)), "scaled RoPE"),
+    ("phi3", dict(partial_rotary_factor=0.5), "partial RoPE"),
+    ("mistral", dict(sliding_window=8), "sliding_window 8"),
+])
+@pytest.mark.parametrize("backend", ["compiled", "megakernel"])
+def test_gpu_backends_refuse_unimplemented_features(tmp_path, family, overrides, feature, backend):
+    lm = load_model(str(save_hf_dir(make_hf_model(family, seed=1, **overrides), tmp_path / family,
+                                    tokenizer=False)))
+    with pytest.raises(BackendError) as info:
+        make_backend(backend, lm, max_seq_len=32, device="cpu")
+    assert feature in str(info.value) and "reference" in str(info.value)
+    make_backend("reference", lm, max_seq_len=32, device="cpu")  # the reference runs it
+
+
+def test_window_counts_only_past_the_context(tmp_path):
+    lm = load_model(str(save_hf_dir(make_hf_model("mistral", seed=1, sliding_window=8), tmp_path / "m",
+                                    tokenizer=False)))
+    assert kernel_features(lm.cfg, 8) == []
+    assert kernel_features(lm.cfg, 9) == ["sliding_window 8 below the context 9"]
+
+
+@pytest.mark.parametrize("family,overrides", [
+    ("qwen3", {}),
+    ("phi3", dict(partial_rotary_factor=0.5, sliding_window=6, original_max_position_embeddings=16,
+                  rope_parameters=dict(LONGROPE, partial_rotary_factor=0.5, short_factor=LONGROPE["short_factor"][:4],
+                                       long_factor=LONGROPE["long_factor"][:4]))),
+])
+def test_int4_checkpoint_keeps_the_features(tmp_path, family, overrides):
+    """flint quantize of such a model (from its HF directory and from its GGUF) loads back with the
+    same config and the same float feature tensors (norms, biases) as the model it was written from."""
+    from flint.quantize import quantize_checkpoint
+
+    from test_gguf import write_tiny_gguf
+
+    hf = make_hf_model(family, seed=6, tie_word_embeddings=False, **overrides)
+    write_tiny_gguf(hf, tmp_path / "tiny.gguf")
+    for src in (save_hf_dir(hf, tmp_path / "hf", tokenizer=False), tmp_path / "tiny.gguf"):
+        lm = load_model(str(src))
+        back = load_model(str(quantize_checkpoint(str(src), tmp_path / f"q-{src.name}", group_size=32,
+                                                  log=lambda *a, **k: None)))
+        for f in ("qkv_bias", "qk_norm", "rotary_dim", "rope_scaling", "sliding_window", "arch"):
+            assert getattr(back.cfg, f) == getattr(lm.cfg, f), f
+        extra = [n for n in lm.params if n.endswith(("q_norm", "k_norm", ".bq", ".bk", ".bv"))]
+        assert len(extra) == (2 * lm.cfg.num_layers if family == "qwen3" else 0)
+        for n in extra:
+            assert torch.equal(back.params[n].float(), lm.params[n].float()), n
