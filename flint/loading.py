@@ -513,6 +513,12 @@ def _gguf_check_tokenizer(gf, path: str, vocab: int) -> None:
                             "separated by a space")
     for key in ("tokenizer.ggml.pre", "tokenizer.chat_template"):
         get(key, "str")
+    from .tokenizer import PRE_TOKENIZERS
+
+    pre = get("tokenizer.ggml.pre", "str", "gpt2")
+    if pre not in PRE_TOKENIZERS:  # the split decides the ids: a guessed one gives wrong ones
+        raise LoadError(f"{path}: field 'tokenizer.ggml.pre'={pre!r} is not supported (flint splits text "
+                        f"as {', '.join(PRE_TOKENIZERS)} do)")
     get("tokenizer.ggml.add_bos_token", "bool")
     for key, f in gf.fields.items():
         if key.startswith("tokenizer.ggml.") and key.endswith("_token_id"):

@@ -1,7 +1,8 @@
 """Tokenizer, chat template and streaming detokenization, above the engine (which knows ids only).
 
 Built on the `tokenizers` library from an HF tokenizer.json, or from GGUF metadata (BPE "gpt2"
-vocabularies: tokens, merges, token types, pre-tokenizer name). Chat templates render with a
+vocabularies: tokens, merges, token types, and the pre-tokenizer name, PRE_TOKENIZERS: the split
+each family's tokenizer.json makes; other names refused). Chat templates render with a
 sandboxed jinja2 environment configured the way HF renders them, so prompts match
 ``transformers``' apply_chat_template. Test: ``pytest tests/test_gguf.py -k template``.
 """
@@ -21,6 +22,39 @@ from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, p
 
 class TokenizerError(ValueError):
     pass
+
+
+# How a GGUF's ``tokenizer.ggml.pre`` splits text before BPE, as the family's own tokenizer.json
+# does (and llama.cpp for that name): a regex whose matches are the pieces, then the byte-level
+# alphabet; None is the GPT-2 regex inside ByteLevel. An absent field means "gpt2".
+# Llama 3's split: contractions in any case, a letter run with one non-letter before it, digits in
+# threes, newlines kept with the punctuation before them.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZERS = {
+    "gpt2": None,
+    "smollm": "digits",  # SmolLM's: each digit alone, then the GPT-2 regex
+    "llama-bpe": _LLAMA3_SPLIT,
+    "qwen2": _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}"),  # Qwen2 / 2.5 / 3: Llama 3's, digits one by one
+}
+
+
+def gguf_pre_tokenizer(pre: str, path: str = "gguf"):
+    """The tokenizers pre-tokenizer for a GGUF's ``tokenizer.ggml.pre`` (PRE_TOKENIZERS); any other
+    name is refused naming it: a wrong split changes the ids of digits, contractions and spaces."""
+    if pre not in PRE_TOKENIZERS:
+        raise TokenizerError(f"{path}: field 'tokenizer.ggml.pre'={pre!r} is not supported (flint splits "
+                             f"text as {', '.join(PRE_TOKENIZERS)} do)")
+    split = PRE_TOKENIZERS[pre]
+    if split is None:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if split == "digits":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    from tokenizers import Regex
+
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
 def _content(tok) -> str | None:
@@ -108,13 +142,7 @@ class Tokenizer:
         merges = [tuple(m.split(" ", 1)) for m in f.get("tokenizer.ggml.merges", [])]
         vocab = {t: i for i, t in enumerate(tokens)}
         tk = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-        pre = f.get("tokenizer.ggml.pre", "gpt2")
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if pre == "smollm":  # llama.cpp's "smollm": digits one by one, then the GPT-2 split
-            tk.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Digits(individual_digits=True), byte_level])
-        else:
-            tk.pre_tokenizer = byte_level
+        tk.pre_tokenizer = gguf_pre_tokenizer(f.get("tokenizer.ggml.pre", "gpt2"), path)
         tk.decoder = decoders.ByteLevel()
         tk.post_processor = processors.ByteLevel(trim_offsets=False)
         # control (3) and user-defined (4) tokens are matched whole in text, never split

@@ -141,3 +141,68 @@ def test_int4_checkpoint_keeps_the_features(tmp_path, family, overrides):
         assert len(extra) == (2 * lm.cfg.num_layers if family == "qwen3" else 0)
         for n in extra:
             assert torch.equal(back.params[n].float(), lm.params[n].float()), n
+
+
+# The pre_tokenizer objects of each family's own tokenizer.json, as those files spell them (Llama 3:
+# meta-llama/Llama-3.1-8B; Qwen2: Qwen/Qwen2.5-7B, and Qwen3's is the same; SmolLM2; GPT-2).
+_LLAMA3_JSON = (r'{"type": "Sequence", "pretokenizers": [{"type": "Split", "pattern": {"Regex": '
+                r'"(?i:\u0027s|\u0027t|\u0027re|\u0027ve|\u0027m|\u0027ll|\u0027d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|'
+                r'\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"}, "behavior": "Isolated", '
+                r'"invert": false}, {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, '
+                r'"use_regex": false}]}')
+FAMILY_PRE_TOKENIZERS = {
+    "llama-bpe": _LLAMA3_JSON,
+    "qwen2": _LLAMA3_JSON.replace(r"\\p{N}{1,3}", r"\\p{N}"),
+    "smollm": ('{"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": true}, '
+               '{"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true}]}'),
+    "gpt2": '{"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true}',
+}
+SPLIT_TEXTS = ["I DON'T know, it's 12345 apples!\n\n  Hello   world\r\n\tx", "héllo wörld 3.14159 ÅNGSTRÖM",
+               "can't've 2024-12-07 ...\n\n\nend", "   leading spaces and trailing   ", "x\ny\r\n\r\nz 7a8b9"]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_model():
+    return make_hf_model("llama", seed=8)
+
+
+@pytest.mark.parametrize("pre", list(FAMILY_PRE_TOKENIZERS))
+def test_gguf_pre_tokenizer_splits_like_the_family(tmp_path, tiny_llama_model, pre):
+    """A GGUF's tokenizer.ggml.pre gives the split of that family's tokenizer.json, piece for piece
+    and id for id (tokenizers itself reads the family's JSON for the reference)."""
+    from tokenizers import Tokenizer
+
+    from test_gguf import write_tiny_gguf
+
+    write_tiny_gguf(tiny_llama_model, tmp_path / "t.gguf", pre=pre)
+    tok = load_model(str(tmp_path / "t.gguf")).tokenizer
+    ref = json.loads(tok.tk.to_str())
+    ref["pre_tokenizer"] = json.loads(FAMILY_PRE_TOKENIZERS[pre])
+    ref = Tokenizer.from_str(json.dumps(ref))
+    gpt2_differs = False
+    for text in SPLIT_TEXTS:
+        pieces = [p for p, _ in tok.tk.pre_tokenizer.pre_tokenize_str(text)]
+        assert pieces == [p for p, _ in ref.pre_tokenizer.pre_tokenize_str(text)], (pre, text)
+        assert tok.encode(text, add_special_tokens=False) == ref.encode(text, add_special_tokens=False).ids
+        gpt2_differs |= pieces != [p for p, _ in json_pre(FAMILY_PRE_TOKENIZERS["gpt2"]).pre_tokenize_str(text)]
+    assert gpt2_differs == (pre != "gpt2"), "the texts should tell this split from GPT-2's"
+
+
+def json_pre(spec: str):
+    """A tokenizers pre-tokenizer from its tokenizer.json object."""
+    from tokenizers import Tokenizer, models
+
+    tk = Tokenizer(models.BPE())
+    d = json.loads(tk.to_str())
+    d["pre_tokenizer"] = json.loads(spec)
+    return Tokenizer.from_str(json.dumps(d)).pre_tokenizer
+
+
+@pytest.mark.parametrize("pre", ["default", "tekken", "deepseek-llm"])
+def test_gguf_unknown_pre_tokenizer_refused(tmp_path, tiny_llama_model, pre):
+    from test_gguf import write_tiny_gguf
+
+    write_tiny_gguf(tiny_llama_model, tmp_path / "t.gguf", pre=pre)
+    with pytest.raises(LoadError) as info:
+        load_model(str(tmp_path / "t.gguf"))
+    assert "tokenizer.ggml.pre" in str(info.value) and repr(pre) in str(info.value)
