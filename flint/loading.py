@@ -671,6 +671,7 @@ def load_gguf(path: str | Path, dtype=torch.float32) -> LoadedModel:
     except Exception as e:  # the fields were checked; this is the tokenizers library refusing them
         raise LoadError(f"{path}: fields 'tokenizer.ggml.*' do not make a BPE tokenizer "
                         f"({type(e).__name__}: {e})") from None
+    cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | set(tok.eos_token_ids))  # eot / eom stop too
     return LoadedModel(cfg, params, tok, path)
 
 

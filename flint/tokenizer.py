@@ -155,9 +155,9 @@ class Tokenizer:
 
         eos_id = f.get("tokenizer.ggml.eos_token_id")
         eos_ids = [int(eos_id)] if eos_id is not None else []
-        eot = f.get("tokenizer.ggml.eot_token_id")
-        if eot is not None:
-            eos_ids = sorted(set(eos_ids) | {int(eot)})
+        for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):  # eom: Llama 3.1's tool turn
+            if f.get(key) is not None:
+                eos_ids = sorted(set(eos_ids) | {int(f[key])})
         return cls(tk, f.get("tokenizer.chat_template"), tok_at("tokenizer.ggml.bos_token_id"),
                    tok_at("tokenizer.ggml.eos_token_id"), eos_ids,
                    bool(f.get("tokenizer.ggml.add_bos_token", False)))

@@ -206,3 +206,17 @@ def test_gguf_unknown_pre_tokenizer_refused(tmp_path, tiny_llama_model, pre):
     with pytest.raises(LoadError) as info:
         load_model(str(tmp_path / "t.gguf"))
     assert "tokenizer.ggml.pre" in str(info.value) and repr(pre) in str(info.value)
+
+
+def test_gguf_end_of_turn_tokens_stop(tmp_path, tiny_llama_model):
+    """A GGUF's eot and eom ids (Llama 3.1 ends a tool-call turn with eom) stop generation like eos."""
+    from test_gguf import write_tiny_gguf
+
+    def stops(w):
+        w.add_eot_token_id(3)
+        w.add_eom_token_id(4)
+
+    write_tiny_gguf(tiny_llama_model, tmp_path / "t.gguf", extra=stops)
+    lm = load_model(str(tmp_path / "t.gguf"))
+    eos = lm.tokenizer.tk.token_to_id("<|im_end|>")
+    assert lm.cfg.eos_token_ids == sorted({eos, 3, 4}) == lm.tokenizer.eos_token_ids
