@@ -635,6 +635,7 @@ def load_gguf(path: str | Path, dtype=torch.float32) -> LoadedModel:
             raise LoadError(f"{path}: tensor {t.name!r} has shape {list(shape)}, the metadata "
                             f"implies {list(implied)}")
         w = _gguf_tensor(t, path)
+        gf.release(t)  # the file's bytes of this tensor leave memory: the peak stays near the resident size
         if t.tensor_type in (q.Q4_K, q.Q5_K, q.Q6_K) and not isinstance(w, Int4Weight):
             requant[fl] = t.tensor_type.name
         if len(parts) > 1:
