@@ -390,6 +390,8 @@ def load_hf_config(path: str | Path) -> ModelConfig:
 
 
 # Named shapes for speed work without downloads (random weights; see flint.synthetic).
+LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+LLAMA3_IDS = dict(max_position_embeddings=131072, bos_token_id=128000, eos_token_id=[128001, 128008, 128009])
 SYNTHETIC = {
     "granite-4.1-3b": dict(
         model_type="granite", vocab_size=100352, hidden_size=2560, intermediate_size=8192,
@@ -418,4 +420,38 @@ SYNTHETIC = {
         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
         rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
         max_position_embeddings=8192, bos_token_id=1, eos_token_id=2),
+    # the families of docs/loading.md at their published shapes (each model's config.json); the GPU
+    # backends refuse their features until the kernels implement them (kernel_features)
+    "llama-3.1-8b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+        rope_scaling=dict(LLAMA3_ROPE, factor=8.0), **LLAMA3_IDS),
+    "llama-3.2-3b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=3072, intermediate_size=8192,
+        num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8, head_dim=128,
+        rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
+        rope_scaling=dict(LLAMA3_ROPE, factor=32.0), **LLAMA3_IDS),
+    "qwen2.5-7b": dict(
+        model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, rms_norm_eps=1e-6,
+        rope_theta=1e6, tie_word_embeddings=False, max_position_embeddings=32768,
+        bos_token_id=151643, eos_token_id=[151643, 151645]),
+    "qwen3-8b": dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False, max_position_embeddings=40960,
+        bos_token_id=151643, eos_token_id=[151643, 151645]),
+    "mistral-7b": dict(  # v0.3: no sliding window
+        model_type="mistral", vocab_size=32768, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False, max_position_embeddings=32768,
+        sliding_window=None, bos_token_id=1, eos_token_id=2),
+    "phi-3.5-mini": dict(  # LongRoPE's 48 + 48 factors set to 1.0 and 4.0 here: the speed does not depend on them
+        model_type="phi3", vocab_size=32064, hidden_size=3072, intermediate_size=8192,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, rms_norm_eps=1e-5,
+        rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=131072,
+        original_max_position_embeddings=4096,
+        rope_scaling=dict(rope_type="longrope", short_factor=[1.0] * 48, long_factor=[4.0] * 48),
+        bos_token_id=1, eos_token_id=[32000, 32007]),
 }

@@ -220,3 +220,33 @@ def test_gguf_end_of_turn_tokens_stop(tmp_path, tiny_llama_model):
     lm = load_model(str(tmp_path / "t.gguf"))
     eos = lm.tokenizer.tk.token_to_id("<|im_end|>")
     assert lm.cfg.eos_token_ids == sorted({eos, 3, 4}) == lm.tokenizer.eos_token_ids
+
+
+@pytest.mark.parametrize("name,arch,features", [
+    ("llama-3.1-8b", "llama", ["scaled RoPE (rope_scaling type 'llama3')"]),
+    ("llama-3.2-3b", "llama", ["scaled RoPE (rope_scaling type 'llama3')"]),
+    ("qwen2.5-7b", "qwen2", ["q/k/v projection biases (Qwen2)"]),
+    ("qwen3-8b", "qwen3", ["per-head q/k RMSNorm (Qwen3)"]),
+    ("mistral-7b", "llama", []),
+    ("phi-3.5-mini", "phi3", ["scaled RoPE (rope_scaling type 'longrope')"]),
+])
+def test_synthetic_family_shapes(name, arch, features):
+    """The families' published shapes as synthetic: names, with the features the kernels must take."""
+    from flint.synthetic import synthetic_config
+
+    cfg = synthetic_config(name)
+    assert cfg.arch == arch and kernel_features(cfg, 4096) == features
+
+
+def test_synthetic_biases_and_norms_run(tmp_path):
+    """A synthetic model with every feature's tensors (biases, q/k norms) builds and runs on the reference."""
+    from flint.synthetic import synthetic_model
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(model_type="qwen2", vocab_size=300, hidden_size=64, intermediate_size=96,
+                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                    max_position_embeddings=64)))
+    lm = synthetic_model(str(path), dtype=torch.float32)
+    assert lm.params["layers.0.bq"].abs().max() < 0.2  # biases drawn like weights, not like norms
+    logits = Transformer(lm.cfg, lm.params, max_seq_len=16).forward(torch.arange(5), 0)
+    assert logits.shape == (5, 300) and torch.isfinite(logits).all()
