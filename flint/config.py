@@ -241,6 +241,12 @@ def _hf_rope(d: dict, source: str, head_dim) -> tuple[int | None, dict | None]:
         if t not in ROPE_TYPES or t == "freq_factors" and not own:  # GGUF files and flint's own only
             raise ConfigError(f"{source}: field {k!r}: rope type {t!r} is not supported (flint computes "
                               "default, linear, llama3, yarn and longrope)")
+        def scaling(x):  # the scaling's own fields: not the base or the rotary width, one spelling of the type
+            return {f: v for f, v in x.items() if f not in ("rope_theta", "partial_rotary_factor", "type")}
+
+        if found is not None and scaling(found) != scaling(dict(r, rope_type=t)):
+            raise ConfigError(f"{source}: fields 'rope_parameters' and 'rope_scaling' describe different RoPE "
+                              "scalings; keep one")
         found, key = dict(r, rope_type=t), k
     partial = d.get("partial_rotary_factor")
     for k in ("rope_parameters", "rope_scaling"):

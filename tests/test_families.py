@@ -250,3 +250,24 @@ def test_synthetic_biases_and_norms_run(tmp_path):
     assert lm.params["layers.0.bq"].abs().max() < 0.2  # biases drawn like weights, not like norms
     logits = Transformer(lm.cfg, lm.params, max_seq_len=16).forward(torch.arange(5), 0)
     assert logits.shape == (5, 300) and torch.isfinite(logits).all()
+
+
+def test_template_kwargs_reach_the_template(tiny_llama_dir):
+    """Variables such as Qwen3's enable_thinking render as transformers passes them; flint's own
+    variables cannot be overridden that way."""
+    from transformers import AutoTokenizer
+
+    from flint.tokenizer import TokenizerError
+
+    tok = load_model(str(tiny_llama_dir)).tokenizer
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                         "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>{% endif %}")
+    msgs = [{"role": "user", "content": "hi"}]
+    hf = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    for kw in ({}, {"enable_thinking": False}, {"enable_thinking": True}):
+        want = hf.apply_chat_template(msgs, tokenize=False, chat_template=tok.chat_template, **kw)
+        assert tok.apply_chat_template(msgs, template_kwargs=kw) == want
+    assert tok.encode_chat(msgs, template_kwargs={"enable_thinking": False}) == tok.encode("hi<think>\n\n</think>",
+                                                                                      add_special_tokens=False)
+    with pytest.raises(TokenizerError):
+        tok.apply_chat_template(msgs, template_kwargs={"messages": []})
