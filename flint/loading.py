@@ -6,7 +6,10 @@ Every loader returns a ``LoadedModel`` (config, params, tokenizer). ``params`` m
 ("embed", "layers.{i}.wq", ..., "norm", "lm_head") to float tensors or ``Int4Weight``; a tied head
 is the same object as "embed". Bad input raises ``LoadError`` naming the file and the field.
 LoadedModel, LoadError, expected_shapes and check_params are defined in flint.params and
-importable from here.
+importable from here. The architectures (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite) map their
+own tensor names here: fused ones (Phi-3's qkv and gate_up, Granite-hybrid's input_linear) split by
+rows, RoPE tensors of a GGUF read into the config; docs/loading.md has the table. A GGUF loads
+tensor by tensor, each one's mapped pages dropped once converted (peak near the weights held).
 
 What is checked before a model is returned: GGUF structure by flint.gguf_file (counts bounded by
 the file, UTF-8 strings, tensor data in bounds, aligned, tiling the data section); GGUF field
@@ -16,7 +19,7 @@ ranges (ModelConfig.validate: norm epsilon, rope base and scales finite and > 0,
 the vocabulary); and check_params: the layer count equal to the layers present, every tensor's
 name, shape and dtype.
 Tests: ``pytest tests/test_loading.py tests/test_gguf.py tests/test_kquants.py tests/test_loader_fuzz.py
-tests/test_hfquant.py``.
+tests/test_hfquant.py tests/test_hf_parity.py tests/test_families.py tests/test_load_memory.py``.
 """
 from __future__ import annotations
 
