@@ -34,7 +34,11 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
 PRE_TOKENIZERS = {
     "gpt2": None,
     "smollm": "digits",  # SmolLM's: each digit alone, then the GPT-2 regex
+    "starcoder": "digits",  # StarCoder's and Refact's: the same
+    "refact": "digits",
     "llama-bpe": _LLAMA3_SPLIT,
+    "dbrx": _LLAMA3_SPLIT,  # tiktoken's cl100k split, which Llama 3 took over
+    "smaug-bpe": _LLAMA3_SPLIT,
     "qwen2": _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}"),  # Qwen2 / 2.5 / 3: Llama 3's, digits one by one
 }
 
