@@ -190,6 +190,13 @@ def test_gguf_pre_tokenizer_splits_like_the_family(tmp_path, tiny_llama_model, p
         assert tok.encode(text, add_special_tokens=False) == ref.encode(text, add_special_tokens=False).ids
         gpt2_differs |= pieces != [p for p, _ in json_pre(FAMILY_PRE_TOKENIZERS["gpt2"]).pre_tokenize_str(text)]
     assert gpt2_differs == (pre != "gpt2"), "the texts should tell this split from GPT-2's"
+    # and transformers' GGUF loader splits with the same regex, for the names it knows
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+    from flint.tokenizer import PRE_TOKENIZERS
+
+    if pre in GGUF_PRE_TOKENIZER_SPLITS:
+        assert PRE_TOKENIZERS[pre] == GGUF_PRE_TOKENIZER_SPLITS[pre]
 
 
 def json_pre(spec: str):
