@@ -241,10 +241,7 @@ def _hf_rope(d: dict, source: str, head_dim) -> tuple[int | None, dict | None]:
         if t not in ROPE_TYPES or t == "freq_factors" and not own:  # GGUF files and flint's own only
             raise ConfigError(f"{source}: field {k!r}: rope type {t!r} is not supported (flint computes "
                               "default, linear, llama3, yarn and longrope)")
-        def scaling(x):  # the scaling's own fields: not the base or the rotary width, one spelling of the type
-            return {f: v for f, v in x.items() if f not in ("rope_theta", "partial_rotary_factor", "type")}
-
-        if found is not None and scaling(found) != scaling(dict(r, rope_type=t)):
+        if found is not None and _scaling_fields(found) != _scaling_fields(dict(r, rope_type=t)):
             raise ConfigError(f"{source}: fields 'rope_parameters' and 'rope_scaling' describe different RoPE "
                               "scalings; keep one")
         found, key = dict(r, rope_type=t), k
@@ -260,6 +257,11 @@ def _hf_rope(d: dict, source: str, head_dim) -> tuple[int | None, dict | None]:
     if found is None:
         return rotary_dim, None
     return rotary_dim, parse_rope_scaling(found, d, source, key)
+
+
+def _scaling_fields(r: dict) -> dict:
+    """A RoPE object's scaling fields: not the base or the rotary width, the type under one spelling."""
+    return {f: v for f, v in r.items() if f not in ("rope_theta", "partial_rotary_factor", "type")}
 
 
 def parse_rope_scaling(r: dict, d: dict, source: str, key: str) -> dict:
