@@ -347,9 +347,11 @@ def _gguf_getter(gf, path: str):
           "bool": lambda f: f.type == VT.BOOL,
           "str": lambda f: f.type == VT.STRING,
           "strs": lambda f: f.type == VT.ARRAY and f.item_type == VT.STRING,
-          "ints": lambda f: f.type == VT.ARRAY and f.item_type in INT_TYPES}
+          "ints": lambda f: f.type == VT.ARRAY and f.item_type in INT_TYPES,
+          "floats": lambda f: f.type == VT.ARRAY and f.item_type in FLOAT_TYPES}
     need = {"uint": "a non-negative integer", "float": "a floating-point number", "bool": "a boolean",
-            "str": "a string", "strs": "an array of strings", "ints": "an array of integers"}
+            "str": "a string", "strs": "an array of strings", "ints": "an array of integers",
+            "floats": "an array of floating-point numbers"}
 
     def get(key, kind, default=None, required=False):
         f = gf.fields.get(key)
@@ -495,10 +497,16 @@ def _gguf_check_tokenizer(gf, path: str, vocab: int) -> None:
     fail on them (or silently use a wrong one)."""
     get = _gguf_getter(gf, path)
     kind = get("tokenizer.ggml.model", "str", required=True)
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise LoadError(f"{path}: field 'tokenizer.ggml.model'={kind!r} is not supported "
-                        "(flint reads BPE 'gpt2' vocabularies)")
+                        "(flint reads byte-level BPE 'gpt2' and SentencePiece 'llama' vocabularies)")
     tokens = get("tokenizer.ggml.tokens", "strs", required=True)
+    if kind == "llama":  # SentencePiece: the merges come from the scores
+        scores = get("tokenizer.ggml.scores", "floats", required=True)
+        if len(scores) != len(tokens):
+            raise LoadError(f"{path}: field 'tokenizer.ggml.scores' has {len(scores)} entries for "
+                            f"{len(tokens)} tokens")
+        get("tokenizer.ggml.add_space_prefix", "bool")
     if len(set(tokens)) != len(tokens):  # two ids for one string: one of them unreachable
         seen = {}
         for i, t in enumerate(tokens):
@@ -519,7 +527,7 @@ def _gguf_check_tokenizer(gf, path: str, vocab: int) -> None:
     from .tokenizer import PRE_TOKENIZERS
 
     pre = get("tokenizer.ggml.pre", "str", "gpt2")
-    if pre not in PRE_TOKENIZERS:  # the split decides the ids: a guessed one gives wrong ones
+    if kind == "gpt2" and pre not in PRE_TOKENIZERS:  # the split decides the ids: a guessed one gives wrong ones
         raise LoadError(f"{path}: field 'tokenizer.ggml.pre'={pre!r} is not supported (flint splits text "
                         f"as {', '.join(PRE_TOKENIZERS)} do)")
     get("tokenizer.ggml.add_bos_token", "bool")
@@ -671,7 +679,7 @@ def load_gguf(path: str | Path, dtype=torch.float32) -> LoadedModel:
               f"backend runs them as they are); the int4 backends requantize them to int4, a second "
               f"rounding{why}. Q4_K tensors keep their 4-bit codes (int4 g32).", file=sys.stderr)
     try:
-        tok = Tokenizer.from_gguf_fields(gf.values(), path)
+        tok = Tokenizer.from_gguf_fields(gf.values(), path)  # (SentencePiece vocabularies: by architecture)
     except Exception as e:  # the fields were checked; this is the tokenizers library refusing them
         raise LoadError(f"{path}: fields 'tokenizer.ggml.*' do not make a BPE tokenizer "
                         f"({type(e).__name__}: {e})") from None

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import (AddedToken, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers,
+                        processors)
 
 
 class TokenizerError(ValueError):
@@ -67,6 +68,41 @@ def _content(tok) -> str | None:
     if isinstance(tok, dict):
         return tok.get("content")
     return str(tok)
+
+
+def sentencepiece_merges(tokens: list[str], scores: list[float], vocab: dict) -> list[tuple[str, str]]:
+    """BPE merges for a SentencePiece vocabulary that has scores and no merges: every way to cut a
+    token into two tokens, the higher the whole token's score the earlier, ties going to the longer
+    left then right piece, then the token's order and its pieces' ids (the order transformers
+    derives for a GGUF, so the two tokenize alike)."""
+    cuts = []
+    for t, score in zip(tokens, scores):
+        pairs = sorted(((vocab[t[:i]], vocab[t[i:]]), t[:i], t[i:]) for i in range(1, len(t))
+                       if t[:i] in vocab and t[i:] in vocab)
+        cuts += [(score, left, right) for _, left, right in pairs]
+    cuts.sort(key=lambda c: (-c[0], -len(c[1]), -len(c[2])))  # stable: equal keys keep their order
+    return [(left, right) for _, left, right in cuts]
+
+
+def sentencepiece_from_gguf(f: dict, tokens: list[str], vocab: dict) -> HFTokenizer:
+    """A GGUF's SentencePiece ('llama') vocabulary as a byte-fallback BPE: spaces as U+2581, one in
+    front of the text (``tokenizer.ggml.add_space_prefix``, on unless false). Phi-3's files put
+    that space in front of leading spaces too (a normalizer), the others only where the text does
+    not start with one (Metaspace), as each family's own tokenizer does."""
+    unk = f.get("tokenizer.ggml.unknown_token_id")
+    tk = HFTokenizer(models.BPE(vocab=vocab, merges=sentencepiece_merges(tokens, f["tokenizer.ggml.scores"], vocab),
+                                byte_fallback=True, fuse_unk=True,
+                                unk_token=tokens[unk] if unk is not None else None))
+    prefix = bool(f.get("tokenizer.ggml.add_space_prefix", True))
+    if f.get("general.architecture") == "phi3":
+        steps = [normalizers.Replace(" ", "\u2581")]
+        tk.normalizer = normalizers.Sequence(([normalizers.Prepend("\u2581")] if prefix else []) + steps)
+    else:
+        tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first" if prefix else "never",
+                                                    split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tk.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    return tk
 
 
 class Tokenizer:
@@ -138,17 +174,20 @@ class Tokenizer:
     @classmethod
     def from_gguf_fields(cls, f: dict, path: str = "gguf") -> "Tokenizer":
         kind = f.get("tokenizer.ggml.model")
-        if kind != "gpt2":
+        if kind not in ("gpt2", "llama"):
             raise TokenizerError(f"{path}: field 'tokenizer.ggml.model'={kind!r} is not supported "
-                                 "(flint reads BPE 'gpt2' vocabularies)")
+                                 "(flint reads byte-level BPE 'gpt2' and SentencePiece 'llama' vocabularies)")
         tokens = list(f["tokenizer.ggml.tokens"])
         types = list(f.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-        merges = [tuple(m.split(" ", 1)) for m in f.get("tokenizer.ggml.merges", [])]
         vocab = {t: i for i, t in enumerate(tokens)}
-        tk = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-        tk.pre_tokenizer = gguf_pre_tokenizer(f.get("tokenizer.ggml.pre", "gpt2"), path)
-        tk.decoder = decoders.ByteLevel()
-        tk.post_processor = processors.ByteLevel(trim_offsets=False)
+        if kind == "llama":
+            tk = sentencepiece_from_gguf(f, tokens, vocab)
+        else:
+            merges = [tuple(m.split(" ", 1)) for m in f.get("tokenizer.ggml.merges", [])]
+            tk = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+            tk.pre_tokenizer = gguf_pre_tokenizer(f.get("tokenizer.ggml.pre", "gpt2"), path)
+            tk.decoder = decoders.ByteLevel()
+            tk.post_processor = processors.ByteLevel(trim_offsets=False)
         # control (3) and user-defined (4) tokens are matched whole in text, never split
         specials = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty in (3, 4)]
         tk.add_special_tokens(specials)
@@ -162,9 +201,10 @@ class Tokenizer:
         for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):  # eom: Llama 3.1's tool turn
             if f.get(key) is not None:
                 eos_ids = sorted(set(eos_ids) | {int(f[key])})
+        # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
         return cls(tk, f.get("tokenizer.chat_template"), tok_at("tokenizer.ggml.bos_token_id"),
                    tok_at("tokenizer.ggml.eos_token_id"), eos_ids,
-                   bool(f.get("tokenizer.ggml.add_bos_token", False)))
+                   bool(f.get("tokenizer.ggml.add_bos_token", kind == "llama")))
 
     # ------------------------------------------------------------- text <-> ids
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -282,3 +282,43 @@ def test_template_kwargs_reach_the_template(tiny_llama_dir):
                                                                                       add_special_tokens=False)
     with pytest.raises(TokenizerError):
         tok.apply_chat_template(msgs, template_kwargs={"messages": []})
+
+
+# a small SentencePiece vocabulary as a GGUF spells it: unknown, control, 256 byte tokens, then pieces
+# (U+2581 for a space) scored so that longer, commoner pieces win
+SPM_PIECES = ["\u2581", "\u2581t", "he", "\u2581the", "\u2581h", "el", "lo", "ll", "\u2581hel", "\u2581hello",
+              "\u2581w", "or", "ld", "\u2581wor", "\u2581world", "ing", "\u2581th", "in", "ng", "\u2581a", "\u2581and",
+              "an", "nd", "\u2581\u2581", "\u2581\u2581\u2581"] + list("abcdefghijklmnopqrstuvwxyzTHW,.!'")
+
+
+def write_spm_vocab(w):
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + SPM_PIECES
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * 259 + [-float(i) - (10.0 if len(t) == 1 else 0.0) for i, t in enumerate(SPM_PIECES)])
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(SPM_PIECES))
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+
+@pytest.mark.parametrize("family", ["mistral", "phi3"])
+def test_gguf_sentencepiece_vocabulary_matches_transformers(tmp_path, family):
+    """A SentencePiece ('llama') GGUF vocabulary (Mistral, Phi-3) tokenizes as transformers' GGUF
+    loader builds it: merges from the scores, byte fallback, the prefix space per family."""
+    from transformers import AutoTokenizer
+
+    from test_gguf import write_tiny_gguf
+
+    hf = make_hf_model(family, seed=5, vocab_size=259 + len(SPM_PIECES))
+    write_tiny_gguf(hf, tmp_path / "t.gguf", tokenizer=write_spm_vocab)
+    tok = load_model(str(tmp_path / "t.gguf")).tokenizer
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="t.gguf")
+    for text in ["hello world", "the thing and the world!", "  hello  world", "Hi, W\u00f6rld \u2603 hello",
+                 "hellohello andand", "\nthe\tend "]:
+        want = theirs(text)["input_ids"]
+        got = tok.encode(text)
+        assert got == want, (family, text, got, want)
+        assert got[0] == 1  # BOS, which llama.cpp adds to a SentencePiece vocabulary by default
+        assert tok.decode(got) == theirs.decode(want, skip_special_tokens=True), (family, text)

@@ -237,7 +237,7 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(hf, path: Path, encode=None, pre: str = "gpt2", extra=None) -> dict:
+def write_tiny_gguf(hf, path: Path, encode=None, pre: str = "gpt2", extra=None, tokenizer=None) -> dict:
     """Write ``hf`` (a tiny transformers llama, mistral, granite, qwen2, qwen3 or phi3) as a GGUF the
     way llama.cpp's converter lays it out (llama / granite q and k rows interleaved; phi3's fused
     tensors kept fused; Llama 3's RoPE scaling as a rope_freqs tensor, Phi-3's LongRoPE as
@@ -245,7 +245,8 @@ def write_tiny_gguf(hf, path: Path, encode=None, pre: str = "gpt2", extra=None) 
     (quantize -> dequantize with the gguf package).
 
     ``encode(name, x) -> (raw, kind)``, when given, makes each matrix's blocks instead (raw: the
-    uint8 rows gguf.quants.quantize would return); ``extra(writer)`` adds metadata."""
+    uint8 rows gguf.quants.quantize would return); ``extra(writer)`` adds metadata;
+    ``tokenizer(writer)`` writes the tokenizer fields instead of the byte-level vocabulary's."""
     from tokenizers import Tokenizer
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -294,15 +295,18 @@ def write_tiny_gguf(hf, path: Path, encode=None, pre: str = "gpt2", extra=None) 
         w.add_attention_scale(c.attention_multiplier)
         w.add_residual_scale(c.residual_multiplier)
         w.add_logit_scale(c.logits_scaling)
-    vocab = Tokenizer.from_str(byte_tokenizer_json()).get_vocab()
-    tokens = sorted(vocab, key=vocab.get)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-    w.add_token_merges([])
-    w.add_bos_token_id(vocab["<|im_start|>"])
-    w.add_eos_token_id(vocab["<|im_end|>"])
+    if tokenizer is not None:
+        tokenizer(w)
+    else:
+        vocab = Tokenizer.from_str(byte_tokenizer_json()).get_vocab()
+        tokens = sorted(vocab, key=vocab.get)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(tokens)
+        w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+        w.add_token_merges([])
+        w.add_bos_token_id(vocab["<|im_start|>"])
+        w.add_eos_token_id(vocab["<|im_end|>"])
 
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
