@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from .backend_api import BackendError  # noqa: F401  (re-exported: callers catch flint.backend.BackendError)
+from .backend_api import BackendError, refuse_kernel_features  # noqa: F401  (BackendError re-exported: callers catch flint.backend.BackendError)
 from .model import KV_CACHE_FORMATS, Transformer, kv_value_dtype
 from .token_mask import check_token_mask, mask_logits  # noqa: F401  (mask_logits re-exported)
 
@@ -135,6 +135,8 @@ def make_backend(name: str, lm, max_seq_len: int | None = None, device: str | No
         raise BackendError(f"max_seq_len {max_seq_len} exceeds the model's context "
                            f"{cfg.max_position_embeddings}")
     device = device or default_device()
+    if name != "reference":
+        refuse_kernel_features(name, cfg, max_seq_len)
     if name == "reference":
         if dtype is None:
             dtype = "float32" if torch.device(device).type == "cpu" else "bfloat16"

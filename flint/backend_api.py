@@ -131,6 +131,17 @@ class KVBytes(Protocol):
     def kv_bytes(self, ctx: int) -> int: ...
 
 
+def refuse_kernel_features(name: str, cfg, max_seq_len: int | None) -> None:
+    """BackendError naming each feature of ``cfg`` that backend ``name`` does not implement yet
+    (flint.config.kernel_features), before any weight is touched: the reference runs them."""
+    from .config import kernel_features
+
+    missing = kernel_features(cfg, max_seq_len)
+    if missing:
+        raise BackendError(f"backend {name!r} does not implement {'; '.join(missing)} yet: "
+                           "use --backend reference (docs/loading.md)")
+
+
 def check_greedy_run(backend, token: int, pos: int, n: int) -> None:
     """The arguments of ``greedy_run(token, pos, n)``, checked before anything is launched (ValueError)."""
     name = getattr(backend, "name", type(backend).__name__)

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from .token_mask import check_token_mask, mask_logits
-from .backend_api import BackendError, check_greedy_run
+from .backend_api import BackendError, check_greedy_run, refuse_kernel_features
 from .config import ModelConfig
 from .model import apply_rope, dense, rms_norm, rope_tables
 from .quant import Int4Weight, concat_rows, fit_group_size, quantize_int4
@@ -160,6 +160,7 @@ class CompiledBackend:
             raise BackendError(f"backend {self.name!r}: device {device!r} asked for, but CUDA is not available")
         self.int4 = int4
         self.max_seq_len = min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        refuse_kernel_features(self.name, cfg, self.max_seq_len)
         # activations: bf16 on CUDA (tinygemm needs it) and for compiled-bf16; fp32 for int4 on CPU
         if dtype is None:
             dtype = torch.float32 if (int4 and self.device.type == "cpu") else torch.bfloat16

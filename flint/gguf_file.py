@@ -60,9 +60,23 @@ class GGUFFile:
     fields: dict[str, Field]
     tensors: list[TensorInfo]
     alignment: int
+    buf: mmap.mmap | None = None  # the file, mapped read-only
+    data_start: int = 0  # the tensor data's offset in the file
 
     def values(self) -> dict:
         return {k: f.value for k, f in self.fields.items()}
+
+    def release(self, t: TensorInfo) -> None:
+        """Drop the mapped pages of tensor ``t`` from this process's memory once it has been
+        converted, so that loading holds one tensor's file bytes at a time beside the converted
+        weights. A later read of ``t.data`` still works: the pages come back from the file."""
+        if self.buf is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        page = mmap.PAGESIZE
+        begin = (self.data_start + t.offset) // page * page
+        end = min(len(self.buf), -(-(self.data_start + t.offset + t.nbytes) // page) * page)
+        if end > begin:
+            self.buf.madvise(mmap.MADV_DONTNEED, begin, end - begin)
 
 
 class _Cursor:
@@ -227,4 +241,4 @@ def read(path: str | os.PathLike) -> GGUFFile:
                      "(a wrong type, shape or offset in the tensor infos)")
     for t in tensors:
         t.data = np.frombuffer(buf, dtype=np.uint8, count=t.nbytes, offset=start + t.offset)
-    return GGUFFile(path, fields, tensors, alignment)
+    return GGUFFile(path, fields, tensors, alignment, buf, start)

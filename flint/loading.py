@@ -6,7 +6,10 @@ Every loader returns a ``LoadedModel`` (config, params, tokenizer). ``params`` m
 ("embed", "layers.{i}.wq", ..., "norm", "lm_head") to float tensors or ``Int4Weight``; a tied head
 is the same object as "embed". Bad input raises ``LoadError`` naming the file and the field.
 LoadedModel, LoadError, expected_shapes and check_params are defined in flint.params and
-importable from here.
+importable from here. The architectures (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite) map their
+own tensor names here: fused ones (Phi-3's qkv and gate_up, Granite-hybrid's input_linear) split by
+rows, RoPE tensors of a GGUF read into the config; docs/loading.md has the table. A GGUF loads
+tensor by tensor, each one's mapped pages dropped once converted (peak near the weights held).
 
 What is checked before a model is returned: GGUF structure by flint.gguf_file (counts bounded by
 the file, UTF-8 strings, tensor data in bounds, aligned, tiling the data section); GGUF field
@@ -22,7 +25,7 @@ of plausible magnitudes (flint.checks.check_weight: a half-precision type mislab
 type swapped); the chat template compiled. Any other exception while loading becomes a LoadError
 naming the spec (load_model's backstop).
 Tests: ``pytest tests/test_loading.py tests/test_gguf.py tests/test_kquants.py tests/test_loader_fuzz.py
-tests/test_hfquant.py``.
+tests/test_hfquant.py tests/test_hf_parity.py tests/test_families.py tests/test_load_memory.py``.
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ from tqdm import tqdm
 
 from . import hfquant
 from .checks import check_types, check_weight, parse_json, read_json
-from .config import ConfigError, ModelConfig, from_hf_dict
+from .config import ConfigError, ModelConfig, from_hf_dict, parse_rope_scaling
 from .params import LoadedModel, LoadError, check_params, expected_shapes
 from .quant import (GROUP_SIZES, Int4Weight, dequant_q4_k_blocks, dequant_q5_k_blocks, dequant_q6_k_blocks,
                     dequant_q8_0_blocks, from_q4_0_blocks, from_q4_1_blocks, from_q4_k_blocks)
@@ -59,11 +62,25 @@ _HF_LAYER = {
     "mlp.up_proj.weight": "w_up",
     "mlp.down_proj.weight": "w_down",
     "shared_mlp.output_linear.weight": "w_down",
+    "self_attn.q_proj.bias": "bq",
+    "self_attn.k_proj.bias": "bk",
+    "self_attn.v_proj.bias": "bv",
+    "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm",
+}
+# fused HF tensors (Granite-hybrid's and Phi-3's) -> the flint names their row blocks split into
+_HF_FUSED = {
+    "shared_mlp.input_linear.weight": ("w_gate", "w_up"),
+    "mlp.gate_up_proj.weight": ("w_gate", "w_up"),
+    "self_attn.qkv_proj.weight": ("wq", "wk", "wv"),
 }
 _GGUF_LAYER = {
     "attn_norm.weight": "attn_norm", "attn_q.weight": "wq", "attn_k.weight": "wk",
     "attn_v.weight": "wv", "attn_output.weight": "wo", "ffn_norm.weight": "ffn_norm",
     "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up", "ffn_down.weight": "w_down",
+    "attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv",
+    "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
+    "attn_qkv.weight": "wq+wk+wv",  # fused (phi3): split at load, like phi3's ffn_up (gate|up)
 }
 
 
@@ -305,16 +322,17 @@ def _map_hf(cfg: ModelConfig, model_type: str, flat: dict, source: str) -> dict:
                 params["lm_head"] = t
         elif (m := pat.fullmatch(k)):
             li, rest = int(m.group(1)), m.group(2)
-            if rest == "shared_mlp.input_linear.weight":
+            if rest in _HF_FUSED:
                 if len(t.shape) != 2:
                     raise LoadError(f"{source}: tensor {k!r} has shape {list(t.shape)}, expected 2-D")
-                inter = t.shape[0] // 2
-                # an int4 one (GPTQ / AWQ / compressed-tensors) splits by rows too, exactly
-                part = t.rows if isinstance(t, Int4Weight) else t.__getitem__
-                params.put(f"layers.{li}.w_gate", part(slice(0, inter)), k)
-                params.put(f"layers.{li}.w_up", part(slice(inter, None)), k)
+                for name, part in _split_rows(t, cfg, li, _HF_FUSED[rest], k, source).items():
+                    params.put(name, part, k)
             elif rest in _HF_LAYER:
-                params.put(f"layers.{li}.{_HF_LAYER[rest]}", t, k)
+                fl = _HF_LAYER[rest]
+                if (fl in ("bq", "bk", "bv") and not cfg.qkv_bias) or (fl in ("q_norm", "k_norm") and not cfg.qk_norm):
+                    raise LoadError(f"{source}: unexpected tensor {k!r} (model_type {model_type!r} has no "
+                                    f"{'q/k/v biases' if fl[0] == 'b' else 'q/k norms'})")
+                params.put(f"layers.{li}.{fl}", t, k)
             elif rest.endswith("rotary_emb.inv_freq"):
                 continue
             else:
@@ -325,6 +343,25 @@ def _map_hf(cfg: ModelConfig, model_type: str, flat: dict, source: str) -> dict:
         if not cfg.tie_word_embeddings:
             raise LoadError(f"{source}: tensor 'lm_head.weight' is missing and tie_word_embeddings is false")
     return params
+
+
+def _split_rows(t, cfg: ModelConfig, li: int, names: tuple, key: str, source: str) -> dict:
+    """A fused weight's row blocks under their flint names: gate|up (intermediate_size rows each) or
+    q|k|v (heads x head_dim, then kv heads x head_dim twice). An int4 one (GPTQ / AWQ /
+    compressed-tensors) splits by rows too, exactly."""
+    d = cfg.head_dim
+    sizes = {"w_gate": cfg.intermediate_size, "w_up": cfg.intermediate_size, "wq": cfg.num_heads * d,
+             "wk": cfg.num_kv_heads * d, "wv": cfg.num_kv_heads * d}
+    rows = [sizes[n] for n in names]
+    if t.shape[0] != sum(rows):
+        raise LoadError(f"{source}: tensor {key!r} has {t.shape[0]} rows; the config implies {sum(rows)} "
+                        f"({' + '.join(f'{n} {r}' for n, r in zip(names, rows))})")
+    part = t.rows if isinstance(t, Int4Weight) else t.__getitem__
+    out, at = {}, 0
+    for n, r in zip(names, rows):
+        out[f"layers.{li}.{n}"] = part(slice(at, at + r))
+        at += r
+    return out
 
 
 # ------------------------------------------------------------------ GGUF
@@ -339,9 +376,11 @@ def _gguf_getter(gf, path: str):
           "bool": lambda f: f.type == VT.BOOL,
           "str": lambda f: f.type == VT.STRING,
           "strs": lambda f: f.type == VT.ARRAY and f.item_type == VT.STRING,
-          "ints": lambda f: f.type == VT.ARRAY and f.item_type in INT_TYPES}
+          "ints": lambda f: f.type == VT.ARRAY and f.item_type in INT_TYPES,
+          "floats": lambda f: f.type == VT.ARRAY and f.item_type in FLOAT_TYPES}
     need = {"uint": "a non-negative integer", "float": "a floating-point number", "bool": "a boolean",
-            "str": "a string", "strs": "an array of strings", "ints": "an array of integers"}
+            "str": "a string", "strs": "an array of strings", "ints": "an array of integers",
+            "floats": "an array of floating-point numbers"}
 
     def get(key, kind, default=None, required=False):
         f = gf.fields.get(key)
@@ -359,8 +398,9 @@ def _gguf_getter(gf, path: str):
 def _gguf_config(gf, path: str) -> ModelConfig:
     get = _gguf_getter(gf, path)
     arch = get("general.architecture", "str")
-    if arch not in ("llama", "granite"):
-        raise LoadError(f"{path}: field 'general.architecture'={arch!r} is not supported (llama, granite)")
+    if arch not in GGUF_ARCHES:
+        raise LoadError(f"{path}: field 'general.architecture'={arch!r} is not supported "
+                        f"({', '.join(GGUF_ARCHES)})")
 
     def g(key, kind="uint", default=None, required=False):
         return get(f"{arch}.{key}", kind, default, required)
@@ -368,11 +408,15 @@ def _gguf_config(gf, path: str) -> ModelConfig:
     heads = g("attention.head_count", required=True)
     hidden = g("embedding_length", required=True)
     # the head width: key_length, else the RoPE width, else hidden / heads (a 0 is an error, not absent)
-    head_key = next((k for k in ("attention.key_length", "rope.dimension_count") if g(k) is not None), None)
+    # (phi3 rotates part of each head: there the RoPE width is not the head width, as in llama.cpp)
+    head_keys = ("attention.key_length",) if arch == "phi3" else ("attention.key_length", "rope.dimension_count")
+    head_key = next((k for k in head_keys if g(k) is not None), None)
     head_dim = g(head_key) if head_key else (hidden // heads if heads else 0)
+    rot = g("rope.dimension_count")
+    rotary_dim = rot if arch == "phi3" and rot is not None and rot != head_dim else None
     for key in ("attention.value_length", "rope.dimension_count"):  # flint: V as wide as K, full RoPE
         v = g(key)
-        if v is not None and v != head_dim:
+        if v is not None and v != head_dim and not (key == "rope.dimension_count" and rotary_dim):
             raise LoadError(f"{path}: field '{arch}.{key}'={v} differs from the head width {head_dim} "
                             "(partial RoPE or a separate value width is not supported)")
     tokens = get("tokenizer.ggml.tokens", "strs")
@@ -387,8 +431,9 @@ def _gguf_config(gf, path: str) -> ModelConfig:
         return float(g(key, "float", 1.0)) if granite else 1.0
 
     attn = g("attention.scale", "float") if granite else None
+    window = g("attention.sliding_window")
     cfg = ModelConfig(
-        arch="granite" if granite else "llama",
+        arch=arch,
         vocab_size=vocab, hidden_size=hidden,
         intermediate_size=g("feed_forward_length", required=True),
         num_layers=g("block_count", required=True), num_heads=heads,
@@ -404,6 +449,11 @@ def _gguf_config(gf, path: str) -> ModelConfig:
         bos_token_id=get("tokenizer.ggml.bos_token_id", "uint"),
         eos_token_ids=[eos] if eos is not None else [],
         name=str(get("general.name", "str", "")),
+        qkv_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
+        rotary_dim=rotary_dim,
+        rope_scaling=_gguf_rope_scaling(gf, path, arch, g),
+        sliding_window=window or None,  # llama.cpp writes 0 for none
     )
     keys = {"rms_norm_eps": "attention.layer_norm_rms_epsilon", "rope_theta": "rope.freq_base",
             "max_position_embeddings": "context_length", "num_layers": "block_count",
@@ -411,7 +461,8 @@ def _gguf_config(gf, path: str) -> ModelConfig:
             "num_heads": "attention.head_count", "num_kv_heads": "attention.head_count_kv",
             "head_dim": head_key or "embedding_length", "vocab_size": "vocab_size",
             "embedding_multiplier": "embedding_scale", "attention_multiplier": "attention.scale",
-            "residual_multiplier": "residual_scale", "logits_scaling": "logit_scale"}
+            "residual_multiplier": "residual_scale", "logits_scaling": "logit_scale",
+            "sliding_window": "attention.sliding_window", "rope_scaling": "rope.scaling.*"}
     names = {k: f"{arch}.{v}" for k, v in keys.items()}
     names.update(bos_token_id="tokenizer.ggml.bos_token_id", eos_token_id="tokenizer.ggml.eos_token_id")
     try:
@@ -420,15 +471,71 @@ def _gguf_config(gf, path: str) -> ModelConfig:
         raise LoadError(str(e)) from None
 
 
+GGUF_ARCHES = ("llama", "granite", "qwen2", "qwen3", "phi3")
+# the RoPE tensors a GGUF may carry: read into ModelConfig.rope_scaling, not into params
+_GGUF_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def _gguf_rope_scaling(gf, path: str, arch: str, g) -> dict | None:
+    """ModelConfig.rope_scaling from a GGUF: llama.cpp stores Llama 3's scaling as a rope_freqs tensor
+    (a divisor per frequency), Phi-3's LongRoPE as rope_factors_long / _short tensors with the
+    ``rope.scaling.attn_factor`` and ``original_context_length`` fields, linear and YaRN as
+    ``rope.scaling.type`` with its fields. What flint cannot honour is refused naming the field."""
+    from .gguf_file import QT
+
+    vecs = {}
+    for t in gf.tensors:
+        if t.name in _GGUF_ROPE_TENSORS:
+            if t.tensor_type != QT.F32 or len(t.shape) != 1:
+                raise LoadError(f"{path}: tensor {t.name!r} must be a 1-D F32 vector, got "
+                                f"{t.tensor_type.name} shape {list(t.shape)}")
+            vecs[t.name] = t.data.view("<f4").astype(float).tolist()
+    kind = g("rope.scaling.type", "str")
+    if kind not in (None, "none", "linear", "yarn"):
+        raise LoadError(f"{path}: field '{arch}.rope.scaling.type'={kind!r} is not supported (none, linear, yarn)")
+    for key in ("rope.scaling.yarn_log_multiplier", "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor"):
+        if g(key, "float") is not None:
+            raise LoadError(f"{path}: field '{arch}.{key}' is not supported (YaRN as transformers computes it)")
+    orig = g("rope.scaling.original_context_length")
+    if "rope_factors_long.weight" in vecs or "rope_factors_short.weight" in vecs:
+        if kind not in (None, "none") or "rope_freqs.weight" in vecs:
+            raise LoadError(f"{path}: tensors 'rope_factors_*' (LongRoPE) next to another RoPE scaling")
+        return {"rope_type": "longrope", "short_factor": vecs.get("rope_factors_short.weight"),
+                "long_factor": vecs.get("rope_factors_long.weight"), "original_max_position_embeddings": orig,
+                "attention_factor": g("rope.scaling.attn_factor", "float", 1.0)}
+    if "rope_freqs.weight" in vecs:
+        if kind not in (None, "none"):
+            raise LoadError(f"{path}: tensor 'rope_freqs.weight' next to field '{arch}.rope.scaling.type'={kind!r}")
+        return {"rope_type": "freq_factors", "factors": vecs["rope_freqs.weight"]}
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": g("rope.scaling.factor", "float")}
+    if kind == "yarn":
+        r = {"rope_type": "yarn", "factor": g("rope.scaling.factor", "float"),
+             "original_max_position_embeddings": orig,
+             "beta_fast": g("rope.scaling.yarn_beta_fast", "float"), "beta_slow": g("rope.scaling.yarn_beta_slow", "float")}
+        try:
+            return parse_rope_scaling(r, {"max_position_embeddings": g("context_length")}, path,
+                                      f"{arch}.rope.scaling.*")
+        except ConfigError as e:
+            raise LoadError(str(e)) from None
+    return None
+
+
 def _gguf_check_tokenizer(gf, path: str, vocab: int) -> None:
     """The tokenizer fields flint reads, typed and in range, so building the tokenizer cannot
     fail on them (or silently use a wrong one)."""
     get = _gguf_getter(gf, path)
     kind = get("tokenizer.ggml.model", "str", required=True)
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise LoadError(f"{path}: field 'tokenizer.ggml.model'={kind!r} is not supported "
-                        "(flint reads BPE 'gpt2' vocabularies)")
+                        "(flint reads byte-level BPE 'gpt2' and SentencePiece 'llama' vocabularies)")
     tokens = get("tokenizer.ggml.tokens", "strs", required=True)
+    if kind == "llama":  # SentencePiece: the merges come from the scores
+        scores = get("tokenizer.ggml.scores", "floats", required=True)
+        if len(scores) != len(tokens):
+            raise LoadError(f"{path}: field 'tokenizer.ggml.scores' has {len(scores)} entries for "
+                            f"{len(tokens)} tokens")
+        get("tokenizer.ggml.add_space_prefix", "bool")
     if len(set(tokens)) != len(tokens):  # two ids for one string: one of them unreachable
         seen = {}
         for i, t in enumerate(tokens):
@@ -446,6 +553,12 @@ def _gguf_check_tokenizer(gf, path: str, vocab: int) -> None:
                             "separated by a space")
     for key in ("tokenizer.ggml.pre", "tokenizer.chat_template"):
         get(key, "str")
+    from .tokenizer import PRE_TOKENIZERS
+
+    pre = get("tokenizer.ggml.pre", "str", "gpt2")
+    if kind == "gpt2" and pre not in PRE_TOKENIZERS:  # the split decides the ids: a guessed one gives wrong ones
+        raise LoadError(f"{path}: field 'tokenizer.ggml.pre'={pre!r} is not supported (flint splits text "
+                        f"as {', '.join(PRE_TOKENIZERS)} do)")
     get("tokenizer.ggml.add_bos_token", "bool")
     for key, f in gf.fields.items():
         if key.startswith("tokenizer.ggml.") and key.endswith("_token_id"):
@@ -488,12 +601,15 @@ def _gguf_flint_names(tensors, cfg: ModelConfig, path: str) -> list[str]:
                                 f"'{cfg.arch}.block_count' is {cfg.num_layers}")
             layers.add(li)
             fl = f"layers.{li}.{_GGUF_LAYER[m.group(2)]}"
-        elif name == "rope_freqs.weight":
-            raise LoadError(f"{path}: tensor 'rope_freqs.weight' (scaled RoPE) is not supported")
+            if cfg.arch == "phi3" and m.group(2) == "ffn_up.weight":
+                fl = f"layers.{li}.w_gate+w_up"
+        elif name in _GGUF_ROPE_TENSORS:  # read into cfg.rope_scaling by _gguf_rope_scaling
+            out.append(None)
+            continue
         else:
             raise LoadError(f"{path}: unexpected tensor {name!r}")
         seen.put(fl, None, name)
-        want = 1 if fl == "norm" or fl.endswith("_norm") else 2
+        want = 1 if fl == "norm" or fl.endswith(("_norm", ".bq", ".bk", ".bv")) else 2
         if len(t.shape) != want:
             raise LoadError(f"{path}: tensor {name!r} has {len(t.shape)} dimensions, expected {want}")
         out.append(fl)
@@ -552,16 +668,27 @@ def load_gguf(path: str | Path, dtype=torch.float32) -> LoadedModel:
     q = gguf_file.QT
     for t, fl in tqdm(list(zip(gf.tensors, names)), desc=f"loading {os.path.basename(path)}",
                       unit="tensor", leave=False, disable=None):
+        if fl is None:
+            continue
         shape = tuple(int(x) for x in reversed(t.shape))
-        if shape != want[fl]:
+        prefix, dot, last = fl.rpartition(".")
+        parts = [f"{prefix}{dot}{n}" for n in last.split("+")]  # a fused tensor's row blocks, in order
+        implied = (sum(want[n][0] for n in parts), *want[parts[0]][1:])
+        if shape != implied:
             raise LoadError(f"{path}: tensor {t.name!r} has shape {list(shape)}, the metadata "
-                            f"implies {list(want[fl])}")
+                            f"implies {list(implied)}")
         with np.errstate(all="ignore"):  # a broken scale is reported by check_weight, not by numpy's warnings
             w = _gguf_tensor(t, path)
+        gf.release(t)  # the file's bytes of this tensor leave memory: the peak stays near the resident size
         check_weight(t.name, w, path, LoadError)
         if t.tensor_type in (q.Q4_K, q.Q5_K, q.Q6_K) and not isinstance(w, Int4Weight):
             requant[fl] = t.tensor_type.name
-        if fl.endswith(".wq") or fl.endswith(".wk"):
+        if len(parts) > 1:
+            params.update(_split_rows(w, cfg, int(prefix.split(".")[1]), tuple(last.split("+")), t.name, path))
+            continue
+        # llama.cpp interleaves the q / k rows of the archs it ropes pairwise (llama, granite); qwen2,
+        # qwen3 and phi3 rope halves (NEOX) as HF does, and their rows are stored as they are
+        if cfg.arch in ("llama", "granite") and (fl.endswith(".wq") or fl.endswith(".wk")):
             nh = cfg.num_heads if fl.endswith(".wq") else cfg.num_kv_heads
             idx = _unpermute_rows(w.shape[0], nh)
             w = w.rows(idx) if isinstance(w, Int4Weight) else w[idx].contiguous()
@@ -586,11 +713,12 @@ def load_gguf(path: str | Path, dtype=torch.float32) -> LoadedModel:
               f"backend runs them as they are); the int4 backends requantize them to int4, a second "
               f"rounding{why}. Q4_K tensors keep their 4-bit codes (int4 g32).", file=sys.stderr)
     try:
-        tok = Tokenizer.from_gguf_fields(gf.values(), path)
+        tok = Tokenizer.from_gguf_fields(gf.values(), path)  # (SentencePiece vocabularies: by architecture)
     except Exception as e:  # the fields were checked; this is the tokenizers library refusing them
         raise LoadError(f"{path}: fields 'tokenizer.ggml.*' do not make a BPE tokenizer "
                         f"({type(e).__name__}: {e})") from None
     tok.compile_template(f"{path}: field 'tokenizer.chat_template'")
+    cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | set(tok.eos_token_ids))  # eot / eom stop too
     return LoadedModel(cfg, params, tok, path)
 
 

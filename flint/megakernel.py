@@ -18,7 +18,7 @@ import statistics
 
 import torch
 
-from .backend_api import check_greedy_run
+from .backend_api import check_greedy_run, refuse_kernel_features
 from .config import ModelConfig
 from .errors import FlintError
 from .model import kv_format_bytes
@@ -275,6 +275,7 @@ class MegakernelBackend:
         self.cfg = cfg
         self.device = torch.device(device)
         self.max_seq_len = int(max_seq_len)
+        refuse_kernel_features("megakernel", cfg, self.max_seq_len)
         if kv_cache not in KV_CACHE_FORMATS_MK:
             raise ValueError(f"megakernel: kv_cache={kv_cache!r}: the kernel reads {', '.join(KV_CACHE_FORMATS_MK)}")
         self.kv_cache = kv_cache

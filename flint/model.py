@@ -1,7 +1,10 @@
 """The reference decoder: plain PyTorch, the truth every fast path is diffed against.
 
 One class, ``Transformer``, runs Llama-family and Granite models (multipliers from ModelConfig) on
-CPU or CUDA, in fp32 or bf16, with a KV cache. Its step API is the backend API (flint.backend_api):
+CPU or CUDA, in fp32 or bf16, with a KV cache; with the features ModelConfig names, also Qwen2 (q/k/v
+biases), Qwen3 (per-head q/k RMSNorm before RoPE), Phi-3 (partial RoPE, LongRoPE), Mistral (a
+sliding window: the cache keeps every position, the mask hides those behind the window) and scaled
+RoPE (rope_frequencies). Its step API is the backend API (flint.backend_api):
 ``forward(tokens[M], start_pos)`` writes K/V for positions start_pos..start_pos+M-1, attends to
 everything before plus causally within the M tokens, and returns fp32 logits [M, V] ([1, V], the
 last position's, with ``last_only``). Calling it
@@ -38,6 +41,7 @@ The KV cache (``kv_cache=``, the CLI's ``--kv-cache``; flint.evaluate measures w
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -53,21 +57,65 @@ def dense(w, dtype, device) -> torch.Tensor:
     return w.to(device=device, dtype=dtype)
 
 
+def rope_frequencies(cfg: ModelConfig, max_seq_len: int) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies float32 [R/2], attention factor) for a rotary width R (cfg.rotary_dim, else
+    head_dim), with cfg.rope_scaling applied as transformers computes it; the factor multiplies cos
+    and sin. LongRoPE's factor set is picked once from the context ``max_seq_len``: the long set when
+    it exceeds the original context, as llama.cpp picks it (transformers picks per call, so the two
+    agree on every call within the original context and on a prefill past it)."""
+    r = cfg.rotary_dim or cfg.head_dim
+    base = cfg.rope_theta ** (torch.arange(0, r, 2, dtype=torch.int64).float() / r)
+    inv = 1.0 / base
+    s = cfg.rope_scaling or {"rope_type": "default"}
+    kind = s["rope_type"]
+    if kind == "linear":
+        inv = inv / s["factor"]
+    elif kind == "freq_factors":  # a GGUF rope_freqs tensor: llama.cpp divides each frequency by it
+        inv = inv / torch.tensor(s["factors"], dtype=torch.float32)
+    elif kind == "llama3":  # long wavelengths slowed by factor, short ones kept, a smooth blend between
+        f, lo, hi, old = (s[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                         "original_max_position_embeddings"))
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / f, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        blend = (1 - smooth) * scaled / f + smooth * scaled
+        inv = torch.where((wavelen >= old / hi) & (wavelen <= old / lo), blend, scaled)
+    elif kind == "yarn":  # interpolated below the correction range, extrapolated above, a ramp between
+        f, old = s["factor"], s["original_max_position_embeddings"]
+
+        def dim_at(rotations):  # the dimension whose wavelength makes ``rotations`` turns in ``old`` positions
+            return r * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+
+        lo, hi = dim_at(s["beta_fast"]), dim_at(s["beta_slow"])
+        if s.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, r - 1)
+        ramp = ((torch.arange(r // 2, dtype=torch.float32) - lo) / ((hi - lo) or 0.001)).clamp(0, 1)
+        keep = 1 - ramp  # 1: extrapolate (the plain frequency), 0: interpolate (divided by factor)
+        inv = (1.0 / (f * base)) * (1 - keep) + inv * keep
+    elif kind == "longrope":
+        long = max_seq_len > s["original_max_position_embeddings"]
+        ext = torch.tensor(s["long_factor" if long else "short_factor"], dtype=torch.float32)
+        inv = 1.0 / (ext * base)
+    return inv, float(s.get("attention_factor", 1.0))
+
+
 def rope_tables(cfg: ModelConfig, max_seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin float32 [max_seq_len, head_dim // 2] for HF/NEOX half-split RoPE."""
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    """cos, sin float32 [max_seq_len, R // 2] for HF/NEOX half-split RoPE over the rotary width R
+    (rope_frequencies: scaled, and times the attention factor)."""
+    inv_freq, att = rope_frequencies(cfg, max_seq_len)
     pos = torch.arange(max_seq_len, dtype=torch.float32)
     ang = torch.outer(pos, inv_freq)
-    return ang.cos().to(device), ang.sin().to(device)
+    return (ang.cos() * att).to(device), (ang.sin() * att).to(device)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., M, heads, D]; cos/sin [M, D/2]. out[i] = x[i]c - x[i+D/2]s; out[i+D/2] = x[i+D/2]c + x[i]s."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    """x [..., M, heads, D]; cos/sin [M, R/2] for a rotary width R <= D: the first R values of each
+    head rotate, out[i] = x[i]c - x[i+R/2]s; out[i+R/2] = x[i+R/2]c + x[i]s, the other D - R pass."""
+    half = cos.shape[-1]
+    x1, x2 = x[..., :half].float(), x[..., half: 2 * half].float()
     c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, x[..., 2 * half:].float()), dim=-1).to(x.dtype)
 
 
 KV_CACHE_FORMATS = ("fp16", "int8", "fp8")
@@ -180,6 +228,11 @@ class Transformer:
             # fused projections: one matmul for q|k|v and one for gate|up
             L["wqkv"] = torch.cat((L.pop("wq"), L.pop("wk"), L.pop("wv")), 0)
             L["w_gu"] = torch.cat((L.pop("w_gate"), L.pop("w_up")), 0)
+            if cfg.qkv_bias:
+                L["bqkv"] = torch.cat([params[p + n].to(device=dev, dtype=dtype) for n in ("bq", "bk", "bv")])
+            if cfg.qk_norm:
+                L["q_norm"] = params[p + "q_norm"].to(device=dev, dtype=dtype)
+                L["k_norm"] = params[p + "k_norm"].to(device=dev, dtype=dtype)
             self.layers.append(L)
         self.cos, self.sin = rope_tables(cfg, self.max_seq_len, dev)
         shape = (cfg.num_layers, batch_size, cfg.num_kv_heads, self.max_seq_len, cfg.head_dim)
@@ -239,19 +292,26 @@ class Transformer:
         x = F.embedding(toks, self.embed) * cfg.embedding_multiplier  # [B, M, H]
         cos, sin = self.cos[start_pos:end], self.sin[start_pos:end]
         mask = None
-        if m > 1:
+        window = cfg.sliding_window
+        if m > 1 or (window is not None and end > window):
             qpos = torch.arange(start_pos, end, device=self.device)[:, None]
             kpos = torch.arange(end, device=self.device)[None, :]
             mask = kpos <= qpos  # [M, end]
+            if window is not None:  # the query's own position and the window - 1 before it
+                mask = mask & (kpos > qpos - window)
         rm = cfg.residual_multiplier
         li_in = self.linear_input or (lambda t: t)
         caught = []
         for li, L in enumerate(self.layers):
             h = rms_norm(x, L["attn_norm"], cfg.rms_norm_eps)
             qkv = li_in(h) @ L["wqkv"].T
+            if cfg.qkv_bias:
+                qkv = qkv + L["bqkv"]
             q = qkv[..., : nh * d].view(b, m, nh, d)
             k = qkv[..., nh * d: (nh + nkv) * d].view(b, m, nkv, d)
             v = qkv[..., (nh + nkv) * d:].view(b, m, nkv, d)
+            if cfg.qk_norm:
+                q, k = rms_norm(q, L["q_norm"], cfg.rms_norm_eps), rms_norm(k, L["k_norm"], cfg.rms_norm_eps)
             if cfg.use_rope:
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             kk, vv = self._write_read_kv(li, b, start_pos, end, k, v)

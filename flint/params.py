@@ -1,6 +1,7 @@
 """flint's params dict: the names and shapes it must have, and the LoadedModel that carries it.
 
-``params`` maps flint names ("embed", "layers.{i}.wq", ..., "norm", "lm_head") to float tensors or
+``params`` maps flint names ("embed", "layers.{i}.wq", ..., "norm", "lm_head"; with the config's
+features also "layers.{i}.bq" / "bk" / "bv" and "layers.{i}.q_norm" / "k_norm") to float tensors or
 ``flint.quant.Int4Weight``; a tied head is the same object as "embed". ``expected_shapes(cfg)``
 gives every name's shape, ``check_params`` raises ``LoadError`` for a missing, unexpected or
 misshapen tensor, a dtype that does not suit it, or a layer count other than the layers present,
@@ -44,6 +45,11 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "wv": (cfg.num_kv_heads * d, h), p + "wo": (h, cfg.num_heads * d),
             p + "w_gate": (i, h), p + "w_up": (i, h), p + "w_down": (h, i),
         })
+        if cfg.qkv_bias:
+            shapes.update({p + "bq": (cfg.num_heads * d,), p + "bk": (cfg.num_kv_heads * d,),
+                           p + "bv": (cfg.num_kv_heads * d,)})
+        if cfg.qk_norm:
+            shapes.update({p + "q_norm": (d,), p + "k_norm": (d,)})
     return shapes
 
 

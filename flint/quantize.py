@@ -281,8 +281,17 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
         "_name_or_path": cfg.name,
     }
     arch_names = {"llama": "LlamaForCausalLM", "granite": "GraniteForCausalLM",
-                  "granitemoehybrid": "GraniteMoeHybridForCausalLM"}
+                  "granitemoehybrid": "GraniteMoeHybridForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
     d["architectures"] = [arch_names[cfg.arch]]
+    if cfg.sliding_window is not None:  # read back for mistral and phi3 only
+        d["sliding_window"] = cfg.sliding_window
+        if cfg.arch == "llama":
+            d.update(model_type="mistral", architectures=["MistralForCausalLM"])
+    if cfg.rotary_dim is not None:
+        d["partial_rotary_factor"] = cfg.rotary_dim / cfg.head_dim
+    if cfg.rope_scaling is not None:
+        d["rope_scaling"] = dict(cfg.rope_scaling)
     if cfg.arch in ("granite", "granitemoehybrid"):
         d.update(embedding_multiplier=cfg.embedding_multiplier, residual_multiplier=cfg.residual_multiplier,
                  logits_scaling=cfg.logits_scaling)

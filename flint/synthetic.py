@@ -66,7 +66,9 @@ def synthetic_params(cfg: ModelConfig, seed: int = 0, int4_group_size: int | Non
     for name, shape in expected_shapes(cfg).items():
         if name == "embed" or (name == "lm_head" and cfg.tie_word_embeddings):
             continue
-        if len(shape) == 1:  # RMSNorm weights ~ 1
+        if name.endswith((".bq", ".bk", ".bv")):  # biases ~ N(0, 0.02) like the weights
+            params[name] = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).mul_(0.02).to(dtype)
+        elif len(shape) == 1:  # RMSNorm weights ~ 1
             w = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).mul_(0.1).add_(1.0)
             params[name] = w.to(dtype)
         elif int4_group_size:

@@ -1,7 +1,8 @@
 """Tokenizer, chat template and streaming detokenization, above the engine (which knows ids only).
 
 Built on the `tokenizers` library from an HF tokenizer.json, or from GGUF metadata (BPE "gpt2"
-vocabularies: tokens, merges, token types, pre-tokenizer name). Chat templates render with a
+vocabularies: tokens, merges, token types, and the pre-tokenizer name, PRE_TOKENIZERS: the split
+each family's tokenizer.json makes; other names refused). Chat templates render with a
 sandboxed jinja2 environment configured the way HF renders them, so prompts match
 ``transformers``' apply_chat_template. Test: ``pytest tests/test_gguf.py -k template``.
 """
@@ -18,7 +19,8 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
-from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import (AddedToken, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers,
+                        processors)
 
 from .errors import FlintError
 from .checks import check_types, read_json
@@ -28,12 +30,84 @@ class TokenizerError(FlintError, ValueError):
     pass
 
 
+# How a GGUF's ``tokenizer.ggml.pre`` splits text before BPE, as the family's own tokenizer.json
+# does (and llama.cpp for that name): a regex whose matches are the pieces, then the byte-level
+# alphabet; None is the GPT-2 regex inside ByteLevel. An absent field means "gpt2".
+# Llama 3's split: contractions in any case, a letter run with one non-letter before it, digits in
+# threes, newlines kept with the punctuation before them.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZERS = {
+    "gpt2": None,
+    "smollm": "digits",  # SmolLM's: each digit alone, then the GPT-2 regex
+    "starcoder": "digits",  # StarCoder's and Refact's: the same
+    "refact": "digits",
+    "llama-bpe": _LLAMA3_SPLIT,
+    "dbrx": _LLAMA3_SPLIT,  # tiktoken's cl100k split, which Llama 3 took over
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}"),  # Qwen2 / 2.5 / 3: Llama 3's, digits one by one
+}
+
+
+def gguf_pre_tokenizer(pre: str, path: str = "gguf"):
+    """The tokenizers pre-tokenizer for a GGUF's ``tokenizer.ggml.pre`` (PRE_TOKENIZERS); any other
+    name is refused naming it: a wrong split changes the ids of digits, contractions and spaces."""
+    if pre not in PRE_TOKENIZERS:
+        raise TokenizerError(f"{path}: field 'tokenizer.ggml.pre'={pre!r} is not supported (flint splits "
+                             f"text as {', '.join(PRE_TOKENIZERS)} do)")
+    split = PRE_TOKENIZERS[pre]
+    if split is None:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if split == "digits":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    from tokenizers import Regex
+
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
 def _content(tok) -> str | None:
     if tok is None:
         return None
     if isinstance(tok, dict):
         return tok.get("content")
     return str(tok)
+
+
+def sentencepiece_merges(tokens: list[str], scores: list[float], vocab: dict) -> list[tuple[str, str]]:
+    """BPE merges for a SentencePiece vocabulary that has scores and no merges: every way to cut a
+    token into two tokens, the higher the whole token's score the earlier, ties going to the longer
+    left then right piece, then the token's order and its pieces' ids (the order transformers
+    derives for a GGUF, so the two tokenize alike)."""
+    cuts = []
+    for t, score in zip(tokens, scores):
+        pairs = sorted(((vocab[t[:i]], vocab[t[i:]]), t[:i], t[i:]) for i in range(1, len(t))
+                       if t[:i] in vocab and t[i:] in vocab)
+        cuts += [(score, left, right) for _, left, right in pairs]
+    cuts.sort(key=lambda c: (-c[0], -len(c[1]), -len(c[2])))  # stable: equal keys keep their order
+    return [(left, right) for _, left, right in cuts]
+
+
+def sentencepiece_from_gguf(f: dict, tokens: list[str], vocab: dict) -> HFTokenizer:
+    """A GGUF's SentencePiece ('llama') vocabulary as a byte-fallback BPE: spaces as U+2581, one in
+    front of the text (``tokenizer.ggml.add_space_prefix``, on unless false). Phi-3's files put
+    that space in front of leading spaces too (a normalizer), the others only where the text does
+    not start with one (Metaspace), as each family's own tokenizer does."""
+    unk = f.get("tokenizer.ggml.unknown_token_id")
+    tk = HFTokenizer(models.BPE(vocab=vocab, merges=sentencepiece_merges(tokens, f["tokenizer.ggml.scores"], vocab),
+                                byte_fallback=True, fuse_unk=True,
+                                unk_token=tokens[unk] if unk is not None else None))
+    prefix = bool(f.get("tokenizer.ggml.add_space_prefix", True))
+    if f.get("general.architecture") == "phi3":
+        steps = [normalizers.Replace(" ", "\u2581")]
+        tk.normalizer = normalizers.Sequence(([normalizers.Prepend("\u2581")] if prefix else []) + steps)
+    else:
+        tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first" if prefix else "never",
+                                                    split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tk.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    return tk
 
 
 class Tokenizer:
@@ -116,23 +190,20 @@ class Tokenizer:
     @classmethod
     def from_gguf_fields(cls, f: dict, path: str = "gguf") -> "Tokenizer":
         kind = f.get("tokenizer.ggml.model")
-        if kind != "gpt2":
+        if kind not in ("gpt2", "llama"):
             raise TokenizerError(f"{path}: field 'tokenizer.ggml.model'={kind!r} is not supported "
-                                 "(flint reads BPE 'gpt2' vocabularies)")
+                                 "(flint reads byte-level BPE 'gpt2' and SentencePiece 'llama' vocabularies)")
         tokens = list(f["tokenizer.ggml.tokens"])
         types = list(f.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-        merges = [tuple(m.split(" ", 1)) for m in f.get("tokenizer.ggml.merges", [])]
         vocab = {t: i for i, t in enumerate(tokens)}
-        tk = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-        pre = f.get("tokenizer.ggml.pre", "gpt2")
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if pre == "smollm":  # llama.cpp's "smollm": digits one by one, then the GPT-2 split
-            tk.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Digits(individual_digits=True), byte_level])
+        if kind == "llama":
+            tk = sentencepiece_from_gguf(f, tokens, vocab)
         else:
-            tk.pre_tokenizer = byte_level
-        tk.decoder = decoders.ByteLevel()
-        tk.post_processor = processors.ByteLevel(trim_offsets=False)
+            merges = [tuple(m.split(" ", 1)) for m in f.get("tokenizer.ggml.merges", [])]
+            tk = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+            tk.pre_tokenizer = gguf_pre_tokenizer(f.get("tokenizer.ggml.pre", "gpt2"), path)
+            tk.decoder = decoders.ByteLevel()
+            tk.post_processor = processors.ByteLevel(trim_offsets=False)
         # control (3) and user-defined (4) tokens are matched whole in text, never split
         specials = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty in (3, 4)]
         tk.add_special_tokens(specials)
@@ -143,12 +214,13 @@ class Tokenizer:
 
         eos_id = f.get("tokenizer.ggml.eos_token_id")
         eos_ids = [int(eos_id)] if eos_id is not None else []
-        eot = f.get("tokenizer.ggml.eot_token_id")
-        if eot is not None:
-            eos_ids = sorted(set(eos_ids) | {int(eot)})
+        for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):  # eom: Llama 3.1's tool turn
+            if f.get(key) is not None:
+                eos_ids = sorted(set(eos_ids) | {int(f[key])})
+        # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
         return cls(tk, f.get("tokenizer.chat_template"), tok_at("tokenizer.ggml.bos_token_id"),
                    tok_at("tokenizer.ggml.eos_token_id"), eos_ids,
-                   bool(f.get("tokenizer.ggml.add_bos_token", False)))
+                   bool(f.get("tokenizer.ggml.add_bos_token", kind == "llama")))
 
     # ------------------------------------------------------------- text <-> ids
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -170,7 +242,9 @@ class Tokenizer:
 
     # ------------------------------------------------------------- chat
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
+        """The rendered conversation. ``template_kwargs``: more variables for the template, as
+        transformers' apply_chat_template passes its extra arguments (Qwen3's ``enable_thinking``)."""
         if not self.chat_template:
             raise TokenizerError("this model has no chat template; use plain prompts (no --chat)")
         if self._template is None:
@@ -179,6 +253,10 @@ class Tokenizer:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise TokenizerError(f"chat message {m!r} needs 'role' and 'content'")
         extra = {"tools": tools} if tools else {}  # HF passes tools only when given; templates test "is defined"
+        taken = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"} & set(template_kwargs or {})
+        if taken:
+            raise TokenizerError(f"chat template variables {sorted(taken)} are set by flint, not by template_kwargs")
+        extra.update(template_kwargs or {})
         return _render(self._template, messages=messages, add_generation_prompt=add_generation_prompt,
                        bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
 
@@ -209,7 +287,7 @@ class Tokenizer:
                                  f"{type(e).__name__}: {str(e)[:300]}") from None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         """The ids of the rendered conversation. Control tokens come from the template only: a
         message whose content holds a control token's text (``<|im_end|>`` typed by a user) has that
         text tokenized as text."""
@@ -217,14 +295,14 @@ class Tokenizer:
         hostile = [i for i, m in enumerate(messages)
                    if ctl is not None and isinstance(m.get("content"), str) and ctl.search(m["content"])]
         if not hostile:  # the usual case, tokenized exactly as transformers does
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools),
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs),
                                add_special_tokens=False)
         # render with a marker where each such content goes, then tokenize the template's text (control
         # tokens and all) and those contents (as plain text) apart
         nonce = uuid.uuid4().hex
         marked = [dict(m, content=f"\ue000{nonce}{i}\ue001") if i in hostile else m
                   for i, m in enumerate(messages)]
-        text = self.apply_chat_template(marked, add_generation_prompt, tools)
+        text = self.apply_chat_template(marked, add_generation_prompt, tools, template_kwargs)
         ids, at, placed = [], 0, []
         for mt in re.finditer(f"\ue000{nonce}(\\d+)\ue001", text):
             i = int(mt.group(1))

@@ -1,7 +1,7 @@
 """Shared test fixtures: tiny random Hugging Face checkpoints saved as real model directories.
 
-``make_hf_model(family, **overrides)`` builds a transformers model (llama, granite or an
-all-attention dense granitemoehybrid) with small random weights, norms included, and
+``make_hf_model(family, **overrides)`` builds a transformers model (llama, mistral, qwen2, qwen3,
+phi3, granite or an all-attention dense granitemoehybrid) with small random weights, norms included, and
 ``save_hf_dir(model, path)`` writes it with ``save_pretrained`` (safetensors, optionally sharded)
 next to a byte-level tokenizer (one token per UTF-8 byte plus ChatML specials) and a chat template,
 so ``flint.loading.load_model(path)`` sees the same files a downloaded checkpoint has.
@@ -28,17 +28,21 @@ TINY = dict(vocab_size=BYTE_VOCAB, hidden_size=64, intermediate_size=96, num_hid
 
 
 def hf_config(family: str, rope_theta: float = 10000.0, **overrides):
-    """A transformers config for ``family`` in {"llama", "granite", "granitemoehybrid"}."""
-    from transformers import GraniteConfig, GraniteMoeHybridConfig, LlamaConfig
+    """A transformers config for ``family`` in {"llama", "granite", "granitemoehybrid", "mistral",
+    "qwen2", "qwen3", "phi3"}."""
+    from transformers import (GraniteConfig, GraniteMoeHybridConfig, LlamaConfig, MistralConfig, Phi3Config,
+                              Qwen2Config, Qwen3Config)
 
     kw = dict(TINY, rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)})
     if family == "granitemoehybrid":
         kw["shared_intermediate_size"] = kw.pop("intermediate_size")
         kw.update(num_local_experts=0, position_embedding_type="rope",
                   layer_types=["attention"] * kw["num_hidden_layers"])
+    if family == "phi3":
+        kw["pad_token_id"] = None  # its default (32000) is outside the tiny vocabulary
     kw.update(overrides)
-    cls = {"llama": LlamaConfig, "granite": GraniteConfig,
-           "granitemoehybrid": GraniteMoeHybridConfig}[family]
+    cls = {"llama": LlamaConfig, "granite": GraniteConfig, "granitemoehybrid": GraniteMoeHybridConfig,
+           "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "phi3": Phi3Config}[family]
     return cls(**kw)
 
 

@@ -237,19 +237,26 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(hf, path: Path, encode=None) -> dict:
-    """Write ``hf`` (a tiny transformers llama/granite) as a GGUF; returns {HF name: the float
-    weight a GGUF reader must reconstruct} (quantize -> dequantize with the gguf package).
+def write_tiny_gguf(hf, path: Path, encode=None, pre: str = "gpt2", extra=None, tokenizer=None) -> dict:
+    """Write ``hf`` (a tiny transformers llama, mistral, granite, qwen2, qwen3 or phi3) as a GGUF the
+    way llama.cpp's converter lays it out (llama / granite q and k rows interleaved; phi3's fused
+    tensors kept fused; Llama 3's RoPE scaling as a rope_freqs tensor, Phi-3's LongRoPE as
+    rope_factors tensors); returns {HF name: the float weight a GGUF reader must reconstruct}
+    (quantize -> dequantize with the gguf package).
 
     ``encode(name, x) -> (raw, kind)``, when given, makes each matrix's blocks instead (raw: the
-    uint8 rows gguf.quants.quantize would return)."""
+    uint8 rows gguf.quants.quantize would return); ``extra(writer)`` adds metadata;
+    ``tokenizer(writer)`` writes the tokenizer fields instead of the byte-level vocabulary's."""
     from tokenizers import Tokenizer
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from conftest import SPECIALS, byte_tokenizer_json
 
     c = hf.config
-    arch = "granite" if c.model_type == "granite" else "llama"
+    arch = {"granite": "granite", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}.get(c.model_type, "llama")
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    rope = dict(c.rope_parameters)
+    rot = int(head_dim * rope.get("partial_rotary_factor", 1.0))
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny")
     w.add_block_count(c.num_hidden_layers)
@@ -258,35 +265,62 @@ def write_tiny_gguf(hf, path: Path, encode=None) -> dict:
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
+    if arch != "phi3":  # llama.cpp's phi3 files carry no key_length: the head is hidden / heads
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_rope_dimension_count(rot)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_rope_freq_base(rope["rope_theta"])
+    if getattr(c, "sliding_window", None):
+        w.add_sliding_window(c.sliding_window)
+    kind = rope.get("rope_type", "default")
+    if kind in ("linear", "yarn"):
+        w.add_rope_scaling_type(gguf.RopeScalingType(kind))
+        w.add_rope_scaling_factor(rope["factor"])
+        if kind == "yarn":
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    rope_vectors = {}
+    if kind == "llama3":  # llama.cpp's divisors: the plain frequencies over the scaled ones
+        plain = 1.0 / (rope["rope_theta"] ** (torch.arange(0, rot, 2).float() / rot))
+        rope_vectors["rope_freqs.weight"] = (plain / ROPE_INIT_FUNCTIONS["llama3"](c, None)[0]).numpy()
+    if kind == "longrope":
+        w.add_rope_scaling_attn_factors(ROPE_INIT_FUNCTIONS["longrope"](c, None)[1])
+        w.add_rope_scaling_orig_ctx_len(c.original_max_position_embeddings)
+        rope_vectors["rope_factors_long.weight"] = np.array(rope["long_factor"], dtype=np.float32)
+        rope_vectors["rope_factors_short.weight"] = np.array(rope["short_factor"], dtype=np.float32)
+    if extra is not None:
+        extra(w)
     if arch == "granite":
         w.add_embedding_scale(c.embedding_multiplier)
         w.add_attention_scale(c.attention_multiplier)
         w.add_residual_scale(c.residual_multiplier)
         w.add_logit_scale(c.logits_scaling)
-    vocab = Tokenizer.from_str(byte_tokenizer_json()).get_vocab()
-    tokens = sorted(vocab, key=vocab.get)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-    w.add_token_merges([])
-    w.add_bos_token_id(vocab["<|im_start|>"])
-    w.add_eos_token_id(vocab["<|im_end|>"])
+    if tokenizer is not None:
+        tokenizer(w)
+    else:
+        vocab = Tokenizer.from_str(byte_tokenizer_json()).get_vocab()
+        tokens = sorted(vocab, key=vocab.get)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(tokens)
+        w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+        w.add_token_merges([])
+        w.add_bos_token_id(vocab["<|im_start|>"])
+        w.add_eos_token_id(vocab["<|im_end|>"])
 
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
     per_layer = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                  "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
                  "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-                 "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+                 "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm",
+                 "self_attn.k_norm": "attn_k_norm", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
     for i in range(c.num_hidden_layers):
         for ours, theirs in per_layer.items():
             names[f"model.layers.{i}.{ours}.weight"] = f"blk.{i}.{theirs}.weight"
+            names[f"model.layers.{i}.{ours}.bias"] = f"blk.{i}.{theirs}.bias"
+    for name, v in rope_vectors.items():
+        w.add_tensor(name, v.astype(np.float32))
     expected, kinds = {}, iter(TYPE_CYCLE * 100)
     for key, value in hf.state_dict().items():
         x = value.float().numpy()
@@ -296,7 +330,9 @@ def write_tiny_gguf(hf, path: Path, encode=None) -> dict:
             kind = gguf.GGMLQuantizationType.F32 if x.ndim == 1 else getattr(gguf.GGMLQuantizationType, next(kinds))
             q = gguf.quants.quantize(x, kind)
         expected[key] = torch.from_numpy(np.asarray(gguf.quants.dequantize(q, kind), dtype=np.float32))
-        if key.endswith("q_proj.weight"):  # quantization is per row: permuting rows commutes with it
+        if arch not in ("llama", "granite"):
+            pass  # qwen2 / qwen3 / phi3: llama.cpp ropes halves (NEOX) and keeps the rows as they are
+        elif key.endswith("q_proj.weight"):  # quantization is per row: permuting rows commutes with it
             q = llama_cpp_permute(q, c.num_attention_heads)
         elif key.endswith("k_proj.weight"):
             q = llama_cpp_permute(q, c.num_key_value_heads)

@@ -1,7 +1,8 @@
 """flint's reference decoder against transformers, on tiny random checkpoints.
 
-Each case builds a random GraniteForCausalLM, LlamaForCausalLM or (all-attention, dense)
-GraniteMoeHybridForCausalLM, saves it with save_pretrained, loads the directory with
+Each case builds a random GraniteForCausalLM, LlamaForCausalLM (plain, or with llama3 / linear /
+yarn RoPE scaling), Qwen2, Qwen3, Mistral (a sliding window), Phi3 (LongRoPE, partial RoPE, a
+window) or (all-attention, dense) GraniteMoeHybridForCausalLM, saves it with save_pretrained, loads the directory with
 flint.loading.load_model and checks, in fp32, that flint's logits equal HF's: for a prefill from
 position 0, for token-by-token decode through the KV cache, for an M > 1 chunk at start_pos > 0,
 and after rolling the cache back. Cases vary head_dim, kv heads (1, 2, = heads), tied/untied,
@@ -36,7 +37,30 @@ CASES = {
     "granitemoehybrid-norope-mha": ("granitemoehybrid", 10000.0,
                                     dict(GRANITE_MULTIPLIERS, position_embedding_type=None,
                                          num_key_value_heads=4)),
+    # the families of docs/loading.md: each feature on the tiny shape (original contexts below SEQ
+    # so the scaled frequencies are the ones in use)
+    "llama3-rope": ("llama", 500000.0, dict(head_dim=32, rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=16))),
+    "llama-linear-rope": ("llama", 10000.0, dict(rope_parameters=dict(rope_type="linear", rope_theta=1e4,
+                                                                      factor=2.5))),
+    "llama-yarn-rope": ("llama", 10000.0, dict(head_dim=32, rope_parameters=dict(
+        rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=12))),
+    "qwen2-biases": ("qwen2", 1e6, dict(tie_word_embeddings=True)),
+    "qwen3-qknorm": ("qwen3", 1e6, dict(head_dim=24, num_key_value_heads=1)),
+    "mistral-window5": ("mistral", 1e6, dict(sliding_window=5, head_dim=16)),
+    "phi3-longrope-partial-window": ("phi3", 1e4, dict(
+        partial_rotary_factor=0.75, sliding_window=7, original_max_position_embeddings=64,
+        rope_parameters=dict(rope_type="longrope", rope_theta=1e4, partial_rotary_factor=0.75,
+                             short_factor=[1.0, 1.5, 2.0, 3.0, 1.2, 1.1], long_factor=[4.0] * 6))),
 }
+
+# the same families from a GGUF written the way llama.cpp's converter writes them (tests/test_gguf.py's
+# write_tiny_gguf: matrices in a cycle of quantized types), against transformers with those weights
+GGUF_CASES = ["llama3-rope", "llama-linear-rope", "llama-yarn-rope", "qwen2-biases", "qwen3-qknorm",
+              "mistral-window5", "phi3-longrope-partial-window"]
+CASES.update({f"{name}-gguf": (CASES[name][0], CASES[name][1], dict(CASES[name][2], tie_word_embeddings=False))
+              for name in GGUF_CASES})
 
 SEQ = 20  # tokens compared per case
 
@@ -51,8 +75,14 @@ def close(ours: torch.Tensor, theirs: torch.Tensor) -> tuple[bool, float]:
 def case(request, tmp_path_factory):
     family, theta, overrides = CASES[request.param]
     hf = make_hf_model(family, seed=len(request.param), rope_theta=theta, **overrides)
-    d = save_hf_dir(hf, tmp_path_factory.mktemp(request.param), tokenizer=False)
-    lm = load_model(str(d))
+    if request.param.endswith("-gguf"):
+        from test_gguf import write_tiny_gguf
+
+        path = tmp_path_factory.mktemp(request.param) / "tiny.gguf"
+        hf.load_state_dict(write_tiny_gguf(hf, path))
+        lm = load_model(str(path))
+    else:
+        lm = load_model(str(save_hf_dir(hf, tmp_path_factory.mktemp(request.param), tokenizer=False)))
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, hf.config.vocab_size, (SEQ,), generator=g)
     # HF's full-sequence logits and its last decoder layer's output (before the final norm)
@@ -73,6 +103,14 @@ def test_config_read_from_checkpoint(case):
     if cfg.tie_word_embeddings:
         assert case["lm"].params["lm_head"] is case["lm"].params["embed"]
     assert cfg.use_rope == (getattr(hc, "position_embedding_type", "rope") == "rope")
+    # the family features, from config.json or the GGUF's metadata and tensors alike
+    assert cfg.qkv_bias == (hc.model_type == "qwen2") and cfg.qk_norm == (hc.model_type == "qwen3")
+    assert cfg.sliding_window == (getattr(hc, "sliding_window", None) if hc.model_type in ("mistral", "phi3") else None)
+    partial = hc.rope_parameters.get("partial_rotary_factor", 1.0)
+    assert cfg.rotary_dim == (None if partial == 1.0 else int(cfg.head_dim * partial))
+    kind = hc.rope_parameters.get("rope_type", "default")
+    gguf_kind = {"llama3": "freq_factors"} if case["name"].endswith("-gguf") else {}
+    assert (cfg.rope_scaling or {}).get("rope_type", "default") == gguf_kind.get(kind, kind)
 
 
 def test_prefill_matches_hf(case):

@@ -188,7 +188,7 @@ def test_granitemoehybrid_all_attention_loads(granitemoehybrid_dir):
 
 @pytest.mark.parametrize("field,value", [
     ("num_attention_heads", 3), ("hidden_act", "gelu"), ("attention_bias", True),
-    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}),
+    ("rope_scaling", {"rope_type": "dynamic", "factor": 4.0}),
     ("rope_parameters", {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0})])
 def test_unsupported_config_fields(checkpoint, field, value):
     edit_config(checkpoint, **{field: value})
