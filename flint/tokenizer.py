@@ -120,7 +120,15 @@ class Tokenizer:
         self.eos_token_ids = list(eos_token_ids)
         self.add_bos = add_bos
         self.bos_token_id = tk.token_to_id(bos_token) if bos_token else None
-        self._template = None
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
+    @chat_template.setter
+    def chat_template(self, text: str | None) -> None:
+        """A new template text drops the compiled one (compiled again at the next render or compile_template)."""
+        self._chat_template, self._template = text, None
 
     @property
     def vocab_size(self) -> int:
