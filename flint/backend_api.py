@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from .errors import FlintError
 
-
 if TYPE_CHECKING:
     import torch
 
