@@ -18,7 +18,7 @@ Admission comes before work: the body size, the prompt's length against the cont
 characters is at least n / longest-token tokens) and max_tokens are checked before tokenizing, and
 tokenizing runs on its own thread. Without an API key only loopback Host names are served
 (--allow-host adds others), which keeps web pages (DNS rebinding) out; POST bodies must be JSON;
-request heads and bodies have deadlines and open connections a cap. SIGTERM drains: running and
+request heads and bodies have deadlines and requests in progress a cap (idle sockets do not count). SIGTERM drains: running and
 queued requests finish (up to --drain-timeout), new ones get 503. One log line per request (id,
 prompt/completion tokens, queue wait, TTFT, decode tok/s). Usage: docs/serve.md.
 
@@ -151,7 +151,7 @@ def cmd_serve(args) -> int:
     from .server_app import create_app
     from .server_state import ServerState
 
-    for name in ("max_queue", "default_max_tokens", "max_tokens_limit", "max_connections"):
+    for name in ("max_queue", "default_max_tokens", "max_tokens_limit", "max_requests"):
         low = 0 if name == "max_queue" else 1
         if getattr(args, name) < low:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
@@ -173,13 +173,14 @@ def cmd_serve(args) -> int:
         log.propagate = False
     allow = [h.strip() for item in args.allow_host for h in item.split(",") if h.strip()]
     state = ServerState(args.model or DEFAULT_MODEL, args.api_key, args.max_queue, args.default_max_tokens,
-                        args.max_tokens_limit, allow, args.body_timeout)
+                        args.max_tokens_limit, allow, args.body_timeout, args.max_requests)
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
-    # limit_concurrency counts the connection a request arrives on: + 1 serves max_connections of them
+    # no uvicorn limit_concurrency: it counts sockets before any byte arrives, so idle connections could
+    # lock every client out; the Guard middleware caps requests in progress instead, and the head
+    # deadline closes a socket that sends nothing
     config = uvicorn.Config(create_app(state), log_level="warning", access_log=False, timeout_graceful_shutdown=3,
-                            lifespan="off", http=_protocol(args.header_timeout),
-                            limit_concurrency=args.max_connections + 1, timeout_keep_alive=5)
+                            lifespan="off", http=_protocol(args.header_timeout), timeout_keep_alive=5)
     server = _server_class()(config)
     server.state, server.drain_timeout_s = state, args.drain_timeout
     state.should_stop = lambda: server.should_exit
@@ -230,7 +231,7 @@ def register(sub) -> None:
             ("--default-max-tokens", int, 1024, "max_tokens of a request that gives none (less if the context has "
                                                 "less room)"),
             ("--max-tokens-limit", int, 4096, "the largest max_tokens a request may ask for; more is a 400"),
-            ("--max-connections", int, 256, "open connections served at once; a request on one more gets 503"),
+            ("--max-requests", int, 256, "requests in progress at once (/health not counted); one more gets 503"),
             ("--header-timeout", float, 10.0, "seconds a connection may take to send a request head"),
             ("--body-timeout", float, 30.0, "seconds a request may take to send its body; later is a 408"),
             ("--drain-timeout", float, 30.0, "on SIGTERM, seconds the requests in flight may take to finish")):

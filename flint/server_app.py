@@ -1,7 +1,7 @@
 """The HTTP app of `flint serve` (FastAPI): the routes, the request reading every route shares (API
 key, readiness, Content-Type, the body within its size and deadline, the schema), the error
 handlers that answer OpenAI error objects, and Guard, the ASGI middleware in front of everything
-(503 while draining, the Host / Origin check without an API key, requests in flight).
+(503 while draining, the Host / Origin check without an API key, the cap on requests in progress).
 
 Built by flint/server.py's cmd_serve; tests: ``pytest tests/test_server.py tests/test_server_guard.py
 tests/test_server_ops.py``.
@@ -213,7 +213,8 @@ def create_app(state: ServerState):
 class Guard:
     """ASGI middleware in front of every route: 503 while draining, the Host / Origin check without
     an API key (a web page can make a browser send requests to loopback, and DNS rebinding can make
-    it read the answers: both carry a foreign name), and the count of requests in flight."""
+    it read the answers: both carry a foreign name), and the cap on requests in progress (counted from
+    the request head, so idle sockets hold nothing; /health is outside it)."""
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
@@ -253,10 +254,17 @@ class Guard:
                 status.append(msg["status"])
             await send(msg)
 
-        self.state.in_flight += 1
+        counted = scope["path"] != "/health"  # the probe is answered whatever the load
+        if counted and self.state.in_flight >= self.state.max_requests:
+            err = APIError(503, f"the server is answering {self.state.max_requests} requests already (the "
+                                "--max-requests limit); retry later", "server_error", code="too_many_requests",
+                           headers={"Retry-After": "1"})
+            self.state.metrics.requests.labels(self.state.metrics.route(scope["path"]), "503").inc()
+            return await JSONResponse(err.body(), status_code=503, headers=err.headers)(scope, receive, send)
+        self.state.in_flight += counted
         try:
             await self.app(scope, receive, send_seen)
         finally:
-            self.state.in_flight -= 1
+            self.state.in_flight -= counted
             if status:  # else the client left before any answer
                 self.state.metrics.requests.labels(self.state.metrics.route(scope["path"]), str(status[0])).inc()

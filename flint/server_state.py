@@ -31,7 +31,8 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 class ServerState:
     def __init__(self, model_id: str, api_key: str | None, max_queue: int, default_max_tokens: int = 1024,
-                 max_tokens_limit: int = 4096, allow_hosts=(), body_timeout_s: float = 30.0):
+                 max_tokens_limit: int = 4096, allow_hosts=(), body_timeout_s: float = 30.0,
+                 max_requests: int = 256):
         self.model_id = model_id
         self.api_key = api_key
         self.max_queue = max_queue
@@ -39,6 +40,7 @@ class ServerState:
         self.max_tokens_limit = max_tokens_limit
         self.allow_hosts = {h.strip().lower().strip("[]").rstrip(".") for h in allow_hosts}
         self.body_timeout_s = body_timeout_s
+        self.max_requests = max_requests  # requests in progress at once, /health not counted
         self.created = int(time.time())
         self.lm = None
         self.engine = None
@@ -49,7 +51,7 @@ class ServerState:
         self._token_text: dict[int, tuple[str, list[int]]] = {}
         self.should_stop = lambda: False  # set to the server's "shutting down" flag
         self.draining = False  # SIGTERM seen: new requests get 503, the ones in flight finish
-        self.in_flight = 0  # HTTP requests being answered (event-loop thread only)
+        self.in_flight = 0  # HTTP requests being answered, /health not counted (event-loop thread only)
         # tokenizing (and the chat template) runs here, one prompt at a time: off the event loop, and a burst
         # of long prompts takes one core, not all of them
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="flint-tokenize")
