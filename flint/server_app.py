@@ -8,11 +8,12 @@ tests/test_server_ops.py``.
 """
 import asyncio
 import hmac
+import json
 import logging
 
 from .server_errors import APIError, _shutdown_error
-from .server_openai import (_check_length, _chat_messages, _completion_input, _encode_chat, _refuse_unsupported,
-                            _tool_plan, _validation_error, schemas)
+from .server_openai import (_chat_messages, _check_fits, _check_message_count, _completion_input, _encode_chat,
+                            _encode_text, _refuse_unsupported, _sampling, _tool_plan, _validation_error, schemas)
 from .server_respond import respond
 from .server_state import ServerState
 
@@ -100,7 +101,13 @@ def create_app(state: ServerState):
             raise APIError(404, f"model {name!r} does not exist; this server serves {state.model_id!r}",
                            param="model", code="model_not_found")
 
-    async def read_request(request: Request, model_cls):
+    async def off_loop(fn, *args):
+        # on the one admission thread: parsing, tokenizing, templates and grammars never hold the event
+        # loop, and a burst of large requests takes one core, not all of them
+        return await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, fn, *args)
+
+    async def read_request(request: Request, model_cls, admit=None):
+        """The validated request (and ``admit(req)``'s result, when given), the work off the event loop."""
         authorize(request)
         require_ready()
         media = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -108,14 +115,20 @@ def create_app(state: ServerState):
             raise APIError(415, f"Content-Type: the body must be JSON (application/json), got "
                                 f"{media or 'none'!r}", param="Content-Type", code="unsupported_media_type")
         body = await read_body(request)
-        try:
-            req = model_cls.model_validate_json(body, strict=True)
-        except ValidationError as e:
-            raise _validation_error(e) from None
-        check_model(req.model)
-        if hasattr(req, "stream"):  # a generation request
-            _refuse_unsupported(req, state)
-        return req
+
+        def work():
+            if "messages" in model_cls.model_fields:
+                _check_message_count(body.count(b'"role"'))  # before building one object per message
+            try:
+                req = model_cls.model_validate_json(body, strict=True)
+            except ValidationError as e:
+                raise _validation_error(e) from None
+            check_model(req.model)
+            if hasattr(req, "stream"):  # a generation request
+                _refuse_unsupported(req, state)
+            return req if admit is None else admit(req)
+
+        return await off_loop(work)
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: the status alone, for load balancers
     async def health():
@@ -136,31 +149,35 @@ def create_app(state: ServerState):
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request):
-        req = await read_request(request, TokenizeRequest)
-        given = [name for name in ("prompt", "content", "messages") if getattr(req, name) is not None]
-        if len(given) != 1:
-            raise APIError(400, "give one of prompt (or content, llama.cpp's name) and messages"
-                           + (f", not {' and '.join(given)}" if given else ""),
-                           param=given[-1] if given else "prompt", code="invalid_value")
-        if req.add_special_tokens is not None and req.add_special is not None:
-            raise APIError(400, "give add_special_tokens or add_special (the same switch), not both",
-                           param="add_special", code="invalid_value")
-        special = req.add_special if req.add_special_tokens is None else req.add_special_tokens
-        if req.messages is not None:
-            if special is not None:  # the chat template places the special tokens
-                raise APIError(400, f"{'add_special' if req.add_special is not None else 'add_special_tokens'}: "
-                                    "not with messages (the chat template places the special tokens)",
-                               param="add_special_tokens" if req.add_special is None else "add_special",
-                               code="invalid_value")
-            messages = _chat_messages(req, state)
-            ids = await tokenize(lambda m: _encode_chat(m, state, req.add_generation_prompt), messages)
-        else:
-            text = req.prompt if req.prompt is not None else req.content
-            _check_length(len(text), req, state, given[0])
-            ids = await tokenize(lambda t: state.lm.tokenizer.encode(t, add_special_tokens=special is not False),
-                                 text)
-        tokens = [{"id": t, "piece": state.token_text(t)[0]} for t in ids] if req.with_pieces else ids
-        return {"tokens": tokens, "count": len(ids), "max_model_len": state.engine.max_seq_len}
+        def admit(req):
+            given = [name for name in ("prompt", "content", "messages") if getattr(req, name) is not None]
+            if len(given) != 1:
+                raise APIError(400, "give one of prompt (or content, llama.cpp's name) and messages"
+                               + (f", not {' and '.join(given)}" if given else ""),
+                               param=given[-1] if given else "prompt", code="invalid_value")
+            if req.add_special_tokens is not None and req.add_special is not None:
+                raise APIError(400, "give add_special_tokens or add_special (the same switch), not both",
+                               param="add_special", code="invalid_value")
+            special = req.add_special if req.add_special_tokens is None else req.add_special_tokens
+            if req.messages is not None:
+                if special is not None:  # the chat template places the special tokens
+                    raise APIError(400, f"{'add_special' if req.add_special is not None else 'add_special_tokens'}: "
+                                        "not with messages (the chat template places the special tokens)",
+                                   param="add_special_tokens" if req.add_special is None else "add_special",
+                                   code="invalid_value")
+                ids = _encode_chat(_chat_messages(req, state), state, req.add_generation_prompt)
+                _check_fits(len(ids), req, state, "messages")
+            else:
+                text = req.prompt if req.prompt is not None else req.content
+                ids = _encode_text(text, req, state, given[0], special is not False)
+            # at most the context's tokens, each piece built here, off the event loop
+            tokens = [{"id": t, "piece": state.token_text(t)[0]} for t in ids] if req.with_pieces else ids
+            return json.dumps({"tokens": tokens, "count": len(ids), "max_model_len": state.engine.max_seq_len},
+                              ensure_ascii=False).encode()
+
+        from fastapi.responses import Response
+
+        return Response(await read_request(request, TokenizeRequest, admit), media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request):
@@ -170,7 +187,7 @@ def create_app(state: ServerState):
         if bad is not None:
             raise APIError(400, f"tokens: token id {bad} is outside the vocabulary (size {vocab})",
                            param="tokens", code="invalid_value")
-        text = await tokenize(lambda ids: state.lm.tokenizer.decode(ids, skip_special_tokens=False), req.tokens)
+        text = await off_loop(lambda ids: state.lm.tokenizer.decode(ids, skip_special_tokens=False), req.tokens)
         return {"prompt": text, "content": text}  # vLLM's name and llama.cpp's
 
     def model_card() -> dict:
@@ -187,25 +204,26 @@ def create_app(state: ServerState):
         check_model(model_id)
         return model_card()
 
-    async def tokenize(fn, arg) -> list[int]:
-        # off the event loop (a long prompt must not stall others), on the one tokenizer thread; what
-        # reaches it was length-checked already, so one prompt holds it for a bounded time
-        return await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, fn, arg)
-
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = await read_request(request, ChatRequest)
-        messages = _chat_messages(req, state)
-        plan = _tool_plan(req, state)
-        ids = await tokenize(lambda m: _encode_chat(m, state, plan=plan), messages)
-        return await respond(state, request, req, ids, chat=True, plan=plan)
+        def admit(req):
+            messages = _chat_messages(req, state)
+            plan = _tool_plan(req, state)
+            ids = _encode_chat(messages, state, plan=plan)
+            return req, ids, plan, _sampling(req, state, len(ids), "messages", plan)
+
+        req, ids, plan, sp = await read_request(request, ChatRequest, admit)
+        return await respond(state, request, req, ids, sp, chat=True, plan=plan)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = await read_request(request, CompletionRequest)
-        prompt = _completion_input(req, state)
-        ids = prompt if isinstance(prompt, list) else await tokenize(state.lm.tokenizer.encode, prompt)
-        return await respond(state, request, req, ids, chat=False)
+        def admit(req):
+            prompt = _completion_input(req, state)
+            ids = prompt if isinstance(prompt, list) else _encode_text(prompt, req, state, "prompt")
+            return req, ids, _sampling(req, state, len(ids), "prompt")
+
+        req, ids, sp = await read_request(request, CompletionRequest, admit)
+        return await respond(state, request, req, ids, sp, chat=False)
 
     return Guard(app, state)
 

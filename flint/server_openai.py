@@ -16,6 +16,13 @@ if TYPE_CHECKING:
     from .server_state import ServerState
 
 MAX_STOP_STRINGS = 16
+MAX_MESSAGES = 2048  # messages in one chat request (each costs template tokens: the context holds few more)
+# tokenizing a long text first reads this many characters per allowed token: a text of ordinary tokens
+# (about 4 characters each in English) that overflows the context is known from that prefix alone
+PREFIX_CHARS_PER_TOKEN = 8
+CUT_TOKENS = 4  # tokens a cut inside the text may add to its prefix's count (the last word split)
+PROBE_STEPS = 4  # a grammar's first steps run at admission (see _probe), trying
+PROBE_BRANCH = 16  # this many of the allowed tokens at each
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI's limit
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's chat limit
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -230,13 +237,42 @@ def _too_long(param: str, n_prompt: int, max_tokens: int | None, context: int, a
                     param=param, code="context_length_exceeded")
 
 
-def _check_length(n_chars: int, req, state: "ServerState", param: str) -> None:
+def _check_length(n_chars: int, req, state: "ServerState", param: str, n_messages: int = 0) -> None:
     """Refuse, before tokenizing, a prompt too long to fit: n characters are at least
-    n / max_token_chars tokens. This bounds what tokenizing costs."""
-    least = -(-n_chars // state.lm.tokenizer.max_token_chars)
+    n / max_token_chars tokens, and each chat message adds the template's tokens around it. This
+    bounds what tokenizing costs."""
+    least = -(-n_chars // state.lm.tokenizer.max_token_chars) + n_messages * state.message_tokens
     want = _requested_max_tokens(req)
     if least + (want or 1) > state.engine.max_seq_len:
         raise _too_long(param, least, want, state.engine.max_seq_len, at_least=True)
+
+
+def _check_fits(n_tokens: int, req, state: "ServerState", param: str) -> None:
+    want = _requested_max_tokens(req)
+    if n_tokens + (want or 1) > state.engine.max_seq_len:
+        raise _too_long(param, n_tokens, want, state.engine.max_seq_len)
+
+
+def _check_message_count(n: int) -> None:
+    if n > MAX_MESSAGES:
+        raise APIError(400, f"messages: {n} messages; at most {MAX_MESSAGES} in one request", param="messages",
+                       code="invalid_value")
+
+
+def _encode_text(text: str, req, state: "ServerState", param: str, add_special: bool = True) -> list[int]:
+    """A text's token ids, refused (400) when they cannot fit the context with max_tokens; the time is
+    bounded: the character pre-check first, then, for a long text, a prefix of it decides."""
+    _check_length(len(text), req, state, param)
+    encode = state.lm.tokenizer.encode
+    room = state.engine.max_seq_len - (_requested_max_tokens(req) or 1)
+    window = (room + 1) * PREFIX_CHARS_PER_TOKEN
+    if len(text) > window:
+        head = len(encode(text[:window], add_special_tokens=add_special)) - CUT_TOKENS
+        if head > room:
+            raise _too_long(param, head, _requested_max_tokens(req), state.engine.max_seq_len, at_least=True)
+    ids = encode(text, add_special_tokens=add_special)
+    _check_fits(len(ids), req, state, param)
+    return ids
 
 
 def _logprobs_wanted(req) -> int | None:
@@ -340,9 +376,47 @@ def _constraint(req, state: "ServerState", plan: ToolPlan | None):
                        param="ignore_eos", code="invalid_value")
     _refuse_on_draft(state, param, "this output constraint")
     try:
-        return build()
+        constraint = build()
     except GrammarError as e:
         raise APIError(400, str(e), param=e.param or param, code="invalid_value") from None
+    _probe(constraint, param)
+    return constraint
+
+
+def _probe(constraint, param: str) -> None:
+    """Run the grammar's first steps now: a grammar that compiles can still fail when its parser meets the
+    first tokens (llguidance's row limit: a schema of 1000 optional properties fails at its opening brace),
+    and that is a 400 naming the field before any work, not an error mid-answer. At each of PROBE_STEPS
+    steps the first PROBE_BRANCH allowed tokens are each tried, and the walk goes on with the first."""
+    import torch
+
+    from .grammar import mask_words
+
+    m = constraint.matcher()
+    words = mask_words(constraint.grammars.vocab)
+    bits = torch.arange(32, dtype=torch.int32)
+    try:
+        for _ in range(PROBE_STEPS):
+            mask = m.fill(torch.zeros(words, dtype=torch.int32))
+            allowed = ((mask.view(-1, 1) >> bits) & 1).flatten().nonzero().flatten().tolist()
+            allowed = [t for t in allowed if t != constraint.grammars.eos][:PROBE_BRANCH]
+            if m.done or not allowed:
+                return
+            for t in allowed[1:]:
+                branch = m.m.deep_copy()
+                if not branch.consume_token(t) or branch.is_error():
+                    raise RuntimeError(f"grammar: token {t} was not allowed ({branch.get_error()})")
+            m.consume(allowed[0])
+    except RuntimeError as e:
+        param = constraint.param or param
+        raise APIError(400, f"{param}: the engine cannot run this {constraint.kind} ({_first_line(e)})",
+                       param=param, code="invalid_value") from None
+
+
+def _first_line(e: Exception, limit: int = 300) -> str:
+    """An engine message's first line, at most ``limit`` characters (llguidance appends its whole grammar)."""
+    line = str(e).split("\n", 1)[0]
+    return line if len(line) <= limit else line[:limit] + "..."
 
 
 def _sampling(req, state: "ServerState", n_prompt: int, prompt_param: str, plan: ToolPlan | None = None):
@@ -401,6 +475,7 @@ def _sampling(req, state: "ServerState", n_prompt: int, prompt_param: str, plan:
 
 def _chat_messages(req, state: "ServerState") -> list[dict]:
     """The messages as the chat template takes them, roles checked, their length against the context."""
+    _check_message_count(len(req.messages))
     messages = []
     for i, m in enumerate(req.messages):
         role = ROLES.get(m.role)
@@ -428,7 +503,7 @@ def _chat_messages(req, state: "ServerState") -> list[dict]:
         messages.append(msg)
     extra = sum(len(json.dumps(t.model_dump(exclude_none=True))) for t in (getattr(req, "tools", None) or []))
     extra += sum(len(json.dumps(m["tool_calls"])) for m in messages if "tool_calls" in m)
-    _check_length(sum(len(m["content"]) for m in messages) + extra, req, state, "messages")
+    _check_length(sum(len(m["content"]) for m in messages) + extra, req, state, "messages", len(messages))
     return messages
 
 
@@ -448,7 +523,7 @@ def _encode_chat(messages: list[dict], state: "ServerState", add_generation_prom
 
 
 def _completion_input(req, state: "ServerState") -> str | list[int]:
-    """The prompt: a string (its length checked against the context) or checked token ids."""
+    """The prompt: a string (for _encode_text) or checked token ids."""
     p = req.prompt
     if isinstance(p, list) and p and isinstance(p[0], (str, list)):
         if len(p) != 1:
@@ -456,7 +531,6 @@ def _completion_input(req, state: "ServerState") -> str | list[int]:
                            param="prompt", code="unsupported_value")
         p = p[0]
     if isinstance(p, str):
-        _check_length(len(p), req, state, "prompt")
         return p
     want = _requested_max_tokens(req)
     if len(p) + (want or 1) > state.engine.max_seq_len:  # before looking at each id

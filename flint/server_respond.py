@@ -15,7 +15,7 @@ from contextlib import aclosing
 from typing import TYPE_CHECKING
 
 from .server_errors import APIError
-from .server_openai import ToolPlan, _sampling
+from .server_openai import ToolPlan, _first_line
 from .server_queue import Job, QueueFull
 
 if TYPE_CHECKING:
@@ -77,22 +77,28 @@ def usage(r) -> dict:
     return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
 
 
-def engine_failure(e: Exception) -> APIError:
+def engine_failure(e: Exception, sp=None) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, ValueError):
         return APIError(400, str(e), code="invalid_value")
+    if isinstance(e, RuntimeError) and str(e).startswith("grammar:") and sp is not None and sp.constraint:
+        # the grammar engine gave up mid-output (a parser limit the admission probe did not reach): the
+        # request's grammar is what cannot be run, named as such
+        param = sp.constraint.param
+        return APIError(400, f"{param}: the engine could not continue this {sp.constraint.kind} ({_first_line(e)})",
+                        param=param, code="grammar_failed")
     return APIError(500, f"generation failed ({type(e).__name__})", "server_error")
 
 
-async def respond(state: ServerState, request: Request, req, prompt_ids: list[int], chat: bool,
+async def respond(state: ServerState, request: Request, req, prompt_ids: list[int], sp, chat: bool,
                   plan: ToolPlan | None = None):
-    """The answer to a chat or completion request: one JSON object, or SSE chunks with ``stream``."""
-    from fastapi.responses import StreamingResponse
+    """The answer to a chat or completion request (its SamplingParams ``sp``): one JSON object, or SSE
+    chunks with ``stream``."""
+    from fastapi.responses import Response, StreamingResponse
 
     from .tools import ToolStream
 
-    sp = _sampling(req, state, len(prompt_ids), "messages" if chat else "prompt", plan)
     parsing = plan is not None and plan.parse
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     job = submit(state, rid, prompt_ids, sp)
@@ -181,7 +187,7 @@ async def respond(state: ServerState, request: Request, req, prompt_ids: list[in
                         if with_usage:
                             yield sse({**head, "choices": [], "usage": usage(value)})
                     else:  # the status line is gone already: report in the stream, then end it
-                        yield sse(engine_failure(value).body())
+                        yield sse(engine_failure(value, sp).body())
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(body(), media_type="text/event-stream",
@@ -195,22 +201,28 @@ async def respond(state: ServerState, request: Request, req, prompt_ids: list[in
                 if value[1]:
                     entries += value[1]
             elif kind == "error":
-                raise engine_failure(value)
+                raise engine_failure(value, sp)
             else:
                 r = value
-    out = "".join(text)
-    if chat:
-        message, finish = {"role": "assistant", "content": out}, r.finish_reason
-        if parsing:
-            from .tools import parse
 
-            content, tool_calls = parse(out, plan.fmt)
-            if tool_calls:
-                message = {"role": "assistant", "content": content, "tool_calls": tool_calls}
-                finish = "tool_calls" if finish == "stop" else finish
-        first = {"index": 0, "message": message, "logprobs": logprobs(entries), "finish_reason": finish}
-        obj = "chat.completion"
-    else:
-        first = {"index": 0, "text": out, "logprobs": logprobs(entries), "finish_reason": r.finish_reason}
-        obj = "text_completion"
-    return {**head, "object": obj, "choices": [first], "usage": usage(r), "timings": timings(job, r)}
+    def answer() -> bytes:  # logprobs make it large: built off the event loop
+        return json.dumps(whole(r, "".join(text), entries), ensure_ascii=False).encode()
+
+    def whole(r, out: str, entries) -> dict:
+        if chat:
+            message, finish = {"role": "assistant", "content": out}, r.finish_reason
+            if parsing:
+                from .tools import parse
+
+                content, tool_calls = parse(out, plan.fmt)
+                if tool_calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": tool_calls}
+                    finish = "tool_calls" if finish == "stop" else finish
+            first = {"index": 0, "message": message, "logprobs": logprobs(entries), "finish_reason": finish}
+            obj = "chat.completion"
+        else:
+            first = {"index": 0, "text": out, "logprobs": logprobs(entries), "finish_reason": r.finish_reason}
+            obj = "text_completion"
+        return {**head, "object": obj, "choices": [first], "usage": usage(r), "timings": timings(job, r)}
+
+    return Response(await asyncio.to_thread(answer), media_type="application/json")

@@ -45,6 +45,7 @@ class ServerState:
         self.lm = None
         self.engine = None
         self.grammars = None  # flint.grammar.Grammars of the model's tokenizer
+        self.message_tokens = 0  # template tokens around each chat message, at least (measured at load)
         self.scheduler: Scheduler | None = None
         self.ready = threading.Event()
         self.metrics = Metrics()
@@ -52,8 +53,8 @@ class ServerState:
         self.should_stop = lambda: False  # set to the server's "shutting down" flag
         self.draining = False  # SIGTERM seen: new requests get 503, the ones in flight finish
         self.in_flight = 0  # HTTP requests being answered, /health not counted (event-loop thread only)
-        # tokenizing (and the chat template) runs here, one prompt at a time: off the event loop, and a burst
-        # of long prompts takes one core, not all of them
+        # admission runs here, one request at a time (parsing, the chat template, tokenizing, grammars): off the
+        # event loop, and a burst of large requests takes one core, not all of them
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="flint-tokenize")
 
     def load(self, args) -> None:
@@ -73,10 +74,22 @@ class ServerState:
             self.grammars.lltok  # built once here (~0.3 s), not in the first constrained request
         except ValueError as e:  # the server still serves unconstrained requests; constrained ones get a 400
             log.warning("%s", e)
+        self.message_tokens = self._message_tokens(lm.tokenizer)
         self.scheduler = Scheduler(engine, self.max_queue, self.should_stop, self.metrics)
         self.ready.set()
         log.info("model %s ready on backend %s (context %d tokens) in %.1fs", self.model_id,
                  backend.name, engine.max_seq_len, time.perf_counter() - t0)
+
+    @staticmethod
+    def _message_tokens(tok) -> int:
+        """The tokens the chat template puts around each message (an empty user and assistant turn, measured
+        once): the length pre-check counts them, so a flood of empty messages is refused before tokenizing."""
+        turn = [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}]
+        try:
+            one, three = (len(tok.encode_chat(m, add_generation_prompt=False)) for m in (turn[:1], turn + turn[:1]))
+        except Exception:  # no template, or one that refuses these turns: no per-message count
+            return 0
+        return max(0, (three - one) // 2)
 
     def token_text(self, tid: int) -> tuple[str, list[int]]:
         """A token's text and its UTF-8 bytes, as logprobs report them. A byte-level BPE token may hold

