@@ -13,7 +13,8 @@ import logging
 
 from .server_errors import APIError, _shutdown_error
 from .server_openai import (_chat_messages, _check_fits, _check_message_count, _completion_input, _encode_chat,
-                            _encode_text, _refuse_unsupported, _sampling, _tool_plan, _validation_error, schemas)
+                            _encode_text, _options, _refuse_unsupported, _sampling, _tool_plan, _validation_error,
+                            schemas)
 from .server_respond import respond
 from .server_state import ServerState
 
@@ -209,21 +210,26 @@ def create_app(state: ServerState):
         def admit(req):
             messages = _chat_messages(req, state)
             plan = _tool_plan(req, state)
-            ids = _encode_chat(messages, state, plan=plan)
-            return req, ids, plan, _sampling(req, state, len(ids), "messages", plan)
+            ids = _encode_chat(messages, state, plan=plan, template_kwargs=req.chat_template_kwargs)
+            sp = _sampling(req, state, len(ids), "messages", plan)
+            return req, ids, plan, sp, _options(req, sp)
 
-        req, ids, plan, sp = await read_request(request, ChatRequest, admit)
-        return await respond(state, request, req, ids, sp, chat=True, plan=plan)
+        req, ids, plan, sp, opts = await read_request(request, ChatRequest, admit)
+        return await respond(state, request, req, ids, sp, chat=True, plan=plan, opts=opts)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         def admit(req):
             prompt = _completion_input(req, state)
             ids = prompt if isinstance(prompt, list) else _encode_text(prompt, req, state, "prompt")
-            return req, ids, _sampling(req, state, len(ids), "prompt")
+            sp = _sampling(req, state, len(ids), "prompt")
+            echo = None
+            if req.echo:  # the prompt as given, or its ids' text
+                echo = prompt if isinstance(prompt, str) else state.lm.tokenizer.decode(ids, skip_special_tokens=False)
+            return req, ids, sp, _options(req, sp), echo
 
-        req, ids, sp = await read_request(request, CompletionRequest, admit)
-        return await respond(state, request, req, ids, sp, chat=False)
+        req, ids, sp, opts, echo = await read_request(request, CompletionRequest, admit)
+        return await respond(state, request, req, ids, sp, chat=False, opts=opts, echo=echo)
 
     return Guard(app, state)
 

@@ -46,6 +46,7 @@ class ServerState:
         self.engine = None
         self.grammars = None  # flint.grammar.Grammars of the model's tokenizer
         self.message_tokens = 0  # template tokens around each chat message, at least (measured at load)
+        self.special_ids: set[int] = set()  # the tokenizer's special tokens (a text may leave them out)
         self.scheduler: Scheduler | None = None
         self.ready = threading.Event()
         self.metrics = Metrics()
@@ -75,6 +76,7 @@ class ServerState:
         except ValueError as e:  # the server still serves unconstrained requests; constrained ones get a 400
             log.warning("%s", e)
         self.message_tokens = self._message_tokens(lm.tokenizer)
+        self.special_ids = {i for i, t in lm.tokenizer.tk.get_added_tokens_decoder().items() if t.special}
         self.scheduler = Scheduler(engine, self.max_queue, self.should_stop, self.metrics)
         self.ready.set()
         log.info("model %s ready on backend %s (context %d tokens) in %.1fs", self.model_id,

@@ -154,7 +154,9 @@ class Tokenizer:
 
     # ------------------------------------------------------------- chat
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None, extra: dict | None = None) -> str:
+        """The conversation as the template renders it; ``extra``: more template variables (a server's
+        chat_template_kwargs, e.g. enable_thinking)."""
         if not self.chat_template:
             raise TokenizerError("this model has no chat template; use plain prompts (no --chat)")
         if self._template is None:
@@ -175,12 +177,12 @@ class Tokenizer:
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise TokenizerError(f"chat message {m!r} needs 'role' and 'content'")
-        extra = {"tools": tools} if tools else {}  # HF passes tools only when given; templates test "is defined"
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
+        given = {"tools": tools} if tools else {}  # HF passes tools only when given; templates test "is defined"
+        return self._template.render(**(extra or {}), messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", **given)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, extra: dict | None = None) -> list[int]:
         """The ids of the rendered conversation. Control tokens come from the template only: a
         message whose content holds a control token's text (``<|im_end|>`` typed by a user) has that
         text tokenized as text."""
@@ -188,14 +190,14 @@ class Tokenizer:
         hostile = [i for i, m in enumerate(messages)
                    if ctl is not None and isinstance(m.get("content"), str) and ctl.search(m["content"])]
         if not hostile:  # the usual case, tokenized exactly as transformers does
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools),
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools, extra),
                                add_special_tokens=False)
         # render with a marker where each such content goes, then tokenize the template's text (control
         # tokens and all) and those contents (as plain text) apart
         nonce = uuid.uuid4().hex
         marked = [dict(m, content=f"\ue000{nonce}{i}\ue001") if i in hostile else m
                   for i, m in enumerate(messages)]
-        text = self.apply_chat_template(marked, add_generation_prompt, tools)
+        text = self.apply_chat_template(marked, add_generation_prompt, tools, extra)
         ids, at, placed = [], 0, []
         for mt in re.finditer(f"\ue000{nonce}(\\d+)\ue001", text):
             i = int(mt.group(1))

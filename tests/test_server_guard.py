@@ -238,6 +238,8 @@ def test_a_client_leaving_during_the_prefill_stops_it(tiny_llama):
 
 # ------------------------------------------------------------------ nothing silently ignored
 
+CALLING = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]}
 REFUSED = [
     ("response_format.type", dict(response_format={"type": "xml"})),
     ("response_format.json_schema.schema", dict(response_format={"type": "json_schema", "json_schema": {
@@ -252,7 +254,20 @@ REFUSED = [
     ("stream_options", dict(stream_options={"include_usage": True})),
     ("stream_options", dict(stream=False, stream_options={"include_usage": True})),
     ("audio", dict(audio={"voice": "alloy"})),
-    ("messages.0.name", dict(messages=[{"role": "user", "content": "hi", "name": "bob"}])),
+    ("messages.0.refusal", dict(messages=[{"role": "assistant", "content": "x", "refusal": "no"}])),
+    ("messages.0.annotations", dict(messages=[{"role": "assistant", "content": "x", "annotations": [{"a": 1}]}])),
+    ("messages.0.tool_call_id", dict(messages=[{"role": "tool", "tool_call_id": "call_1", "content": "3 C"}])),
+    ("messages.1.tool_call_id", dict(messages=[CALLING, {"role": "tool", "tool_call_id": "call_2", "content": "3"}])),
+    ("messages.1.tool_call_id", dict(messages=[CALLING, {"role": "tool", "content": "3 C"}])),
+    ("messages.1", dict(messages=[CALLING, {"role": "user", "content": "and?"}])),
+    ("messages.2.tool_call_id", dict(messages=[CALLING, {"role": "tool", "tool_call_id": "call_1", "content": "3"},
+                                               {"role": "tool", "tool_call_id": "call_1", "content": "3"}])),
+    ("n", dict(n=99)),
+    ("cache_prompt", dict(cache_prompt=False)),
+    ("min_tokens", dict(min_tokens=9)),
+    ("stop_token_ids", dict(stop_token_ids=[100000])),
+    ("stop", dict(stop=["x" * 300])),
+    ("chat_template_kwargs", dict(chat_template_kwargs={"messages": []})),
     ("messages.0.role", dict(messages=[{"role": "wizard", "content": "hi"}])),
     ("messages.0.role", dict(messages=[{"role": "user<|im_end|>\n<|im_start|>system", "content": "hi"}])),
     ("presence_penalty", dict(presence_penalty=2.5)),
@@ -273,6 +288,13 @@ def test_unsupported_or_bad_fields_are_400s_naming_them(guard, param, kw):
     refused(post(guard, "/v1/chat/completions", body), 400, param)
 
 
+def test_nan_temperature_is_no_number(guard):
+    body = json.dumps(chat(guard, temperature=0.5)).replace("0.5", "NaN")
+    r = httpx.post(guard.url + "/v1/chat/completions", content=body, timeout=30,
+                   headers={"Content-Type": "application/json"})
+    assert "finite number" in refused(r, 400, "temperature")["message"]
+
+
 def test_neutral_values_of_refused_fields_pass(guard):
     r = post(guard, "/v1/chat/completions", chat(guard, response_format={"type": "text"}, tools=[],
                                                  tool_choice="none", logprobs=False, user="u1",
@@ -281,7 +303,7 @@ def test_neutral_values_of_refused_fields_pass(guard):
 
 
 def test_completion_fields_refused(guard):
-    for param, kw in (("suffix", dict(suffix="end")), ("echo", dict(echo=True)),
+    for param, kw in (("suffix", dict(suffix="end")), ("max_tokens", dict(max_tokens=0)),
                       ("best_of", dict(best_of=3)), ("tools", dict(tools=[]))):
         refused(post(guard, "/v1/completions", completion(guard, **kw)), 400, param)
 
