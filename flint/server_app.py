@@ -31,7 +31,7 @@ def create_app(state: ServerState):
 
     from starlette.requests import ClientDisconnect
 
-    ChatRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest = schemas()
+    ChatRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest, ResponsesRequest = schemas()
     app = FastAPI(title="flint", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(APIError)
@@ -125,7 +125,7 @@ def create_app(state: ServerState):
             except ValidationError as e:
                 raise _validation_error(e) from None
             check_model(req.model)
-            if hasattr(req, "stream"):  # a generation request
+            if hasattr(req, "stream_options"):  # a chat or completion request
                 _refuse_unsupported(req, state)
             return req if admit is None else admit(req)
 
@@ -205,17 +205,43 @@ def create_app(state: ServerState):
         check_model(model_id)
         return model_card()
 
+    def admit_chat(req):
+        messages = _chat_messages(req, state)
+        plan = _tool_plan(req, state)
+        ids = _encode_chat(messages, state, plan=plan, template_kwargs=req.chat_template_kwargs)
+        sp = _sampling(req, state, len(ids), "messages", plan)
+        return req, ids, plan, sp, _options(req, sp)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        def admit(req):
-            messages = _chat_messages(req, state)
-            plan = _tool_plan(req, state)
-            ids = _encode_chat(messages, state, plan=plan, template_kwargs=req.chat_template_kwargs)
-            sp = _sampling(req, state, len(ids), "messages", plan)
-            return req, ids, plan, sp, _options(req, sp)
-
-        req, ids, plan, sp, opts = await read_request(request, ChatRequest, admit)
+        req, ids, plan, sp, opts = await read_request(request, ChatRequest, admit_chat)
         return await respond(state, request, req, ids, sp, chat=True, plan=plan, opts=opts)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        from fastapi.responses import Response
+
+        from .server_responses import chat_body, response
+
+        def admit(req):
+            try:
+                chat = ChatRequest.model_validate(chat_body(req))
+            except ValidationError as e:
+                raise _validation_error(e) from None
+            _refuse_unsupported(chat, state)
+            return req, admit_chat(chat)
+
+        req, (chat, ids, plan, sp, opts) = await read_request(request, ResponsesRequest, admit)
+        answer = await respond(state, request, chat, ids, sp, chat=True, plan=plan, opts=opts)
+        return Response(json.dumps(response(req, json.loads(answer.body)), ensure_ascii=False).encode(),
+                        media_type="application/json")
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        authorize(request)
+        raise APIError(400, "/v1/embeddings: flint serves a decoder for text generation and defines no embedding "
+                            "(a causal model's hidden states are not trained as one)", param="model",
+                       code="embeddings_not_supported")
 
     @app.post("/v1/completions")
     async def completions(request: Request):

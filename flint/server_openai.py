@@ -193,7 +193,28 @@ def schemas():
         model: str | None = None
         tokens: list[int]
 
-    return ChatRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest
+    class ResponsesRequest(_Base):  # OpenAI's Responses API: text and function tools (flint.server_responses)
+        model: str
+        input: str | list[dict]
+        instructions: str | None = None
+        tools: list[dict] | None = None
+        tool_choice: Literal["none", "auto", "required"] | dict | None = None
+        parallel_tool_calls: bool | None = None
+        temperature: float | None = Field(None, ge=0, le=2)
+        top_p: float | None = Field(None, gt=0, le=1)
+        max_output_tokens: int | None = Field(None, ge=1)
+        text: dict | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+        metadata: dict[str, str] | None = None
+        user: str | None = None
+        # refused unless neutral (flint.server_responses.chat_body says why)
+        stream: bool | None = None
+        store: bool | None = None
+        previous_response_id: str | None = None
+        include: list[str] | None = None
+        reasoning: dict | None = None
+        truncation: str | None = None
+
+    return ChatRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest, ResponsesRequest
 
 
 # ------------------------------------------------------------------ turning requests into jobs
