@@ -4,8 +4,9 @@
 
 Routes: GET|HEAD /health (503 while the model loads, 200 after), GET /v1/models[/{id}], POST /v1/completions,
 POST /v1/chat/completions (SSE streaming with ``stream``; ``stream_options.include_usage``; logprobs as
-OpenAI shapes them; llama.cpp's ``timings`` in each answer), GET /metrics (Prometheus), POST /tokenize and
-/detokenize (vLLM's and llama.cpp's field names). Structured output (``response_format``, vLLM's
+OpenAI shapes them; ``n`` choices one after the other; llama.cpp's ``timings`` in each answer), POST
+/v1/responses (text and function tools, through the chat path), POST /v1/embeddings (refused: no embedding
+is defined), GET /metrics (Prometheus), POST /tokenize and /detokenize (vLLM's and llama.cpp's field names). Structured output (``response_format``, vLLM's
 ``structured_outputs``, llama.cpp's ``grammar``) compiles to a flint.grammar constraint the engine applies
 each step; ``tools`` / ``tool_choice`` go through flint.tools (rendered by the chat template, the output
 parsed into ``tool_calls``, a forced call constrained to the function's schema).
@@ -14,9 +15,10 @@ requests at most, 429 beyond) and one worker thread owns the engine; a client th
 cancels its generation at the next token (or the next prefill chunk). Every error is an OpenAI
 error object; a request field flint cannot honour is a 400 naming it, never ignored.
 
-Admission comes before work: the body size, the prompt's length against the context (a text of n
-characters is at least n / longest-token tokens) and max_tokens are checked before tokenizing, and
-tokenizing runs on its own thread. Without an API key only loopback Host names are served
+Admission comes before work: the body size, the message count, the prompt's length against the context
+(a text of n characters is at least n / longest-token tokens, a message at least its template's tokens)
+and max_tokens are checked before tokenizing; parsing, templates, tokenizing and grammars (their first
+steps run) happen on one admission thread, off the event loop. Without an API key only loopback Host names are served
 (--allow-host adds others), which keeps web pages (DNS rebinding) out; POST bodies must be JSON;
 request heads and bodies have deadlines and requests in progress a cap (idle sockets do not count). SIGTERM drains: running and
 queued requests finish (up to --drain-timeout), new ones get 503. One log line per request (id,
@@ -28,12 +30,13 @@ and the draining shutdown. The parts, one file each:
     server_openai.py    request schemas, validation into SamplingParams, prompts, tool plans
     server_errors.py    the OpenAI error object every failure is answered with
     server_respond.py   a request's job and its answer: JSON or SSE, logprobs, tool calls, timings
+    server_responses.py the Responses API as a chat request and its answer as a response object
     server_queue.py     the FIFO and the one engine thread
     server_state.py     the model, engine, queue, metrics and settings of one server
     server_metrics.py   the Prometheus metrics
 
 Tests: ``pytest tests/test_server.py tests/test_server_guard.py tests/test_server_ops.py
-tests/test_structured.py tests/test_tools.py``.
+tests/test_server_compat.py tests/test_structured.py tests/test_tools.py``.
 
 Heavy imports (fastapi, pydantic, uvicorn, torch) happen inside functions: `flint` imports this
 module to build its parser, and other subcommands should not pay for them.

@@ -526,6 +526,9 @@ def _sampling(req, state: "ServerState", n_prompt: int, prompt_param: str, plan:
         field = str(e).split(" ")[0].rstrip(":")
         raise APIError(400, str(e), param=field if field in type(req).model_fields else None,
                        code="invalid_value") from None
+    if getattr(req, "min_tokens", None) and sp.constraint is not None:
+        raise APIError(400, "min_tokens: not with an output constraint (its grammar decides where the output ends)",
+                       param="min_tokens", code="invalid_value")
     bad = engine.unsupported(sp)
     if bad:
         raise APIError(400, f"{bad[0]} is not supported with speculative decoding (this server runs --draft)",

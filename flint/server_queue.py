@@ -144,7 +144,8 @@ class Scheduler:
                  min(len(self.engine.cached), len(job.prompt_ids)))
         job.cached_tokens = min(c, len(job.prompt_ids) - 1)  # the engine's prefill reuses these
         try:
-            if job.opts.prompt_logprobs is not None:
+            if job.opts.prompt_logprobs is not None:  # every position's logits: the prompt is run whole
+                job.cached_tokens = 0
                 job.push("prompt", self._prompt_logprobs(job.prompt_ids, job.opts.prompt_logprobs))
             for i in range(job.opts.n):  # n choices, one after the other, the prompt's K/V reused
                 sp = job.sp if i == 0 or job.sp.seed is None else replace(job.sp, seed=(job.sp.seed + i) & MASK64)
@@ -177,7 +178,8 @@ class Scheduler:
 
         from .engine import token_logprob
 
-        b, chunk, out = self.engine.backend, self.engine.PREFILL_CHUNK, [None]
+        b, out = self.engine.backend, [None]
+        chunk = min(getattr(b, "max_chunk", None) or self.engine.PREFILL_CHUNK, self.engine.PREFILL_CHUNK)
         self.engine.cached = []
         for s in range(0, len(ids), chunk):
             if self.stopping():
