@@ -11,7 +11,7 @@ import hmac
 import json
 import logging
 
-from .server_errors import APIError, _shutdown_error
+from .server_errors import APIError, _client_closed, _shutdown_error
 from .server_openai import (_chat_messages, _check_fits, _check_message_count, _completion_input, _encode_chat,
                             _encode_text, _options, _refuse_unsupported, _sampling, _tool_plan, _validation_error,
                             schemas)
@@ -94,7 +94,7 @@ def create_app(state: ServerState):
         except ClientDisconnect:
             log.info("%s %s: the client disconnected during the upload (%d bytes read)", request.method,
                      request.url.path, len(body))
-            raise APIError(499, "the client closed the request", code="client_closed") from None
+            raise _client_closed() from None
         return bytes(body)
 
     def check_model(name: str | None) -> None:

@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from .server_errors import APIError, _shutdown_error
+from .server_errors import _client_closed, _shutdown_error
 
 if TYPE_CHECKING:
     from .server_metrics import Metrics
@@ -108,7 +108,7 @@ class Scheduler:
             except ValueError:
                 return  # running (stops at its next token) or done
         log.info("%s cancelled while queued (%.2fs)", job.id, time.perf_counter() - job.t_submit)
-        job.push("error", APIError(499, "the client closed the request", code="client_closed"))
+        job.push("error", _client_closed())
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the worker (after its current token) and wait for it."""
@@ -151,7 +151,8 @@ class Scheduler:
                 sp = job.sp if i == 0 or job.sp.seed is None else replace(job.sp, seed=(job.sp.seed + i) & MASK64)
                 r, stopped = self._choice(job, sp)
                 self._report(job, r, stopped, wait_s)
-                if stopped == "cancelled":
+                if stopped == "cancelled":  # ends the consumer's wait, whatever choice it waits for
+                    job.push("error", _client_closed())
                     return
                 if stopped == "shutdown":
                     job.push("error", _shutdown_error())
