@@ -868,6 +868,10 @@ def default_backends(device: torch.device) -> str:
 
 
 def _run(args) -> int:
+    if getattr(args, "serve", False):  # through `flint serve` and the openai client: flint.bench_serve
+        from .bench_serve import run
+
+        return run(args)
     dev = torch.device(args.device or default_device())
     args.backend = args.backend or default_backends(dev)
     head_groups = getattr(args, "head_group_size", None)  # (a Namespace built by hand may lack it)
@@ -1002,6 +1006,9 @@ def register(sub) -> None:
                    help="constrained decoding: greedy decode tok/s under a JSON schema (json: a built-in bounded "
                         "one; or a schema file) beside unconstrained in the same run, every output validated; "
                         "exit 1 if any is invalid")
+    p.add_argument("--serve", action="store_true",
+                   help="stream --tokens through `flint serve` with the openai client: the client's TTFT and tok/s "
+                        "beside the engine's (flint.bench_serve)")
     p.set_defaults(func=_run)
 
 

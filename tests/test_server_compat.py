@@ -179,3 +179,15 @@ def test_embeddings_are_refused_with_a_reason(srv):
     with pytest.raises(openai.BadRequestError) as e:
         srv.client.embeddings.create(model=srv.model, input="hello")
     assert "defines no embedding" in str(e.value)
+
+
+def test_bench_serve_reports_client_and_engine_speed(tiny_llama_dir, tmp_path, capsys):
+    from flint.cli import main
+
+    out = tmp_path / "serve.json"
+    assert main(["bench", "--serve", "--model", str(tiny_llama_dir), "--backend", "reference", "--device", "cpu",
+                 "--tokens", "16", "--repeats", "2", "--json", str(out)]) == 0
+    row, = json.loads(out.read_text())["results"]
+    assert row["tokens"] == 16 and row["ttft_ms"] > 0 and row["client_tok_s"] > 0 and row["engine_tok_s"] > 0
+    assert row["ratio"] == pytest.approx(row["client_tok_s"] / row["engine_tok_s"])
+    assert "client / engine" in capsys.readouterr().out
