@@ -304,7 +304,7 @@ ERROR_CASES = [
     ("empty messages", "/v1/chat/completions", {**CHAT, "messages": []}, AUTH, 400, "messages"),
     ("message without role", "/v1/chat/completions", {**CHAT, "messages": [{"content": "hi"}]}, AUTH, 400,
      "messages.0.role"),
-    ("n=2", "/v1/chat/completions", {**CHAT, "n": 2}, AUTH, 400, "n"),
+    ("n=17", "/v1/chat/completions", {**CHAT, "n": 17}, AUTH, 400, "n"),
     ("negative max_tokens", "/v1/chat/completions", {**CHAT, "max_tokens": -5}, AUTH, 400, "max_tokens"),
     ("max_tokens as string", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "5"}, AUTH, 400, "max_tokens"),
     ("temperature as string", "/v1/chat/completions", {**CHAT, "temperature": "hot"}, AUTH, 400,
@@ -345,7 +345,7 @@ def test_bad_request_gets_status_and_openai_error_object(env, name, path, body, 
 
 def test_openai_client_sees_typed_errors(env):
     with pytest.raises(openai.BadRequestError) as e:
-        client(env["main"]).chat.completions.create(model=MODEL, messages=CHAT["messages"], n=2)
+        client(env["main"]).chat.completions.create(model=MODEL, messages=CHAT["messages"], n=17)
     assert e.value.param == "n"
     with pytest.raises(openai.AuthenticationError):
         client(env["main"], key="sk-wrong").models.list()
