@@ -73,6 +73,12 @@ def test_echo_with_prompt_logprobs_is_lm_eval_loglikelihood(srv, tiny_llama, ref
     only = post(srv, "/v1/completions", prompt=PROMPT, echo=True, logprobs=0, max_tokens=0)
     assert only["choices"][0]["text"] == PROMPT and only["usage"]["completion_tokens"] == 0
     assert only["choices"][0]["logprobs"]["token_logprobs"][1:] == lp["token_logprobs"][1:len(ids)]
+    with httpx.stream("POST", srv.url + "/v1/completions", timeout=30, json={
+            "model": srv.model, "prompt": PROMPT, "echo": True, "logprobs": 0, "max_tokens": 3, "stream": True}) as r:
+        chunks = [json.loads(ln[6:])["choices"][0] for ln in r.iter_lines() if ln.startswith("data: {")]
+    assert chunks[0]["text"] == PROMPT and chunks[0]["logprobs"]["token_logprobs"][0] is None
+    streamed = [v for c in chunks if c["logprobs"] for v in c["logprobs"]["token_logprobs"]]
+    assert len(streamed) == len(ids) + 3
 
 
 def test_lm_eval_generation_request(srv):
