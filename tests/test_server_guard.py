@@ -298,7 +298,8 @@ def test_nan_temperature_is_no_number(guard):
 def test_neutral_values_of_refused_fields_pass(guard):
     r = post(guard, "/v1/chat/completions", chat(guard, response_format={"type": "text"}, tools=[],
                                                  tool_choice="none", logprobs=False, user="u1",
-                                                 metadata={"k": "v"}, presence_penalty=0, n=1))
+                                                 metadata={"k": "v"}, presence_penalty=0, n=1,
+                                                 cache_prompt=True, min_tokens=0, stop_token_ids=[]))
     assert r.status_code == 200, r.text
 
 
