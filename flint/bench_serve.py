@@ -89,18 +89,18 @@ def _one(client, model: str, tokens: int) -> dict:
 
 
 def run(args) -> int:
-    """`flint bench --serve`: one row per backend of ``--backend``."""
+    """`flint bench --serve`: one row per backend of ``--backend`` (default: the server's default backend)."""
     import openai
     import torch
 
-    from .backend import default_device
-    from .bench import BenchError, _parse_list, default_backends
+    from .backend import default_backend, default_device
 
     if args.tokens < 2:
-        raise BenchError("--serve: --tokens must be at least 2 (a rate needs two tokens)")
+        raise ValueError("--serve: --tokens must be at least 2 (a rate needs two tokens)")
     device = args.device or default_device()
     rows = []
-    for backend in _parse_list(args.backend or default_backends(torch.device(device)), "backend"):
+    backends = [b.strip() for b in (args.backend or default_backend(quiet=True)).split(",") if b.strip()]
+    for backend in backends:
         with tempfile.NamedTemporaryFile("w+b", prefix="flint-bench-serve-", suffix=".log", delete=False) as log:
             proc, url = _start(args, backend, log)
             try:
