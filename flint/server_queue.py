@@ -203,7 +203,7 @@ class Scheduler:
             ban = {t: -100.0 for t in (*self.engine.eos, *o.stop_ids)}
             head = replace(sp, max_new_tokens=min(o.min_tokens, sp.max_new_tokens), stop=[], ignore_eos=True,
                            logit_bias={**sp.logit_bias, **ban})
-            first, stopped = self._pass(job, job.prompt_ids, head, frozenset(), whole_chars=True)
+            first, stopped = self._pass(job, job.prompt_ids, head, frozenset(), whole_chars=sp.max_new_tokens)
             left = sp.max_new_tokens - len(first.token_ids)
             if stopped or left <= 0:
                 return first, stopped
@@ -227,16 +227,17 @@ class Scheduler:
             job.push("text", (hit, [] if sp.logprobs is not None else None))
             r.text += hit
 
-    def _pass(self, job: Job, prompt_ids: list[int], sp, stop_ids: frozenset, whole_chars: bool = False):
+    def _pass(self, job: Job, prompt_ids: list[int], sp, stop_ids: frozenset, whole_chars: int = 0):
         """One engine.stream pass, its text and logprobs pushed as they come: (the result, why it stopped
         early or None). A token of ``stop_ids`` ends it with finish_reason stop (its text left out); with
-        ``whole_chars`` the pass ends only between characters (a later pass decodes its own text)."""
+        ``whole_chars`` (the most tokens it may take) the pass ends only between characters (a later pass
+        decodes its own text)."""
         def should_stop() -> bool:  # asked between prefill chunks
             return job.cancelled.is_set() or self.stopping()
 
         limit = sp.max_new_tokens
         if whole_chars:  # room to finish a character split over tokens
-            sp = replace(sp, max_new_tokens=min(limit + CHAR_TOKENS, self.engine.max_seq_len - len(prompt_ids)))
+            sp = replace(sp, max_new_tokens=min(limit + CHAR_TOKENS, whole_chars))
         stream = self.engine.stream(prompt_ids, sp, should_stop=should_stop)
         stopped = None  # why decoding ended early: the client left, or the server is stopping
         want_lp = sp.logprobs is not None

@@ -95,6 +95,8 @@ def test_stop_token_ids_min_tokens_and_include_stop_str(srv, tiny_llama):
     assert (r["choices"][0]["text"], r["choices"][0]["finish_reason"], r["usage"]["completion_tokens"]) == ("", "stop", 1)
     r = complete(srv, max_tokens=12, stop_token_ids=[first], min_tokens=3)
     assert r["usage"]["completion_tokens"] >= 3
+    r = complete(srv, max_tokens=5, min_tokens=5, stop_token_ids=[first])  # never past max_tokens
+    assert r["usage"]["completion_tokens"] == 5 and r["choices"][0]["finish_reason"] == "length"
     stop = text[3:5]
     cut = text.index(stop)
     r = complete(srv, max_tokens=12, stop=[stop])
