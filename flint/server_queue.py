@@ -146,7 +146,7 @@ class Scheduler:
         try:
             if job.opts.prompt_logprobs is not None:  # every position's logits: the prompt is run whole
                 job.cached_tokens = 0
-                job.push("prompt", self._prompt_logprobs(job.prompt_ids, job.opts.prompt_logprobs))
+                job.push("prompt", self._prompt_logprobs(job, job.opts.prompt_logprobs))
             for i in range(job.opts.n):  # n choices, one after the other, the prompt's K/V reused
                 sp = job.sp if i == 0 or job.sp.seed is None else replace(job.sp, seed=(job.sp.seed + i) & MASK64)
                 r, stopped = self._choice(job, sp)
@@ -171,7 +171,7 @@ class Scheduler:
         if self.metrics is not None:
             self.metrics.generation(self.engine, r, wait_s, stopped or r.finish_reason)
 
-    def _prompt_logprobs(self, ids: list[int], k: int) -> list:
+    def _prompt_logprobs(self, job: Job, k: int) -> list:
         """Each prompt token's TokenLogprob under the tokens before it (None for the first), from a prefill of
         every position's logits in chunks; the engine's cache then holds the prompt, so the generation after
         it prefills one token."""
@@ -179,11 +179,11 @@ class Scheduler:
 
         from .engine import token_logprob
 
-        b, out = self.engine.backend, [None]
+        b, ids, out = self.engine.backend, job.prompt_ids, [None]
         chunk = min(getattr(b, "max_chunk", None) or self.engine.PREFILL_CHUNK, self.engine.PREFILL_CHUNK)
         self.engine.cached = []
         for s in range(0, len(ids), chunk):
-            if self.stopping():
+            if self.stopping() or job.cancelled.is_set():  # the generation after it stops too
                 break
             logits = b.forward(torch.tensor(ids[s: s + chunk], dtype=torch.long), s)
             self.engine.cached = ids[: s + chunk]
