@@ -219,9 +219,11 @@ def create_app(state: ServerState):
 
     @app.post("/v1/responses")
     async def responses(request: Request):
-        from fastapi.responses import Response
+        from contextlib import aclosing
 
-        from .server_responses import chat_body, response
+        from fastapi.responses import Response, StreamingResponse
+
+        from .server_responses import chat_body, events, response
 
         def admit(req):
             try:
@@ -233,8 +235,19 @@ def create_app(state: ServerState):
 
         req, (chat, ids, plan, sp, opts) = await read_request(request, ResponsesRequest, admit)
         answer = await respond(state, request, chat, ids, sp, chat=True, plan=plan, opts=opts)
-        return Response(json.dumps(response(req, json.loads(answer.body)), ensure_ascii=False).encode(),
-                        media_type="application/json")
+        if not req.stream:
+            return Response(json.dumps(response(req, json.loads(answer.body)), ensure_ascii=False).encode(),
+                            media_type="application/json")
+
+        async def chunks():  # the chat stream's chunks, as dicts
+            async with aclosing(answer.body_iterator) as body:
+                async for piece in body:
+                    for line in piece.split("\n"):
+                        if line.startswith("data: {"):
+                            yield json.loads(line[6:])
+
+        return StreamingResponse(events(req, chunks(), state.model_id), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):

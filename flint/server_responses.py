@@ -3,10 +3,12 @@ for text and function tools: the request's ``input`` items (messages, earlier ``
 their ``function_call_output``), ``instructions``, ``tools``, ``tool_choice`` and ``text.format`` become a
 chat completion request, run as one; its answer becomes a ``response`` object whose ``output`` holds a
 ``message`` item and ``function_call`` items. Nothing is stored (``store`` true and ``previous_response_id``
-are refused), streaming is refused, and so is any item or tool that is not text or a function.
+are refused), and so is any item or tool that is not text or a function; ``stream`` turns the chat stream into
+the Responses API's events.
 
 Used by flint/server_app.py; tests: ``pytest tests/test_server_compat.py``.
 """
+import json
 import time
 import uuid
 
@@ -96,8 +98,6 @@ def _tools(req) -> dict:
 
 def chat_body(req) -> dict:
     """The chat completion request that answers a validated Responses request."""
-    if req.stream:
-        _refuse("stream", "streaming is not supported on /v1/responses (use /v1/chat/completions to stream)")
     if req.store:
         _refuse("store", "flint stores no responses (store: false)")
     if req.previous_response_id is not None:
@@ -109,6 +109,8 @@ def chat_body(req) -> dict:
     if req.truncation not in (None, "disabled"):
         _refuse("truncation", "only disabled (a prompt that does not fit the context is a 400)")
     body = {"model": req.model, "messages": _messages(req), **_tools(req)}
+    if req.stream:
+        body.update(stream=True, stream_options={"include_usage": True})
     for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("max_output_tokens", "max_tokens"),
                      ("parallel_tool_calls", "parallel_tool_calls"), ("user", "user"), ("metadata", "metadata")):
         if getattr(req, src) is not None:
@@ -125,21 +127,26 @@ def chat_body(req) -> dict:
     return body
 
 
-def response(req, chat: dict) -> dict:
-    """A response object from the chat completion answer ``chat``."""
+def _message_item(text: str, status: str = "completed") -> dict:
+    return {"type": "message", "id": "msg_" + uuid.uuid4().hex[:24], "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
+
+
+def _call_item(call: dict) -> dict:
+    return {"type": "function_call", "id": "fc_" + uuid.uuid4().hex[:24], "call_id": call["id"],
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
+
+
+def response(req, chat: dict, output: list | None = None, rid: str | None = None) -> dict:
+    """A response object from the chat completion answer ``chat`` (its ``output`` items, when built already)."""
     choice = chat["choices"][0]
-    message, output = choice["message"], []
-    if message.get("content"):
-        output.append({"type": "message", "id": "msg_" + uuid.uuid4().hex[:24], "status": "completed",
-                       "role": "assistant",
-                       "content": [{"type": "output_text", "text": message["content"], "annotations": []}]})
-    for call in message.get("tool_calls") or []:
-        output.append({"type": "function_call", "id": "fc_" + uuid.uuid4().hex[:24], "call_id": call["id"],
-                       "name": call["function"]["name"], "arguments": call["function"]["arguments"],
-                       "status": "completed"})
+    if output is None:
+        message = choice["message"]
+        output = [_message_item(message["content"])] if message.get("content") else []
+        output += [_call_item(c) for c in message.get("tool_calls") or []]
     u = chat["usage"]
     cut = choice["finish_reason"] == "length"
-    return {"id": "resp_" + uuid.uuid4().hex[:24], "object": "response", "created_at": int(time.time()),
+    return {"id": rid or "resp_" + uuid.uuid4().hex[:24], "object": "response", "created_at": int(time.time()),
             "status": "incomplete" if cut else "completed", "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
             "model": chat["model"], "output": output, "instructions": req.instructions,
@@ -153,3 +160,80 @@ def response(req, chat: dict) -> dict:
                       "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
                       "output_tokens_details": {"reasoning_tokens": 0}},
             "timings": chat.get("timings")}
+
+
+async def events(req, chunks, model: str):
+    """The Responses API's SSE events (``event: TYPE`` and its data) from the chat stream's chunks (dicts):
+    response.created; per text message output_item.added, content_part.added, output_text.delta...,
+    output_text.done, content_part.done, output_item.done; per call output_item.added,
+    function_call_arguments.delta and .done, output_item.done; then response.completed (or incomplete), or
+    an error event."""
+    rid, seq, output = "resp_" + uuid.uuid4().hex[:24], [0], []
+    message, text = [None], []  # the open message item (None: none) and its text so far
+    finish = None
+
+    def sse(kind: str, **data) -> str:
+        seq[0] += 1
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq[0] - 1, **data})}\n\n"
+
+    def close_message() -> list[str]:
+        item = message[0]
+        if item is None:
+            return []
+        message[0] = None
+        done = "".join(text)
+        text.clear()
+        at, part = output.index(item), {"type": "output_text", "text": done, "annotations": []}
+        item.update(status="completed", content=[part])
+        ids = {"item_id": item["id"], "output_index": at, "content_index": 0}
+        return [sse("response.output_text.done", **ids, text=done, logprobs=[]),
+                sse("response.content_part.done", **ids, part=part),
+                sse("response.output_item.done", output_index=at, item=item)]
+
+    skeleton = {"id": rid, "object": "response", "created_at": int(time.time()), "status": "in_progress",
+                "model": model, "output": [], "tools": req.tools or [], "tool_choice": req.tool_choice or "auto",
+                "parallel_tool_calls": req.parallel_tool_calls is not False}
+    yield sse("response.created", response=skeleton)
+    async for chunk in chunks:
+        if "error" in chunk:
+            for e in close_message():
+                yield e
+            yield sse("error", **{k: chunk["error"][k] for k in ("message", "code", "param")})
+            return
+        if not chunk["choices"]:  # the usage chunk: the end
+            chat = {"model": model, "usage": chunk["usage"], "timings": None,
+                    "choices": [{"finish_reason": finish, "message": {}}]}
+            done = response(req, chat, output, rid)
+            yield sse("response.incomplete" if done["status"] == "incomplete" else "response.completed",
+                      response=done)
+            return
+        choice = chunk["choices"][0]
+        delta = choice.get("delta") or {}
+        if delta.get("content"):
+            if message[0] is None:
+                message[0] = _message_item("", "in_progress")
+                output.append(message[0])
+                at = len(output) - 1
+                yield sse("response.output_item.added", output_index=at, item=dict(message[0]))
+                yield sse("response.content_part.added", item_id=message[0]["id"], output_index=at, content_index=0,
+                          part={"type": "output_text", "text": "", "annotations": []})
+            text.append(delta["content"])
+            yield sse("response.output_text.delta", item_id=message[0]["id"], output_index=output.index(message[0]),
+                      content_index=0, delta=delta["content"], logprobs=[])
+        for call in delta.get("tool_calls") or []:
+            for e in close_message():
+                yield e
+            item = _call_item(call)
+            output.append(item)
+            at = len(output) - 1
+            yield sse("response.output_item.added", output_index=at, item={**item, "arguments": "",
+                                                                            "status": "in_progress"})
+            yield sse("response.function_call_arguments.delta", item_id=item["id"], output_index=at,
+                      delta=item["arguments"])
+            yield sse("response.function_call_arguments.done", item_id=item["id"], output_index=at,
+                      name=item["name"], arguments=item["arguments"])
+            yield sse("response.output_item.done", output_index=at, item=item)
+        if choice.get("finish_reason"):
+            finish = choice["finish_reason"]
+            for e in close_message():
+                yield e

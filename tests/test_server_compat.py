@@ -176,11 +176,33 @@ def test_responses_in_the_agents_sdk_shape(smol):
     r = srv.client.responses.create(model=srv.model, **{**body, "max_output_tokens": 4})
     assert r.output[0].type == "message" and r.output[0].content[0].type == "output_text"
     assert r.status == "incomplete" and r.usage.output_tokens == 4
-    for field, kw in (("stream", dict(stream=True)), ("store", dict(store=True)),
+    # streamed: the Responses API's events, the call whole in one arguments delta
+    body.update(tool_choice="required", input=body["input"][:1])
+    events = list(srv.client.responses.create(model=srv.model, stream=True, **body))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert "response.function_call_arguments.done" in kinds and [e.sequence_number for e in events] == list(
+        range(len(events)))
+    done = events[-1].response
+    assert [o.type for o in done.output] == ["function_call"] and done.output[0].name == "weather"
+    for field, kw in (("store", dict(store=True)),
                       ("input.0.type", dict(input=[{"type": "reasoning", "summary": []}])),
                       ("tools.0.type", dict(tools=[{"type": "web_search"}]))):
         bad = httpx.post(srv.url + "/v1/responses", json={"model": srv.model, "input": "hi", **kw}, timeout=30)
         assert bad.status_code == 400 and is_openai_error(bad.json()) and bad.json()["error"]["param"] == field, bad.text
+
+
+def test_responses_streamed_text(srv):
+    events = list(srv.client.responses.create(model=srv.model, input="hi", max_output_tokens=6, temperature=0,
+                                              stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    whole = srv.client.responses.create(model=srv.model, input="hi", max_output_tokens=6, temperature=0)
+    assert text == whole.output[0].content[0].text == events[-1].response.output[0].content[0].text
+    assert events[-1].response.usage.output_tokens == 6
 
 
 def test_embeddings_are_refused_with_a_reason(srv):
