@@ -6,10 +6,11 @@ Routes: GET|HEAD /health (503 while the model loads, 200 after), GET /v1/models[
 POST /v1/chat/completions (SSE streaming with ``stream``; ``stream_options.include_usage``; logprobs as
 OpenAI shapes them; ``n`` choices one after the other; llama.cpp's ``timings`` in each answer), POST
 /v1/responses (text and function tools, through the chat path), POST /v1/embeddings (refused: no embedding
-is defined), GET /metrics (Prometheus), POST /tokenize and /detokenize (vLLM's and llama.cpp's field names). Structured output (``response_format``, vLLM's
-``structured_outputs``, llama.cpp's ``grammar``) compiles to a flint.grammar constraint the engine applies
-each step; ``tools`` / ``tool_choice`` go through flint.tools (rendered by the chat template, the output
-parsed into ``tool_calls``, a forced call constrained to the function's schema).
+is defined), GET /metrics (Prometheus), POST /tokenize and /detokenize (vLLM's and llama.cpp's field
+names). Structured output (``response_format``, vLLM's ``structured_outputs``, llama.cpp's ``grammar``)
+compiles to a flint.grammar constraint the engine applies each step; ``tools`` / ``tool_choice`` go
+through flint.tools (rendered by the chat template, the output parsed into ``tool_calls``, a forced call
+constrained to the function's schema).
 The engine decodes one sequence at a time: requests wait in a FIFO (``--max-queue`` waiting
 requests at most, 429 beyond) and one worker thread owns the engine; a client that goes away
 cancels its generation at the next token (or the next prefill chunk). Every error is an OpenAI
@@ -18,11 +19,12 @@ error object; a request field flint cannot honour is a 400 naming it, never igno
 Admission comes before work: the body size, the message count, the prompt's length against the context
 (a text of n characters is at least n / longest-token tokens, a message at least its template's tokens)
 and max_tokens are checked before tokenizing; parsing, templates, tokenizing and grammars (their first
-steps run) happen on one admission thread, off the event loop. Without an API key only loopback Host names are served
-(--allow-host adds others), which keeps web pages (DNS rebinding) out; POST bodies must be JSON;
-request heads and bodies have deadlines and requests in progress a cap (idle sockets do not count). SIGTERM drains: running and
-queued requests finish (up to --drain-timeout), new ones get 503. One log line per request (id,
-prompt/completion tokens, queue wait, TTFT, decode tok/s). Usage: docs/serve.md.
+steps run) happen on one admission thread, off the event loop. Without an API key only loopback Host
+names are served (--allow-host adds others), which keeps web pages (DNS rebinding) out; POST bodies must
+be JSON; request heads and bodies have deadlines and requests in progress a cap (idle sockets do not
+count). SIGTERM drains: running and queued requests finish (up to --drain-timeout), new ones get 503.
+One log line per request (id, prompt/completion tokens, queue wait, TTFT, decode tok/s). Usage:
+docs/serve.md.
 
 This file is the command: its flags, the listening socket, uvicorn with the request-head deadline
 and the draining shutdown. The parts, one file each:

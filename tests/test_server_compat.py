@@ -14,7 +14,6 @@ than 96 tokens). Run: ``pytest tests/test_server_compat.py`` (about a minute).
 import json
 
 import pytest
-import torch
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
@@ -28,7 +27,7 @@ TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {
 
 
 @pytest.fixture(scope="module")
-def srv(ops):
+def srv(ops):  # noqa: F811  (the imported fixture)
     return ops  # the tiny model's server of tests/test_server_ops.py, started for this module
 
 
@@ -48,7 +47,8 @@ def test_n_choices_run_one_after_the_other(srv):
     assert [c["index"] for c in three["choices"]] == [0, 1, 2]
     assert three["choices"][0]["text"] == one["choices"][0]["text"]  # choice i samples with seed + i
     assert len({c["text"] for c in three["choices"]}) > 1
-    assert three["usage"]["completion_tokens"] == 3 * 8 and three["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"]
+    assert three["usage"]["completion_tokens"] == 3 * 8
+    assert three["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"]
     with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=30, json={
             "model": srv.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2,
             "stream": True, "stream_options": {"include_usage": True}}) as r:
@@ -57,7 +57,7 @@ def test_n_choices_run_one_after_the_other(srv):
     assert finished == [0, 1] and chunks[-1]["usage"]["completion_tokens"] == 8
 
 
-def test_echo_with_prompt_logprobs_is_lm_eval_loglikelihood(srv, tiny_llama, reference):
+def test_echo_with_prompt_logprobs_is_lm_eval_loglikelihood(srv, tiny_llama, reference):  # noqa: F811
     # lm_eval local-completions, loglikelihood: the context and continuation as token ids, echo, logprobs 1
     ids = tiny_llama.tokenizer.encode(PROMPT, add_special_tokens=False)
     got = post(srv, "/v1/completions", prompt=[ids], echo=True, logprobs=1, max_tokens=1, temperature=0)
@@ -92,7 +92,8 @@ def test_stop_token_ids_min_tokens_and_include_stop_str(srv, tiny_llama):
     text = base["choices"][0]["text"]
     first = tiny_llama.tokenizer.encode(text, add_special_tokens=False)[0]
     r = complete(srv, max_tokens=12, stop_token_ids=[first])
-    assert (r["choices"][0]["text"], r["choices"][0]["finish_reason"], r["usage"]["completion_tokens"]) == ("", "stop", 1)
+    assert (r["choices"][0]["text"], r["choices"][0]["finish_reason"]) == ("", "stop")
+    assert r["usage"]["completion_tokens"] == 1
     r = complete(srv, max_tokens=12, stop_token_ids=[first], min_tokens=3)
     assert r["usage"]["completion_tokens"] >= 3
     r = complete(srv, max_tokens=5, min_tokens=5, stop_token_ids=[first])  # never past max_tokens
@@ -189,7 +190,8 @@ def test_responses_in_the_agents_sdk_shape(smol):
                       ("input.0.type", dict(input=[{"type": "reasoning", "summary": []}])),
                       ("tools.0.type", dict(tools=[{"type": "web_search"}]))):
         bad = httpx.post(srv.url + "/v1/responses", json={"model": srv.model, "input": "hi", **kw}, timeout=30)
-        assert bad.status_code == 400 and is_openai_error(bad.json()) and bad.json()["error"]["param"] == field, bad.text
+        assert bad.status_code == 400 and is_openai_error(bad.json()), bad.text
+        assert bad.json()["error"]["param"] == field, bad.text
 
 
 def test_responses_streamed_text(srv):

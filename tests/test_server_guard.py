@@ -188,8 +188,8 @@ def test_a_schema_the_engine_cannot_run_is_a_400_at_admission(guard):
 
 def test_a_grammar_failing_mid_output_is_a_clean_error(guard):
     # the wide object sits past the admission probe's first steps (about 11 tokens in): it fails while decoding
-    late = {"type": "object", "properties": {"first": {"type": "integer", "minimum": 0, "maximum": 9},
-                                             "a": wide(1000)}, "required": ["first", "a"], "additionalProperties": False}
+    late = {"type": "object", "properties": {"first": {"type": "integer", "minimum": 0, "maximum": 9}, "a": wide(1000)},
+            "required": ["first", "a"], "additionalProperties": False}
     body = completion(guard, max_tokens=32, structured_outputs={"json": late})
     err = refused(post(guard, "/v1/completions", body), 400, "structured_outputs.json")
     assert err["code"] == "grammar_failed"
