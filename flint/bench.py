@@ -903,6 +903,10 @@ def _mode(args) -> str:
 
 
 def _run(args) -> int:
+    if getattr(args, "serve", False):  # through `flint serve` and the openai client: flint.bench_serve
+        from .bench_serve import run
+
+        return run(args)
     from .cli import refuse_unused
 
     refuse_unused(args, _mode(args), _MODE_OPTIONS)
@@ -1041,6 +1045,9 @@ def register(sub) -> None:
                    help="constrained decoding: greedy decode tok/s under a JSON schema (json: a built-in bounded "
                         "one; or a schema file) beside unconstrained in the same run, every output validated; "
                         "exit 1 if any is invalid")
+    p.add_argument("--serve", action="store_true",
+                   help="stream --tokens through `flint serve` with the openai client: the client's TTFT and tok/s "
+                        "beside the engine's (flint.bench_serve)")
     p.set_defaults(func=_run)
 
 

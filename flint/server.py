@@ -4,23 +4,27 @@
 
 Routes: GET|HEAD /health (503 while the model loads, 200 after), GET /v1/models[/{id}], POST /v1/completions,
 POST /v1/chat/completions (SSE streaming with ``stream``; ``stream_options.include_usage``; logprobs as
-OpenAI shapes them; llama.cpp's ``timings`` in each answer), GET /metrics (Prometheus), POST /tokenize and
-/detokenize (vLLM's and llama.cpp's field names). Structured output (``response_format``, vLLM's
-``structured_outputs``, llama.cpp's ``grammar``) compiles to a flint.grammar constraint the engine applies
-each step; ``tools`` / ``tool_choice`` go through flint.tools (rendered by the chat template, the output
-parsed into ``tool_calls``, a forced call constrained to the function's schema).
+OpenAI shapes them; ``n`` choices one after the other; llama.cpp's ``timings`` in each answer), POST
+/v1/responses (text and function tools, through the chat path), POST /v1/embeddings (refused: no embedding
+is defined), GET /metrics (Prometheus), POST /tokenize and /detokenize (vLLM's and llama.cpp's field
+names). Structured output (``response_format``, vLLM's ``structured_outputs``, llama.cpp's ``grammar``)
+compiles to a flint.grammar constraint the engine applies each step; ``tools`` / ``tool_choice`` go
+through flint.tools (rendered by the chat template, the output parsed into ``tool_calls``, a forced call
+constrained to the function's schema).
 The engine decodes one sequence at a time: requests wait in a FIFO (``--max-queue`` waiting
 requests at most, 429 beyond) and one worker thread owns the engine; a client that goes away
 cancels its generation at the next token (or the next prefill chunk). Every error is an OpenAI
 error object; a request field flint cannot honour is a 400 naming it, never ignored.
 
-Admission comes before work: the body size, the prompt's length against the context (a text of n
-characters is at least n / longest-token tokens) and max_tokens are checked before tokenizing, and
-tokenizing runs on its own thread. Without an API key only loopback Host names are served
-(--allow-host adds others), which keeps web pages (DNS rebinding) out; POST bodies must be JSON;
-request heads and bodies have deadlines and open connections a cap. SIGTERM drains: running and
-queued requests finish (up to --drain-timeout), new ones get 503. One log line per request (id,
-prompt/completion tokens, queue wait, TTFT, decode tok/s). Usage: docs/serve.md.
+Admission comes before work: the body size, the message count, the prompt's length against the context
+(a text of n characters is at least n / longest-token tokens, a message at least its template's tokens)
+and max_tokens are checked before tokenizing; parsing, templates, tokenizing and grammars (their first
+steps run) happen on one admission thread, off the event loop. Without an API key only loopback Host
+names are served (--allow-host adds others), which keeps web pages (DNS rebinding) out; POST bodies must
+be JSON; request heads and bodies have deadlines and requests in progress a cap (idle sockets do not
+count). SIGTERM drains: running and queued requests finish (up to --drain-timeout), new ones get 503.
+One log line per request (id, prompt/completion tokens, queue wait, TTFT, decode tok/s). Usage:
+docs/serve.md.
 
 This file is the command: its flags, the listening socket, uvicorn with the request-head deadline
 and the draining shutdown. The parts, one file each:
@@ -28,12 +32,13 @@ and the draining shutdown. The parts, one file each:
     server_openai.py    request schemas, validation into SamplingParams, prompts, tool plans
     server_errors.py    the OpenAI error object every failure is answered with
     server_respond.py   a request's job and its answer: JSON or SSE, logprobs, tool calls, timings
+    server_responses.py the Responses API as a chat request and its answer as a response object
     server_queue.py     the FIFO and the one engine thread
     server_state.py     the model, engine, queue, metrics and settings of one server
     server_metrics.py   the Prometheus metrics
 
 Tests: ``pytest tests/test_server.py tests/test_server_guard.py tests/test_server_ops.py
-tests/test_structured.py tests/test_tools.py``.
+tests/test_server_compat.py tests/test_structured.py tests/test_tools.py``.
 
 Heavy imports (fastapi, pydantic, uvicorn, torch) happen inside functions: `flint` imports this
 module to build its parser, and other subcommands should not pay for them.
@@ -151,7 +156,7 @@ def cmd_serve(args) -> int:
     from .server_app import create_app
     from .server_state import ServerState
 
-    for name in ("max_queue", "default_max_tokens", "max_tokens_limit", "max_connections"):
+    for name in ("max_queue", "default_max_tokens", "max_tokens_limit", "max_requests"):
         low = 0 if name == "max_queue" else 1
         if getattr(args, name) < low:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
@@ -173,13 +178,14 @@ def cmd_serve(args) -> int:
         log.propagate = False
     allow = [h.strip() for item in args.allow_host for h in item.split(",") if h.strip()]
     state = ServerState(args.model or DEFAULT_MODEL, args.api_key, args.max_queue, args.default_max_tokens,
-                        args.max_tokens_limit, allow, args.body_timeout)
+                        args.max_tokens_limit, allow, args.body_timeout, args.max_requests)
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
-    # limit_concurrency counts the connection a request arrives on: + 1 serves max_connections of them
+    # no uvicorn limit_concurrency: it counts sockets before any byte arrives, so idle connections could
+    # lock every client out; the Guard middleware caps requests in progress instead, and the head
+    # deadline closes a socket that sends nothing
     config = uvicorn.Config(create_app(state), log_level="warning", access_log=False, timeout_graceful_shutdown=3,
-                            lifespan="off", http=_protocol(args.header_timeout),
-                            limit_concurrency=args.max_connections + 1, timeout_keep_alive=5)
+                            lifespan="off", http=_protocol(args.header_timeout), timeout_keep_alive=5)
     server = _server_class()(config)
     server.state, server.drain_timeout_s = state, args.drain_timeout
     state.should_stop = lambda: server.should_exit
@@ -230,7 +236,7 @@ def register(sub) -> None:
             ("--default-max-tokens", int, 1024, "max_tokens of a request that gives none (less if the context has "
                                                 "less room)"),
             ("--max-tokens-limit", int, 4096, "the largest max_tokens a request may ask for; more is a 400"),
-            ("--max-connections", int, 256, "open connections served at once; a request on one more gets 503"),
+            ("--max-requests", int, 256, "requests in progress at once (/health not counted); one more gets 503"),
             ("--header-timeout", float, 10.0, "seconds a connection may take to send a request head"),
             ("--body-timeout", float, 30.0, "seconds a request may take to send its body; later is a 408"),
             ("--drain-timeout", float, 30.0, "on SIGTERM, seconds the requests in flight may take to finish")):

@@ -1,18 +1,20 @@
 """The HTTP app of `flint serve` (FastAPI): the routes, the request reading every route shares (API
 key, readiness, Content-Type, the body within its size and deadline, the schema), the error
 handlers that answer OpenAI error objects, and Guard, the ASGI middleware in front of everything
-(503 while draining, the Host / Origin check without an API key, requests in flight).
+(503 while draining, the Host / Origin check without an API key, the cap on requests in progress).
 
 Built by flint/server.py's cmd_serve; tests: ``pytest tests/test_server.py tests/test_server_guard.py
 tests/test_server_ops.py``.
 """
 import asyncio
 import hmac
+import json
 import logging
 
-from .server_errors import APIError, _shutdown_error
-from .server_openai import (_check_length, _chat_messages, _completion_input, _encode_chat, _refuse_unsupported,
-                            _tool_plan, _validation_error, schemas)
+from .server_errors import APIError, _client_closed, _shutdown_error
+from .server_openai import (_chat_messages, _check_fits, _check_message_count, _completion_input, _encode_chat,
+                            _encode_text, _options, _refuse_unsupported, _sampling, _tool_plan, _validation_error,
+                            schemas)
 from .server_respond import respond
 from .server_state import ServerState
 
@@ -29,7 +31,7 @@ def create_app(state: ServerState):
 
     from starlette.requests import ClientDisconnect
 
-    ChatRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest = schemas()
+    ChatRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest, ResponsesRequest = schemas()
     app = FastAPI(title="flint", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(APIError)
@@ -92,7 +94,7 @@ def create_app(state: ServerState):
         except ClientDisconnect:
             log.info("%s %s: the client disconnected during the upload (%d bytes read)", request.method,
                      request.url.path, len(body))
-            raise APIError(499, "the client closed the request", code="client_closed") from None
+            raise _client_closed() from None
         return bytes(body)
 
     def check_model(name: str | None) -> None:
@@ -100,7 +102,13 @@ def create_app(state: ServerState):
             raise APIError(404, f"model {name!r} does not exist; this server serves {state.model_id!r}",
                            param="model", code="model_not_found")
 
-    async def read_request(request: Request, model_cls):
+    async def off_loop(fn, *args):
+        # on the one admission thread: parsing, tokenizing, templates and grammars never hold the event
+        # loop, and a burst of large requests takes one core, not all of them
+        return await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, fn, *args)
+
+    async def read_request(request: Request, model_cls, admit=None):
+        """The validated request (and ``admit(req)``'s result, when given), the work off the event loop."""
         authorize(request)
         require_ready()
         media = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -108,14 +116,20 @@ def create_app(state: ServerState):
             raise APIError(415, f"Content-Type: the body must be JSON (application/json), got "
                                 f"{media or 'none'!r}", param="Content-Type", code="unsupported_media_type")
         body = await read_body(request)
-        try:
-            req = model_cls.model_validate_json(body, strict=True)
-        except ValidationError as e:
-            raise _validation_error(e) from None
-        check_model(req.model)
-        if hasattr(req, "stream"):  # a generation request
-            _refuse_unsupported(req, state)
-        return req
+
+        def work():
+            if "messages" in model_cls.model_fields:
+                _check_message_count(body.count(b'"role"'))  # before building one object per message
+            try:
+                req = model_cls.model_validate_json(body, strict=True)
+            except ValidationError as e:
+                raise _validation_error(e) from None
+            check_model(req.model)
+            if hasattr(req, "stream_options"):  # a chat or completion request
+                _refuse_unsupported(req, state)
+            return req if admit is None else admit(req)
+
+        return await off_loop(work)
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: the status alone, for load balancers
     async def health():
@@ -136,31 +150,35 @@ def create_app(state: ServerState):
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request):
-        req = await read_request(request, TokenizeRequest)
-        given = [name for name in ("prompt", "content", "messages") if getattr(req, name) is not None]
-        if len(given) != 1:
-            raise APIError(400, "give one of prompt (or content, llama.cpp's name) and messages"
-                           + (f", not {' and '.join(given)}" if given else ""),
-                           param=given[-1] if given else "prompt", code="invalid_value")
-        if req.add_special_tokens is not None and req.add_special is not None:
-            raise APIError(400, "give add_special_tokens or add_special (the same switch), not both",
-                           param="add_special", code="invalid_value")
-        special = req.add_special if req.add_special_tokens is None else req.add_special_tokens
-        if req.messages is not None:
-            if special is not None:  # the chat template places the special tokens
-                raise APIError(400, f"{'add_special' if req.add_special is not None else 'add_special_tokens'}: "
-                                    "not with messages (the chat template places the special tokens)",
-                               param="add_special_tokens" if req.add_special is None else "add_special",
-                               code="invalid_value")
-            messages = _chat_messages(req, state)
-            ids = await tokenize(lambda m: _encode_chat(m, state, req.add_generation_prompt), messages)
-        else:
-            text = req.prompt if req.prompt is not None else req.content
-            _check_length(len(text), req, state, given[0])
-            ids = await tokenize(lambda t: state.lm.tokenizer.encode(t, add_special_tokens=special is not False),
-                                 text)
-        tokens = [{"id": t, "piece": state.token_text(t)[0]} for t in ids] if req.with_pieces else ids
-        return {"tokens": tokens, "count": len(ids), "max_model_len": state.engine.max_seq_len}
+        def admit(req):
+            given = [name for name in ("prompt", "content", "messages") if getattr(req, name) is not None]
+            if len(given) != 1:
+                raise APIError(400, "give one of prompt (or content, llama.cpp's name) and messages"
+                               + (f", not {' and '.join(given)}" if given else ""),
+                               param=given[-1] if given else "prompt", code="invalid_value")
+            if req.add_special_tokens is not None and req.add_special is not None:
+                raise APIError(400, "give add_special_tokens or add_special (the same switch), not both",
+                               param="add_special", code="invalid_value")
+            special = req.add_special if req.add_special_tokens is None else req.add_special_tokens
+            if req.messages is not None:
+                if special is not None:  # the chat template places the special tokens
+                    raise APIError(400, f"{'add_special' if req.add_special is not None else 'add_special_tokens'}: "
+                                        "not with messages (the chat template places the special tokens)",
+                                   param="add_special_tokens" if req.add_special is None else "add_special",
+                                   code="invalid_value")
+                ids = _encode_chat(_chat_messages(req, state), state, req.add_generation_prompt)
+                _check_fits(len(ids), req, state, "messages")
+            else:
+                text = req.prompt if req.prompt is not None else req.content
+                ids = _encode_text(text, req, state, given[0], special is not False)
+            # at most the context's tokens, each piece built here, off the event loop
+            tokens = [{"id": t, "piece": state.token_text(t)[0]} for t in ids] if req.with_pieces else ids
+            return json.dumps({"tokens": tokens, "count": len(ids), "max_model_len": state.engine.max_seq_len},
+                              ensure_ascii=False).encode()
+
+        from fastapi.responses import Response
+
+        return Response(await read_request(request, TokenizeRequest, admit), media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request):
@@ -170,7 +188,7 @@ def create_app(state: ServerState):
         if bad is not None:
             raise APIError(400, f"tokens: token id {bad} is outside the vocabulary (size {vocab})",
                            param="tokens", code="invalid_value")
-        text = await tokenize(lambda ids: state.lm.tokenizer.decode(ids, skip_special_tokens=False), req.tokens)
+        text = await off_loop(lambda ids: state.lm.tokenizer.decode(ids, skip_special_tokens=False), req.tokens)
         return {"prompt": text, "content": text}  # vLLM's name and llama.cpp's
 
     def model_card() -> dict:
@@ -187,25 +205,70 @@ def create_app(state: ServerState):
         check_model(model_id)
         return model_card()
 
-    async def tokenize(fn, arg) -> list[int]:
-        # off the event loop (a long prompt must not stall others), on the one tokenizer thread; what
-        # reaches it was length-checked already, so one prompt holds it for a bounded time
-        return await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, fn, arg)
+    def admit_chat(req):
+        messages = _chat_messages(req, state)
+        plan = _tool_plan(req, state)
+        ids = _encode_chat(messages, state, plan=plan, template_kwargs=req.chat_template_kwargs)
+        sp = _sampling(req, state, len(ids), "messages", plan)
+        return req, ids, plan, sp, _options(req, sp)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = await read_request(request, ChatRequest)
-        messages = _chat_messages(req, state)
-        plan = _tool_plan(req, state)
-        ids = await tokenize(lambda m: _encode_chat(m, state, plan=plan), messages)
-        return await respond(state, request, req, ids, chat=True, plan=plan)
+        req, ids, plan, sp, opts = await read_request(request, ChatRequest, admit_chat)
+        return await respond(state, request, req, ids, sp, chat=True, plan=plan, opts=opts)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        from contextlib import aclosing
+
+        from fastapi.responses import Response, StreamingResponse
+
+        from .server_responses import chat_body, events, response
+
+        def admit(req):
+            try:
+                chat = ChatRequest.model_validate(chat_body(req))
+            except ValidationError as e:
+                raise _validation_error(e) from None
+            _refuse_unsupported(chat, state)
+            return req, admit_chat(chat)
+
+        req, (chat, ids, plan, sp, opts) = await read_request(request, ResponsesRequest, admit)
+        answer = await respond(state, request, chat, ids, sp, chat=True, plan=plan, opts=opts)
+        if not req.stream:
+            return Response(json.dumps(response(req, json.loads(answer.body)), ensure_ascii=False).encode(),
+                            media_type="application/json")
+
+        async def chunks():  # the chat stream's chunks, as dicts
+            async with aclosing(answer.body_iterator) as body:
+                async for piece in body:
+                    for line in piece.split("\n"):
+                        if line.startswith("data: {"):
+                            yield json.loads(line[6:])
+
+        return StreamingResponse(events(req, chunks(), state.model_id), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        authorize(request)
+        raise APIError(400, "/v1/embeddings: flint serves a decoder for text generation and defines no embedding "
+                            "(a causal model's hidden states are not trained as one)", param="model",
+                       code="embeddings_not_supported")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = await read_request(request, CompletionRequest)
-        prompt = _completion_input(req, state)
-        ids = prompt if isinstance(prompt, list) else await tokenize(state.lm.tokenizer.encode, prompt)
-        return await respond(state, request, req, ids, chat=False)
+        def admit(req):
+            prompt = _completion_input(req, state)
+            ids = prompt if isinstance(prompt, list) else _encode_text(prompt, req, state, "prompt")
+            sp = _sampling(req, state, len(ids), "prompt")
+            echo = None
+            if req.echo:  # the prompt as given, or its ids' text
+                echo = prompt if isinstance(prompt, str) else state.lm.tokenizer.decode(ids, skip_special_tokens=False)
+            return req, ids, sp, _options(req, sp), echo
+
+        req, ids, sp, opts, echo = await read_request(request, CompletionRequest, admit)
+        return await respond(state, request, req, ids, sp, chat=False, opts=opts, echo=echo)
 
     return Guard(app, state)
 
@@ -213,7 +276,8 @@ def create_app(state: ServerState):
 class Guard:
     """ASGI middleware in front of every route: 503 while draining, the Host / Origin check without
     an API key (a web page can make a browser send requests to loopback, and DNS rebinding can make
-    it read the answers: both carry a foreign name), and the count of requests in flight."""
+    it read the answers: both carry a foreign name), and the cap on requests in progress (counted from
+    the request head, so idle sockets hold nothing; /health is outside it)."""
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
@@ -253,10 +317,17 @@ class Guard:
                 status.append(msg["status"])
             await send(msg)
 
-        self.state.in_flight += 1
+        counted = scope["path"] != "/health"  # the probe is answered whatever the load
+        if counted and self.state.in_flight >= self.state.max_requests:
+            err = APIError(503, f"the server is answering {self.state.max_requests} requests already (the "
+                                "--max-requests limit); retry later", "server_error", code="too_many_requests",
+                           headers={"Retry-After": "1"})
+            self.state.metrics.requests.labels(self.state.metrics.route(scope["path"]), "503").inc()
+            return await JSONResponse(err.body(), status_code=503, headers=err.headers)(scope, receive, send)
+        self.state.in_flight += counted
         try:
             await self.app(scope, receive, send_seen)
         finally:
-            self.state.in_flight -= 1
+            self.state.in_flight -= counted
             if status:  # else the client left before any answer
                 self.state.metrics.requests.labels(self.state.metrics.route(scope["path"]), str(status[0])).inc()

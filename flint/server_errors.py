@@ -22,3 +22,7 @@ class APIError(Exception):
 
 def _shutdown_error() -> APIError:
     return APIError(503, "the server is shutting down", "server_error", code="server_shutdown")
+
+
+def _client_closed() -> APIError:
+    return APIError(499, "the client closed the request", code="client_closed")

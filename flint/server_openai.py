@@ -13,9 +13,20 @@ from typing import TYPE_CHECKING
 from .server_errors import APIError
 
 if TYPE_CHECKING:
+    from .server_queue import Options
     from .server_state import ServerState
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256  # a stop string's length: each token checks the text's end against every prefix of each
+MAX_STOP_TOKENS = 64  # stop_token_ids
+MAX_CHOICES = 16  # n: the choices run one after the other
+MAX_MESSAGES = 2048  # messages in one chat request (each costs template tokens: the context holds few more)
+# tokenizing a long text first reads this many characters per allowed token: a text of ordinary tokens
+# (about 4 characters each in English) that overflows the context is known from that prefix alone
+PREFIX_CHARS_PER_TOKEN = 8
+CUT_TOKENS = 4  # tokens a cut inside the text may add to its prefix's count (the last word split)
+PROBE_STEPS = 4  # a grammar's first steps run at admission (see _probe), trying
+PROBE_BRANCH = 16  # this many of the allowed tokens at each
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI's limit
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's chat limit
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -51,7 +62,8 @@ def schemas():
     from pydantic import BaseModel, ConfigDict, Field
 
     class _Base(BaseModel):
-        model_config = ConfigDict(extra="forbid")  # a field flint does not know is refused (400), not ignored
+        # a field flint does not know is refused (400), not ignored; NaN and infinity are no numbers
+        model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     class TextPart(_Base):
         type: Literal["text"]
@@ -69,8 +81,14 @@ def schemas():
     class ChatMessage(_Base):
         role: str
         content: str | list[TextPart] | None = None
+        name: str | None = None  # a participant's name: given to the chat template with the message
         tool_call_id: str | None = None  # goes to the chat template with the message
         tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+        # what an answer's message.model_dump() sends back: accepted when empty (null; annotations [])
+        refusal: None = None
+        audio: None = None
+        function_call: None = None
+        annotations: list[dict] | None = Field(None, max_length=0)
 
     class FunctionDef(_Base):
         name: str
@@ -90,7 +108,7 @@ def schemas():
         function: ChoiceFunction
 
     class JsonSchemaSpec(_Base):
-        model_config = ConfigDict(extra="forbid", populate_by_name=True)
+        model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
         name: str
         description: str | None = None
         schema_: dict | None = Field(None, alias="schema")
@@ -101,7 +119,7 @@ def schemas():
         json_schema: JsonSchemaSpec | None = None
 
     class StructuredOutputs(_Base):  # vLLM's extension: one of these
-        model_config = ConfigDict(extra="forbid", populate_by_name=True)
+        model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
         json_: dict | None = Field(None, alias="json")
         regex: str | None = None
         choice: list[str] | None = None
@@ -131,6 +149,11 @@ def schemas():
         ignore_eos: bool = False
         structured_outputs: StructuredOutputs | None = None  # vLLM's spelling
         grammar: str | None = None  # llama.cpp's: a GBNF grammar
+        min_tokens: int | None = Field(None, ge=0)  # vLLM: no end of sequence or stop before this many tokens
+        stop_token_ids: list[int] | None = None  # vLLM: more tokens that end the output
+        include_stop_str_in_output: bool = False  # vLLM: the stop string that matched ends the text
+        skip_special_tokens: bool | None = None  # vLLM: special tokens' text in the output (default: left out)
+        cache_prompt: bool | None = None  # llama.cpp's: flint always reuses the cached prompt prefix
 
     class ChatRequest(Common):
         messages: list[ChatMessage] = Field(min_length=1)
@@ -142,12 +165,14 @@ def schemas():
         tools: list[Tool] | None = None
         tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
         parallel_tool_calls: bool | None = None
+        chat_template_kwargs: dict | None = None  # vLLM's: more variables for the chat template
         # the deprecated function-calling fields: refused (see _refuse_unsupported), tools replace them
         functions: list | None = None
         function_call: str | dict | None = None
 
     class CompletionRequest(Common):
         prompt: str | list[str] | list[int] | list[list[int]]
+        max_tokens: int | None = Field(None, ge=0)  # 0 with echo: the prompt's logprobs alone
         echo: bool | None = None
         logprobs: int | None = None
         best_of: int | None = None
@@ -168,7 +193,28 @@ def schemas():
         model: str | None = None
         tokens: list[int]
 
-    return ChatRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest
+    class ResponsesRequest(_Base):  # OpenAI's Responses API: text and function tools (flint.server_responses)
+        model: str
+        input: str | list[dict]
+        instructions: str | None = None
+        tools: list[dict] | None = None
+        tool_choice: Literal["none", "auto", "required"] | dict | None = None
+        parallel_tool_calls: bool | None = None
+        temperature: float | None = Field(None, ge=0, le=2)
+        top_p: float | None = Field(None, gt=0, le=1)
+        max_output_tokens: int | None = Field(None, ge=1)
+        text: dict | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+        metadata: dict[str, str] | None = None
+        user: str | None = None
+        # refused unless neutral (flint.server_responses.chat_body says why)
+        stream: bool | None = None
+        store: bool | None = None
+        previous_response_id: str | None = None
+        include: list[str] | None = None
+        reasoning: dict | None = None
+        truncation: str | None = None
+
+    return ChatRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest, ResponsesRequest
 
 
 # ------------------------------------------------------------------ turning requests into jobs
@@ -188,8 +234,25 @@ def _refuse_unsupported(req, state: "ServerState") -> None:
     if req.stream_options is not None and not req.stream:
         refuse("stream_options", "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
                "invalid_value")
-    if req.n not in (None, 1):
-        refuse("n", f"n={req.n} is not supported: flint decodes one sequence per request (n=1)", "unsupported_value")
+    if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
+        refuse("n", f"n must be in 1..{MAX_CHOICES}, got {req.n}", "invalid_value")
+    if req.cache_prompt is False:
+        refuse("cache_prompt", "cache_prompt: false cannot be honoured: flint always reuses the cached prompt "
+                               "prefix (the output is the same either way)", "unsupported_value")
+    if req.min_tokens:
+        want = _requested_max_tokens(req)
+        if want is not None and req.min_tokens > want:
+            refuse("min_tokens", f"min_tokens ({req.min_tokens}) is over max_tokens ({want})", "invalid_value")
+        if req.ignore_eos:
+            refuse("min_tokens", "min_tokens: not with ignore_eos (nothing ends the output early)", "invalid_value")
+        _refuse_on_draft(state, "min_tokens", "min_tokens (a ban on the ending tokens)")
+    vocab = state.lm.cfg.vocab_size
+    if len(req.stop_token_ids or ()) > MAX_STOP_TOKENS:
+        refuse("stop_token_ids", f"stop_token_ids: at most {MAX_STOP_TOKENS}", "invalid_value")
+    bad = next((t for t in req.stop_token_ids or () if not 0 <= t < vocab), None)
+    if bad is not None:
+        refuse("stop_token_ids", f"stop_token_ids: {bad} is not a token id of this model (0..{vocab - 1})",
+               "invalid_value")
     limit = state.max_tokens_limit
     for name in ("max_tokens", "max_completion_tokens"):
         v = getattr(req, name, None)
@@ -218,9 +281,13 @@ def _refuse_unsupported(req, state: "ServerState") -> None:
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
             refuse("logprobs", f"logprobs must be in 0..{MAX_TOP_LOGPROBS} (alternatives per token), got "
                                f"{req.logprobs}", "invalid_value")
-        for field, bad in (("echo", req.echo), ("best_of", req.best_of not in (None, 1)), ("suffix", req.suffix)):
+        for field, bad in (("best_of", req.best_of not in (None, 1)), ("suffix", req.suffix)):
             if bad:
                 refuse(field, f"{field} is not supported", "unsupported_value")
+        if req.max_tokens == 0 and not req.echo:
+            refuse("max_tokens", "max_tokens: 0 only with echo (the prompt and its logprobs alone)", "invalid_value")
+        if req.echo and req.logprobs is not None:
+            _refuse_on_draft(state, "echo", "the prompt's logprobs")
 
 
 def _too_long(param: str, n_prompt: int, max_tokens: int | None, context: int, at_least: bool = False) -> APIError:
@@ -230,13 +297,42 @@ def _too_long(param: str, n_prompt: int, max_tokens: int | None, context: int, a
                     param=param, code="context_length_exceeded")
 
 
-def _check_length(n_chars: int, req, state: "ServerState", param: str) -> None:
+def _check_length(n_chars: int, req, state: "ServerState", param: str, n_messages: int = 0) -> None:
     """Refuse, before tokenizing, a prompt too long to fit: n characters are at least
-    n / max_token_chars tokens. This bounds what tokenizing costs."""
-    least = -(-n_chars // state.lm.tokenizer.max_token_chars)
+    n / max_token_chars tokens, and each chat message adds the template's tokens around it. This
+    bounds what tokenizing costs."""
+    least = -(-n_chars // state.lm.tokenizer.max_token_chars) + n_messages * state.message_tokens
     want = _requested_max_tokens(req)
     if least + (want or 1) > state.engine.max_seq_len:
         raise _too_long(param, least, want, state.engine.max_seq_len, at_least=True)
+
+
+def _check_fits(n_tokens: int, req, state: "ServerState", param: str) -> None:
+    want = _requested_max_tokens(req)
+    if n_tokens + (want or 1) > state.engine.max_seq_len:
+        raise _too_long(param, n_tokens, want, state.engine.max_seq_len)
+
+
+def _check_message_count(n: int) -> None:
+    if n > MAX_MESSAGES:
+        raise APIError(400, f"messages: {n} messages; at most {MAX_MESSAGES} in one request", param="messages",
+                       code="invalid_value")
+
+
+def _encode_text(text: str, req, state: "ServerState", param: str, add_special: bool = True) -> list[int]:
+    """A text's token ids, refused (400) when they cannot fit the context with max_tokens; the time is
+    bounded: the character pre-check first, then, for a long text, a prefix of it decides."""
+    _check_length(len(text), req, state, param)
+    encode = state.lm.tokenizer.encode
+    room = state.engine.max_seq_len - (_requested_max_tokens(req) or 1)
+    window = (room + 1) * PREFIX_CHARS_PER_TOKEN
+    if len(text) > window:
+        head = len(encode(text[:window], add_special_tokens=add_special)) - CUT_TOKENS
+        if head > room:
+            raise _too_long(param, head, _requested_max_tokens(req), state.engine.max_seq_len, at_least=True)
+    ids = encode(text, add_special_tokens=add_special)
+    _check_fits(len(ids), req, state, param)
+    return ids
 
 
 def _logprobs_wanted(req) -> int | None:
@@ -340,9 +436,47 @@ def _constraint(req, state: "ServerState", plan: ToolPlan | None):
                        param="ignore_eos", code="invalid_value")
     _refuse_on_draft(state, param, "this output constraint")
     try:
-        return build()
+        constraint = build()
     except GrammarError as e:
         raise APIError(400, str(e), param=e.param or param, code="invalid_value") from None
+    _probe(constraint, param)
+    return constraint
+
+
+def _probe(constraint, param: str) -> None:
+    """Run the grammar's first steps now: a grammar that compiles can still fail when its parser meets the
+    first tokens (llguidance's row limit: a schema of 1000 optional properties fails at its opening brace),
+    and that is a 400 naming the field before any work, not an error mid-answer. At each of PROBE_STEPS
+    steps the first PROBE_BRANCH allowed tokens are each tried, and the walk goes on with the first."""
+    import torch
+
+    from .grammar import mask_words
+
+    m = constraint.matcher()
+    words = mask_words(constraint.grammars.vocab)
+    bits = torch.arange(32, dtype=torch.int32)
+    try:
+        for _ in range(PROBE_STEPS):
+            mask = m.fill(torch.zeros(words, dtype=torch.int32))
+            allowed = ((mask.view(-1, 1) >> bits) & 1).flatten().nonzero().flatten().tolist()
+            allowed = [t for t in allowed if t != constraint.grammars.eos][:PROBE_BRANCH]
+            if m.done or not allowed:
+                return
+            for t in allowed[1:]:
+                branch = m.m.deep_copy()
+                if not branch.consume_token(t) or branch.is_error():
+                    raise RuntimeError(f"grammar: token {t} was not allowed ({branch.get_error()})")
+            m.consume(allowed[0])
+    except RuntimeError as e:
+        param = constraint.param or param
+        raise APIError(400, f"{param}: the engine cannot run this {constraint.kind} ({_first_line(e)})",
+                       param=param, code="invalid_value") from None
+
+
+def _first_line(e: Exception, limit: int = 300) -> str:
+    """An engine message's first line, at most ``limit`` characters (llguidance appends its whole grammar)."""
+    line = str(e).split("\n", 1)[0]
+    return line if len(line) <= limit else line[:limit] + "..."
 
 
 def _sampling(req, state: "ServerState", n_prompt: int, prompt_param: str, plan: ToolPlan | None = None):
@@ -350,9 +484,9 @@ def _sampling(req, state: "ServerState", n_prompt: int, prompt_param: str, plan:
     from .engine import ContextError, SamplingParams
 
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
-        raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} non-empty strings", param="stop",
-                       code="invalid_value")
+    if len(stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in stop):
+        raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} "
+                            "characters", param="stop", code="invalid_value")
     max_tokens = _requested_max_tokens(req)
     engine = state.engine
     try:
@@ -385,13 +519,16 @@ def _sampling(req, state: "ServerState", n_prompt: int, prompt_param: str, plan:
                         frequency_penalty=req.frequency_penalty or 0.0,
                         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                         logit_bias=bias, logprobs=_logprobs_wanted(req), constraint=_constraint(req, state, plan),
-                        skip_special=not (plan is not None and plan.keep_special))
+                        skip_special=_skip_special(req, plan))
     try:
         sp.validate()
     except ValueError as e:
         field = str(e).split(" ")[0].rstrip(":")
         raise APIError(400, str(e), param=field if field in type(req).model_fields else None,
                        code="invalid_value") from None
+    if getattr(req, "min_tokens", None) and sp.constraint is not None:
+        raise APIError(400, "min_tokens: not with an output constraint (its grammar decides where the output ends)",
+                       param="min_tokens", code="invalid_value")
     bad = engine.unsupported(sp)
     if bad:
         raise APIError(400, f"{bad[0]} is not supported with speculative decoding (this server runs --draft)",
@@ -399,9 +536,31 @@ def _sampling(req, state: "ServerState", n_prompt: int, prompt_param: str, plan:
     return sp
 
 
+def _skip_special(req, plan: ToolPlan | None) -> bool:
+    """Whether special tokens' text is left out of the output: yes by default, no where the tool-call markers
+    are special tokens (the parser needs them)."""
+    keep = plan is not None and plan.keep_special
+    if req.skip_special_tokens and keep:
+        raise APIError(400, "skip_special_tokens: true would remove this model's tool-call markers (special "
+                            "tokens) that tool calls are parsed from", param="skip_special_tokens",
+                       code="invalid_value")
+    return not keep if req.skip_special_tokens is None else req.skip_special_tokens
+
+
+def _options(req, sp) -> "Options":
+    """The queue's Options of a validated request: what it asks beyond SamplingParams."""
+    from .server_queue import Options
+
+    return Options(n=req.n or 1, min_tokens=req.min_tokens or 0, stop_ids=frozenset(req.stop_token_ids or ()),
+                   include_stop=req.include_stop_str_in_output,
+                   prompt_logprobs=sp.logprobs if getattr(req, "echo", None) else None)
+
+
 def _chat_messages(req, state: "ServerState") -> list[dict]:
     """The messages as the chat template takes them, roles checked, their length against the context."""
+    _check_message_count(len(req.messages))
     messages = []
+    open_calls: set[str] = set()  # the ids of the last assistant message's calls not answered yet
     for i, m in enumerate(req.messages):
         role = ROLES.get(m.role)
         if role is None:
@@ -411,6 +570,18 @@ def _chat_messages(req, state: "ServerState") -> list[dict]:
         if isinstance(c, list):
             c = "".join(p.text for p in c)
         msg = {"role": role, "content": c or ""}
+        if m.name is not None:
+            msg["name"] = m.name
+        if role == "tool":  # as OpenAI: the answer to a call of the assistant message before it
+            if m.tool_call_id not in open_calls:
+                why = ("needs tool_call_id" if m.tool_call_id is None else
+                       f"tool_call_id {m.tool_call_id[:64]!r} answers no call of the assistant message before it")
+                raise APIError(400, f"messages.{i}: a tool message {why} (a tool message answers one of the "
+                                    "preceding assistant message's tool_calls)",
+                               param=f"messages.{i}.tool_call_id", code="invalid_value")
+            open_calls.discard(m.tool_call_id)
+        elif open_calls:
+            _unanswered(open_calls, i)
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
         if m.tool_calls:
@@ -425,21 +596,37 @@ def _chat_messages(req, state: "ServerState") -> list[dict]:
                                    param=f"messages.{i}.tool_calls.{j}.function.arguments",
                                    code="invalid_value") from None
             msg["tool_calls"] = [tc.model_dump() for tc in m.tool_calls]
+            open_calls = {tc.id for tc in m.tool_calls}
         messages.append(msg)
+    if open_calls and messages[-1]["role"] == "tool":  # some calls of the last assistant message unanswered
+        _unanswered(open_calls, len(messages))
     extra = sum(len(json.dumps(t.model_dump(exclude_none=True))) for t in (getattr(req, "tools", None) or []))
     extra += sum(len(json.dumps(m["tool_calls"])) for m in messages if "tool_calls" in m)
-    _check_length(sum(len(m["content"]) for m in messages) + extra, req, state, "messages")
+    _check_length(sum(len(m["content"]) for m in messages) + extra, req, state, "messages", len(messages))
     return messages
 
 
+def _unanswered(ids: set[str], i: int) -> None:
+    raise APIError(400, f"messages.{i}: an assistant message with tool_calls must be followed by a tool message "
+                        f"for each call; no answer to {', '.join(sorted(ids))[:200]}", param=f"messages.{i}",
+                   code="invalid_value")
+
+
+RESERVED_TEMPLATE_NAMES = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+
+
 def _encode_chat(messages: list[dict], state: "ServerState", add_generation_prompt: bool = True,
-                 plan: ToolPlan | None = None) -> list[int]:
+                 plan: ToolPlan | None = None, template_kwargs: dict | None = None) -> list[int]:
     from .tools import FALLBACK, detect_format, render
 
+    clash = sorted(RESERVED_TEMPLATE_NAMES & set(template_kwargs or ()))
+    if clash:
+        raise APIError(400, f"chat_template_kwargs: {', '.join(clash)} are set by the request itself",
+                       param="chat_template_kwargs", code="invalid_value")
     fmt = plan.fmt if plan is not None else detect_format(state.lm.tokenizer.chat_template)
     messages, tools = render(messages, plan.tools if plan is not None else None, fmt or FALLBACK)
     try:
-        return state.lm.tokenizer.encode_chat(messages, add_generation_prompt, tools)
+        return state.lm.tokenizer.encode_chat(messages, add_generation_prompt, tools, template_kwargs)
     except ValueError as e:  # no chat template, or the template rejects the conversation
         raise APIError(400, str(e), param="messages", code="invalid_value") from None
     except Exception as e:  # a template error (jinja) on unusual input
@@ -448,7 +635,7 @@ def _encode_chat(messages: list[dict], state: "ServerState", add_generation_prom
 
 
 def _completion_input(req, state: "ServerState") -> str | list[int]:
-    """The prompt: a string (its length checked against the context) or checked token ids."""
+    """The prompt: a string (for _encode_text) or checked token ids."""
     p = req.prompt
     if isinstance(p, list) and p and isinstance(p[0], (str, list)):
         if len(p) != 1:
@@ -456,7 +643,6 @@ def _completion_input(req, state: "ServerState") -> str | list[int]:
                            param="prompt", code="unsupported_value")
         p = p[0]
     if isinstance(p, str):
-        _check_length(len(p), req, state, "prompt")
         return p
     want = _requested_max_tokens(req)
     if len(p) + (want or 1) > state.engine.max_seq_len:  # before looking at each id

@@ -8,6 +8,7 @@ Used by flint/server_app.py; tests: ``pytest tests/test_server.py tests/test_too
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import time
 import uuid
@@ -15,8 +16,8 @@ from contextlib import aclosing
 from typing import TYPE_CHECKING
 
 from .server_errors import APIError
-from .server_openai import ToolPlan, _sampling
-from .server_queue import Job, QueueFull
+from .server_openai import ToolPlan, _first_line
+from .server_queue import Job, Options, QueueFull
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -24,8 +25,8 @@ if TYPE_CHECKING:
     from .server_state import ServerState
 
 
-def submit(state: ServerState, request_id: str, prompt_ids: list[int], sp) -> Job:
-    job = Job(request_id, prompt_ids, sp, asyncio.get_running_loop())
+def submit(state: ServerState, request_id: str, prompt_ids: list[int], sp, opts: Options) -> Job:
+    job = Job(request_id, prompt_ids, sp, asyncio.get_running_loop(), opts)
     try:
         state.scheduler.submit(job)
     except QueueFull:
@@ -45,13 +46,16 @@ async def watch_disconnect(state: ServerState, request: Request, job: Job) -> No
 
 
 async def events(state: ServerState, request: Request, job: Job):
-    """The job's events; cancels the job when the client leaves or this consumer stops."""
+    """The job's events up to its last choice's "done" (or an error); cancels the job when the client
+    leaves or this consumer stops."""
     watcher = asyncio.create_task(watch_disconnect(state, request, job))
+    done = 0
     try:
         while True:
             kind, value = await job.events.get()
             yield kind, value
-            if kind != "text":
+            done += kind == "done"
+            if kind == "error" or done == job.opts.n:
                 return
     finally:
         watcher.cancel()
@@ -60,73 +64,130 @@ async def events(state: ServerState, request: Request, job: Job):
 
 def timings(job: Job, r) -> dict:
     """llama.cpp's per-request timings (an extension field): the prompt's part is the prefill up to the
-    first token, the predicted part the decode steps after it; queue_ms is the wait before the prefill."""
+    first token (prompt_n the tokens it processed, cache_n those whose K/V were reused), the predicted
+    part the decode steps after it; queue_ms is the wait before the prefill."""
     def part(n: int, s: float) -> dict:
         return {"n": n, "ms": s * 1e3, "per_token_ms": s * 1e3 / n if n else 0.0,
                 "per_second": n / s if n and s > 0 else 0.0}
 
-    out = {"queue_ms": job.wait_s * 1e3}
-    for name, (n, sec) in (("prompt", (r.prompt_tokens, r.ttft_s)),
+    out = {"queue_ms": job.wait_s * 1e3, "cache_n": job.cached_tokens}
+    for name, (n, sec) in (("prompt", (r.prompt_tokens - job.cached_tokens, r.ttft_s)),
                            ("predicted", (max(0, len(r.token_ids) - 1), r.decode_s))):
         out.update({f"{name}_{k}": v for k, v in part(n, sec).items()})
     return out
 
 
-def usage(r) -> dict:
-    n_prompt, n_out = r.prompt_tokens, len(r.token_ids)
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+def usage(job: Job, results: list) -> dict:
+    n_prompt, n_out = len(job.prompt_ids), sum(len(r.token_ids) for r in results)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
+            "prompt_tokens_details": {"cached_tokens": job.cached_tokens}}
 
 
-def engine_failure(e: Exception) -> APIError:
+def engine_failure(e: Exception, sp=None) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, ValueError):
         return APIError(400, str(e), code="invalid_value")
+    if isinstance(e, RuntimeError) and str(e).startswith("grammar:") and sp is not None and sp.constraint:
+        # the grammar engine gave up mid-output (a parser limit the admission probe did not reach): the
+        # request's grammar is what cannot be run, named as such
+        param = sp.constraint.param
+        return APIError(400, f"{param}: the engine could not continue this {sp.constraint.kind} ({_first_line(e)})",
+                        param=param, code="grammar_failed")
     return APIError(500, f"generation failed ({type(e).__name__})", "server_error")
 
 
-async def respond(state: ServerState, request: Request, req, prompt_ids: list[int], chat: bool,
-                  plan: ToolPlan | None = None):
-    """The answer to a chat or completion request: one JSON object, or SSE chunks with ``stream``."""
-    from fastapi.responses import StreamingResponse
+class LegacyLogprobs:
+    """Completions' logprobs (the legacy shape) of one choice, piece by piece: a token's string is its text,
+    or ``bytes:\\xNN...`` when it holds part of a character (as OpenAI keys such tokens), "" for a special
+    token the text leaves out; ``text_offset`` counts the characters completed before each token."""
+
+    def __init__(self, state: ServerState, skip_special: bool):
+        self.state, self.skip = state, skip_special
+        self.chars = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.offset = 0
+
+    def key(self, tid: int) -> str:
+        text, raw = self.state.token_text(tid)
+        try:
+            bytes(raw).decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return text
+
+    def __call__(self, entries: list, prompt: bool = False) -> dict:
+        tokens, offsets, lps, tops = [], [], [], []
+        for e in entries:
+            if e is None:  # the prompt's first token: nothing before it to predict it
+                tid, lp, top = self.first, None, None
+            else:
+                tid, lp, top = e.token_id, e.logprob, {self.key(t): v for t, v in e.top}
+            skipped = not prompt and self.skip and tid in self.state.special_ids
+            tokens.append("" if skipped else self.key(tid))
+            offsets.append(self.offset)
+            if not skipped:
+                self.offset += len(self.chars.decode(bytes(self.state.token_text(tid)[1])))
+            lps.append(lp)
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def merge_legacy(a: dict | None, b: dict | None) -> dict | None:
+    if a is None or b is None:
+        return a or b
+    return {k: a[k] + b[k] for k in a}
+
+
+async def respond(state: ServerState, request: Request, req, prompt_ids: list[int], sp, chat: bool,
+                  plan: ToolPlan | None = None, opts: Options = Options(), echo: str | None = None):
+    """The answer to a chat or completion request (its SamplingParams ``sp``, the Options around them): one
+    JSON object, or SSE chunks with ``stream``; ``echo``: the prompt's text, which a completion's text starts
+    with (its logprobs too, when asked)."""
+    from fastapi.responses import Response, StreamingResponse
 
     from .tools import ToolStream
 
-    sp = _sampling(req, state, len(prompt_ids), "messages" if chat else "prompt", plan)
     parsing = plan is not None and plan.parse
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    job = submit(state, rid, prompt_ids, sp)
+    job = submit(state, rid, prompt_ids, sp, opts)
     head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": state.model_id}
+    legacy = [None]  # completions: the current choice's LegacyLogprobs
 
-    text_offset = 0  # completions' logprobs.text_offset: where each token's text starts in the completion
+    def new_choice() -> None:
+        legacy[0] = LegacyLogprobs(state, sp.skip_special)
 
     def logprobs(entries: list | None) -> dict | None:
-        nonlocal text_offset
         if entries is None:
             return None
-        if chat:
-            def one(tid: int, lp: float) -> dict:
-                text, raw = state.token_text(tid)
-                return {"token": text, "logprob": lp, "bytes": raw}
+        if not chat:
+            return legacy[0](entries)
 
-            return {"content": [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top]}
-                                for e in entries], "refusal": None}
-        tokens, offsets = [], []
-        for e in entries:
-            text = state.token_text(e.token_id)[0]
-            tokens.append(text)
-            offsets.append(text_offset)
-            text_offset += len(text)
-        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{state.token_text(t)[0]: v for t, v in e.top} for e in entries],
-                "text_offset": offsets}
+        def one(tid: int, lp: float, emitted: bool = False) -> dict:
+            if emitted and sp.skip_special and tid in state.special_ids:  # not in the text
+                return {"token": "", "logprob": lp, "bytes": []}
+            text, raw = state.token_text(tid)
+            return {"token": text, "logprob": lp, "bytes": raw}
 
-    def choice(text: str | None, finish: str | None, entries: list | None = None) -> dict:
+        return {"content": [{**one(e.token_id, e.logprob, True), "top_logprobs": [one(t, v) for t, v in e.top]}
+                            for e in entries], "refusal": None}
+
+    def echoed(prompt_lps: list | None) -> tuple[str, dict | None]:
+        """The echoed prompt's text and its logprobs (the legacy shape)."""
+        if prompt_lps is None:
+            return echo, None
+        lp = legacy[0]
+        lp.first = prompt_ids[0]
+        out = lp(prompt_lps, prompt=True)
+        lp.offset = len(echo)  # the completion's tokens count from the echoed text's end
+        lp.chars = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        return echo, out
+
+    def choice(i: int, text: str | None, finish: str | None, lps: dict | None = None) -> dict:
         if chat:
             delta = {} if text is None else {"content": text}
-            return {"index": 0, "delta": delta, "logprobs": logprobs(entries), "finish_reason": finish}
-        return {"index": 0, "text": text or "", "logprobs": logprobs(entries), "finish_reason": finish}
+            return {"index": i, "delta": delta, "logprobs": lps, "finish_reason": finish}
+        return {"index": i, "text": text or "", "logprobs": lps, "finish_reason": finish}
 
     if req.stream:
         with_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -137,80 +198,112 @@ async def respond(state: ServerState, request: Request, req, prompt_ids: list[in
         def chunk(choices: list, **extra) -> str:
             return sse({**head, "choices": choices, **({"usage": None} if with_usage else {}), **extra})
 
-        calls = ToolStream(plan.fmt) if parsing else None
-        n_calls = 0
+        n_calls = [0]  # the current choice's calls sent
 
-        def deltas(parsed: list, entries) -> list[str]:
+        def deltas(i: int, parsed: list, entries) -> list[str]:
             """SSE chunks of the tool parser's events (the first carries the tokens' logprobs)."""
-            nonlocal n_calls
             out = []
             for kind, v in parsed:
                 if kind == "content":
-                    out.append(chunk([{"index": 0, "delta": {"content": v}, "logprobs": logprobs(entries),
-                                       "finish_reason": None}]))
+                    delta = {"content": v}
                 else:
-                    delta = {"tool_calls": [{"index": n_calls, **v}]}
-                    n_calls += 1
-                    out.append(chunk([{"index": 0, "delta": delta, "logprobs": logprobs(entries),
-                                       "finish_reason": None}]))
+                    delta = {"tool_calls": [{"index": n_calls[0], **v}]}
+                    n_calls[0] += 1
+                out.append(chunk([{"index": i, "delta": delta, "logprobs": logprobs(entries), "finish_reason": None}]))
                 entries = None
             if entries:  # text held back (it may begin a call): the tokens' logprobs go out now
-                out.append(chunk([{"index": 0, "delta": {}, "logprobs": logprobs(entries), "finish_reason": None}]))
+                out.append(chunk([{"index": i, "delta": {}, "logprobs": logprobs(entries), "finish_reason": None}]))
             return out
 
         async def body():
-            if chat:
-                yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}])
+            i, calls, prompt_lps, results = 0, None, None, []
+
+            def begin() -> list[str]:  # a choice's first chunk
+                nonlocal calls
+                new_choice()
+                calls = ToolStream(plan.fmt) if parsing else None
+                n_calls[0] = 0
+                if chat:
+                    return [chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None}])]
+                if echo is not None:
+                    text, lps = echoed(prompt_lps)
+                    return [chunk([choice(i, text, None, lps)])]
+                return []
+
+            started = False
             async with aclosing(events(state, request, job)) as evs:
                 async for kind, value in evs:
+                    if kind == "prompt":
+                        prompt_lps = value
+                        continue
+                    if not started and kind != "error":
+                        for c in begin():
+                            yield c
+                        started = True
                     if kind == "text" and calls is not None:
-                        for c in deltas(calls.feed(value[0]), value[1]):
+                        for c in deltas(i, calls.feed(value[0]), value[1]):
                             yield c
                     elif kind == "text":
-                        yield chunk([choice(value[0], None, value[1])])
+                        yield chunk([choice(i, value[0], None, logprobs(value[1]))])
                     elif kind == "done":
                         finish = value.finish_reason
                         if calls is not None:
-                            for c in deltas(calls.finish(), None):
+                            for c in deltas(i, calls.finish(), None):
                                 yield c
-                            if n_calls and finish == "stop":
+                            if n_calls[0] and finish == "stop":
                                 finish = "tool_calls"
-                        yield chunk([choice(None if chat else "", finish)],
-                                    timings=timings(job, value))
-                        if with_usage:
-                            yield sse({**head, "choices": [], "usage": usage(value)})
+                        yield chunk([choice(i, None if chat else "", finish)], timings=timings(job, value))
+                        results.append(value)
+                        i, started = i + 1, False
                     else:  # the status line is gone already: report in the stream, then end it
-                        yield sse(engine_failure(value).body())
+                        yield sse(engine_failure(value, sp).body())
+            if with_usage and len(results) == opts.n:
+                yield sse({**head, "choices": [], "usage": usage(job, results)})
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    text, entries = [], None if sp.logprobs is None else []
+    prompt_lps, runs, text, entries = None, [], [], None if sp.logprobs is None else []
     async with aclosing(events(state, request, job)) as evs:
         async for kind, value in evs:
-            if kind == "text":
+            if kind == "prompt":
+                prompt_lps = value
+            elif kind == "text":
                 text.append(value[0])
                 if value[1]:
                     entries += value[1]
             elif kind == "error":
-                raise engine_failure(value)
+                raise engine_failure(value, sp)
             else:
-                r = value
-    out = "".join(text)
-    if chat:
-        message, finish = {"role": "assistant", "content": out}, r.finish_reason
-        if parsing:
-            from .tools import parse
+                runs.append((value, "".join(text), entries))
+                text, entries = [], None if sp.logprobs is None else []
 
-            content, tool_calls = parse(out, plan.fmt)
-            if tool_calls:
-                message = {"role": "assistant", "content": content, "tool_calls": tool_calls}
-                finish = "tool_calls" if finish == "stop" else finish
-        first = {"index": 0, "message": message, "logprobs": logprobs(entries), "finish_reason": finish}
-        obj = "chat.completion"
-    else:
-        first = {"index": 0, "text": out, "logprobs": logprobs(entries), "finish_reason": r.finish_reason}
-        obj = "text_completion"
-    return {**head, "object": obj, "choices": [first], "usage": usage(r), "timings": timings(job, r)}
+    def answer() -> bytes:  # logprobs make it large: built off the event loop
+        choices = [one(i, *run) for i, run in enumerate(runs)]
+        results = [r for r, _, _ in runs]
+        return json.dumps({**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
+                           "usage": usage(job, results), "timings": timings(job, results[0])},
+                          ensure_ascii=False).encode()
+
+    def one(i: int, r, out: str, entries) -> dict:
+        new_choice()
+        if chat:
+            message, finish = {"role": "assistant", "content": out}, r.finish_reason
+            if parsing:
+                from .tools import parse
+
+                content, tool_calls = parse(out, plan.fmt)
+                if tool_calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": tool_calls}
+                    finish = "tool_calls" if finish == "stop" else finish
+            return {"index": i, "message": message, "logprobs": logprobs(entries), "finish_reason": finish}
+        lps = None
+        if echo is not None:
+            prefix, lps = echoed(prompt_lps)
+            out = prefix + out
+        return {"index": i, "text": out, "logprobs": merge_legacy(lps, logprobs(entries)),
+                "finish_reason": r.finish_reason}
+
+    return Response(await asyncio.to_thread(answer), media_type="application/json")

@@ -31,7 +31,8 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 class ServerState:
     def __init__(self, model_id: str, api_key: str | None, max_queue: int, default_max_tokens: int = 1024,
-                 max_tokens_limit: int = 4096, allow_hosts=(), body_timeout_s: float = 30.0):
+                 max_tokens_limit: int = 4096, allow_hosts=(), body_timeout_s: float = 30.0,
+                 max_requests: int = 256):
         self.model_id = model_id
         self.api_key = api_key
         self.max_queue = max_queue
@@ -39,19 +40,22 @@ class ServerState:
         self.max_tokens_limit = max_tokens_limit
         self.allow_hosts = {h.strip().lower().strip("[]").rstrip(".") for h in allow_hosts}
         self.body_timeout_s = body_timeout_s
+        self.max_requests = max_requests  # requests in progress at once, /health not counted
         self.created = int(time.time())
         self.lm = None
         self.engine = None
         self.grammars = None  # flint.grammar.Grammars of the model's tokenizer
+        self.message_tokens = 0  # template tokens around each chat message, at least (measured at load)
+        self.special_ids: set[int] = set()  # the tokenizer's special tokens (a text may leave them out)
         self.scheduler: Scheduler | None = None
         self.ready = threading.Event()
         self.metrics = Metrics()
         self._token_text: dict[int, tuple[str, list[int]]] = {}
         self.should_stop = lambda: False  # set to the server's "shutting down" flag
         self.draining = False  # SIGTERM seen: new requests get 503, the ones in flight finish
-        self.in_flight = 0  # HTTP requests being answered (event-loop thread only)
-        # tokenizing (and the chat template) runs here, one prompt at a time: off the event loop, and a burst
-        # of long prompts takes one core, not all of them
+        self.in_flight = 0  # HTTP requests being answered, /health not counted (event-loop thread only)
+        # admission runs here, one request at a time (parsing, the chat template, tokenizing, grammars): off the
+        # event loop, and a burst of large requests takes one core, not all of them
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="flint-tokenize")
 
     def load(self, args) -> None:
@@ -71,10 +75,23 @@ class ServerState:
             self.grammars.lltok  # built once here (~0.3 s), not in the first constrained request
         except ValueError as e:  # the server still serves unconstrained requests; constrained ones get a 400
             log.warning("%s", e)
+        self.message_tokens = self._message_tokens(lm.tokenizer)
+        self.special_ids = {i for i, t in lm.tokenizer.tk.get_added_tokens_decoder().items() if t.special}
         self.scheduler = Scheduler(engine, self.max_queue, self.should_stop, self.metrics)
         self.ready.set()
         log.info("model %s ready on backend %s (context %d tokens) in %.1fs", self.model_id,
                  backend.name, engine.max_seq_len, time.perf_counter() - t0)
+
+    @staticmethod
+    def _message_tokens(tok) -> int:
+        """The tokens the chat template puts around each message (an empty user and assistant turn, measured
+        once): the length pre-check counts them, so a flood of empty messages is refused before tokenizing."""
+        turn = [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}]
+        try:
+            one, three = (len(tok.encode_chat(m, add_generation_prompt=False)) for m in (turn[:1], turn + turn[:1]))
+        except Exception:  # no template, or one that refuses these turns: no per-message count
+            return 0
+        return max(0, (three - one) // 2)
 
     def token_text(self, tid: int) -> tuple[str, list[int]]:
         """A token's text and its UTF-8 bytes, as logprobs report them. A byte-level BPE token may hold

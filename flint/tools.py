@@ -152,8 +152,26 @@ class ToolStream:
         self.in_call = False
         self.started = False  # any non-space text seen (a bare-JSON format decides on its first one)
         self.calls = 0
+        self.space = ""  # whitespace after a call: dropped if another call follows, else content
 
     def feed(self, piece: str) -> list:
+        return self._between(self._feed(piece))
+
+    def _between(self, events: list) -> list:
+        """The whitespace that separates calls (the newline between two Hermes blocks) is no content."""
+        out = []
+        for kind, v in events:
+            if kind == "content" and self.calls and not v.strip():
+                self.space += v
+                continue
+            if kind == "content":
+                v, self.space = self.space + v, ""
+            else:
+                self.space = ""
+            out.append((kind, v))
+        return out
+
+    def _feed(self, piece: str) -> list:
         self.buf += piece
         fmt, out = self.fmt, []
         if fmt.begin is None:  # the whole output is the call, or it is content
@@ -198,6 +216,11 @@ class ToolStream:
         return [("call", c) for c in calls]
 
     def finish(self) -> list:
+        out = self._between(self._finish())
+        self.space = ""  # trailing whitespace after the last call
+        return out
+
+    def _finish(self) -> list:
         if self.in_call or (self.fmt.begin is None and self.buf):
             body, self.buf, self.in_call = self.buf, "", False
             if self.fmt.begin is None:

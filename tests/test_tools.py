@@ -45,6 +45,20 @@ def test_parse_each_format_whole_and_streamed():
         events = [e for ch in text for e in s.feed(ch)] + s.finish()
         assert [(c["function"]["name"]) for k, c in events if k == "call"] == [n for n, _ in calls]
         assert "".join(v for k, v in events if k == "content").strip() == (content or "")
+        if calls and content is None:  # no content event at all: not the newline between two calls either
+            assert [k for k, _ in events if k == "content"] == [], (fmt.name, events)
+
+
+def test_whitespace_between_calls_is_no_content_but_text_after_them_is():
+    text = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "g", "arguments": {}}\n' \
+           '</tool_call>\n'
+    for pieces in ([text], list(text)):
+        s = ToolStream(FALLBACK)
+        events = [e for p in pieces for e in s.feed(p)] + s.finish()
+        assert [k for k, _ in events] == ["call", "call"], events
+    s = ToolStream(FALLBACK)
+    events = s.feed(text + "done") + s.finish()
+    assert [(k, v) for k, v in events if k == "content"] == [("content", "\ndone")]
 
 
 def test_render_native_and_fallback():
