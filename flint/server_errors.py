@@ -4,9 +4,10 @@ HTTP status.
 
 Tests: ``pytest tests/test_server.py tests/test_server_guard.py``.
 """
+from .errors import FlintError
 
 
-class APIError(Exception):
+class APIError(FlintError):
     """An error answered to the client as an OpenAI error object."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",

@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from .errors import FlintError
 from .server_errors import _client_closed, _shutdown_error
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ MASK64 = (1 << 64) - 1
 SEED_STEP = 0x9E3779B97F4A7C15  # the seed of min_tokens' second pass: the first's times this (odd: a bijection)
 
 
-class QueueFull(Exception):
+class QueueFull(FlintError):
     pass
 
 

@@ -139,7 +139,7 @@ def test_chat_template_kwargs_reach_the_template(tiny_llama):
 
     tok = tiny_llama.tokenizer
     t = Tokenizer(tok.tk, "{% if shout %}LOUD {% endif %}{{ messages[0]['content'] }}", None, None, [2])
-    assert t.apply_chat_template([{"role": "user", "content": "x"}], extra={"shout": True}) == "LOUD x"
+    assert t.apply_chat_template([{"role": "user", "content": "x"}], template_kwargs={"shout": True}) == "LOUD x"
     assert t.apply_chat_template([{"role": "user", "content": "x"}]) == "x"
 
 
