@@ -693,7 +693,9 @@ def load_draft(path: str | Path, target_cfg, target_params: dict | None = None, 
     for another target. With ``target_params`` the target's embedding/norm/head are attached, with
     a drafting vocabulary of ``draft_vocab`` tokens (None: draft.json's ``draft_vocab``; 0: all V)
     taken from the ranking in vocab.safetensors.
-    ``ngram``: the draft-free prompt-lookup proposals of flint.ngram (any model, nothing loaded)."""
+    ``ngram``: the draft-free prompt-lookup proposals of flint.ngram (any model, nothing loaded); ``suffix``: the
+    draft-free suffix-trie proposals of flint.suffix; ``auto``: flint.draft_auto's choice per step between the suffix
+    draft and the draft head shipped for this model, if any."""
     from safetensors import safe_open
 
     if str(path) == "ngram":
@@ -702,6 +704,20 @@ def load_draft(path: str | Path, target_cfg, target_params: dict | None = None, 
                              "no drafting vocabulary")
         from .ngram import NgramDraft
         return NgramDraft(target_cfg.vocab_size)
+    if str(path) in ("suffix", "auto"):
+        from .suffix import SuffixDraft
+        if str(path) == "suffix":
+            if draft_vocab:
+                raise DraftError(f"draft_vocab={draft_vocab}: the suffix draft proposes tokens of the context and "
+                                 "earlier outputs, it has no drafting vocabulary")
+            return SuffixDraft(target_cfg.vocab_size)
+        from .draft_auto import AutoDraft, shipped_head_for
+        name = shipped_head_for(target_cfg) if target_params is not None else None
+        if draft_vocab and name is None:
+            raise DraftError(f"draft_vocab={draft_vocab}: no draft head is shipped for this model, so the auto draft "
+                             "has no drafting vocabulary")
+        head = load_draft(name, target_cfg, target_params, device, dtype, draft_vocab) if name else None
+        return AutoDraft(SuffixDraft(target_cfg.vocab_size), head)
 
     p = resolve_draft_path(path)
     cj = p / "draft.json"
