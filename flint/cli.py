@@ -299,10 +299,10 @@ def _params(args):
 
 def _stats_line(r, engine) -> str:
     s = f"{len(r.token_ids)} tokens · {r.decode_tok_s:.1f} tok/s decode · TTFT {r.ttft_s * 1000:.0f} ms"
-    stats = getattr(engine, "last_stats", None)
-    if stats is not None and stats.steps:
-        shares = ", ".join(f"{k} {v:.0%}" for k, v in stats.summary()["drafters"].items())
-        s += f" · {stats.tokens_per_step:.2f} tokens/verify step ({shares})"
+    spec = getattr(r, "speculative", None)
+    if spec:
+        shares = ", ".join(f"{k} {v:.0%}" for k, v in spec["drafters"].items())
+        s += f" · {spec['tokens_per_step']:.2f} tokens/verify step ({shares})"
     return s + f" · {engine.backend.name}"
 
 

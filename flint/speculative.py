@@ -52,12 +52,13 @@ class SpeculativeStats:
         for name, n in other.drafters.items():
             self.drafters[name] = self.drafters.get(name, 0) + n
 
-    def summary(self) -> dict:
-        """Tokens per verify step and the share of steps each drafter proposed (what --stats, a response's
-        timings and /metrics report)."""
+    def summary(self) -> dict | None:
+        """Tokens per verify step and the share of steps each drafter proposed (what --stats and a response's
+        timings report); None without a verify step (a plain generation)."""
+        if not self.steps:
+            return None
         return {"tokens_per_step": round(self.tokens_per_step, 3), "verify_steps": self.steps,
-                "drafters": {k: round(v / self.steps, 3) for k, v in sorted(self.drafters.items())} if self.steps
-                else {}}
+                "drafters": {k: round(v / self.steps, 3) for k, v in sorted(self.drafters.items())}}
 
 
 def verify_greedy(target_tokens: list[int], drafts: list[int]) -> tuple[int, int]:
@@ -212,6 +213,13 @@ class SpeculativeEngine(Engine):
     def _on_start(self) -> None:
         self.last_stats = SpeculativeStats()
 
+    def stream(self, prompt_ids: list[int], sp: SamplingParams, should_stop=None):
+        try:
+            yield from super().stream(prompt_ids, sp, should_stop)
+        finally:
+            if self.last is not None:
+                self.last.speculative = self.last_stats.summary()
+
     def _on_finish(self) -> None:
         self.total_stats.add(self.last_stats)
         req, self._request = self._request, None
@@ -349,10 +357,14 @@ class SpeculativeEngine(Engine):
             stats.drafted += k
             stats.accepted += len(new) - 1
             stats.drafters[src] = stats.drafters.get(src, 0) + 1
-            if sp.logprobs is not None:  # token new[j] was chosen from verify row j (the target after step[j])
-                self.step_logprobs.extend(token_logprob(logits[j], t, sp.logprobs) for j, t in enumerate(new))
+            # token new[j] was chosen from verify row j (the target after step[j]); its entry is added as it is
+            # yielded, so a consumer reading step_logprobs meanwhile (a server's stream) sees only tokens emitted
+            lps = [token_logprob(logits[j], t, sp.logprobs) for j, t in enumerate(new)] if sp.logprobs is not None \
+                else None
             hidden = None if pipelined else hid[n]
-            for t in new:
+            for j, t in enumerate(new):
+                if lps is not None:
+                    self.step_logprobs.append(lps[j])
                 yield t
 
     def _read_back_beginning(self, vals_dev: torch.Tensor, hid: torch.Tensor, n_dev: torch.Tensor,
