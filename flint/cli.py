@@ -251,7 +251,11 @@ def load_engine(args, quiet: bool = False):
     from .backend import default_backend, make_backend
     from .engine import Engine
     from .loading import load_model
+    from .suffix import K_MAX
 
+    if getattr(args, "draft", None) in ("suffix", "auto") and (args.draft_k or 0) > K_MAX:
+        raise ValueError(f"--draft-k {args.draft_k}: the {args.draft} draft proposes at most {K_MAX} tokens a step "
+                         f"(the widest verify is M = {K_MAX + 1})")
     lm = load_model(args.model)
     name = args.backend or default_backend(quiet=quiet)
     max_seq = args.max_seq_len or min(lm.cfg.max_position_embeddings, 8192)
@@ -262,11 +266,7 @@ def load_engine(args, quiet: bool = False):
     if draft_path and draft_path != "none":
         from .draft import load_draft
         from .speculative import SpeculativeEngine
-        from .suffix import K_MAX
 
-        if draft_path in ("suffix", "auto") and (args.draft_k or 0) > K_MAX:
-            raise ValueError(f"--draft-k {args.draft_k}: the {draft_path} draft proposes at most {K_MAX} tokens a step "
-                             f"(the widest verify is M = {K_MAX + 1})")
         draft = load_draft(draft_path, lm.cfg, lm.params, device=backend.device,
                            draft_vocab=getattr(args, "draft_vocab", None))
         engine = SpeculativeEngine(backend, lm.tokenizer, draft, k=args.draft_k, plain_fallback=draft_path == "auto")

@@ -198,3 +198,20 @@ def test_load_draft_suffix_and_auto():
     assert isinstance(auto, AutoDraft) and auto.head is None and auto.cfg.k_default == K_MAX  # no head ships for it
     with pytest.raises(ValueError, match="no draft head"):
         load_draft("auto", lm.cfg, lm.params, draft_vocab=8)
+
+
+def test_cli_refuses_a_k_wider_than_the_verify(capsys):
+    from flint.cli import main
+
+    assert main(["generate", "--prompt", "x", "--draft", "suffix", "--draft-k", str(K_MAX + 1)]) == 2
+    assert f"--draft-k {K_MAX + 1}" in capsys.readouterr().err
+
+
+def test_generate_stats_name_the_drafters(capsys, tmp_path):
+    """`flint generate` runs --draft auto by default; --stats reports tokens per verify step and the drafters."""
+    from flint.cli import main
+
+    assert main(["generate", "--prompt", "one two three one two three one two", "--max-new-tokens", "6",
+                 "--backend", "reference", "--device", "cpu", "--stats"]) == 0
+    err = capsys.readouterr().err
+    assert "tokens/verify step (" in err, err
