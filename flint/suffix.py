@@ -14,7 +14,8 @@ model's recent outputs (``SuffixCache``: ``CACHE_TOKENS`` tokens at most, whole 
 used first; an output counts as used when it is added and whenever a proposal from the cache followed a path it
 was the last to pass through). The draft object holds one cache; a server builds one draft per loaded model, so
 the cache is per model. In each trie the match is the longest suffix of the context that occurred before with a
-continuation (at least ``MIN_MATCH`` tokens); the proposal follows the most frequent child from there while the
+continuation (at least ``MIN_MATCH`` tokens); the proposal follows the most frequent child (of equals, the latest
+seen: a request's trie records positions, the cache sequence numbers) from there while the
 product of the children's shares (the estimated chance that the whole run is right) stays above ``MIN_PROB``, up to
 ``SPEC_PER_MATCH`` x the match length tokens and the engine's k (at most the verify's widest, M = 8: k <= 7).
 Its score is the expected number of accepted tokens under those shares; the trie with the higher score proposes.
@@ -45,7 +46,7 @@ class _Node:
     def __init__(self):
         self.count = 0   # occurrences of this node's path
         self.kids = {}   # token -> _Node
-        self.seq = -1    # the last sequence inserted through this node (the cache's notion of "used")
+        self.seq = -1    # the latest occurrence: its position (a request's trie) or sequence (the cache's)
 
 
 class SuffixTrie:
@@ -138,7 +139,7 @@ def best_run(trie: SuffixTrie, frontier: list, k: int) -> tuple[list[int], float
     toks, p, score, used = [], 1.0, 0.0, None
     while node is not None and len(toks) < limit:
         total = sum(c.count for c in node.kids.values())
-        t, child = max(node.kids.items(), key=lambda kv: (kv[1].count, -kv[0]))
+        t, child = max(node.kids.items(), key=lambda kv: (kv[1].count, kv[1].seq))  # ties: the latest
         p *= child.count / total
         if p < MIN_PROB:
             break
@@ -220,13 +221,13 @@ class SuffixDraft:
             self._local = SuffixTrie(self.depth)
             self._lfront: list = []
             self._gfront = self.cache.trie.frontier_of(ctx)
-            for t in ctx:
-                self._lfront = self._local.append(self._lfront, t)
+            for i, t in enumerate(ctx):
+                self._lfront = self._local.append(self._lfront, t, i)
             self._seen = len(ctx)
             return
-        for t in ctx[self._seen:]:
-            self._lfront = self._local.append(self._lfront, t)
-            self._gfront = self.cache.trie.follow(self._gfront, t)
+        for i in range(self._seen, len(ctx)):
+            self._lfront = self._local.append(self._lfront, ctx[i], i)
+            self._gfront = self.cache.trie.follow(self._gfront, ctx[i])
         self._seen = len(ctx)
 
     def lookup(self, ctx: list[int], k: int) -> tuple[list[int], float]:

@@ -26,8 +26,10 @@ def record(args) -> None:
     from flint.backend import make_backend
     from flint.draft_data import workload_prompts
     from flint.engine import Engine, SamplingParams
+    from flint.cli import default_threads, set_threads
     from flint.loading import load_model
 
+    set_threads(default_threads())  # (one thread on a 2-core box: as `flint` itself)
     lm = load_model(args.model)
     be = make_backend("reference", lm, 2048, device="cpu")
     eng = Engine(be, lm.tokenizer)
