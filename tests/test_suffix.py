@@ -162,19 +162,25 @@ def test_greedy_identical_to_plain(name, k):
     assert set(eng.total_stats.drafters) <= {"suffix", "head", "none"}
 
 
-def test_sampling_matches_target_distribution():
-    """Chi-square of the (2nd, 3rd) generated tokens over 2500 seeds against the target's exact joint law, the
-    suffix draft's proposals as point masses (the context repeats, so its first verify proposes)."""
+@pytest.mark.parametrize("name", ["suffix", "auto+head"])
+def test_sampling_matches_target_distribution(name):
+    """Chi-square of the (2nd, 3rd) generated tokens over 2500 seeds against the target's exact joint law: the
+    suffix draft's proposals as point masses (the context repeats, so its first verify proposes); auto mixes them
+    with the head's sampled proposals and their q."""
     lm = tiny_lm(seed=5, vocab=8)
     prompt = [1, 5, 2, 1, 5, 2, 1, 5]
     sp = SamplingParams(max_new_tokens=4, temperature=1.0)
     exact = exact_joint_t2_t3(lm, prompt, sp)
     be = Transformer(lm.cfg, lm.params, 64)
-    eng = SpeculativeEngine(be, None, SuffixDraft(lm.cfg.vocab_size, cache=SuffixCache(max_tokens=0)), k=3)
+    suffix = SuffixDraft(lm.cfg.vocab_size, cache=SuffixCache(max_tokens=0))
+    draft = suffix if name == "suffix" else AutoDraft(suffix, random_draft(lm, seed=3))
+    eng = SpeculativeEngine(be, None, draft, k=3)
     n = 2500
     counts = sample_t2_t3(eng, prompt, sp, n)
     st = eng.total_stats
     assert st.drafted > 0 and 0.05 < st.accept_rate < 0.95, st
+    if name != "suffix":
+        assert {"suffix", "head"} <= set(st.drafters), st.drafters  # both kinds of proposal were verified
     assert chi_square_pvalue(counts, exact * n) > 1e-3
 
 
