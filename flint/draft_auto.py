@@ -8,7 +8,9 @@ fingerprint equals the model's), at its own k. Otherwise the step is a plain one
 Each drafter sits behind a gate that backs off where its drafts keep failing: the mean of its accepted tokens
 per step (an exponential average, weight ``EMA_WEIGHT`` on the newest step, starting from ``GATE_PRIOR``) falling
 below its floor shuts it for ``BACKOFF_STEPS`` steps, twice as long each time it fails again (up to
-``BACKOFF_MAX``); a stretch above twice the floor resets the wait. So a kind whose text the drafters cannot
+``BACKOFF_MAX``); a stretch above twice the floor resets the wait. Gates start afresh with each request, and a
+sampled request's suffix proposals come from its own trie only, so a seed gives the same text whatever requests
+came before (a greedy text is plain greedy's anyway). So a kind whose text the drafters cannot
 predict runs plain steps nearly all the time, and pays only the probes. What each step's drafts earned is read
 from the context at the next call (the tokens appended after the proposal), so the draft needs no hook in the
 verify loop. ``source`` names the drafter of the last proposal ("suffix", "head" or "none"), which the engine
@@ -93,7 +95,7 @@ class AutoDraft:
         self.vocab_size = suffix.vocab_size
         self.k_default = K_MAX
         self.head_k = getattr(getattr(head, "cfg", None), "k_default", 0) if head is not None else 0
-        self.gates = {"suffix": Gate(SUFFIX_FLOOR), "head": Gate(HEAD_FLOOR)}
+        self.gates = self._fresh_gates()
         self.source = "none"
         self._last = None  # (context list, its length then, the proposal, its drafter)
 
@@ -134,11 +136,12 @@ class AutoDraft:
             n += 1
         self.gates[src].record(n)
 
-    def _suffix(self, ctx: list[int], k: int) -> list[int]:
-        """The suffix proposal where it is strong and its gate open, else []."""
+    def _suffix(self, ctx: list[int], k: int, greedy: bool = True) -> list[int]:
+        """The suffix proposal where it is strong and its gate open, else [] (sampling: from the request's own trie,
+        so a seed gives the same text whatever other requests left in the cache)."""
         if not self.gates["suffix"].open:
             return []
-        toks, score = self.suffix.lookup(ctx, k)
+        toks, score = self.suffix.lookup(ctx, k, use_cache=greedy)
         return toks if score >= min(SUFFIX_STRONG, k) else []  # (k below the bar: every token certain)
 
     def _chosen(self, ctx: list[int], toks: list[int], src: str) -> None:
@@ -150,7 +153,7 @@ class AutoDraft:
 
     def propose(self, context_ids: list[int], hidden=None, k: int = K_MAX, sp=None, gen=None):
         self._settle(context_ids)
-        toks = self._suffix(context_ids, k)
+        toks = self._suffix(context_ids, k, sp is None or sp.temperature == 0)
         if toks:
             self._chosen(context_ids, toks, "suffix")
             return point_mass(toks, self.vocab_size, sp)
@@ -179,8 +182,15 @@ class AutoDraft:
         return torch.empty(0, dtype=torch.long)
 
     def end_request(self, ctx: list[int], prompt_len: int) -> None:
+        """The output joins the suffix cache; the gates start afresh (a request's drafts do not depend on the
+        requests before it but through the cache, which sampled requests do not read)."""
         self.suffix.end_request(ctx, prompt_len)
         self._last = None
+        self.gates = self._fresh_gates()
+
+    @staticmethod
+    def _fresh_gates() -> dict:
+        return {"suffix": Gate(SUFFIX_FLOOR), "head": Gate(HEAD_FLOOR)}
 
 
 __all__ = ["AutoDraft", "Gate", "shipped_head_for"]

@@ -19,6 +19,7 @@ seen: a request's trie records positions, the cache sequence numbers) from there
 product of the children's shares (the estimated chance that the whole run is right) stays above ``MIN_PROB``, up to
 ``SPEC_PER_MATCH`` x the match length tokens and the engine's k (at most the verify's widest, M = 8: k <= 7).
 Its score is the expected number of accepted tokens under those shares; the trie with the higher score proposes.
+A sampled request reads its own trie only: its draws, and so its text for a seed, do not depend on other requests.
 
 Verification is flint.speculative's: greedy output identical to plain greedy; sampling takes the proposal as a
 point mass (q one-hot), so it is lossless (flint.ngram's docstring has the argument).
@@ -230,8 +231,10 @@ class SuffixDraft:
             self._gfront = self.cache.trie.follow(self._gfront, ctx[i])
         self._seen = len(ctx)
 
-    def lookup(self, ctx: list[int], k: int) -> tuple[list[int], float]:
-        """The better of the two tries' proposals for ``ctx`` (tokens, score); ([], 0.0) when neither matches."""
+    def lookup(self, ctx: list[int], k: int, use_cache: bool = True) -> tuple[list[int], float]:
+        """The better of the two tries' proposals for ``ctx`` (tokens, score); ([], 0.0) when neither matches.
+        ``use_cache`` False: the request's own trie only (a sampled request: its draws, and so its text for a
+        seed, must not depend on what other requests left in the cache)."""
         if k < 1 or len(ctx) < MIN_MATCH + 1:
             self.last = ("none", 0.0, 0)
             return [], 0.0
@@ -239,7 +242,7 @@ class SuffixDraft:
         k = min(k, K_MAX)
         toks, score, m, _ = best_run(self._local, self._lfront, k)
         src = "prompt+output"
-        g = best_run(self.cache.trie, self._gfront, k)
+        g = best_run(self.cache.trie, self._gfront, k) if use_cache else ([], 0.0, 0, None)
         if g[1] > score:
             toks, score, m = g[0], g[1], g[2]
             src = "cache"
@@ -249,7 +252,7 @@ class SuffixDraft:
         return toks, score
 
     def propose(self, context_ids: list[int], hidden=None, k: int = K_MAX, sp=None, gen=None):
-        toks, _ = self.lookup(context_ids, k)
+        toks, _ = self.lookup(context_ids, k, use_cache=sp is None or sp.temperature == 0)
         return point_mass(toks, self.vocab_size, sp)
 
     def end_request(self, ctx: list[int], prompt_len: int) -> None:

@@ -221,3 +221,17 @@ def test_generate_stats_name_the_drafters(capsys, tmp_path):
                  "--backend", "reference", "--device", "cpu", "--stats"]) == 0
     err = capsys.readouterr().err
     assert "tokens/verify step (" in err, err
+
+
+@pytest.mark.parametrize("name", ["suffix", "auto+head"])
+def test_a_seed_gives_the_same_text_whatever_came_before(name):
+    """The cache and the gates carry state between requests; a seeded sampled request must not depend on it."""
+    lm = tiny_lm(seed=2, vocab=6)
+    be = Transformer(lm.cfg, lm.params, 128)
+    eng = SpeculativeEngine(be, None, _drafts(lm)[name](), k=4)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    sp = SamplingParams(max_new_tokens=24, temperature=0.9, seed=77)
+    first = eng.generate(prompt, sp).token_ids
+    for other in ([4, 0, 4, 0, 4], [3, 3, 3]):  # outputs that fill the cache, drafts that move the gates
+        eng.generate(other, SamplingParams(max_new_tokens=30))
+    assert eng.generate(prompt, sp).token_ids == first
