@@ -235,3 +235,26 @@ def test_a_seed_gives_the_same_text_whatever_came_before(name):
     for other in ([4, 0, 4, 0, 4], [3, 3, 3]):  # outputs that fill the cache, drafts that move the gates
         eng.generate(other, SamplingParams(max_new_tokens=30))
     assert eng.generate(prompt, sp).token_ids == first
+
+
+def test_workload_prompt_set_and_its_bench_options():
+    from flint.bench import main as bench_main
+    from flint.draft_data import eval_prompts, workload_prompts
+
+    rows = workload_prompts()
+    kinds = list(dict.fromkeys(r["kind"] for r in rows))
+    assert kinds == ["codeedit", "textfix", "summarise", "quote", "json", "multiturn", "agent", "code", "explain", "qa",
+                     "chat"]
+    for kind in kinds:
+        mine = [r for r in rows if r["kind"] == kind]
+        assert sorted(r["split"] for r in mine) == ["eval", "eval", "train", "train"], kind
+        assert not {r["subject"] for r in mine if r["split"] == "eval"} & {r["subject"] for r in mine
+                                                                         if r["split"] == "train"}
+    assert all(r["messages"][-1]["role"] in ("user", "tool") and r["text"] == r["messages"][-1]["content"]
+               for r in rows)
+    held = eval_prompts(1, prompt_set="workloads")
+    assert [r["kind"] for r in held] == kinds and all(r["split"] == "eval" for r in held)
+    with pytest.raises(ValueError, match="split"):
+        eval_prompts(1, prompt_set="v1", split="train")
+    assert bench_main(["--prompt-set", "workloads", "--device", "cpu"]) == 2  # without --draft: refused
+    assert bench_main(["--draft", "suffix", "--draft-k", "8", "--device", "cpu"]) == 2
