@@ -29,7 +29,9 @@ Tests: ``pytest tests/test_suffix.py``.
 """
 from __future__ import annotations
 
+import gc
 from collections import OrderedDict
+from contextlib import contextmanager
 
 from .ngram import point_mass
 
@@ -39,6 +41,20 @@ MIN_MATCH = 2         # shorter matches (one token) propose noise
 MIN_PROB = 0.1        # stop once the estimated chance that every token so far is right falls below this
 SPEC_PER_MATCH = 1.0  # propose at most this many tokens per matched token (a short match: a short proposal)
 CACHE_TOKENS = 16384  # recent outputs kept per model (the trie then holds at most TRIE_DEPTH x this many nodes)
+
+
+@contextmanager
+def _no_cyclic_gc():
+    """Building a trie allocates a node (with a dict) per token and depth; the cyclic collector, triggered by those
+    allocations, then walks every live object again and again (a 2000-token prompt: 104 ms with it, 9.5 ms without,
+    measured on the build machine). Trie nodes form no cycles, so reference counting frees them alone."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 class _Node:
@@ -174,7 +190,8 @@ class SuffixCache:
             self.trie.remove(old)
             self.tokens -= len(old)
         sid, self._next = self._next, self._next + 1
-        self.trie.add(seq, sid)
+        with _no_cyclic_gc():
+            self.trie.add(seq, sid)
         self._seqs[sid] = seq
         self.tokens += len(seq)
 
@@ -222,8 +239,9 @@ class SuffixDraft:
             self._local = SuffixTrie(self.depth)
             self._lfront: list = []
             self._gfront = self.cache.trie.frontier_of(ctx)
-            for i, t in enumerate(ctx):
-                self._lfront = self._local.append(self._lfront, t, i)
+            with _no_cyclic_gc():
+                for i, t in enumerate(ctx):
+                    self._lfront = self._local.append(self._lfront, t, i)
             self._seen = len(ctx)
             return
         for i in range(self._seen, len(ctx)):
