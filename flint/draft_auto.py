@@ -16,7 +16,9 @@ from the context at the next call (the tokens appended after the proposal), so t
 verify loop. ``source`` names the drafter of the last proposal ("suffix", "head" or "none"), which the engine
 counts per step (SpeculativeStats.drafters).
 
-With a pipelined head (a greedy rollout begun on the device before the host reads the verify back,
+Where no drafter would propose, greedy decoding on a backend with a device loop (``greedy_run``) decodes
+``PLAIN_RUN`` tokens in one burst (``plain_run``), as plain decoding does, instead of that many host-synchronised
+M = 1 steps. With a pipelined head (a greedy rollout begun on the device before the host reads the verify back,
 flint.speculative) the head's rollout is begun every step its gate is open, and ``finish`` replaces it by the
 suffix proposal where that is strong. Sampling goes through ``propose`` (the suffix proposal as a point mass,
 the head's with its q): lossless either way.
@@ -39,6 +41,7 @@ GATE_PRIOR = 1.0      # a gate's average starts here: three straight failures sh
 EMA_WEIGHT = 0.25     # the newest step's weight in a gate's average
 BACKOFF_STEPS = 16    # steps a shut gate waits before its drafter is tried again
 BACKOFF_MAX = 256     # the longest wait, after repeated failures
+PLAIN_RUN = 4         # tokens decoded in one plain burst where no drafter would propose (backends with greedy_run)
 
 
 class Gate:
@@ -54,10 +57,10 @@ class Gate:
     def open(self) -> bool:
         return self.wait == 0
 
-    def tick(self) -> None:
-        """One verify step passed."""
+    def tick(self, steps: int = 1) -> None:
+        """Verify steps passed."""
         if self.wait:
-            self.wait -= 1
+            self.wait = max(0, self.wait - steps)
             if not self.wait:
                 self.mean = GATE_PRIOR
 
@@ -143,6 +146,19 @@ class AutoDraft:
             return []
         toks, score = self.suffix.lookup(ctx, k, use_cache=greedy)
         return toks if score >= min(SUFFIX_STRONG, k) else []  # (k below the bar: every token certain)
+
+    def plain_run(self, ctx: list[int]) -> int:
+        """Greedy decoding asks before each step: how many tokens to decode plainly first (flint.speculative runs them
+        as one burst of the backend's device loop): PLAIN_RUN where no drafter would propose now (the head absent,
+        stateful or shut, no strong suffix match), else 0."""
+        if self.stateful or self._head_open():
+            return 0
+        if self.gates["suffix"].open and self.suffix.lookup(ctx, K_MAX)[1] >= SUFFIX_STRONG:
+            return 0
+        for g in self.gates.values():
+            g.tick(PLAIN_RUN)
+        self.source = "none"
+        return PLAIN_RUN
 
     def _chosen(self, ctx: list[int], toks: list[int], src: str) -> None:
         self.source = src if len(toks) else "none"

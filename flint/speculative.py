@@ -299,7 +299,29 @@ class SpeculativeEngine(Engine):
             return k, step, logits, hid, q, src
 
         launched = None  # the pipelined loop's verify, enqueued before the step before it emitted its tokens
+        # a draft with nothing to propose for a while (``plain_run``: --draft auto with its drafters idle) hands those
+        # tokens to the backend's device loop (greedy_run: one host sync per burst, as plain decoding runs)
+        bursts = greedy and sp.logprobs is None and hasattr(self.backend, "greedy_run") and \
+            hasattr(self.draft, "plain_run")
         while True:
+            n_run = 0
+            if launched is None and bursts:
+                n_run = min(self.draft.plain_run(ctx), sp.max_new_tokens - (len(ctx) - len(prompt_ids)),
+                            self.max_seq_len - pos)
+            if n_run > 0:
+                new = self.backend.greedy_run(tok, pos, n_run)
+                if not sp.ignore_eos:
+                    at = next((j for j, t in enumerate(new) if t in self.eos), None)
+                    new = new if at is None else new[: at + 1]
+                pos += n_run
+                tok = new[-1]
+                ctx.extend(new)
+                stats.steps += len(new)
+                stats.drafters["none"] = stats.drafters.get("none", 0) + len(new)
+                hidden = pending = None  # (the next step drafts without the head: no hidden state from a burst)
+                for t in new:
+                    yield t
+                continue
             if launched is None:
                 launched = launch(pending, hidden)
             k, step, logits, hid, q, src = launched

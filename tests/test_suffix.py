@@ -258,3 +258,32 @@ def test_workload_prompt_set_and_its_bench_options():
         eval_prompts(1, prompt_set="v1", split="train")
     assert bench_main(["--prompt-set", "workloads", "--device", "cpu"]) == 2  # without --draft: refused
     assert bench_main(["--draft", "suffix", "--draft-k", "8", "--device", "cpu"]) == 2
+
+
+class BurstingTransformer(Transformer):
+    """The reference model with a device loop's interface (greedy_run), as the GPU backends have: n argmax steps."""
+
+    bursts = 0
+
+    def greedy_run(self, token: int, pos: int, n: int) -> list[int]:
+        type(self).bursts += 1
+        out = []
+        for i in range(n):
+            token = int(torch.argmax(self.forward(torch.tensor([token]), pos + i)[-1]))
+            out.append(token)
+        return out
+
+
+def test_auto_bursts_plain_tokens_where_nothing_drafts():
+    lm = tiny_lm(seed=2, vocab=6, eos=(5,))
+    be = BurstingTransformer(lm.cfg, lm.params, 128)
+    eng = SpeculativeEngine(be, None, AutoDraft(SuffixDraft(6)), k=K_MAX)
+    for prompt in ([1, 2, 3, 1, 2, 3, 1, 2], [4, 0, 4, 0, 4], [3]):
+        for n in (1, 7, 40):
+            sp = SamplingParams(max_new_tokens=n)
+            want = Engine(Transformer(lm.cfg, lm.params, 128)).generate(prompt, sp)
+            got = eng.generate(prompt, sp)
+            assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason, (prompt, n)
+            st = eng.last_stats
+            assert st.accepted + st.steps == len(got.token_ids) - 1 and sum(st.drafters.values()) == st.steps
+    assert BurstingTransformer.bursts > 0 and eng.total_stats.drafters.get("none", 0) > 0
