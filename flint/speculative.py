@@ -16,7 +16,11 @@ is a plain M = 1 step. Logprobs (``sp.logprobs``) come from the verify row each 
 from, the target's own distribution at its position. Acceptance is reported as tokens per verify step = accepted drafts + 1 (the
 target's own token is counted), so it lies in [1, K + 1]. Grammar constraints (``sp.constraint``) are refused,
 as logit bias and penalties are (``Engine.unsupported``: this loop applies no token mask to its drafts or its
-verify rows); `flint serve --draft` answers a constrained request with a 400 naming its field.
+verify rows); `flint serve --draft` answers a constrained request with a 400 naming its field, unless the engine
+was built with ``plain_fallback`` (``--draft auto``), which decodes such a request plainly. Optional parts of the
+draft interface: ``source`` or ``name`` (the drafter counted per step in ``SpeculativeStats.drafters``),
+``end_request(context, prompt_len)`` (a generation ended: flint.suffix keeps its output), ``plain_run(context)``
+(tokens to decode plainly first, as one burst of a backend's ``greedy_run``, greedy only).
 Tests: ``pytest tests/test_speculative.py`` (the refusal: ``tests/test_structured.py``).
 """
 from __future__ import annotations
