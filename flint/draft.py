@@ -687,6 +687,21 @@ def resolve_draft_path(path: str | Path) -> Path:
     raise DraftError(f"{path}: no such draft directory (shipped drafts: {', '.join(have) or 'none'})")
 
 
+def shipped_head_for(target_cfg) -> str | None:
+    """The name of a shipped draft head built for this model's shape (draft.json's target fingerprint), or None."""
+    if not SHIPPED_DRAFTS.is_dir():
+        return None
+    want = target_fingerprint(target_cfg)
+    for d in sorted(SHIPPED_DRAFTS.iterdir()):
+        try:
+            meta = json.loads((d / "draft.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if meta.get("target", {}).get("fingerprint") == want:
+            return d.name
+    return None
+
+
 def load_draft(path: str | Path, target_cfg, target_params: dict | None = None, device=None,
                dtype: torch.dtype | None = None, draft_vocab: int | None = None) -> DraftHead:
     """Load a draft directory (or a shipped draft's name) for ``target_cfg``; refuses a draft built
@@ -711,7 +726,7 @@ def load_draft(path: str | Path, target_cfg, target_params: dict | None = None, 
                 raise DraftError(f"draft_vocab={draft_vocab}: the suffix draft proposes tokens of the context and "
                                  "earlier outputs, it has no drafting vocabulary")
             return SuffixDraft(target_cfg.vocab_size)
-        from .draft_auto import AutoDraft, shipped_head_for
+        from .draft_auto import AutoDraft
         name = shipped_head_for(target_cfg) if target_params is not None else None
         if draft_vocab and name is None:
             raise DraftError(f"draft_vocab={draft_vocab}: no draft head is shipped for this model, so the auto draft "

@@ -2,8 +2,8 @@
 
 Each verify step asks, in order: does the suffix draft (flint.suffix, over this request's prompt and output and
 the model's recent outputs) expect at least ``SUFFIX_STRONG`` accepted tokens (k, if smaller)? Then it drafts. Otherwise the
-model's draft head drafts where one is shipped for this model (``shipped_head_for``: a draft whose target
-fingerprint equals the model's), at its own k. Otherwise the step is a plain one (M = 1, nothing proposed).
+model's draft head drafts where one is shipped for this model (flint.draft.shipped_head_for: a draft whose
+target fingerprint equals the model's), at its own k. Otherwise the step is a plain one (M = 1, nothing proposed).
 
 Each drafter sits behind a gate that backs off where its drafts keep failing: the mean of its accepted tokens
 per step (an exponential average, weight ``EMA_WEIGHT`` on the newest step, starting from ``GATE_PRIOR``) falling
@@ -26,8 +26,6 @@ the head's with its q): lossless either way.
 Tests: ``pytest tests/test_suffix.py``.
 """
 from __future__ import annotations
-
-import json
 
 import torch
 
@@ -70,23 +68,6 @@ class Gate:
             self.wait, self.backoff = self.backoff, min(2 * self.backoff, BACKOFF_MAX)
         elif self.mean >= 2 * self.floor:
             self.backoff = BACKOFF_STEPS
-
-
-def shipped_head_for(target_cfg) -> str | None:
-    """The name of a shipped draft head built for this model's shape (draft.json's target fingerprint), or None."""
-    from .draft import SHIPPED_DRAFTS, target_fingerprint
-
-    if not SHIPPED_DRAFTS.is_dir():
-        return None
-    want = target_fingerprint(target_cfg)
-    for d in sorted(SHIPPED_DRAFTS.iterdir()):
-        try:
-            meta = json.loads((d / "draft.json").read_text())
-        except (OSError, ValueError):
-            continue
-        if meta.get("target", {}).get("fingerprint") == want:
-            return d.name
-    return None
 
 
 class AutoDraft:
@@ -209,4 +190,4 @@ class AutoDraft:
         return {"suffix": Gate(SUFFIX_FLOOR), "head": Gate(HEAD_FLOOR)}
 
 
-__all__ = ["AutoDraft", "Gate", "shipped_head_for"]
+__all__ = ["AutoDraft", "Gate"]

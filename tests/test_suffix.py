@@ -287,3 +287,11 @@ def test_auto_bursts_plain_tokens_where_nothing_drafts():
             st = eng.last_stats
             assert st.accepted + st.steps == len(got.token_ids) - 1 and sum(st.drafters.values()) == st.steps
     assert BurstingTransformer.bursts > 0 and eng.total_stats.drafters.get("none", 0) > 0
+
+
+def test_auto_finds_the_head_shipped_for_the_embedded_model():
+    from flint.draft import shipped_head_for
+    from flint.loading import load_model
+
+    assert shipped_head_for(load_model(None).cfg) == "smollm2-135m"
+    assert shipped_head_for(tiny_lm().cfg) is None
