@@ -550,8 +550,9 @@ def run_draft_bench(model: str | None, backends: list[str], draft_path: str, k: 
                     per_kind: int, max_new_tokens: int, device: str | None = None,
                     group_size: int = 128, draft_vocab: list[int | None] | None = None,
                     temperature: float = 0.0, seed: int = 0, top_p: float = 1.0, top_k: int = 0,
-                    rounds: int = 1, log=print) -> dict:
-    """Speculative vs plain decoding on held-out draft prompts (flint.draft_data.eval_prompts), per
+                    rounds: int = 1, log=print, prompt_set: str = "v1", split: str = "eval") -> dict:
+    """Speculative vs plain decoding on held-out draft prompts (flint.draft_data.eval_prompts; ``prompt_set``
+    workloads: the workload conversations, ``split`` eval or train), per
     backend, k and drafting-vocabulary size: tokens per verify step (accepted drafts + the target's
     own token), acceptance rate, decode tok/s of both, and (greedy) whether the outputs were
     identical. ``temperature`` > 0 samples (lossless speculative sampling; plain samples too), with ``top_p`` /
@@ -575,13 +576,14 @@ def run_draft_bench(model: str | None, backends: list[str], draft_path: str, k: 
     dev = device or default_device()
     ks = k if isinstance(k, list) else [k]
     doc = {"device": device_name(torch.device(dev)), "model": model or "embedded:smollm2",
-           "draft": draft_path, "temperature": temperature, "top_p": top_p, "top_k": top_k, "speculative": []}
-    prompts = eval_prompts(per_kind)
+           "draft": draft_path, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+           "prompt_set": prompt_set, "split": split, "max_new_tokens": max_new_tokens, "speculative": []}
+    prompts = eval_prompts(per_kind, prompt_set=prompt_set, split=split)
     for bname in backends:
         backend = make_backend(bname, lm, max_seq_len=2048, device=dev, group_size=group_size)
         for nv in draft_vocab or [None]:
             draft = load_draft(draft_path, lm.cfg, lm.params, device=backend.device, draft_vocab=nv)
-            nv_used = getattr(draft, "draft_vocab_size", None) if draft_path != "ngram" else None
+            nv_used = getattr(draft, "draft_vocab_size", None)
             for kk in ks:
                 kk = kk or getattr(getattr(draft, "cfg", None), "k_default", 4)
                 tables = [eval_acceptance(backend, lm.tokenizer, draft, prompts, kk, max_new_tokens=max_new_tokens,
@@ -682,12 +684,17 @@ def run_oracle_bench(model: str, backends: list[str], ks: list[int], accepts: li
 
 def draft_table(doc: dict) -> str:
     cols = ["backend", "k", "draft_vocab", "kind", "prompts", "tokens_per_step", "accept_rate", "spec_tok_s",
-            "plain_tok_s", "identical_to_plain"]
+            "plain_tok_s", "x_plain", "identical_to_plain", "drafters"]
     if doc.get("oracle"):
         cols = [c if c != "kind" else "oracle_accept" for c in cols if c != "accept_rate"]
         cols.insert(cols.index("tokens_per_step") + 1, "expected_tokens_per_step")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in doc["speculative"]:
+        r = dict(r)
+        if r.get("spec_tok_s") and r.get("plain_tok_s"):
+            r["x_plain"] = f"{r['spec_tok_s'] / r['plain_tok_s']:.2f}x"
+        if isinstance(r.get("drafters"), dict):
+            r["drafters"] = " ".join(f"{k} {v:.0%}" for k, v in r["drafters"].items())
         lines.append("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
     note = "\n\n" + doc["note"] + "." if doc.get("oracle") else ""
     return "\n".join(lines) + "\n\ntokens_per_step counts the target's own token (1 + accepted drafts)." + note
@@ -920,6 +927,14 @@ def _run(args) -> int:
     if (top_p != 1.0 or top_k) and (not args.draft or args.draft == "oracle"):
         raise BenchError("--top-p / --top-k shape the sampling of --draft PATH (with --temperature > 0); "
                          "no other bench mode samples with them")
+    if (getattr(args, "prompt_set", "v1") != "v1" or getattr(args, "prompt_split", "eval") != "eval") and \
+            (not args.draft or args.draft == "oracle"):
+        raise BenchError("--prompt-set / --prompt-split choose the prompts of --draft PATH|ngram|suffix|auto; "
+                         "no other bench mode reads them")
+    if args.draft in ("suffix", "auto") and args.draft_k and \
+            max(_parse_list(args.draft_k, "draft-k", int)) > 7:
+        raise BenchError(f"--draft-k {args.draft_k}: the {args.draft} draft proposes at most 7 tokens a step "
+                         "(the widest verify is M = 8)")
     rounds = getattr(args, "repeats", None)  # (a Namespace built by hand may lack it)
     if args.draft == "oracle" and rounds not in (None, 1):
         raise BenchError("--repeats: --draft oracle runs one pass over its prompts (more: --draft-prompts)")
@@ -949,7 +964,8 @@ def _run(args) -> int:
                               group_size=args.group_size,
                               draft_vocab=_parse_list(args.draft_vocab, "draft-vocab", int) if args.draft_vocab else None,
                               temperature=args.temperature, seed=args.seed, top_p=top_p, top_k=top_k,
-                              rounds=1 if rounds is None else rounds)
+                              rounds=1 if rounds is None else rounds, prompt_set=getattr(args, "prompt_set", "v1"),
+                              split=getattr(args, "prompt_split", "eval"))
         print(draft_table(doc))
         if args.json:
             Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
@@ -1023,7 +1039,8 @@ def register(sub) -> None:
                         "per token (default device)")
     p.add_argument("--draft", default=None, metavar="PATH",
                    help="speculative decoding with this draft head (a path or a shipped name, e.g. "
-                        "smollm2-135m; ngram: prompt-lookup proposals, no draft model; oracle: synthetic models "
+                        "smollm2-135m; ngram: prompt-lookup proposals, no draft model; suffix: suffix-trie proposals, "
+                        "no draft model; auto: the drafter flint chooses per step (chat's default); oracle: synthetic models "
                         "only, acceptance set by --oracle-accept, benchmarking only): acceptance and tok/s "
                         "beside plain decoding, on real prompts")
     p.add_argument("--verify", default=None, metavar="M,...",
@@ -1041,6 +1058,11 @@ def register(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="with --draft and --temperature: nucleus sampling")
     p.add_argument("--top-k", type=int, default=0, help="with --draft and --temperature: top-k sampling (0: off)")
     p.add_argument("--draft-prompts", type=int, default=2, help="held-out prompts per kind (default 2)")
+    p.add_argument("--prompt-set", default="v1",
+                   help="with --draft: the prompts, v1 or v2 (the draft prompt sets' held-out prompts) or workloads "
+                        "(flint/data/workloads.json: input-grounded and open-ended conversations; default v1)")
+    p.add_argument("--prompt-split", default="eval", choices=("eval", "train"),
+                   help="with --draft --prompt-set workloads: the held-out prompts (eval) or the tuning ones (train)")
     p.add_argument("--response-format", default=None, metavar="json|SCHEMA.json",
                    help="constrained decoding: greedy decode tok/s under a JSON schema (json: a built-in bounded "
                         "one; or a schema file) beside unconstrained in the same run, every output validated; "

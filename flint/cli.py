@@ -233,11 +233,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="int4 group size for weights not already int4 (kernel backends)")
     add_kv_cache_arg(p)
     p.set_defaults(model_args=True)  # check_args checks --kv-cache against --backend
-    p.add_argument("--draft", default=None,
-                   help="speculative decoding with this draft: a draft head (a path, or a shipped name: smollm2-135m), "
-                        "or ngram (prompt-lookup proposals, any model, no draft model)")
+    p.add_argument("--draft", default="auto",
+                   help="speculative decoding: auto (default: suffix proposals where they match strongly, else the "
+                        "draft head shipped for the model, else plain steps; requests it cannot serve decode plainly), "
+                        "none (plain decoding), suffix (suffix-trie proposals from the prompt, the output and recent "
+                        "outputs), ngram (prompt lookup), or a draft head (a path, or a shipped name: smollm2-135m)")
     p.add_argument("--draft-k", type=int_at_least(1), default=None,
-                   help="draft tokens per verify step (default: the draft's own)")
+                   help="draft tokens per verify step at most (default: the draft's own; suffix and auto: 7, the "
+                        "widest verify)")
     p.add_argument("--draft-vocab", type=int_at_least(0), default=None,
                    help="draft from the N most generated tokens (a pruned head; default: the draft's own, "
                         "0: the full vocabulary)")
@@ -248,7 +251,11 @@ def load_engine(args, quiet: bool = False):
     from .backend import default_backend, make_backend
     from .engine import Engine
     from .loading import load_model
+    from .suffix import K_MAX
 
+    if getattr(args, "draft", None) in ("suffix", "auto") and (args.draft_k or 0) > K_MAX:
+        raise ValueError(f"--draft-k {args.draft_k}: the {args.draft} draft proposes at most {K_MAX} tokens a step "
+                         f"(the widest verify is M = {K_MAX + 1})")
     lm = load_model(args.model)
     name = args.backend or default_backend(quiet=quiet)
     max_seq = args.max_seq_len or min(lm.cfg.max_position_embeddings, 8192)
@@ -256,14 +263,14 @@ def load_engine(args, quiet: bool = False):
                            dtype=getattr(args, "dtype", None), kv_cache=getattr(args, "kv_cache", "fp16"))
     engine = Engine(backend, lm.tokenizer)
     draft_path = getattr(args, "draft", None)
-    if draft_path:
+    if draft_path and draft_path != "none":
         from .draft import load_draft
         from .speculative import SpeculativeEngine
 
         draft = load_draft(draft_path, lm.cfg, lm.params, device=backend.device,
                            draft_vocab=getattr(args, "draft_vocab", None))
-        engine = SpeculativeEngine(backend, lm.tokenizer, draft, k=args.draft_k)
-        if name == "megakernel" and not quiet:
+        engine = SpeculativeEngine(backend, lm.tokenizer, draft, k=args.draft_k, plain_fallback=draft_path == "auto")
+        if name == "megakernel" and not quiet and draft_path != "auto":
             print("flint: speculative decoding on the megakernel is exact but slower than plain decoding except on "
                   "code prompts (its verify step is not yet flat in M; docs/speculative.md)", file=sys.stderr)
     return lm, backend, engine
@@ -292,9 +299,10 @@ def _params(args):
 
 def _stats_line(r, engine) -> str:
     s = f"{len(r.token_ids)} tokens · {r.decode_tok_s:.1f} tok/s decode · TTFT {r.ttft_s * 1000:.0f} ms"
-    acc = getattr(engine, "acceptance", None)
-    if acc is not None:
-        s += f" · {acc():.2f} tokens/verify step"
+    spec = getattr(r, "speculative", None)
+    if spec:
+        shares = ", ".join(f"{k} {v:.0%}" for k, v in spec["drafters"].items())
+        s += f" · {spec['tokens_per_step']:.2f} tokens/verify step ({shares})"
     return s + f" · {engine.backend.name}"
 
 

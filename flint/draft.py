@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .errors import FlintError
 from .draft_attn import DraftAttention, heads_fit
 from .model import dense, rms_norm
 from .quant import Int4Weight, fit_group_size, quantize_int4
@@ -41,7 +42,7 @@ FORMAT = "flint-draft-v1"
 SHIPPED_DRAFTS = Path(__file__).parent / "data" / "drafts"
 
 
-class DraftError(ValueError):
+class DraftError(FlintError, ValueError):
     """A draft file flint cannot use with this target; the message names the file and field."""
 
 
@@ -687,13 +688,30 @@ def resolve_draft_path(path: str | Path) -> Path:
     raise DraftError(f"{path}: no such draft directory (shipped drafts: {', '.join(have) or 'none'})")
 
 
+def shipped_head_for(target_cfg) -> str | None:
+    """The name of a shipped draft head built for this model's shape (draft.json's target fingerprint), or None."""
+    if not SHIPPED_DRAFTS.is_dir():
+        return None
+    want = target_fingerprint(target_cfg)
+    for d in sorted(SHIPPED_DRAFTS.iterdir()):
+        try:
+            meta = json.loads((d / "draft.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if meta.get("target", {}).get("fingerprint") == want:
+            return d.name
+    return None
+
+
 def load_draft(path: str | Path, target_cfg, target_params: dict | None = None, device=None,
                dtype: torch.dtype | None = None, draft_vocab: int | None = None) -> DraftHead:
     """Load a draft directory (or a shipped draft's name) for ``target_cfg``; refuses a draft built
     for another target. With ``target_params`` the target's embedding/norm/head are attached, with
     a drafting vocabulary of ``draft_vocab`` tokens (None: draft.json's ``draft_vocab``; 0: all V)
     taken from the ranking in vocab.safetensors.
-    ``ngram``: the draft-free prompt-lookup proposals of flint.ngram (any model, nothing loaded)."""
+    ``ngram``: the draft-free prompt-lookup proposals of flint.ngram (any model, nothing loaded); ``suffix``: the
+    draft-free suffix-trie proposals of flint.suffix; ``auto``: flint.draft_auto's choice per step between the suffix
+    draft and the draft head shipped for this model, if any."""
     from safetensors import safe_open
 
     if str(path) == "ngram":
@@ -702,6 +720,20 @@ def load_draft(path: str | Path, target_cfg, target_params: dict | None = None, 
                              "no drafting vocabulary")
         from .ngram import NgramDraft
         return NgramDraft(target_cfg.vocab_size)
+    if str(path) in ("suffix", "auto"):
+        from .suffix import SuffixDraft
+        if str(path) == "suffix":
+            if draft_vocab:
+                raise DraftError(f"draft_vocab={draft_vocab}: the suffix draft proposes tokens of the context and "
+                                 "earlier outputs, it has no drafting vocabulary")
+            return SuffixDraft(target_cfg.vocab_size)
+        from .draft_auto import AutoDraft
+        name = shipped_head_for(target_cfg) if target_params is not None else None
+        if draft_vocab and name is None:
+            raise DraftError(f"draft_vocab={draft_vocab}: no draft head is shipped for this model, so the auto draft "
+                             "has no drafting vocabulary")
+        head = load_draft(name, target_cfg, target_params, device, dtype, draft_vocab) if name else None
+        return AutoDraft(SuffixDraft(target_cfg.vocab_size), head)
 
     p = resolve_draft_path(path)
     cj = p / "draft.json"

@@ -5,6 +5,8 @@ and the ranking of the tokens the target generated (the drafting vocabulary).
                 instructions, deterministic, about one subject in ten held out for evaluation.
                 ``flint-draft-prompts-v2``: v1 plus more tasks, languages, topics, phrasings, and
                 rewrite / codeedit prompts that hand the model a text or code to change
+                ``flint-workloads-v1`` (flint/data/workloads.json, ``workload_prompts``): conversations for
+                the speculative bench, input-grounded and open-ended kinds, with a held-out split
     harvest     the target generates continuations of the prompts, batched, and stores the tokens
                 and the hidden states the draft learns from as resumable safetensors shards; one
                 pass greedy, further passes sampled from the target's distribution
@@ -31,6 +33,8 @@ PROMPT_SET = "flint-draft-prompts-v1"
 PROMPT_SET_V2 = "flint-draft-prompts-v2"
 KINDS = ("code", "explain", "qa", "chat")  # v1's kinds
 ALL_KINDS = KINDS + ("rewrite", "codeedit")  # v2 adds prompts whose answer repeats the prompt
+WORKLOADS = "flint-workloads-v1"  # the workload prompt set (bench only: its conversations have several messages)
+WORKLOADS_FILE = Path(__file__).parent / "data" / "workloads.json"
 
 
 # ------------------------------------------------------------------ the prompt set
@@ -510,11 +514,33 @@ def draft_prompts(split: str | None = None, prompt_set: str = PROMPT_SET) -> lis
     return [r for r in rows if split is None or r["split"] == split]
 
 
-def eval_prompts(per_kind: int, kinds=None, prompt_set: str = PROMPT_SET) -> list[dict]:
-    """``per_kind`` held-out prompts of each kind (default: the set's kinds), spread over subjects."""
-    rows = draft_prompts("eval", prompt_set)
+def workload_prompts(split: str | None = None) -> list[dict]:
+    """The workload prompt set (flint/data/workloads.json, ``flint-workloads-v1``): [{'kind', 'subject', 'split',
+    'messages', 'text'}] in file order; 'messages' is the conversation (a system prompt, earlier turns, a tool's
+    result), 'text' its last message. Kinds whose answer is grounded in the input (edit a given file or text,
+    summarise or extract from a document, quote a context, JSON from a record, a chat whose answer restates earlier
+    turns, an agent echoing a tool's result) and open-ended ones (code, explain, qa, chat); split 'train' (for
+    tuning) or 'eval' (held out: whole subjects), None for both."""
+    if split not in (None, "train", "eval"):
+        raise DraftError(f"split must be 'train', 'eval' or None, got {split!r}")
+    doc = json.loads(WORKLOADS_FILE.read_text())
+    return [{**r, "text": r["messages"][-1]["content"]} for r in doc["prompts"] if split in (None, r["split"])]
+
+
+def eval_prompts(per_kind: int, kinds=None, prompt_set: str = PROMPT_SET, split: str = "eval") -> list[dict]:
+    """``per_kind`` prompts of each kind (default: the set's kinds) of a split (default the held-out one), spread over
+    subjects. ``prompt_set`` 'workloads' takes them from workload_prompts."""
+    if prompt_set in ("workloads", WORKLOADS):
+        rows = workload_prompts(split)
+        kinds = kinds or list(dict.fromkeys(r["kind"] for r in rows))
+    else:
+        if split != "eval":
+            raise DraftError(f"split {split!r}: the draft prompt sets' evaluation prompts are their held-out split; "
+                             "their training split is for `flint draft harvest`")
+        rows = draft_prompts("eval", prompt_set)
+        kinds = kinds or PROMPT_SETS[resolve_prompt_set(prompt_set)][1]
     out = []
-    for kind in kinds or PROMPT_SETS[resolve_prompt_set(prompt_set)][1]:
+    for kind in kinds:
         mine = [r for r in rows if r["kind"] == kind]
         by_subject: dict[str, list] = {}
         for r in mine:

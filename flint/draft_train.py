@@ -333,7 +333,7 @@ def eval_acceptance(backend, tokenizer, draft, prompts: list[dict], k: int, max_
     plain = Engine(backend, tokenizer)
     rows: dict[str, dict] = {}
     if prompts:  # warm-up, untimed: the draft's graphs (one per k reached, K shrinks at the end), caches
-        ids = tokenizer.encode_chat([{"role": "user", "content": prompts[0]["text"]}])
+        ids = tokenizer.encode_chat(_messages(prompts[0]))
         for eng in (spec, plain) if compare_plain else (spec,):
             eng.cached = []
             eng.generate(ids, dataclasses.replace(sp, max_new_tokens=min(sp.max_new_tokens, 2 * k + 2)))
@@ -342,14 +342,16 @@ def eval_acceptance(backend, tokenizer, draft, prompts: list[dict], k: int, max_
         if time_budget is not None and time.perf_counter() - t0 > time_budget:
             log(f"eval: time budget {time_budget:.0f}s reached")
             break
-        ids = tokenizer.encode_chat([{"role": "user", "content": r["text"]}])
+        ids = tokenizer.encode_chat(_messages(r))
         spec.cached = plain.cached = []  # the two engines share one KV cache: no prefix reuse
         res = spec.generate(ids, sp)
         st = spec.last_stats
         d = rows.setdefault(r["kind"], {"prompts": 0, "steps": 0, "accepted": 0, "drafted": 0,
                                         "tokens": 0, "spec_s": 0.0, "plain_tokens": 0, "plain_s": 0.0,
-                                        "identical": 0})
+                                        "identical": 0, "drafters": {}})
         d["prompts"] += 1
+        for name, n in st.drafters.items():
+            d["drafters"][name] = d["drafters"].get(name, 0) + n
         d["steps"] += st.steps
         d["accepted"] += st.accepted
         d["drafted"] += st.drafted
@@ -362,20 +364,30 @@ def eval_acceptance(backend, tokenizer, draft, prompts: list[dict], k: int, max_
             d["plain_s"] += pres.decode_s
             d["identical"] += int(pres.token_ids == res.token_ids)
     table = {}
-    for kind, d in list(rows.items()) + [("all", {key: sum(v[key] for v in rows.values())
-                                                 for key in next(iter(rows.values()), {})})]:
+    every = {key: sum(v[key] for v in rows.values()) for key in next(iter(rows.values()), {}) if key != "drafters"}
+    every["drafters"] = {}
+    for v in rows.values():
+        for name, n in v["drafters"].items():
+            every["drafters"][name] = every["drafters"].get(name, 0) + n
+    for kind, d in list(rows.items()) + [("all", every)]:
         if not d or not d.get("steps"):
             continue
         row = {"prompts": d["prompts"],
                "tokens_per_step": round((d["accepted"] + d["steps"]) / d["steps"], 3),
                "accept_rate": round(d["accepted"] / max(d["drafted"], 1), 3),
-               "spec_tok_s": round(d["tokens"] / d["spec_s"], 1) if d["spec_s"] else None}
+               "spec_tok_s": round(d["tokens"] / d["spec_s"], 1) if d["spec_s"] else None,
+               "drafters": {name: round(n / d["steps"], 3) for name, n in sorted(d["drafters"].items())}}
         if compare_plain:
             row["plain_tok_s"] = round(d["plain_tokens"] / d["plain_s"], 1) if d["plain_s"] else None
             if sp.temperature == 0:
                 row["identical_to_plain"] = f"{d['identical']}/{d['prompts']}"
         table[kind] = row
     return table
+
+
+def _messages(r: dict) -> list[dict]:
+    """A prompt's conversation: its messages (the workload set), else its text as one user message."""
+    return r.get("messages") or [{"role": "user", "content": r["text"]}]
 
 
 def print_eval_table(table: dict, k: int, out=sys.stdout) -> None:

@@ -139,6 +139,7 @@ class GenerationResult:
     ttft_s: float
     decode_s: float
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when sp.logprobs asked for them
+    speculative: dict | None = None  # speculative decoding's figures (SpeculativeStats.summary), when it ran
 
     @property
     def decode_tok_s(self) -> float:

@@ -33,6 +33,8 @@ class NgramDraft:
     """``propose(context_ids, hidden, k, sp, gen) -> (tokens[<= k], q or None)``: the draft interface of
     flint.speculative; ``hidden`` is unused."""
 
+    name = "ngram"  # (what the engine's statistics call this drafter)
+
     def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 2, k_default: int = 4):
         for name, v in (("vocab_size", vocab_size), ("max_ngram", max_ngram), ("min_ngram", min_ngram),
                         ("k_default", k_default)):
@@ -68,14 +70,18 @@ class NgramDraft:
         return []
 
     def propose(self, context_ids: list[int], hidden=None, k: int = 4, sp=None, gen=None):
-        toks = self.lookup(context_ids, k)
-        t = torch.tensor(toks, dtype=torch.long)
-        if sp is None or sp.temperature == 0:
-            return t, None
-        q = torch.zeros((len(toks), self.cfg.vocab_size))
-        if toks:
-            q[torch.arange(len(toks)), t] = 1.0
-        return t, q
+        return point_mass(self.lookup(context_ids, k), self.cfg.vocab_size, sp)
 
 
-__all__ = ["NgramConfig", "NgramDraft"]
+def point_mass(toks: list[int], vocab_size: int, sp):
+    """A draft-free proposal as flint.speculative takes it: (tokens, q), q None when greedy, else one-hot rows."""
+    t = torch.tensor(toks, dtype=torch.long)
+    if sp is None or sp.temperature == 0:
+        return t, None
+    q = torch.zeros((len(toks), vocab_size))
+    if toks:
+        q[torch.arange(len(toks)), t] = 1.0
+    return t, q
+
+
+__all__ = ["NgramConfig", "NgramDraft", "point_mass"]

@@ -39,6 +39,10 @@ class Metrics:
                                     registry=r)
         self.spec_accepted = Counter("flint_spec_accepted_tokens", "speculative decoding: draft tokens accepted",
                                      registry=r)
+        self.spec_drafter_steps = Counter("flint_spec_drafter_steps", "speculative decoding: verify steps by the "
+                                          "drafter that proposed (none: a plain step)", ["drafter"], registry=r)
+        self.spec_tokens_per_step = Gauge("flint_spec_tokens_per_verify_step", "speculative decoding: tokens per "
+                                          "verify step since the start (accepted drafts + 1)", registry=r)
 
     def route(self, path: str) -> str:
         if path.startswith("/v1/models/"):
@@ -62,6 +66,9 @@ class Metrics:
             self.spec_steps.inc(stats.steps)
             self.spec_drafted.inc(stats.drafted)
             self.spec_accepted.inc(stats.accepted)
+            for name, n in stats.drafters.items():
+                self.spec_drafter_steps.labels(name).inc(n)
+            self.spec_tokens_per_step.set(engine.total_stats.tokens_per_step)
 
     def exposition(self) -> bytes:
         from prometheus_client import generate_latest

@@ -74,6 +74,8 @@ def timings(job: Job, r) -> dict:
     for name, (n, sec) in (("prompt", (r.prompt_tokens - job.cached_tokens, r.ttft_s)),
                            ("predicted", (max(0, len(r.token_ids) - 1), r.decode_s))):
         out.update({f"{name}_{k}": v for k, v in part(n, sec).items()})
+    if getattr(r, "speculative", None):  # tokens per verify step, the drafters' shares of the steps
+        out["speculative"] = r.speculative
     return out
 
 

@@ -16,13 +16,17 @@ is a plain M = 1 step. Logprobs (``sp.logprobs``) come from the verify row each 
 from, the target's own distribution at its position. Acceptance is reported as tokens per verify step = accepted drafts + 1 (the
 target's own token is counted), so it lies in [1, K + 1]. Grammar constraints (``sp.constraint``) are refused,
 as logit bias and penalties are (``Engine.unsupported``: this loop applies no token mask to its drafts or its
-verify rows); `flint serve --draft` answers a constrained request with a 400 naming its field.
+verify rows); `flint serve --draft` answers a constrained request with a 400 naming its field, unless the engine
+was built with ``plain_fallback`` (``--draft auto``), which decodes such a request plainly. Optional parts of the
+draft interface: ``source`` or ``name`` (the drafter counted per step in ``SpeculativeStats.drafters``),
+``end_request(context, prompt_len)`` (a generation ended: flint.suffix keeps its output), ``plain_run(context)``
+(tokens to decode plainly first, as one burst of a backend's ``greedy_run``, greedy only).
 Tests: ``pytest tests/test_speculative.py`` (the refusal: ``tests/test_structured.py``).
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +38,7 @@ class SpeculativeStats:
     steps: int = 0  # target verify forwards
     drafted: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens accepted
+    drafters: dict = field(default_factory=dict)  # verify steps by the drafter that proposed ("none": a plain step)
 
     @property
     def tokens_per_step(self) -> float:
@@ -48,6 +53,16 @@ class SpeculativeStats:
         self.steps += other.steps
         self.drafted += other.drafted
         self.accepted += other.accepted
+        for name, n in other.drafters.items():
+            self.drafters[name] = self.drafters.get(name, 0) + n
+
+    def summary(self) -> dict | None:
+        """Tokens per verify step and the share of steps each drafter proposed (what --stats and a response's
+        timings report); None without a verify step (a plain generation)."""
+        if not self.steps:
+            return None
+        return {"tokens_per_step": round(self.tokens_per_step, 3), "verify_steps": self.steps,
+                "drafters": {k: round(v / self.steps, 3) for k, v in sorted(self.drafters.items())}}
 
 
 def verify_greedy(target_tokens: list[int], drafts: list[int]) -> tuple[int, int]:
@@ -165,7 +180,10 @@ class SpeculativeEngine(Engine):
     speculative decoding; ``last_stats`` / ``acceptance()`` give the last call's acceptance and
     ``total_stats`` the running sum."""
 
-    def __init__(self, backend, tokenizer, draft, k: int | None = None, eos_token_ids=None):
+    def __init__(self, backend, tokenizer, draft, k: int | None = None, eos_token_ids=None,
+                 plain_fallback: bool = False):
+        """``plain_fallback``: a request the speculative loop cannot honour (logit bias, penalties, min_p, a grammar)
+        decodes plainly instead of being refused (``--draft auto``: speculation only where it can run)."""
         super().__init__(backend, tokenizer, eos_token_ids)
         if k is None:
             k = getattr(getattr(draft, "cfg", None), "k_default", 4)
@@ -174,6 +192,8 @@ class SpeculativeEngine(Engine):
                              f"got {k!r}")
         self.draft = draft
         self.k = k
+        self.plain_fallback = plain_fallback
+        self._request = None  # (context, prompt length) of the generation running, for the draft's end_request
         self.last_stats = SpeculativeStats()
         self.total_stats = SpeculativeStats()
         self._host_vals = self._read_done = None  # the pipelined step's pinned read-back buffer and its event
@@ -187,17 +207,36 @@ class SpeculativeEngine(Engine):
         """Logprobs are honoured: each emitted token's distribution is the verify row it was chosen from (the
         first token's, the prefill's). Logit bias, penalties and min_p are not: the verify compares the
         draft with unadjusted distributions."""
+        if self.plain_fallback:
+            return []
+        return self._spec_unsupported(sp)
+
+    def _spec_unsupported(self, sp: SamplingParams) -> list[str]:
         return [f for f in super().unsupported(sp) if f != "logprobs"]
 
     def _on_start(self) -> None:
         self.last_stats = SpeculativeStats()
 
+    def stream(self, prompt_ids: list[int], sp: SamplingParams, should_stop=None):
+        try:
+            yield from super().stream(prompt_ids, sp, should_stop)
+        finally:
+            if self.last is not None:
+                self.last.speculative = self.last_stats.summary()
+
     def _on_finish(self) -> None:
         self.total_stats.add(self.last_stats)
+        req, self._request = self._request, None
+        end = getattr(self.draft, "end_request", None)  # (a draft that learns from finished outputs)
+        if req is not None and end is not None:
+            end(*req)
 
     def _tokens(self, prompt_ids: list[int], sp: SamplingParams, gen):
         """Yield generated token ids one at a time: the first from the prefill, then the tokens each
         verify step emits. Stops only when closed; never writes past the context."""
+        if self.plain_fallback and self._spec_unsupported(sp):
+            yield from Engine._tokens(self, prompt_ids, sp, gen)
+            return
         stats = self.last_stats
         greedy = sp.temperature == 0
         logits, hidden = self.prefill(list(prompt_ids), return_hidden=True)
@@ -206,6 +245,7 @@ class SpeculativeEngine(Engine):
         if sp.logprobs is not None:
             self.step_logprobs.append(token_logprob(logits, tok, sp.logprobs))
         ctx = list(prompt_ids) + [tok]
+        self._request = (ctx, len(prompt_ids))
         yield tok
         dev = self.backend.device
         # with a draft that rolls out from device inputs (``begin``; sampling: ``begin_sampled``, where the draft's
@@ -230,7 +270,7 @@ class SpeculativeEngine(Engine):
 
         def launch(pending, hidden):
             """Enqueue the verify of the step at ``pos`` after ``tok``: its drafts (from the rollout begun for it, or
-            proposed now) and the target's forward. Returns (k, step, logits, hidden states, q)."""
+            proposed now) and the target's forward. Returns (k, step, logits, hidden states, q, the drafter's name)."""
             remaining = sp.max_new_tokens - (len(ctx) - len(prompt_ids))
             k = max(0, min(self.k, remaining - 1, self.max_seq_len - 1 - pos))
             q = None
@@ -250,6 +290,7 @@ class SpeculativeEngine(Engine):
                     raise ValueError(f"speculative decoding: the draft proposed {drafts.shape[0]} tokens, "
                                      f"at most {k} were asked for")
                 k = int(drafts.shape[0])  # a draft may propose fewer (an n-gram draft with no match: none)
+            src = (getattr(self.draft, "source", None) or getattr(self.draft, "name", "head")) if k else "none"
             if not k:
                 drafts, q = torch.empty(0, dtype=torch.long, device=dev), None
             # the verify's tokens [tok, d1..dk] without a host synchronisation: a fill and a device copy on the stream
@@ -259,13 +300,35 @@ class SpeculativeEngine(Engine):
             if k:
                 step[1:].copy_(drafts, non_blocking=True)  # (from host memory: staged at once, no device sync)
             logits, hid = self.backend.forward(step, pos, return_hidden=True)
-            return k, step, logits, hid, q
+            return k, step, logits, hid, q, src
 
         launched = None  # the pipelined loop's verify, enqueued before the step before it emitted its tokens
+        # a draft with nothing to propose for a while (``plain_run``: --draft auto with its drafters idle) hands those
+        # tokens to the backend's device loop (greedy_run: one host sync per burst, as plain decoding runs)
+        bursts = greedy and sp.logprobs is None and hasattr(self.backend, "greedy_run") and \
+            hasattr(self.draft, "plain_run")
         while True:
+            n_run = 0
+            if launched is None and bursts:
+                n_run = min(self.draft.plain_run(ctx), sp.max_new_tokens - (len(ctx) - len(prompt_ids)),
+                            self.max_seq_len - pos)
+            if n_run > 0:
+                new = self.backend.greedy_run(tok, pos, n_run)
+                if not sp.ignore_eos:
+                    at = next((j for j, t in enumerate(new) if t in self.eos), None)
+                    new = new if at is None else new[: at + 1]
+                pos += n_run
+                tok = new[-1]
+                ctx.extend(new)
+                stats.steps += len(new)
+                stats.drafters["none"] = stats.drafters.get("none", 0) + len(new)
+                hidden = pending = None  # (the next step drafts without the head: no hidden state from a burst)
+                for t in new:
+                    yield t
+                continue
             if launched is None:
                 launched = launch(pending, hidden)
-            k, step, logits, hid, q = launched
+            k, step, logits, hid, q, src = launched
             launched = None
             remaining = sp.max_new_tokens - (len(ctx) - len(prompt_ids))
             # the next step drafts at most this many: at least one token is emitted now
@@ -319,10 +382,15 @@ class SpeculativeEngine(Engine):
             stats.steps += 1
             stats.drafted += k
             stats.accepted += len(new) - 1
-            if sp.logprobs is not None:  # token new[j] was chosen from verify row j (the target after step[j])
-                self.step_logprobs.extend(token_logprob(logits[j], t, sp.logprobs) for j, t in enumerate(new))
+            stats.drafters[src] = stats.drafters.get(src, 0) + 1
+            # token new[j] was chosen from verify row j (the target after step[j]); its entry is added as it is
+            # yielded, so a consumer reading step_logprobs meanwhile (a server's stream) sees only tokens emitted
+            lps = [token_logprob(logits[j], t, sp.logprobs) for j, t in enumerate(new)] if sp.logprobs is not None \
+                else None
             hidden = None if pipelined else hid[n]
-            for t in new:
+            for j, t in enumerate(new):
+                if lps is not None:
+                    self.step_logprobs.append(lps[j])
                 yield t
 
     def _read_back_beginning(self, vals_dev: torch.Tensor, hid: torch.Tensor, n_dev: torch.Tensor,

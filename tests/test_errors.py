@@ -16,7 +16,8 @@ ERRORS = [("backend_api", "BackendError", ValueError), ("bench", "BenchError", V
           ("kernels.build", "BuildError", RuntimeError), ("megakernel", "MegakernelError", RuntimeError),
           ("params", "LoadError", ValueError), ("quantize", "QuantizeError", ValueError),
           ("tokenizer", "TokenizerError", ValueError), ("server_errors", "APIError", Exception),
-          ("server_queue", "QueueFull", Exception)]
+          ("server_queue", "QueueFull", Exception),
+          ("draft", "DraftError", ValueError)]
 
 
 @pytest.mark.parametrize("module,name,builtin", ERRORS)

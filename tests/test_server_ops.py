@@ -235,7 +235,12 @@ def test_metrics_count_requests_tokens_and_times(ops):
               "flint_time_per_output_token_seconds"):
         assert grew((h + "_count", ())) == 1, h
     assert after[("flint_queue_waiting", ())] == 0 and after[("flint_queue_running", ())] == 0
-    assert after[("flint_spec_verify_steps_total", ())] == 0  # no --draft
+    steps = grew(("flint_spec_verify_steps_total", ()))  # the default --draft auto: its steps, each by a drafter
+    assert steps >= 1 and steps == sum(grew(("flint_spec_drafter_steps_total", (("drafter", d),)))
+                                       for d in ("suffix", "head", "none"))
+    spec = r.json()["timings"]["speculative"]
+    assert spec["verify_steps"] >= 1 and 1 <= spec["tokens_per_step"] and abs(sum(spec["drafters"].values()) - 1) < 0.01
+    assert after[("flint_spec_tokens_per_verify_step", ())] >= 1
 
 
 def test_logprobs_end_at_the_stop(ops, tiny_llama):

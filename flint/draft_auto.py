@@ -1,0 +1,193 @@
+"""`--draft auto`: the drafter chosen step by step, the default of `flint chat`, `generate` and `serve`.
+
+Each verify step asks, in order: does the suffix draft (flint.suffix, over this request's prompt and output and
+the model's recent outputs) expect at least ``SUFFIX_STRONG`` accepted tokens (k, if smaller)? Then it drafts. Otherwise the
+model's draft head drafts where one is shipped for this model (flint.draft.shipped_head_for: a draft whose
+target fingerprint equals the model's), at its own k. Otherwise the step is a plain one (M = 1, nothing proposed).
+
+Each drafter sits behind a gate that backs off where its drafts keep failing: the mean of its accepted tokens
+per step (an exponential average, weight ``EMA_WEIGHT`` on the newest step, starting from ``GATE_PRIOR``) falling
+below its floor shuts it for ``BACKOFF_STEPS`` steps, twice as long each time it fails again (up to
+``BACKOFF_MAX``); a stretch above twice the floor resets the wait. Gates start afresh with each request, and a
+sampled request's suffix proposals come from its own trie only, so a seed gives the same text whatever requests
+came before (a greedy text is plain greedy's anyway). So a kind whose text the drafters cannot
+predict runs plain steps nearly all the time, and pays only the probes. What each step's drafts earned is read
+from the context at the next call (the tokens appended after the proposal), so the draft needs no hook in the
+verify loop. ``source`` names the drafter of the last proposal ("suffix", "head" or "none"), which the engine
+counts per step (SpeculativeStats.drafters).
+
+Where no drafter would propose, greedy decoding on a backend with a device loop (``greedy_run``) decodes
+``PLAIN_RUN`` tokens in one burst (``plain_run``), as plain decoding does, instead of that many host-synchronised
+M = 1 steps. With a pipelined head (a greedy rollout begun on the device before the host reads the verify back,
+flint.speculative) the head's rollout is begun every step its gate is open, and ``finish`` replaces it by the
+suffix proposal where that is strong. Sampling goes through ``propose`` (the suffix proposal as a point mass,
+the head's with its q): lossless either way.
+
+Tests: ``pytest tests/test_suffix.py``.
+"""
+from __future__ import annotations
+
+import torch
+
+from .ngram import point_mass
+from .suffix import K_MAX, SuffixDraft
+
+SUFFIX_STRONG = 2.5   # expected accepted tokens for a suffix proposal to draft (one occurrence of 3 matched: 3)
+SUFFIX_FLOOR = 0.5    # the suffix gate shuts below this many accepted tokens per suffix step
+HEAD_FLOOR = 0.5      # the head's gate shuts below this many accepted tokens per head step
+GATE_PRIOR = 1.0      # a gate's average starts here: three straight failures shut it
+EMA_WEIGHT = 0.25     # the newest step's weight in a gate's average
+BACKOFF_STEPS = 16    # steps a shut gate waits before its drafter is tried again
+BACKOFF_MAX = 256     # the longest wait, after repeated failures
+PLAIN_RUN = 4         # tokens decoded in one plain burst where no drafter would propose (backends with greedy_run)
+
+
+class Gate:
+    """Back-off for one drafter: ``open`` while its average accepted tokens per step stay above ``floor``."""
+
+    def __init__(self, floor: float):
+        self.floor = floor
+        self.mean = GATE_PRIOR
+        self.wait = 0
+        self.backoff = BACKOFF_STEPS
+
+    @property
+    def open(self) -> bool:
+        return self.wait == 0
+
+    def tick(self, steps: int = 1) -> None:
+        """Verify steps passed."""
+        if self.wait:
+            self.wait = max(0, self.wait - steps)
+            if not self.wait:
+                self.mean = GATE_PRIOR
+
+    def record(self, accepted: int) -> None:
+        self.mean = (1 - EMA_WEIGHT) * self.mean + EMA_WEIGHT * accepted
+        if self.mean < self.floor:
+            self.wait, self.backoff = self.backoff, min(2 * self.backoff, BACKOFF_MAX)
+        elif self.mean >= 2 * self.floor:
+            self.backoff = BACKOFF_STEPS
+
+
+class AutoDraft:
+    """The draft interface of flint.speculative over a SuffixDraft and an optional draft head (module docstring)."""
+
+    def __init__(self, suffix: SuffixDraft, head=None):
+        self.suffix = suffix
+        self.head = head
+        self.vocab_size = suffix.vocab_size
+        self.k_default = K_MAX
+        self.head_k = getattr(getattr(head, "cfg", None), "k_default", 0) if head is not None else 0
+        self.gates = self._fresh_gates()
+        self.source = "none"
+        self._last = None  # (context list, its length then, the proposal, its drafter)
+
+    @property
+    def cfg(self):  # SpeculativeEngine reads the default k from draft.cfg.k_default
+        return self
+
+    @property
+    def pipelined(self) -> bool:
+        return bool(getattr(self.head, "pipelined", False))
+
+    @property
+    def stateful(self) -> bool:
+        return bool(getattr(self.head, "stateful", False))
+
+    def reset_state(self, max_len: int) -> None:
+        self.head.reset_state(max_len)
+
+    def observe(self, hidden, tokens, count) -> None:
+        self.head.observe(hidden, tokens, count)
+
+    def samples_pipelined(self, sp) -> bool:
+        return False
+
+    def _settle(self, ctx: list[int]) -> None:
+        """Score the previous proposal against what the verify appended to the same context since."""
+        last, self._last = self._last, None
+        for g in self.gates.values():
+            g.tick()
+        if last is None or last[0] is not ctx or len(ctx) <= last[1]:
+            return
+        _, at, drafts, src = last
+        if isinstance(drafts, torch.Tensor):  # (a head's rollout: read now, after the verify's own read-back)
+            drafts = drafts.tolist()
+        got = ctx[at:at + len(drafts)]
+        n = 0
+        while n < len(got) and got[n] == drafts[n]:
+            n += 1
+        self.gates[src].record(n)
+
+    def _suffix(self, ctx: list[int], k: int, greedy: bool = True) -> list[int]:
+        """The suffix proposal where it is strong and its gate open, else [] (sampling: from the request's own trie,
+        so a seed gives the same text whatever other requests left in the cache)."""
+        if not self.gates["suffix"].open:
+            return []
+        toks, score = self.suffix.lookup(ctx, k, use_cache=greedy)
+        return toks if score >= min(SUFFIX_STRONG, k) else []  # (k below the bar: every token certain)
+
+    def plain_run(self, ctx: list[int]) -> int:
+        """Greedy decoding asks before each step: how many tokens to decode plainly first (flint.speculative runs them
+        as one burst of the backend's device loop): PLAIN_RUN where no drafter would propose now (the head absent,
+        stateful or shut, no strong suffix match), else 0."""
+        if self.stateful or self._head_open():
+            return 0
+        if self.gates["suffix"].open and self.suffix.lookup(ctx, K_MAX)[1] >= SUFFIX_STRONG:
+            return 0
+        for g in self.gates.values():
+            g.tick(PLAIN_RUN)
+        self.source = "none"
+        return PLAIN_RUN
+
+    def _chosen(self, ctx: list[int], toks: list[int], src: str) -> None:
+        self.source = src if len(toks) else "none"
+        self._last = (ctx, len(ctx), toks, src) if len(toks) else None
+
+    def _head_open(self) -> bool:
+        return self.head is not None and self.gates["head"].open
+
+    def propose(self, context_ids: list[int], hidden=None, k: int = K_MAX, sp=None, gen=None):
+        self._settle(context_ids)
+        toks = self._suffix(context_ids, k, sp is None or sp.temperature == 0)
+        if toks:
+            self._chosen(context_ids, toks, "suffix")
+            return point_mass(toks, self.vocab_size, sp)
+        if self._head_open() and hidden is not None:
+            t, q = self.head.propose(context_ids, hidden, min(k, self.head_k), sp, gen)
+            self._chosen(context_ids, t, "head")
+            return t, q
+        self._chosen(context_ids, [], "none")
+        return point_mass([], self.vocab_size, sp)
+
+    def begin(self, hidden: torch.Tensor, tok: torch.Tensor, k: int):
+        """The head's rollout for the next step, begun on the device while its gate is open (None otherwise)."""
+        return self.head.begin(hidden, tok, min(k, self.head_k)) if self._head_open() else None
+
+    def finish(self, pending, context_ids: list[int], k: int) -> torch.Tensor:
+        self._settle(context_ids)
+        toks = self._suffix(context_ids, k)
+        if toks:
+            self._chosen(context_ids, toks, "suffix")
+            return torch.tensor(toks, dtype=torch.long)
+        if pending is not None:
+            t = self.head.finish(pending, context_ids, min(k, pending.shape[0]))
+            self._chosen(context_ids, t, "head")
+            return t
+        self._chosen(context_ids, [], "none")
+        return torch.empty(0, dtype=torch.long)
+
+    def end_request(self, ctx: list[int], prompt_len: int) -> None:
+        """The output joins the suffix cache; the gates start afresh (a request's drafts do not depend on the
+        requests before it but through the cache, which sampled requests do not read)."""
+        self.suffix.end_request(ctx, prompt_len)
+        self._last = None
+        self.gates = self._fresh_gates()
+
+    @staticmethod
+    def _fresh_gates() -> dict:
+        return {"suffix": Gate(SUFFIX_FLOOR), "head": Gate(HEAD_FLOOR)}
+
+
+__all__ = ["AutoDraft", "Gate"]

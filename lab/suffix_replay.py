@@ -1,0 +1,115 @@
+"""Tokens per verify step of the draft-free drafters, replayed over recorded greedy continuations: greedy speculative
+decoding emits exactly the plain greedy text, so its walk (propose from the context, keep the leading proposals
+that equal the text, then the target's own token) can be replayed from the text alone, without the model, for
+any drafter and any setting of its knobs. Requests run in order through one draft, as a server's would (the
+suffix draft's cache of outputs fills as they end).
+
+    python3 lab/suffix_replay.py record --split train --tokens 128 --out runs/train.json   # plain greedy, once
+    python3 lab/suffix_replay.py replay runs/train.json [--k 7] [--set SPEC_PER_MATCH=2 ...]
+
+``record`` decodes the workload prompts (flint/data/workloads.json) plainly on the reference backend (CPU);
+``replay`` prints tokens per step by kind for ngram, suffix and auto's suffix rule (auto's head is not replayed: it
+needs the target's hidden states; a step auto would give the head counts here as a plain one). ``--set NAME=V``
+overrides a knob of flint.suffix or flint.draft_auto for the replay.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def record(args) -> None:
+    from flint.backend import make_backend
+    from flint.draft_data import workload_prompts
+    from flint.engine import Engine, SamplingParams
+    from flint.cli import default_threads, set_threads
+    from flint.loading import load_model
+
+    set_threads(default_threads())  # (one thread on a 2-core box: as `flint` itself)
+    lm = load_model(args.model)
+    be = make_backend("reference", lm, 2048, device="cpu")
+    eng = Engine(be, lm.tokenizer)
+    rows = [r for r in workload_prompts(args.split) if not args.kinds or r["kind"] in args.kinds.split(",")]
+    out = []
+    for i, r in enumerate(rows):
+        ids = lm.tokenizer.encode_chat(r["messages"])
+        eng.cached = []
+        res = eng.generate(ids, SamplingParams(max_new_tokens=args.tokens))
+        out.append({"kind": r["kind"], "subject": r["subject"], "prompt": ids, "output": res.token_ids})
+        print(f"{i + 1}/{len(rows)} {r['kind']} {len(res.token_ids)} tokens", file=sys.stderr, flush=True)
+        Path(args.out).write_text(json.dumps({"split": args.split, "tokens": args.tokens, "records": out}))
+
+
+def walk(draft, prompt: list[int], output: list[int], k: int) -> tuple[int, int]:
+    """(verify steps, tokens emitted after the first) of greedy speculative decoding that produces ``output``."""
+    ctx = list(prompt) + output[:1]
+    steps = 0
+    while len(ctx) - len(prompt) < len(output):
+        left = len(output) - (len(ctx) - len(prompt))
+        kk = max(0, min(k, left - 1))
+        props = draft.propose(ctx, None, kk)[0].tolist() if kk else []
+        truth = output[len(ctx) - len(prompt):]
+        n = 0
+        while n < len(props) and n < len(truth) - 1 and props[n] == truth[n]:
+            n += 1
+        ctx.extend(truth[:n + 1])
+        steps += 1
+    if hasattr(draft, "end_request"):
+        draft.end_request(ctx, len(prompt))
+    return steps, len(output) - 1
+
+
+def replay(args) -> None:
+    import flint.draft_auto as auto
+    import flint.suffix as suffix
+    from flint.ngram import NgramDraft
+
+    for kv in args.set or []:
+        name, v = kv.split("=")
+        for mod in (suffix, auto):
+            if hasattr(mod, name):
+                setattr(mod, name, type(getattr(mod, name))(v))
+    recs = json.loads(Path(args.path).read_text())["records"]
+    drafts = {"ngram": lambda: NgramDraft(49152, k_default=args.k), "suffix": lambda: suffix.SuffixDraft(49152),
+              "auto (suffix rule)": lambda: auto.AutoDraft(suffix.SuffixDraft(49152))}
+    table = {}
+    for name, make in drafts.items():
+        d = make()
+        for r in recs:
+            s, t = walk(d, r["prompt"], r["output"], args.k)
+            for key in (r["kind"], "all"):
+                a = table.setdefault(name, {}).setdefault(key, [0, 0])
+                a[0] += s
+                a[1] += t
+    kinds = list(dict.fromkeys(r["kind"] for r in recs)) + ["all"]
+    print(f"{'drafter':<20}" + "".join(f"{k:>11}" for k in kinds))
+    for name, row in table.items():
+        print(f"{name:<20}" + "".join(f"{row[k][1] / row[k][0]:>11.2f}" for k in kinds))
+    print("tokens per verify step (the target's token counted)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("record")
+    p.add_argument("--model", default=None)
+    p.add_argument("--split", default="train", choices=("train", "eval"))
+    p.add_argument("--kinds", default=None, help="comma list (default: all)")
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=record)
+    p = sub.add_parser("replay")
+    p.add_argument("path")
+    p.add_argument("--k", type=int, default=7)
+    p.add_argument("--set", action="append", help="NAME=VALUE: a knob of flint.suffix / flint.draft_auto")
+    p.set_defaults(func=replay)
+    args = ap.parse_args()
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()
