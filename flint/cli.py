@@ -534,8 +534,9 @@ def check_args(args) -> None:
                       dict.fromkeys(("top_p", "top_k", "seed"), (sampled,)))
     if getattr(args, "model_args", False):
         check_kv_cache_arg(args, args.backend)
-        refuse_unused(args, "with --draft" if args.draft else "", {"draft_k": ("with --draft",),
-                                                                   "draft_vocab": ("with --draft",)})
+        drafting = args.draft not in (None, "none")
+        refuse_unused(args, "with --draft" if drafting else "with --draft none",
+                      {"draft_k": ("with --draft",), "draft_vocab": ("with --draft",)})
         from .backend import default_backend
 
         backend = f"with --backend {args.backend or default_backend(quiet=True)}"

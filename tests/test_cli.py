@@ -60,8 +60,8 @@ def no_model_load(monkeypatch):
     (["--stop", ""], "argument --stop: must not be empty"),
     (["--threads", "0"], "argument --threads: must be in [1, "),
     (["--threads", "100000"], "argument --threads: must be in [1, "),
-    (["--draft-k", "3"], "--draft-k does nothing here"),
-    (["--draft-vocab", "10"], "--draft-vocab does nothing here"),
+    (["--draft", "none", "--draft-k", "3"], "--draft-k does nothing here"),
+    (["--draft", "none", "--draft-vocab", "10"], "--draft-vocab does nothing here"),
     (["--model", ""], "--model: must not be empty"),
     (["--system", "be brief"], "--system does nothing without --chat"),
     (["--top-k", "5"], "--top-k does nothing here (it is read only at --temperature > 0)"),
@@ -154,13 +154,17 @@ def test_ctrl_c_while_starting_exits_130_without_a_traceback(tmp_path):
 
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     env.pop("FLINT_DEBUG", None)
-    for delay in (0.6, 1.0, 1.5):
+    codes = []
+    for delay in (0.6, 1.0, 1.5, 2.5):
         p = subprocess.Popen([sys.executable, "-m", "flint", "quantize", "synthetic:smollm2-135m", str(tmp_path / "q")],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path)
         time.sleep(delay)
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=120)
-        assert p.returncode == 130 and b"Traceback" not in err, (delay, p.returncode, err[-2000:])
+        # -SIGINT: the signal came before the interpreter installed its handler (a loaded machine starts slowly)
+        assert p.returncode in (130, -signal.SIGINT) and b"Traceback" not in err, (delay, p.returncode, err[-2000:])
+        codes.append(p.returncode)
+    assert 130 in codes, codes
 
 
 def test_prompt_file_and_stdin_give_the_prompt(tiny_llama_dir, tmp_path, monkeypatch, capsys):
