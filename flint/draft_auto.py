@@ -32,9 +32,12 @@ import torch
 from .ngram import point_mass
 from .suffix import K_MAX, SuffixDraft
 
-SUFFIX_STRONG = 2.5   # expected accepted tokens for a suffix proposal to draft (one occurrence of 3 matched: 3)
+SUFFIX_STRONG = 2.0   # expected accepted tokens for a suffix proposal to draft (2.5: 1.22x plain on the CPU
+                      # workloads, 2.0 with HEAD_FLOOR_CPU: 1.30x, bench_workloads_auto_cpu_2026-12-07{b,c}.json)
 SUFFIX_FLOOR = 0.5    # the suffix gate shuts below this many accepted tokens per suffix step
-HEAD_FLOOR = 0.5      # the head's gate shuts below this many accepted tokens per head step
+HEAD_FLOOR = 0.5      # the head's gate shuts below this many accepted tokens per head step (its rollout: 4-8% of a
+                      # GPU step)
+HEAD_FLOOR_CPU = 1.0  # the same for a head on the CPU, whose eager rollout costs about a quarter of a step
 GATE_PRIOR = 1.0      # a gate's average starts here: three straight failures shut it
 EMA_WEIGHT = 0.25     # the newest step's weight in a gate's average
 BACKOFF_STEPS = 16    # steps a shut gate waits before its drafter is tried again
@@ -185,9 +188,9 @@ class AutoDraft:
         self._last = None
         self.gates = self._fresh_gates()
 
-    @staticmethod
-    def _fresh_gates() -> dict:
-        return {"suffix": Gate(SUFFIX_FLOOR), "head": Gate(HEAD_FLOOR)}
+    def _fresh_gates(self) -> dict:
+        on_cpu = getattr(getattr(self.head, "device", None), "type", "cpu") == "cpu"
+        return {"suffix": Gate(SUFFIX_FLOOR), "head": Gate(HEAD_FLOOR_CPU if on_cpu else HEAD_FLOOR)}
 
 
 __all__ = ["AutoDraft", "Gate"]
