@@ -615,6 +615,7 @@ def test_admission_bar_on_smollm2(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("slow_run")  # (minutes of attack traffic: pytest -m slow; the small-scale cases run in CI)
 def test_the_issue_attacks_on_smollm2(tmp_path):
     """The stalls measured against flint serve at SmolLM2's default context (8192): four /tokenize requests of
     663k characters with pieces (held /health 8.0 s), a chat of 250,000 empty messages (/health 4.9 s, +664 MB),
