@@ -362,6 +362,22 @@ class DraftHead(nn.Module):
         g = self._graphed_rollout(k)
         return g(h, tok, None)[0] if g is not None else self._rollout(h, tok, k)[0]
 
+    def loops_on_device(self) -> bool:
+        """Whether greedy steps can run with no host value between them (``accept_and_roll``: the rollout kernel's
+        accept prologue; flint.speculative's device loop)."""
+        return self._kernel_rollout() is not None
+
+    @torch.inference_mode()
+    def accept_and_roll(self, argmax: torch.Tensor, step: torch.Tensor, resid: torch.Tensor, vals: torch.Tensor,
+                        nxt: torch.Tensor) -> None:
+        """Accept a greedy verify and roll the next step's proposals out in one launch (``loops_on_device``; the
+        arguments: _KernelRollout.accept_and_roll)."""
+        self._need_target()
+        kr = self._kernel_rollout()
+        if kr is None:
+            raise DraftError("accept_and_roll needs the rollout kernel (CUDA, bf16, no attention; FLINT_DRAFT_KERNEL)")
+        kr.accept_and_roll(argmax, step, resid, vals, nxt)
+
     def samples_pipelined(self, sp) -> bool:
         """Whether a sampled rollout for ``sp`` runs from device inputs (``begin_sampled``): on the rollout kernel, for
         any temperature, top-k and top-p. The kernel draws from softmax(logits / T) alone; speculative sampling is
@@ -514,12 +530,14 @@ class _KernelRollout:
         self.i_out = len(ptrs)
         ptrs += [None, None, None, None]  # out; sampling: logits, seed; the traced build's stamps (lab/draft_trace.py)
         self.i_trace = self.i_out + 3
+        self.i_acc = len(ptrs)
+        ptrs += [None] * 5  # the accept prologue: argmax, verify tokens, hidden states, values, next verify's tokens
         # the argument tables are built once; a call sets its inputs' slots (token, hidden state, output) and k
         self.ptrs = (ctypes.c_void_p * len(ptrs))(*ptrs)
         gs = [groups["fc"], *[groups.get(f"gu{i}", 0) for i in range(nmax)],
               *[groups.get(f"down{i}", 0) for i in range(nmax)], groups["head"]]
-        self.ints = (ctypes.c_longlong * (6 + len(gs)))(H, I, draft.draft_vocab_size, nblk, 0,
-                                                        emb.group_size if emb is not None else 0, *gs)
+        self.ints = (ctypes.c_longlong * (7 + len(gs)))(H, I, draft.draft_vocab_size, nblk, 0,
+                                                        emb.group_size if emb is not None else 0, *gs, 0)
         self.floats = (ctypes.c_float * 4)(draft.norm_hidden.eps, draft.target_eps, draft.logits_scaling, 1.0)
         self.n_rows = draft.draft_vocab_size
 
@@ -532,6 +550,7 @@ class _KernelRollout:
         tok = tok.to(torch.long).contiguous()
         out = torch.empty(k, dtype=torch.long, device=h0.device)
         self.ptrs[self.i_tok], self.ptrs[self.i_h0], self.ptrs[self.i_out] = tok.data_ptr(), h0.data_ptr(), out.data_ptr()
+        self.ptrs[self.i_acc] = None
         logits = None
         if temperature > 0:
             if seed is None or seed.dtype != torch.long or seed.device != h0.device:
@@ -542,11 +561,42 @@ class _KernelRollout:
         else:
             self.ptrs[self.i_out + 1] = self.ptrs[self.i_out + 2] = None
         self.ints[4] = k
-        stream = torch.cuda.current_stream(h0.device)
+        self._launch(h0.device)
+        return out if logits is None else (out, logits)
+
+    def _launch(self, device) -> None:
+        stream = torch.cuda.current_stream(device)
         rc = self.lib.flint_draft_rollout(self.ints, self.ptrs, self.floats, self.ct.c_void_p(stream.cuda_stream))
         if rc != 0:
             raise DraftError(f"flint_draft_rollout failed: CUDA error {rc}")
-        return out if logits is None else (out, logits)
+
+    def accept_and_roll(self, argmax: torch.Tensor, step: torch.Tensor, resid: torch.Tensor, vals: torch.Tensor,
+                        nxt: torch.Tensor) -> None:
+        """The greedy acceptance of a verify and the next rollout in one launch, nothing read by the host (the
+        kernel's accept prologue): ``step`` int64 [M + 1] the verify's tokens then its start position, ``argmax``
+        int32 [>= M] the target's argmax after each, ``resid`` fp32 [>= M, H] its hidden states. Writes ``vals``
+        int64 [M + 1] = (accepted n, the target's token after them, the M - 1 drafts) and ``nxt`` int64 [k + 2] = the
+        next verify's tokens (that token, k proposals) then its start position (start + n + 1)."""
+        m, k = step.numel() - 1, nxt.numel() - 2
+        dev = self.keep["x"].device
+        for name, t, dt in (("argmax", argmax, torch.int32), ("step", step, torch.long), ("resid", resid, torch.float32),
+                            ("vals", vals, torch.long), ("nxt", nxt, torch.long)):
+            if t.dtype != dt or t.device != dev or not t.is_contiguous():
+                raise DraftError(f"accept_and_roll: {name} must be a contiguous {dt} tensor on {dev}")
+        if m < 1 or k < 1 or argmax.numel() < m or vals.numel() < m + 1 or resid.shape[-1] != self.ints[0] \
+                or resid.numel() < m * self.ints[0]:
+            raise DraftError(f"accept_and_roll: shapes (step {m + 1}, argmax {argmax.numel()}, resid "
+                             f"{tuple(resid.shape)}, vals {vals.numel()}, nxt {k + 2}) do not fit")
+        self.ptrs[self.i_tok] = self.ptrs[self.i_h0] = self.ptrs[self.i_out + 1] = self.ptrs[self.i_out + 2] = None
+        self.ptrs[self.i_out] = nxt.data_ptr() + 8
+        (self.ptrs[self.i_acc], self.ptrs[self.i_acc + 1], self.ptrs[self.i_acc + 2], self.ptrs[self.i_acc + 3],
+         self.ptrs[self.i_acc + 4]) = (argmax.data_ptr(), step.data_ptr(), resid.data_ptr(), vals.data_ptr(),
+                                       nxt.data_ptr())
+        self.ints[4], self.ints[len(self.ints) - 1] = k, m
+        try:
+            self._launch(dev)
+        finally:
+            self.ptrs[self.i_acc] = None
 
 
 class _GraphedRollout:

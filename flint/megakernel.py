@@ -61,6 +61,8 @@ def bind_library(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.flint_mk_destroy.restype = None
     lib.flint_mk_forward.argtypes = [vp, ctypes.c_int, vp, ctypes.c_int, vp]
     lib.flint_mk_forward.restype = ctypes.c_int
+    lib.flint_mk_forward_dev.argtypes = [vp, ctypes.c_int, vp, ctypes.c_int, vp]
+    lib.flint_mk_forward_dev.restype = ctypes.c_int
     lib.flint_mk_greedy.argtypes = [vp, ctypes.c_int, ctypes.c_int, vp, ctypes.POINTER(ctypes.c_int)]
     lib.flint_mk_greedy.restype = ctypes.c_int
     lib.flint_mk_greedy_run.argtypes = [vp, ctypes.c_int, ctypes.c_int, ctypes.c_int, vp, vp]
@@ -530,6 +532,25 @@ class MegakernelBackend:
         if return_hidden:
             return logits, self.resid[rows].clone()
         return logits
+
+    supports_device_start = True  # forward_dev: a verify whose start position is on the device (flint.speculative)
+
+    def forward_dev(self, step: torch.Tensor, start_max: int) -> None:
+        """Enqueue a verify of M = step.numel() - 1 >= 2 tokens whose start position is step[-1], all on the device
+        (the draft rollout's accept prologue wrote them: flint/kernels/draft_kernel.cu), with no host
+        synchronisation; ``start_max`` bounds that position (start_max + M <= max_seq_len is checked). The outputs
+        stay in the backend's buffers, valid until the next launch: ``logits`` [M, V], ``resid`` [M, H] (the
+        hidden states) and ``argmax`` int32 [M]."""
+        m = step.numel() - 1
+        if step.dtype != torch.int64 or step.device != self.logits.device or not step.is_contiguous():
+            raise ValueError("megakernel forward_dev: step must be a contiguous int64 tensor on the backend's device")
+        if m < 2 or m > self.max_chunk:
+            raise ValueError(f"megakernel forward_dev: {m} tokens per step is not supported (2..{self.max_chunk})")
+        if start_max < 0 or start_max + m > self.max_seq_len:
+            raise ValueError(f"megakernel: positions up to {start_max + m - 1} exceed max_seq_len {self.max_seq_len}")
+        stream = torch.cuda.current_stream(self.device)
+        _check(self._lib.flint_mk_forward_dev(self._h, m, ctypes.c_void_p(step.data_ptr()), int(start_max),
+                                              ctypes.c_void_p(stream.cuda_stream)), self._lib)
 
     supports_token_mask = True
     _token_mask = None

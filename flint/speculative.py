@@ -261,6 +261,9 @@ class SpeculativeEngine(Engine):
             logits, hid = self.backend.forward(step, pos, return_hidden=True)
             return k, step, logits, hid, q
 
+        if greedy and sp.logprobs is None and not stateful and self._loops_on_device():
+            # (it returns where it cannot launch a full step ahead: near the end of the context or of max_new_tokens)
+            pos, tok, hidden = yield from self._device_loop(prompt_ids, sp, ctx, pos, tok, hidden)
         launched = None  # the pipelined loop's verify, enqueued before the step before it emitted its tokens
         while True:
             if launched is None:
@@ -324,6 +327,80 @@ class SpeculativeEngine(Engine):
             hidden = None if pipelined else hid[n]
             for t in new:
                 yield t
+
+    def _loops_on_device(self) -> bool:
+        return (bool(getattr(self.backend, "supports_device_start", False))
+                and bool(getattr(self.draft, "loops_on_device", lambda: False)())
+                and os.environ.get("FLINT_SPEC_DEVICE_LOOP", "1") != "0")
+
+    def _device_loop(self, prompt_ids: list[int], sp: SamplingParams, ctx: list[int], pos: int, tok: int, hidden):
+        """Greedy steps with no host value on the GPU's path: the rollout kernel's accept prologue accepts verify j on
+        the device and writes verify j + 1's tokens and start position (DraftHead.accept_and_roll), and the backend
+        launches that verify from them (forward_dev), so the host enqueues step j + 1 before it reads step j's values
+        back and the GPU never waits for the host's per-step work. Each step: rollout with the accept, one copy of the
+        values (n, the target's token, the drafts) to pinned memory, the next verify, one wait for the copy. Verify
+        j + 1 is sized before step j's acceptance is known: its start is at most pos_j + M_j, its drafts at most what
+        max_new_tokens leaves after one more token; emitted tokens are cut at max_new_tokens (and after an eos, as
+        the host loop does). Returns (pos, token, hidden state) where a step can no longer be launched ahead with at
+        least one draft, for the host loop to go on from; ``ctx`` is extended in place."""
+        be, draft, stats = self.backend, self.draft, self.last_stats
+        dev = be.logits.device
+        K, n_prompt = self.k, len(prompt_ids)
+
+        def drafts_for(emitted: int, start_max: int) -> int:  # (the host loop's bound, at the largest start)
+            return max(0, min(K, sp.max_new_tokens - emitted - 1, self.max_seq_len - 1 - start_max))
+
+        k = drafts_for(len(ctx) - n_prompt, pos)
+        if k < 1:
+            return pos, tok, hidden
+        bufs = [torch.empty(K + 2, dtype=torch.long, device=dev) for _ in range(2)]  # verify tokens, then start
+        vals = torch.empty(K + 2, dtype=torch.long, device=dev)
+        if self._host_vals is None or self._host_vals.shape[0] < 2 * K + 2:
+            self._host_vals = torch.empty(2 * K + 2, dtype=torch.long, pin_memory=True)
+            self._read_done = torch.cuda.Event()
+        host = self._host_vals  # (2 m - 1 <= 2 K + 1 values)
+        step = bufs[0][:k + 2]
+        step[:1].fill_(tok)
+        step[1:k + 1].copy_(draft.begin(hidden, step[:1], k))
+        step[k + 1:].fill_(pos)
+        be.forward_dev(step, pos)
+        i, m = 0, k + 1
+        while True:
+            emitted = len(ctx) - n_prompt
+            kn = drafts_for(emitted + 1, pos + m)  # (this step emits at least one token, accepts at most m - 1)
+            if kn >= 1:
+                nxt = bufs[(i + 1) % 2][:kn + 2]
+                draft.accept_and_roll(be.argmax, step, be.resid, vals, nxt)
+                host[:m + 1].copy_(vals[:m + 1], non_blocking=True)
+                self._read_done.record()
+                be.forward_dev(nxt, pos + m)
+                self._read_done.synchronize()  # (the rollout and the copy: the next verify runs on)
+                v = host[:m + 1].tolist()
+                n, t_next, proposed = v[0], v[1], v[2:]
+            else:  # the last step launched ahead: accepted by the host (the buffers still hold it)
+                host[:2 * m - 1].copy_(torch.cat((be.argmax[:m].long(), step[1:m])), non_blocking=True)
+                self._read_done.record()
+                self._read_done.synchronize()
+                v = host[:2 * m - 1].tolist()
+                proposed = v[m:]
+                n, t_next = verify_greedy(v[:m], proposed)
+            new = (proposed[:n] + [t_next])[: sp.max_new_tokens - emitted]
+            if not sp.ignore_eos:
+                at = next((j for j, t in enumerate(new) if t in self.eos), None)
+                if at is not None:
+                    new = new[: at + 1]
+            pos += n + 1
+            tok = t_next
+            ctx.extend(new)
+            stats.steps += 1
+            stats.drafted += m - 1
+            stats.accepted += len(new) - 1
+            if kn < 1:
+                hidden = be.resid[n].clone()
+                yield from new
+                return pos, tok, hidden
+            step, m, i = nxt, kn + 1, i + 1
+            yield from new
 
     def _read_back_beginning(self, vals_dev: torch.Tensor, hid: torch.Tensor, n_dev: torch.Tensor,
                              tok_dev: torch.Tensor, k_next: int, begin, observe=None):

@@ -80,8 +80,19 @@ struct DraftArgs {
   float* logits;
   const unsigned long long* seed;  // [1] device
   unsigned long long* trace;     // the traced build (MK_TRACE): block 0's %globaltimer stamps, else unused
+  // the accept prologue (acc_am non-null, greedy only): the previous verify of acc_m tokens is accepted here, so the
+  // next verify needs no host value. acc_step [acc_m + 1]: its tokens and start position; acc_am [acc_m]: the target's
+  // argmax after each (int32); acc_resid [acc_m][H]: its hidden states (fp32). n = the leading drafts acc_step[1 + i]
+  // equal to acc_am[i]; the rollout starts from token acc_am[n] and hidden state acc_resid[n] (tok and h0 unused).
+  // Block 0 writes acc_vals [acc_m + 1] = (n, acc_am[n], the drafts) for the host, and the next verify's token
+  // buffer acc_next [k + 2] = (acc_am[n], the k proposals (out = acc_next + 1), start + n + 1).
+  const int* acc_am;
+  const long long* acc_step;
+  const float* acc_resid;
+  long long* acc_vals;
+  long long* acc_next;
   float eps, teps, scale, temp;
-  int H, I, N, nblocks, k;
+  int H, I, N, nblocks, k, acc_m;
 };
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -285,7 +296,25 @@ __global__ void __launch_bounds__(kThreads) draft_rollout_kernel(DraftArgs a) {
   const int gwarp = blockIdx.x * kWarps + warp, nwarps = gridDim.x * kWarps;
   float* xs = smem;                                   // [max(2H, I)] the staged vector
   float* xc = smem + (2 * H > I ? 2 * H : I);         // [max(2H, I) / 32] its chunk sums (int4 layout)
-  long long tok = __ldg(a.tok);  // this step's input token: its id, afterwards its drafting-vocabulary row
+  __shared__ int acc_n;  // (the prologue's n: kept here, a register held across the steps spilled)
+  long long tok;  // this step's input token: its id, afterwards its drafting-vocabulary row
+  if (a.acc_am != nullptr) {  // the accept prologue: every thread finds n (a few L2 words), block 0 writes
+    const int k0 = a.acc_m - 1;
+    int n = 0;
+    while (n < k0 && (long long)a.acc_am[n] == a.acc_step[1 + n]) ++n;
+    tok = a.acc_am[n];
+    if (threadIdx.x == 0) acc_n = n;
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      a.acc_vals[0] = n;
+      a.acc_vals[1] = tok;
+      for (int i = 0; i < k0; ++i) a.acc_vals[2 + i] = a.acc_step[1 + i];
+      a.acc_next[0] = tok;
+      a.acc_next[a.k + 1] = a.acc_step[a.acc_m] + n + 1;
+    }
+  } else {
+    tok = __ldg(a.tok);
+  }
+  __syncthreads();  // (acc_n)
   // the traced build's stamps (MK_TRACE): block 0's %globaltimer (ns) at the start, then per step before and after
   // each grid barrier (fc, each MLP block's gate|up and down, the head's keys) and at the step's end:
   // 1 + k * (5 + 4 * nblocks) (lab/draft_trace.py reads them); no code in the shipped build
@@ -304,7 +333,7 @@ __global__ void __launch_bounds__(kThreads) draft_rollout_kernel(DraftArgs a) {
     // fc over [rmsnorm(h) * w_nh | rmsnorm(e) * w_ne]
     const bool qf = a.fc.q != nullptr;
     if (j == 0) {
-      rms_into(xs, xc, a.w_nh, H, 0, 2 * H, qf, a.eps, red, [&](int i) { return __ldg(a.h0 + i); });
+      rms_into(xs, xc, a.w_nh, H, 0, 2 * H, qf, a.eps, red, [&](int i) { return __ldg((a.acc_am ? a.acc_resid + (size_t)acc_n * H : a.h0) + i); });
       embed_into(a, xs, xc, a.emb_full, tok, tok, 2 * H, qf, red);
     } else {
       rms_into(xs, xc, a.w_nh, H, 0, 2 * H, qf, a.eps, red, [&](int i) { return __ldcg(a.x + i); });
@@ -427,7 +456,8 @@ static bool mat_ok(const Mat& A, int K) {
 // ints: H, I, N, nblocks, k, e_group, then the group sizes of fc, gu[kMaxBlocks], down[kMaxBlocks], head (0: bf16).
 // ptrs, in order: fc (w, q, s, m), w_nh, w_ne, w_bn[kMaxBlocks], gu[kMaxBlocks] (4 each), down[kMaxBlocks] (4 each),
 // w_final, head (4), head's row ids, embed, vocab_ids, tok, emb_full, e_q, e_scale, e_min, h0, f, act, x, keys, out,
-// logits (null: greedy), seed, trace. floats: eps, the target's eps, the logit scale, the temperature (sampling).
+// logits (null: greedy), seed, trace, then the accept prologue's acc_am (null: none), acc_step, acc_resid, acc_vals,
+// acc_next (ints[16]: acc_m). floats: eps, the target's eps, the logit scale, the temperature (sampling).
 extern "C" int flint_draft_rollout(const long long* ints, const void* const* ptrs, const float* floats, void* stream) {
   DraftArgs a{};
   a.H = (int)ints[0]; a.I = (int)ints[1]; a.N = (int)ints[2]; a.nblocks = (int)ints[3]; a.k = (int)ints[4];
@@ -461,6 +491,12 @@ extern "C" int flint_draft_rollout(const long long* ints, const void* const* ptr
   a.logits = (float*)*p++;
   a.seed = (const unsigned long long*)*p++;
   a.trace = (unsigned long long*)*p++;
+  a.acc_am = (const int*)*p++;
+  a.acc_step = (const long long*)*p++;
+  a.acc_resid = (const float*)*p++;
+  a.acc_vals = (long long*)*p++;
+  a.acc_next = (long long*)*p++;
+  a.acc_m = (int)ints[6 + 2 + 2 * kMaxBlocks];
   a.eps = floats[0];
   a.teps = floats[1];
   a.scale = floats[2];
@@ -471,6 +507,10 @@ extern "C" int flint_draft_rollout(const long long* ints, const void* const* ptr
   ok = ok && (a.emb_full != nullptr || a.e_q != nullptr) && (a.embed != nullptr || a.e_q != nullptr);
   ok = ok && (a.e_q == nullptr || (a.e_scale != nullptr && a.e_min != nullptr && a.e_group > 0));
   ok = ok && (a.logits == nullptr || (a.seed != nullptr && a.scale > 0.f && a.temp > 0.f));
+  // the prologue: greedy, all its buffers, the rollout's proposals written into the next verify's buffer
+  ok = ok && (a.acc_am == nullptr ? a.tok != nullptr && a.h0 != nullptr
+                                  : a.logits == nullptr && a.acc_step && a.acc_resid && a.acc_vals && a.acc_next &&
+                                        a.acc_m >= 1 && a.acc_m <= 64 && a.out == a.acc_next + 1);
   if (!ok) return (int)cudaErrorInvalidValue;
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);

@@ -33,6 +33,11 @@ template <int M>
 __global__ void __launch_bounds__(NT, 1)
     decode_kernel(const __grid_constant__ Params p, const __grid_constant__ Smem sl, int start,
                   const long long* tokens, int tok0) {
+  // a verify whose start position is on the device (flint_mk_forward_dev, tok0 < 0): tokens[M], where the draft
+  // rollout that wrote this step's tokens put it; clamped into the cache (the host checked the largest it can be)
+  if constexpr (M >= 2) {
+    if (tok0 < 0) start = max(0, min((int)tokens[M], p.max_seq - M));
+  }
   uint8_t* smem = mk_smem;
   Ring ring;
   ring.slots = smem + sl.ring;

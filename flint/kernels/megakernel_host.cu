@@ -103,7 +103,7 @@ struct Handle {
 
 extern "C" const char* flint_mk_last_error() { return g_err; }
 
-extern "C" int flint_mk_abi_version() { return 5; }
+extern "C" int flint_mk_abi_version() { return 6; }
 
 // The long-context objects' K/V tensor maps (mk_common.cuh, Params::kv_map): the driver's encoder through the runtime's
 // entry-point query (no link against libcuda). 0 = made; otherwise the long objects are not launched (the short ones
@@ -424,6 +424,21 @@ static int launch(Handle* h, int M, int start, const long long* tokens, int tok0
 
 extern "C" int flint_mk_forward(void* hv, int M, const long long* tokens_dev, int start, void* stream) {
   return launch((Handle*)hv, M, start, tokens_dev, 0, (cudaStream_t)stream);
+}
+
+// A verify step of M >= 2 tokens whose start position is on the device: tokens_dev holds M + 1 int64, the tokens
+// and then the start (written there by the draft rollout's accept prologue, flint/kernels/draft_kernel.cu), so the
+// step is enqueued before the previous one is read back. start_max: the largest start it can hold (checked here:
+// start_max + M <= max_seq_len; the kernel clamps into the cache as well).
+extern "C" int flint_mk_forward_dev(void* hv, int M, const long long* tokens_dev, int start_max, void* stream) {
+  Handle* h = (Handle*)hv;
+  if (M < 2 || tokens_dev == nullptr) return fail("megakernel forward_dev: needs M >= 2 tokens in device memory");
+  if (start_max < 0 || start_max + M > h->p.max_seq) {
+    snprintf(g_err, sizeof(g_err), "megakernel: positions up to %d exceed max_seq_len %d", start_max + M - 1,
+             h->p.max_seq);
+    return 1;
+  }
+  return launch(h, M, start_max, tokens_dev, -1, (cudaStream_t)stream);
 }
 
 // Greedy decoding of n tokens with no host round trip between them: step i > 0 reads its input token from
