@@ -26,7 +26,7 @@ import sys
 
 from . import __version__
 
-SUBCOMMAND_MODULES = ("flint.server", "flint.bench", "flint.evaluate", "flint.quantize", "flint.draft_cli")
+SUBCOMMAND_MODULES = ("flint.server.serve", "flint.bench", "flint.evaluate", "flint.quantize", "flint.draft_cli")
 
 SELFTEST_PROMPT = "What is the capital of France? Answer in one sentence."
 SELFTEST_KEYWORD = "paris"
@@ -480,7 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
 # The range of every plain int / float option of a subcommand module, by its dest: build_parser
 # puts these types in place, so no number outside its range reaches a command (a batch size of 0,
 # a negative stride, a 100000 GiB buffer). tests/test_cli.py checks that no numeric option is left
-# without one, except flint serve's, which flint.server checks (check_serve_args).
+# without one, except flint serve's, which flint.server.serve checks (check_serve_args).
 SEED = int_at_least(-2**63, 2**64 - 1)  # torch's range
 OPTION_RANGES = {
     **dict.fromkeys(("batch_size", "k", "depth", "steps", "layers", "intermediate_size", "eval_every",

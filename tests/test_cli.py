@@ -108,13 +108,13 @@ def test_bad_values_are_refused_before_the_model_loads(argv, needle, no_model_lo
 def test_other_subcommands_refuse_out_of_range_values_at_parse_time(argv, needle, monkeypatch, capsys):
     import flint.bench
     import flint.draft_cli
-    import flint.server
+    import flint.server.serve
 
     def ran(args):
         raise AssertionError(f"flint {args.command} ran with a bad value")
     import flint.evaluate
 
-    for mod, fn in ((flint.server, "cmd_serve"), (flint.draft_cli, "cmd_harvest"), (flint.bench, "_run"),
+    for mod, fn in ((flint.server.serve, "cmd_serve"), (flint.draft_cli, "cmd_harvest"), (flint.bench, "_run"),
                     (flint.draft_cli, "cmd_train"), (flint.draft_cli, "cmd_eval"), (flint.draft_cli, "cmd_vocab"),
                     (flint.evaluate, "_run")):
         monkeypatch.setattr(mod, fn, ran)  # register() reads these names when main() builds the parser
@@ -127,7 +127,7 @@ def test_other_subcommands_refuse_out_of_range_values_at_parse_time(argv, needle
 def test_every_numeric_option_has_a_range():
     """No subcommand option parses as a bare int or float (any value, 0 or -1 or 1e9, accepted):
     each has a range (flint.cli.OPTION_RANGES) or a list of choices. flint serve's are checked by
-    flint.server before it starts."""
+    flint.server.serve before it starts."""
     bare = [f"{p.prog} --{a.dest}" for p in leaf_parsers(build_parser()) for a in p._actions
             if a.type in (int, float) and not a.choices and not p.prog.endswith(" serve")]
     assert bare == []

@@ -15,8 +15,8 @@ ERRORS = [("backend_api", "BackendError", ValueError), ("bench", "BenchError", V
           ("evaluate", "EvalError", ValueError), ("grammar", "GrammarError", ValueError),
           ("kernels.build", "BuildError", RuntimeError), ("megakernel", "MegakernelError", RuntimeError),
           ("params", "LoadError", ValueError), ("quantize", "QuantizeError", ValueError),
-          ("tokenizer", "TokenizerError", ValueError), ("server_errors", "APIError", Exception),
-          ("server_queue", "QueueFull", Exception),
+          ("tokenizer", "TokenizerError", ValueError), ("server.errors", "APIError", Exception),
+          ("server.queue", "QueueFull", Exception),
           ("draft", "DraftError", ValueError)]
 
 

@@ -1,9 +1,10 @@
-"""The flint/*.py modules import each other without a cycle.
+"""The flint/*.py and flint/server/*.py modules import each other without a cycle.
 
 Every import statement counts, at module level or inside a function: ``from flint import x``,
-``from . import x``, ``from .x import y``, ``from flint.x import y``, ``import flint.x``. An edge
-goes to a top-level module of the package (flint/x.py); imports of subpackages (flint.kernels)
-and dynamic ``importlib.import_module`` calls are not edges. CPU only, no flint import.
+``from . import x``, ``from .x import y``, ``from ..x import y`` (in flint/server/), ``from flint.x import y``,
+``import flint.x``. An edge goes to a module of the package (flint/x.py, or flint/server/x.py, named
+``server.x``; ``server.__init__`` for that package's __init__.py); imports of other subpackages
+(flint.kernels) and dynamic ``importlib.import_module`` calls are not edges. CPU only, no flint import.
 """
 from __future__ import annotations
 
@@ -11,37 +12,56 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "flint"
+WINGS = ("server",)  # subpackages whose modules are nodes of the graph like flint/*.py's
 
 
 def _modules() -> dict[str, Path]:
-    return {p.stem: p for p in sorted(PKG.glob("*.py"))}
+    mods = {p.stem: p for p in sorted(PKG.glob("*.py"))}
+    for wing in WINGS:
+        mods.update({f"{wing}.{p.stem}": p for p in sorted((PKG / wing).glob("*.py"))})
+    return mods
 
 
-def _targets(node: ast.AST, modules: dict[str, Path]) -> list[str]:
-    """The flint top-level modules one import statement names ("__init__" for the package)."""
+def _resolve(parts: list[str], modules: dict[str, Path]) -> str | None:
+    """The module that flint.<parts> is or lies in (a package's __init__), None outside the graph."""
+    if not parts:
+        return "__init__"
+    for n in range(len(parts), 0, -1):
+        name = ".".join(parts[:n])
+        if name in modules:
+            return name
+        if f"{name}.__init__" in modules:
+            return f"{name}.__init__"
+    return None
+
+
+def _targets(node: ast.AST, modules: dict[str, Path], pkg: str = "") -> list[str]:
+    """The flint modules one import statement names ("__init__" for the package), from a module of
+    package flint.<pkg> (pkg "" for flint itself)."""
     out = []
     if isinstance(node, ast.Import):
         for a in node.names:
             parts = a.name.split(".")
             if parts[0] == "flint":
-                out.append(parts[1] if len(parts) > 1 else "__init__")
+                out.append(_resolve(parts[1:], modules))
     elif isinstance(node, ast.ImportFrom):
-        if node.level > 1:
-            return out  # above the package
-        if node.level == 1:
-            parts = node.module.split(".") if node.module else []
+        if node.level:
+            here = pkg.split(".") if pkg else []
+            if node.level - 1 > len(here):
+                return out  # above the package
+            base = here[:len(here) - (node.level - 1)] + (node.module.split(".") if node.module else [])
         elif node.module and node.module.split(".")[0] == "flint":
-            parts = node.module.split(".")[1:]
+            base = node.module.split(".")[1:]
         else:
             return out
-        if parts:
-            out.append(parts[0])
-        else:  # from flint import x / from . import x: x is a module or a name of __init__
-            for a in node.names:
-                if a.name in modules:
-                    out.append(a.name)
-                elif not (PKG / a.name).is_dir():  # a subpackage is not an edge
-                    out.append("__init__")
+        for a in node.names:  # from X import m: m is a module of X, a subpackage or a name of X's module
+            name = ".".join(base + [a.name])
+            if name in modules:
+                out.append(name)
+            elif PKG.joinpath(*base, a.name).is_dir():  # a subpackage: its __init__ if it is a node
+                out.append(f"{name}.__init__")
+            else:
+                out.append(_resolve(base, modules))
     return [t for t in out if t in modules]
 
 
@@ -50,10 +70,11 @@ def import_graph() -> dict[str, dict[str, int]]:
     modules = _modules()
     graph: dict[str, dict[str, int]] = {}
     for name, path in modules.items():
+        pkg = name.rsplit(".", 1)[0] if "." in name else ""
         edges: dict[str, int] = {}
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
-                for t in _targets(node, modules):
+                for t in _targets(node, modules, pkg):
                     if t != name:
                         edges[t] = min(edges.get(t, node.lineno), node.lineno)
         graph[name] = edges
@@ -84,7 +105,8 @@ def find_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
 
 
 def _describe(cycle: list[str], graph) -> str:
-    return " -> ".join(f"{a} (flint/{a}.py:{graph[a][b]})" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
+    hops = (f"{a} (flint/{a.replace('.', '/')}.py:{graph[a][b]})" for a, b in zip(cycle, cycle[1:]))
+    return " -> ".join(hops) + f" -> {cycle[-1]}"
 
 
 def test_graph_sees_the_import_forms():
@@ -94,6 +116,12 @@ def test_graph_sees_the_import_forms():
     got = [t for n in ast.walk(ast.parse(src)) if isinstance(n, (ast.Import, ast.ImportFrom))
            for t in _targets(n, mods)]
     assert sorted(got) == ["__init__", "a", "b", "c", "d", "e"]
+    mods.update({m: Path() for m in ("server.__init__", "server.app", "server.tools")})
+    src = ("from .tools import x\nfrom ..a import y\nfrom .. import b\nfrom flint.server.app import z\n"
+           "from ...c import w\nfrom flint import server\n")
+    got = [t for n in ast.walk(ast.parse(src)) if isinstance(n, (ast.Import, ast.ImportFrom))
+           for t in _targets(n, mods, "server")]
+    assert sorted(got) == ["a", "b", "server.__init__", "server.app", "server.tools"]
     g = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {"a": 4}}
     assert find_cycles(g) == [["a", "b", "c", "a"]]
 
@@ -104,5 +132,5 @@ def test_no_import_cycles():
     cycles = find_cycles(graph)
     msg = "\n".join(_describe(c, graph) for c in cycles)
     if cycles:
-        print("import cycles among flint/*.py:\n" + msg)
-    assert not cycles, "import cycles among flint/*.py:\n" + msg
+        print("import cycles among flint's modules:\n" + msg)
+    assert not cycles, "import cycles among flint's modules:\n" + msg

@@ -269,7 +269,7 @@ def test_chat_logprobs_with_a_bpe_tokenizer_streamed_and_not(env, generate):
 
 def token_bytes(tok):
     """token id -> its bytes: SmolLM2's tokens are byte-level BPE pieces."""
-    from flint.server_state import _byte_level_alphabet
+    from flint.server.state import _byte_level_alphabet
 
     table = _byte_level_alphabet()
     return lambda tid: bytes(table[ch] for ch in tok.tk.id_to_token(int(tid)))

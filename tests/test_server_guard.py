@@ -204,7 +204,7 @@ def test_a_client_leaving_during_the_prefill_stops_it(tiny_llama):
 
     from flint.engine import Engine, SamplingParams
     from flint.model import Transformer
-    from flint.server_queue import Job, Scheduler
+    from flint.server.queue import Job, Scheduler
 
     class Leaving:  # the client leaves while the first prefill chunk runs
         def __init__(self, inner):

@@ -52,7 +52,7 @@ def reference(tiny_llama):
 def token_id(tok, text: str, raw: list[int] | None = None) -> int:
     """The id of a token given its text (and bytes): the byte tokenizer has one token per byte, and specials."""
     if raw is not None and len(raw) == 1:  # a byte, perhaps half a character (its text is U+FFFD)
-        from flint.server_state import _byte_level_alphabet
+        from flint.server.state import _byte_level_alphabet
 
         return tok.tk.token_to_id(next(ch for ch, b in _byte_level_alphabet().items() if b == raw[0]))
     ids = tok.encode(text, add_special_tokens=False)
@@ -287,7 +287,7 @@ def test_token_bytes_of_byte_level_and_sentencepiece_vocabularies(tiny_llama):
 
     from tokenizers import Tokenizer as HFTokenizer, decoders, models
 
-    from flint.server_state import ServerState
+    from flint.server.state import ServerState
     from flint.tokenizer import Tokenizer
 
     def state_for(tok) -> ServerState:

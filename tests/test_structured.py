@@ -347,8 +347,8 @@ def test_a_draft_server_refuses_constraints_naming_the_field(tiny_llama, grammar
 
     from flint.backend import make_backend
     from flint.ngram import NgramDraft
-    from flint.server_errors import APIError
-    from flint.server_openai import _constraint, _tool_plan, schemas
+    from flint.server.errors import APIError
+    from flint.server.schemas import _constraint, _tool_plan, schemas
     from flint.speculative import SpeculativeEngine
 
     engine = SpeculativeEngine(make_backend("reference", tiny_llama, 96, device="cpu"), tiny_llama.tokenizer,

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from flint.tools import FALLBACK, GRANITE3, HERMES, LLAMA3, ToolStream, detect_format, parse, render
+from flint.server.tools import FALLBACK, GRANITE3, HERMES, LLAMA3, ToolStream, detect_format, parse, render
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather of a city",
@@ -94,7 +94,7 @@ def test_forced_call_grammar_validates_the_arguments(tiny_llama):
     from flint.backend import make_backend
     from flint.engine import Engine, SamplingParams
     from flint.grammar import Grammars
-    from flint.tools import call_grammar
+    from flint.server.tools import call_grammar
 
     g = Grammars(tiny_llama.tokenizer, tiny_llama.cfg.vocab_size, tiny_llama.tokenizer.eos_token_ids[0])
     engine = Engine(make_backend("reference", tiny_llama, 96, device="cpu"), tiny_llama.tokenizer)
@@ -201,7 +201,7 @@ def test_tool_errors_are_400s_naming_the_field(smol):
 
 def test_strict_tools_under_auto_allow_text_or_valid_calls(tiny_llama):
     from flint.grammar import Grammars
-    from flint.tools import auto_grammar
+    from flint.server.tools import auto_grammar
 
     tok = tiny_llama.tokenizer
     g = Grammars(tok, tiny_llama.cfg.vocab_size, tok.eos_token_ids[0])

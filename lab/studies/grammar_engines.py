@@ -75,7 +75,7 @@ def vocabularies():
 
 
 def byte_level_vocab(tok_json: str, size: int) -> list[bytes]:
-    from flint.server_state import _byte_level_alphabet
+    from flint.server.state import _byte_level_alphabet
 
     table = _byte_level_alphabet()
     vocab = json.loads(tok_json)["model"]["vocab"]

@@ -3,18 +3,18 @@ a validation error as a 400 naming the field), and the checks that turn a valida
 request into the engine's SamplingParams, its prompt (messages through the chat template, or text,
 or token ids) and its tool plan, each refusal a 400 naming the field, before any work.
 
-Used by flint/server_app.py; tests: ``pytest tests/test_server.py tests/test_structured.py
+Used by flint/server/app.py; tests: ``pytest tests/test_server.py tests/test_structured.py
 tests/test_tools.py``.
 """
 import functools
 import json
 from typing import TYPE_CHECKING
 
-from .server_errors import APIError
+from .errors import APIError
 
 if TYPE_CHECKING:
-    from .server_queue import Options
-    from .server_state import ServerState
+    from .queue import Options
+    from .state import ServerState
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # a stop string's length: each token checks the text's end against every prefix of each
@@ -37,7 +37,7 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 _TYPE_TAGS = {"str", "int", "float", "bool"}
 
 
-def _validation_error(e) -> APIError:
+def validation_error(e) -> APIError:
     """The first problem in a pydantic ValidationError, as a 400 naming the field."""
     err = e.errors(include_url=False)[0]
     if err["type"] == "json_invalid":
@@ -166,7 +166,7 @@ def schemas():
         tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
         parallel_tool_calls: bool | None = None
         chat_template_kwargs: dict | None = None  # vLLM's: more variables for the chat template
-        # the deprecated function-calling fields: refused (see _refuse_unsupported), tools replace them
+        # the deprecated function-calling fields: refused (see refuse_unsupported), tools replace them
         functions: list | None = None
         function_call: str | dict | None = None
 
@@ -193,7 +193,7 @@ def schemas():
         model: str | None = None
         tokens: list[int]
 
-    class ResponsesRequest(_Base):  # OpenAI's Responses API: text and function tools (flint.server_responses)
+    class ResponsesRequest(_Base):  # OpenAI's Responses API: text and function tools (flint.server.responses)
         model: str
         input: str | list[dict]
         instructions: str | None = None
@@ -206,7 +206,7 @@ def schemas():
         text: dict | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
         metadata: dict[str, str] | None = None
         user: str | None = None
-        # refused unless neutral (flint.server_responses.chat_body says why)
+        # refused unless neutral (flint.server.responses.chat_body says why)
         stream: bool | None = None
         store: bool | None = None
         previous_response_id: str | None = None
@@ -225,7 +225,7 @@ def _requested_max_tokens(req) -> int | None:
     return getattr(req, "max_completion_tokens", None)
 
 
-def _refuse_unsupported(req, state: "ServerState") -> None:
+def refuse_unsupported(req, state: "ServerState") -> None:
     """400s for fields whose value flint cannot honour (before any work). Fields at their neutral
     value (tools [], response_format {"type": "text"}) change nothing and pass."""
     def refuse(param: str, message: str, code: str = "unsupported_parameter"):
@@ -307,19 +307,19 @@ def _check_length(n_chars: int, req, state: "ServerState", param: str, n_message
         raise _too_long(param, least, want, state.engine.max_seq_len, at_least=True)
 
 
-def _check_fits(n_tokens: int, req, state: "ServerState", param: str) -> None:
+def check_fits(n_tokens: int, req, state: "ServerState", param: str) -> None:
     want = _requested_max_tokens(req)
     if n_tokens + (want or 1) > state.engine.max_seq_len:
         raise _too_long(param, n_tokens, want, state.engine.max_seq_len)
 
 
-def _check_message_count(n: int) -> None:
+def check_message_count(n: int) -> None:
     if n > MAX_MESSAGES:
         raise APIError(400, f"messages: {n} messages; at most {MAX_MESSAGES} in one request", param="messages",
                        code="invalid_value")
 
 
-def _encode_text(text: str, req, state: "ServerState", param: str, add_special: bool = True) -> list[int]:
+def encode_text(text: str, req, state: "ServerState", param: str, add_special: bool = True) -> list[int]:
     """A text's token ids, refused (400) when they cannot fit the context with max_tokens; the time is
     bounded: the character pre-check first, then, for a long text, a prefix of it decides."""
     _check_length(len(text), req, state, param)
@@ -331,7 +331,7 @@ def _encode_text(text: str, req, state: "ServerState", param: str, add_special: 
         if head > room:
             raise _too_long(param, head, _requested_max_tokens(req), state.engine.max_seq_len, at_least=True)
     ids = encode(text, add_special_tokens=add_special)
-    _check_fits(len(ids), req, state, param)
+    check_fits(len(ids), req, state, param)
     return ids
 
 
@@ -353,7 +353,7 @@ class ToolPlan:
 
 
 def _tool_plan(req, state: "ServerState") -> ToolPlan:
-    from .grammar import GrammarError
+    from ..grammar import GrammarError
     from .tools import auto_grammar, call_grammar, check_tools, detect_format
 
     fmt = detect_format(state.lm.tokenizer.chat_template)
@@ -391,7 +391,7 @@ def _tool_plan(req, state: "ServerState") -> ToolPlan:
 
 def _refuse_on_draft(state: "ServerState", param: str, what: str) -> None:
     """A 400 naming ``param`` when the engine cannot apply a grammar (speculative decoding: no token mask)."""
-    from .engine import SamplingParams
+    from ..engine import SamplingParams
 
     if state.engine.unsupported(SamplingParams(constraint=object())):
         raise APIError(400, f"{param}: {what} needs grammar-constrained decoding, which speculative decoding "
@@ -400,7 +400,7 @@ def _refuse_on_draft(state: "ServerState", param: str, what: str) -> None:
 
 def _constraint(req, state: "ServerState", plan: ToolPlan | None):
     """The grammar constraint a request asks for (at most one source), compiled; None without one."""
-    from .grammar import GrammarError
+    from ..grammar import GrammarError
 
     g = state.grammars
     asked = []  # (param, build)
@@ -450,7 +450,7 @@ def _probe(constraint, param: str) -> None:
     steps the first PROBE_BRANCH allowed tokens are each tried, and the walk goes on with the first."""
     import torch
 
-    from .grammar import mask_words
+    from ..grammar import mask_words
 
     m = constraint.matcher()
     words = mask_words(constraint.grammars.vocab)
@@ -469,19 +469,19 @@ def _probe(constraint, param: str) -> None:
             m.consume(allowed[0])
     except RuntimeError as e:
         param = constraint.param or param
-        raise APIError(400, f"{param}: the engine cannot run this {constraint.kind} ({_first_line(e)})",
+        raise APIError(400, f"{param}: the engine cannot run this {constraint.kind} ({first_line(e)})",
                        param=param, code="invalid_value") from None
 
 
-def _first_line(e: Exception, limit: int = 300) -> str:
+def first_line(e: Exception, limit: int = 300) -> str:
     """An engine message's first line, at most ``limit`` characters (llguidance appends its whole grammar)."""
     line = str(e).split("\n", 1)[0]
     return line if len(line) <= limit else line[:limit] + "..."
 
 
-def _sampling(req, state: "ServerState", n_prompt: int, prompt_param: str, plan: ToolPlan | None = None):
+def sampling(req, state: "ServerState", n_prompt: int, prompt_param: str, plan: ToolPlan | None = None):
     """SamplingParams for a validated request, with the context checked (400 before any work)."""
-    from .engine import ContextError, SamplingParams
+    from ..engine import ContextError, SamplingParams
 
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in stop):
@@ -547,18 +547,18 @@ def _skip_special(req, plan: ToolPlan | None) -> bool:
     return not keep if req.skip_special_tokens is None else req.skip_special_tokens
 
 
-def _options(req, sp) -> "Options":
+def options(req, sp) -> "Options":
     """The queue's Options of a validated request: what it asks beyond SamplingParams."""
-    from .server_queue import Options
+    from .queue import Options
 
     return Options(n=req.n or 1, min_tokens=req.min_tokens or 0, stop_ids=frozenset(req.stop_token_ids or ()),
                    include_stop=req.include_stop_str_in_output,
                    prompt_logprobs=sp.logprobs if getattr(req, "echo", None) else None)
 
 
-def _chat_messages(req, state: "ServerState") -> list[dict]:
+def chat_messages(req, state: "ServerState") -> list[dict]:
     """The messages as the chat template takes them, roles checked, their length against the context."""
-    _check_message_count(len(req.messages))
+    check_message_count(len(req.messages))
     messages = []
     open_calls: set[str] = set()  # the ids of the last assistant message's calls not answered yet
     for i, m in enumerate(req.messages):
@@ -615,7 +615,7 @@ def _unanswered(ids: set[str], i: int) -> None:
 RESERVED_TEMPLATE_NAMES = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
 
 
-def _encode_chat(messages: list[dict], state: "ServerState", add_generation_prompt: bool = True,
+def encode_chat(messages: list[dict], state: "ServerState", add_generation_prompt: bool = True,
                  plan: ToolPlan | None = None, template_kwargs: dict | None = None) -> list[int]:
     from .tools import FALLBACK, detect_format, render
 
@@ -634,8 +634,8 @@ def _encode_chat(messages: list[dict], state: "ServerState", add_generation_prom
                        param="messages", code="invalid_value") from None
 
 
-def _completion_input(req, state: "ServerState") -> str | list[int]:
-    """The prompt: a string (for _encode_text) or checked token ids."""
+def completion_input(req, state: "ServerState") -> str | list[int]:
+    """The prompt: a string (for encode_text) or checked token ids."""
     p = req.prompt
     if isinstance(p, list) and p and isinstance(p[0], (str, list)):
         if len(p) != 1:

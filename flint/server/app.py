@@ -3,7 +3,7 @@ key, readiness, Content-Type, the body within its size and deadline, the schema)
 handlers that answer OpenAI error objects, and Guard, the ASGI middleware in front of everything
 (503 while draining, the Host / Origin check without an API key, the cap on requests in progress).
 
-Built by flint/server.py's cmd_serve; tests: ``pytest tests/test_server.py tests/test_server_guard.py
+Built by flint/server/serve.py's cmd_serve; tests: ``pytest tests/test_server.py tests/test_server_guard.py
 tests/test_server_ops.py``.
 """
 import asyncio
@@ -11,12 +11,11 @@ import hmac
 import json
 import logging
 
-from .server_errors import APIError, _client_closed, _shutdown_error
-from .server_openai import (_chat_messages, _check_fits, _check_message_count, _completion_input, _encode_chat,
-                            _encode_text, _options, _refuse_unsupported, _sampling, _tool_plan, _validation_error,
-                            schemas)
-from .server_respond import respond
-from .server_state import ServerState
+from .errors import APIError, client_closed, shutdown_error
+from .schemas import (chat_messages, check_fits, check_message_count, completion_input, encode_chat, encode_text,
+                      options, refuse_unsupported, sampling, schemas, _tool_plan, validation_error)
+from .respond import respond
+from .state import ServerState
 
 log = logging.getLogger("flint.serve")
 
@@ -94,7 +93,7 @@ def create_app(state: ServerState):
         except ClientDisconnect:
             log.info("%s %s: the client disconnected during the upload (%d bytes read)", request.method,
                      request.url.path, len(body))
-            raise _client_closed() from None
+            raise client_closed() from None
         return bytes(body)
 
     def check_model(name: str | None) -> None:
@@ -119,14 +118,14 @@ def create_app(state: ServerState):
 
         def work():
             if "messages" in model_cls.model_fields:
-                _check_message_count(body.count(b'"role"'))  # before building one object per message
+                check_message_count(body.count(b'"role"'))  # before building one object per message
             try:
                 req = model_cls.model_validate_json(body, strict=True)
             except ValidationError as e:
-                raise _validation_error(e) from None
+                raise validation_error(e) from None
             check_model(req.model)
             if hasattr(req, "stream_options"):  # a chat or completion request
-                _refuse_unsupported(req, state)
+                refuse_unsupported(req, state)
             return req if admit is None else admit(req)
 
         return await off_loop(work)
@@ -166,11 +165,11 @@ def create_app(state: ServerState):
                                         "not with messages (the chat template places the special tokens)",
                                    param="add_special_tokens" if req.add_special is None else "add_special",
                                    code="invalid_value")
-                ids = _encode_chat(_chat_messages(req, state), state, req.add_generation_prompt)
-                _check_fits(len(ids), req, state, "messages")
+                ids = encode_chat(chat_messages(req, state), state, req.add_generation_prompt)
+                check_fits(len(ids), req, state, "messages")
             else:
                 text = req.prompt if req.prompt is not None else req.content
-                ids = _encode_text(text, req, state, given[0], special is not False)
+                ids = encode_text(text, req, state, given[0], special is not False)
             # at most the context's tokens, each piece built here, off the event loop
             tokens = [{"id": t, "piece": state.token_text(t)[0]} for t in ids] if req.with_pieces else ids
             return json.dumps({"tokens": tokens, "count": len(ids), "max_model_len": state.engine.max_seq_len},
@@ -206,11 +205,11 @@ def create_app(state: ServerState):
         return model_card()
 
     def admit_chat(req):
-        messages = _chat_messages(req, state)
+        messages = chat_messages(req, state)
         plan = _tool_plan(req, state)
-        ids = _encode_chat(messages, state, plan=plan, template_kwargs=req.chat_template_kwargs)
-        sp = _sampling(req, state, len(ids), "messages", plan)
-        return req, ids, plan, sp, _options(req, sp)
+        ids = encode_chat(messages, state, plan=plan, template_kwargs=req.chat_template_kwargs)
+        sp = sampling(req, state, len(ids), "messages", plan)
+        return req, ids, plan, sp, options(req, sp)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -223,14 +222,14 @@ def create_app(state: ServerState):
 
         from fastapi.responses import Response, StreamingResponse
 
-        from .server_responses import chat_body, events, response
+        from .responses import chat_body, events, response
 
         def admit(req):
             try:
                 chat = ChatRequest.model_validate(chat_body(req))
             except ValidationError as e:
-                raise _validation_error(e) from None
-            _refuse_unsupported(chat, state)
+                raise validation_error(e) from None
+            refuse_unsupported(chat, state)
             return req, admit_chat(chat)
 
         req, (chat, ids, plan, sp, opts) = await read_request(request, ResponsesRequest, admit)
@@ -259,13 +258,13 @@ def create_app(state: ServerState):
     @app.post("/v1/completions")
     async def completions(request: Request):
         def admit(req):
-            prompt = _completion_input(req, state)
-            ids = prompt if isinstance(prompt, list) else _encode_text(prompt, req, state, "prompt")
-            sp = _sampling(req, state, len(ids), "prompt")
+            prompt = completion_input(req, state)
+            ids = prompt if isinstance(prompt, list) else encode_text(prompt, req, state, "prompt")
+            sp = sampling(req, state, len(ids), "prompt")
             echo = None
             if req.echo:  # the prompt as given, or its ids' text
                 echo = prompt if isinstance(prompt, str) else state.lm.tokenizer.decode(ids, skip_special_tokens=False)
-            return req, ids, sp, _options(req, sp), echo
+            return req, ids, sp, options(req, sp), echo
 
         req, ids, sp, opts, echo = await read_request(request, CompletionRequest, admit)
         return await respond(state, request, req, ids, sp, chat=False, opts=opts, echo=echo)
@@ -284,7 +283,7 @@ class Guard:
 
     def refusal(self, scope) -> APIError | None:
         if self.state.draining:
-            return _shutdown_error()
+            return shutdown_error()
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         host = headers.get("host")
         if host is not None and not self.state.host_allowed(host):

@@ -1,9 +1,9 @@
 """The answer of `flint serve` to a chat or completion request: the job submitted to the queue (429
 when full) and cancelled when the client leaves, then the OpenAI response shaped from its events,
-one JSON object or an SSE stream: text or tool-call deltas (flint.tools parses the model's calls),
+one JSON object or an SSE stream: text or tool-call deltas (flint.server.tools parses the model's calls),
 logprobs as OpenAI shapes them for chat and for completions, usage, and llama.cpp's ``timings``.
 
-Used by flint/server_app.py; tests: ``pytest tests/test_server.py tests/test_tools.py``.
+Used by flint/server/app.py; tests: ``pytest tests/test_server.py tests/test_tools.py``.
 """
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ import uuid
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
-from .server_errors import APIError
-from .server_openai import ToolPlan, _first_line
-from .server_queue import Job, Options, QueueFull
+from .errors import APIError
+from .schemas import ToolPlan, first_line
+from .queue import Job, Options, QueueFull
 
 if TYPE_CHECKING:
     from starlette.requests import Request
 
-    from .server_state import ServerState
+    from .state import ServerState
 
 
 def submit(state: ServerState, request_id: str, prompt_ids: list[int], sp, opts: Options) -> Job:
@@ -94,7 +94,7 @@ def engine_failure(e: Exception, sp=None) -> APIError:
         # the grammar engine gave up mid-output (a parser limit the admission probe did not reach): the
         # request's grammar is what cannot be run, named as such
         param = sp.constraint.param
-        return APIError(400, f"{param}: the engine could not continue this {sp.constraint.kind} ({_first_line(e)})",
+        return APIError(400, f"{param}: the engine could not continue this {sp.constraint.kind} ({first_line(e)})",
                         param=param, code="grammar_failed")
     return APIError(500, f"generation failed ({type(e).__name__})", "server_error")
 

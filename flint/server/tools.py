@@ -22,7 +22,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from .grammar import JSON_OPTIONS, GrammarError
+from ..grammar import JSON_OPTIONS, GrammarError
 
 
 @dataclass(frozen=True)

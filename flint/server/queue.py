@@ -2,7 +2,7 @@
 worker thread that owns the engine and runs the jobs in order, streaming each token (and its
 logprobs) back to the request's event loop; cancellation and shutdown are checked at every token.
 
-Used by flint/server_state.py and flint/server_respond.py; tests: ``pytest tests/test_server_guard.py``.
+Used by flint/server/state.py and flint/server/respond.py; tests: ``pytest tests/test_server_guard.py``.
 """
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from .errors import FlintError
-from .server_errors import _client_closed, _shutdown_error
+from ..errors import FlintError
+from .errors import client_closed, shutdown_error
 
 if TYPE_CHECKING:
-    from .server_metrics import Metrics
+    from .metrics import Metrics
 
 log = logging.getLogger("flint.serve")
 
@@ -95,7 +95,7 @@ class Scheduler:
     def submit(self, job: Job) -> None:
         with self.cv:
             if self.stopping():
-                raise _shutdown_error()
+                raise shutdown_error()
             if len(self.waiting) >= self.max_queue:
                 raise QueueFull
             self.waiting.append(job)
@@ -109,7 +109,7 @@ class Scheduler:
             except ValueError:
                 return  # running (stops at its next token) or done
         log.info("%s cancelled while queued (%.2fs)", job.id, time.perf_counter() - job.t_submit)
-        job.push("error", _client_closed())
+        job.push("error", client_closed())
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the worker (after its current token) and wait for it."""
@@ -125,7 +125,7 @@ class Scheduler:
                     self.cv.wait()
                 if self.stopping():
                     for job in self.waiting:
-                        job.push("error", _shutdown_error())
+                        job.push("error", shutdown_error())
                     self.waiting.clear()
                     return
                 job = self.waiting.popleft()
@@ -153,10 +153,10 @@ class Scheduler:
                 r, stopped = self._choice(job, sp)
                 self._report(job, r, stopped, wait_s)
                 if stopped == "cancelled":  # ends the consumer's wait, whatever choice it waits for
-                    job.push("error", _client_closed())
+                    job.push("error", client_closed())
                     return
                 if stopped == "shutdown":
-                    job.push("error", _shutdown_error())
+                    job.push("error", shutdown_error())
                     return
                 job.push("done", r)
         except Exception as e:  # the worker must outlive any one request
@@ -178,7 +178,7 @@ class Scheduler:
         it prefills one token."""
         import torch
 
-        from .engine import token_logprob
+        from ..engine import token_logprob
 
         b, ids, out = self.engine.backend, job.prompt_ids, [None]
         chunk = min(getattr(b, "max_chunk", None) or self.engine.PREFILL_CHUNK, self.engine.PREFILL_CHUNK)
@@ -196,7 +196,7 @@ class Scheduler:
     def _choice(self, job: Job, sp) -> tuple:
         """One generation: (the result, why it stopped early or None). min_tokens runs in two passes: the first
         min_tokens tokens with every ending token banned and no stop strings, then the rest after them."""
-        from .engine import GenerationResult
+        from ..engine import GenerationResult
 
         o = job.opts
         first = None

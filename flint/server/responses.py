@@ -6,13 +6,13 @@ chat completion request, run as one; its answer becomes a ``response`` object wh
 are refused), and so is any item or tool that is not text or a function; ``stream`` turns the chat stream into
 the Responses API's events.
 
-Used by flint/server_app.py; tests: ``pytest tests/test_server_compat.py``.
+Used by flint/server/app.py; tests: ``pytest tests/test_server_compat.py``.
 """
 import json
 import time
 import uuid
 
-from .server_errors import APIError
+from .errors import APIError
 
 ROLES = ("user", "system", "developer", "assistant")
 

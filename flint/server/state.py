@@ -2,7 +2,7 @@
 answers 503), the grammar compiler, the queue, the metrics, the settings from the command line,
 the Host check run without an API key, and each token's text and bytes as logprobs report them.
 
-Used by flint/server.py and flint/server_app.py; tests: ``pytest tests/test_server_ops.py``.
+Used by flint/server/serve.py and flint/server/app.py; tests: ``pytest tests/test_server_ops.py``.
 """
 import functools
 import ipaddress
@@ -12,8 +12,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from .server_metrics import Metrics
-from .server_queue import Scheduler
+from .metrics import Metrics
+from .queue import Scheduler
 
 log = logging.getLogger("flint.serve")
 
@@ -59,7 +59,7 @@ class ServerState:
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="flint-tokenize")
 
     def load(self, args) -> None:
-        from .cli import load_engine
+        from ..cli import load_engine
 
         t0 = time.perf_counter()
         lm, backend, engine = load_engine(args)
@@ -67,7 +67,7 @@ class ServerState:
             raise ValueError(f"model {self.model_id!r} has no tokenizer; flint serve needs text in and out")
         lm.tokenizer.max_token_chars  # computed once here, not in the first request
         self.lm, self.engine = lm, engine
-        from .grammar import Grammars
+        from ..grammar import Grammars
 
         eos = next((t for t in lm.tokenizer.eos_token_ids if t in engine.eos), min(engine.eos))
         self.grammars = Grammars(lm.tokenizer, lm.cfg.vocab_size, eos)

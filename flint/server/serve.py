@@ -9,7 +9,7 @@ OpenAI shapes them; ``n`` choices one after the other; llama.cpp's ``timings`` i
 is defined), GET /metrics (Prometheus), POST /tokenize and /detokenize (vLLM's and llama.cpp's field
 names). Structured output (``response_format``, vLLM's ``structured_outputs``, llama.cpp's ``grammar``)
 compiles to a flint.grammar constraint the engine applies each step; ``tools`` / ``tool_choice`` go
-through flint.tools (rendered by the chat template, the output parsed into ``tool_calls``, a forced call
+through flint.server.tools (rendered by the chat template, the output parsed into ``tool_calls``, a forced call
 constrained to the function's schema).
 The engine decodes one sequence at a time: requests wait in a FIFO (``--max-queue`` waiting
 requests at most, 429 beyond) and one worker thread owns the engine; a client that goes away
@@ -27,15 +27,16 @@ One log line per request (id, prompt/completion tokens, queue wait, TTFT, decode
 docs/serve.md.
 
 This file is the command: its flags, the listening socket, uvicorn with the request-head deadline
-and the draining shutdown. The parts, one file each:
-    server_app.py       the FastAPI routes, request reading, error handlers, the Guard middleware
-    server_openai.py    request schemas, validation into SamplingParams, prompts, tool plans
-    server_errors.py    the OpenAI error object every failure is answered with
-    server_respond.py   a request's job and its answer: JSON or SSE, logprobs, tool calls, timings
-    server_responses.py the Responses API as a chat request and its answer as a response object
-    server_queue.py     the FIFO and the one engine thread
-    server_state.py     the model, engine, queue, metrics and settings of one server
-    server_metrics.py   the Prometheus metrics
+and the draining shutdown. The parts, one file each in flint/server/:
+    app.py        the FastAPI routes, request reading, error handlers, the Guard middleware
+    schemas.py    request schemas, validation into SamplingParams, prompts, tool plans
+    errors.py     the OpenAI error object every failure is answered with
+    respond.py    a request's job and its answer: JSON or SSE, logprobs, tool calls, timings
+    responses.py  the Responses API as a chat request and its answer as a response object
+    queue.py      the FIFO and the one engine thread
+    state.py      the model, engine, queue, metrics and settings of one server
+    metrics.py    the Prometheus metrics
+    tools.py      tool calling: chat-template rendering, call formats, parsing, forced-call grammars
 
 Tests: ``pytest tests/test_server.py tests/test_server_guard.py tests/test_server_ops.py
 tests/test_server_compat.py tests/test_structured.py tests/test_tools.py``.
@@ -54,7 +55,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .server_state import ServerState
+    from .state import ServerState
 
 log = logging.getLogger("flint.serve")
 
@@ -152,9 +153,9 @@ def _server_class():
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from .loading import DEFAULT_MODEL
-    from .server_app import create_app
-    from .server_state import ServerState
+    from ..loading import DEFAULT_MODEL
+    from .app import create_app
+    from .state import ServerState
 
     for name in ("max_queue", "default_max_tokens", "max_tokens_limit", "max_requests"):
         low = 0 if name == "max_queue" else 1
@@ -217,7 +218,7 @@ def cmd_serve(args) -> int:
 
 
 def register(sub) -> None:
-    from .cli import add_model_args
+    from ..cli import add_model_args
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and completions, SSE)",
                        description="An OpenAI-compatible HTTP server on the engine; see docs/serve.md.")

@@ -4,7 +4,7 @@ HTTP status.
 
 Tests: ``pytest tests/test_server.py tests/test_server_guard.py``.
 """
-from .errors import FlintError
+from ..errors import FlintError
 
 
 class APIError(FlintError):
@@ -21,9 +21,9 @@ class APIError(FlintError):
                           "code": self.code}}
 
 
-def _shutdown_error() -> APIError:
+def shutdown_error() -> APIError:
     return APIError(503, "the server is shutting down", "server_error", code="server_shutdown")
 
 
-def _client_closed() -> APIError:
+def client_closed() -> APIError:
     return APIError(499, "the client closed the request", code="client_closed")
