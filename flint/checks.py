@@ -16,8 +16,9 @@ TokenizerError) with a message naming the file and the field or tensor.
   NaN logits), so a value there is a misread file, not a model.
 * ``check_weight``: every value of a float weight, and every int4 scale and min, finite; a 2-D
   float weight or int4 scale whose magnitudes say its bytes are another type (``SUSPECT``).
-  Cost (bench/load_checks_cost.py, one thread, the shared 2-core CPU box, 2026-12-07): 93 ms of
-  the embedded SmolLM2's 0.94 s load; 3.5 GiB/s of bf16 weights (a 3B model's 6 GB: ~2 s).
+  Cost (lab/studies/load_checks_cost.py, one thread, the shared 2-core CPU box, 2026-12-07,
+  `load_checks_cost_cpu_2026-12-07.txt`): the checks alone 73 ms of the embedded SmolLM2's 0.79 s load;
+  3.4 GiB/s of bf16 weights (a 3B model's 6 GB: ~2 s).
 
 Tests: ``pytest tests/test_checks.py tests/test_loader_fuzz.py``.
 """

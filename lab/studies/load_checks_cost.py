@@ -2,7 +2,7 @@
 plausible) add to a load: the embedded SmolLM2 GGUF loaded with and without them, the checks
 alone on its weights, and their throughput on a large bf16 tensor (a 3B checkpoint's scale).
 
-    python3 bench/load_checks_cost.py [--repeats 5] [--threads 1]
+    python3 lab/studies/load_checks_cost.py [--repeats 5] [--threads 1]
 
 Prints one line per figure, then one JSON document. CPU.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import flint.loading as loading  # noqa: E402
 from flint.checks import check_weight  # noqa: E402
