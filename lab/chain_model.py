@@ -195,14 +195,15 @@ def _block_units(shape: Shape, M: int) -> list[tuple[str, int, int]]:
             ("gu", shape.seg_bytes(shape.H), t_gu), *ds]
 
 
-def _dot_time(p: Prims, shape: Shape, M: int, stage: str, tiles: int) -> float:
-    """A stage's tile dots on resident data (all its tiles, the warps' K parts in parallel)."""
+def _unit_time(p: Prims, shape: Shape, M: int, stage: str, tiles: int) -> float:
+    """One stream unit's dot on resident data: a down-slice chunk, or a tile's share of its stage's dots (all
+    the block's tiles, the warps' K parts in parallel)."""
     if stage == "down" and shape.ffn_split:
         return p.chunk * (1 + p.chunk_m * (M - 1))
     K = {"qkv": shape.H, "o": shape.nh * shape.D, "gu": shape.H, "down": shape.I}[stage]
     _, steps = parts_and_steps(tiles, -(-K // shape.G), M)
     per = p.group_i8 if stage == "gu" and shape.G == 128 and M <= 2 else p.group
-    return steps * per * (1 + p.group_m * (M - 1))
+    return steps * per * (1 + p.group_m * (M - 1)) / max(tiles, 1)
 
 
 def layer(shape: Shape, card: Card, M: int, prims: Prims, design: Design = TODAY, layers: int = 4) -> dict:
@@ -214,9 +215,7 @@ def layer(shape: Shape, card: Card, M: int, prims: Prims, design: Design = TODAY
     r_sm = card.read_gbs * 1e3 / SMS  # bytes per µs per SM
     units = []  # per layer: (stage, bytes, dot µs per unit)
     for st, nbytes, cnt in _block_units(shape, M):
-        per = _dot_time(p, shape, M, st, cnt) / max(cnt, 1) if not (st == "down" and shape.ffn_split) else \
-            _dot_time(p, shape, M, st, cnt)
-        units += [(st, nbytes, per)] * cnt
+        units += [(st, nbytes, _unit_time(p, shape, M, st, cnt))] * cnt
     U = len(units)
     landed, freed = [], []   # per global unit index
     issue_free = 0.0         # the producer: its previous copy landed
