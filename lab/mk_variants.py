@@ -21,7 +21,7 @@ Each argument is NAME=SOURCE[+PATCH...][:KNOB=VALUE...]:
 Variants go to build/var/NAME (the flint package without its bundled data, and the tools: lab/ and bench/ without
 bench/results, so a variant's own tools run against its own package), libraries to build/kernels/<source hash> (shared
 by identical sources). The carry must stay under 64 MB: the total is printed, and old build/var and build/kernels
-entries not named here are removed.
+entries not named here are removed (the libraries of the named variants' sources are kept).
 """
 from __future__ import annotations
 
@@ -38,6 +38,13 @@ KERNELS = Path("flint/kernels")  # a knob may be defined in any *.cu / *.cuh fil
 TOOLS = ("flint", "bench", "lab")  # what a variant holds (those of them its SOURCE has)
 _SEP = re.compile(r":(?=[A-Za-z_]\w*=)")  # a ':' that starts KNOB=...: a value may hold '::' (Mat::kGu)
 _QUAL = r"(?:(?:static|inline|const|__host__|__device__|__constant__)[ \t]+)*"
+
+
+def source_hash(tree: Path) -> str:
+    """The library hash of a materialized variant (its own build.py over its own sources)."""
+    r = subprocess.run([sys.executable, "-c", "from flint.kernels.build import source_hash; print(source_hash())"],
+                       cwd=tree, capture_output=True, text=True, check=True)
+    return r.stdout.strip()
 
 
 def parse(spec: str) -> tuple[str, str, list[str], list[tuple[str, str]]]:
@@ -190,12 +197,14 @@ def main() -> int:
             raise
         dsts.append(dst)
         wheres.append(where)
-    if not args.keep:
+    if not args.keep:  # (the libraries the named variants' sources hash to stay: a rebuild is minutes)
         for d in var.iterdir():
             if d.name not in names:
                 shutil.rmtree(d)
-        if kdir.exists():
-            shutil.rmtree(kdir)
+        wanted = {source_hash(dst) for dst in dsts}
+        for d in kdir.iterdir() if kdir.exists() else ():
+            if d.name not in wanted:
+                shutil.rmtree(d)
     used = []
     for (name, source, patches, knobs), dst, where in zip(specs, dsts, wheres):
         r = subprocess.run([sys.executable, "-m", "flint.kernels.build"], cwd=dst, capture_output=True, text=True,

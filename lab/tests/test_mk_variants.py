@@ -81,3 +81,10 @@ def test_working_tree_sources():
     assert "megakernel.cu" in t and all(f.endswith((".cu", ".cuh")) for f in t)
     with pytest.raises(SystemExit, match="kNoSuchKnob"):
         mv.set_knob(t, "kNoSuchKnob", "1")
+
+
+def test_source_hash_of_a_tree_is_its_build_hash():
+    """The libraries kept between runs are found by the hash each variant tree's own build.py gives."""
+    from flint.kernels.build import source_hash
+
+    assert mv.source_hash(ROOT) == source_hash()
