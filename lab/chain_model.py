@@ -477,6 +477,8 @@ DESIGNS = (
            "blocks)", prims=dict(hop=HOP_FLOOR, fence=0.0, spread_ffn=0.0)),
     Design("staging once", "the rows' owners publish the converted terms and rstd; blocks only copy them",
            staging_once=True),
+    Design("rstd in the epilogue", "the staging converts x * norm_w and the epilogue scales by the rstd: the sums of "
+           "squares ride the staging's loads, no block reduction before the conversion", prims=dict(reduce=0.0)),
     Design("o on the splits", "o applied to each split's partial and merged linearly: no o staging, no hop "
            "between merge and o", no_o_stage=True),
     Design("dot 3x on resident data", "the lop3 conversion and fewer instructions a code: group steps / 3",
