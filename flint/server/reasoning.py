@@ -6,8 +6,8 @@ A template that writes ``<think>`` and ``</think>`` turns the split on (``--reas
 off; ``qwen3`` or ``deepseek_r1``, vLLM's names, turn it on for any template). The block counts only at the
 start of the output, or from the first token when the rendered prompt itself ends by opening one (templates
 that make the model think, DeepSeek-R1's, Qwen3's thinking-only releases). An output that opens the block and
-never closes it (cut by max_tokens) is all reasoning. A request whose output a grammar constrains (a forced
-tool call, response_format) has no split: the grammar shapes the output from its first token.
+never closes it (cut by max_tokens) is all reasoning. Under a grammar (a forced tool call, response_format)
+the output is what the grammar shapes from its first token, so only a block the output itself opens counts.
 ``chat_template_kwargs: {"enable_thinking": false}`` reaches Qwen3's template, which then closes an empty
 block in the prompt, and the output is all content.
 

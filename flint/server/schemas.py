@@ -357,13 +357,14 @@ class ToolPlan:
 
 
 def plan_reasoning(plan: ToolPlan, state: "ServerState", prompt_ids: list[int], sp) -> None:
-    """Turn the reasoning split on for a chat request whose model has one and whose output no grammar shapes;
-    ``think`` says whether the rendered prompt already opened the block."""
+    """Turn the reasoning split on for a chat request whose model has one; ``think`` says whether the rendered
+    prompt already opened the block. Under a grammar (a forced call, response_format) the output is what the
+    grammar shapes from its first token: a block counts only where the output itself opens it."""
     from .reasoning import opened_by
 
-    if not state.reasoning or sp.constraint is not None:
-        return
-    plan.think = opened_by(state.lm.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False))
+    if state.reasoning:
+        tail = state.lm.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False)
+        plan.think = sp.constraint is None and opened_by(tail)
 
 
 def _tool_plan(req, state: "ServerState") -> ToolPlan:

@@ -50,13 +50,14 @@ class ToolFormat:
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # a function without any
 
 HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>", "arguments", True)
-GRANITE3 = ToolFormat("granite3", "<|tool_call|>", None, "arguments", True, listed=True)
+GRANITE3 = ToolFormat("granite", "<|tool_call|>", None, "arguments", True, listed=True)
 LLAMA3 = ToolFormat("llama3_json", None, None, "parameters", False)
 MISTRAL = ToolFormat("mistral", "[TOOL_CALLS]", None, "arguments", True, listed=True, short_ids=True)
 FALLBACK = ToolFormat("hermes", "<tool_call>", "</tool_call>", "arguments", True, native=False)
 PARSERS = {f.name: f for f in (HERMES, LLAMA3, MISTRAL, GRANITE3)}  # --tool-call-parser's names (vLLM's)
 PARSER_CHOICES = ("auto", *PARSERS)
 SEPARATOR = ";"  # between the bare calls of llama3_json
+PYTHON_TAG = "<|python_tag|>"  # what may open llama3_json's calls
 
 
 def detect_format(template: str | None, parser: str = "auto") -> ToolFormat:
@@ -231,9 +232,10 @@ class ToolStream:
         self.buf += piece
         fmt, out = self.fmt, []
         if fmt.begin is None:  # the whole output is the call, or it is content
-            if not self.started and self.buf.strip():
+            head = self.buf.lstrip()
+            if not self.started and head and not (PYTHON_TAG.startswith(head) and head != PYTHON_TAG):
                 self.started = True
-                self.in_call = self.buf.lstrip().startswith(("{", "<|python_tag|>"))
+                self.in_call = head.startswith(("{", PYTHON_TAG))
             if self.started and not self.in_call:
                 out.append(("content", self.buf))
                 self.buf = ""
@@ -263,8 +265,8 @@ class ToolStream:
     def _calls(self, body: str) -> list:
         fmt = self.fmt
         text = body.strip()
-        if fmt.begin is None and text.startswith("<|python_tag|>"):
-            text = text[len("<|python_tag|>"):]
+        if fmt.begin is None and text.startswith(PYTHON_TAG):
+            text = text[len(PYTHON_TAG):]
         calls = _parse_body(text, fmt)
         if calls is None:  # not a call after all: give the text back as content
             return [("content", (fmt.begin or "") + body + (fmt.end or "") if fmt.begin else body)]
