@@ -147,6 +147,9 @@ HERMES_TWO = ('Checking both.\n<tool_call>\n{"name": "get_weather", "arguments":
     (LLAMA3, 'It is {"name": "x"}', 'It is {"name": "x"}', []),
     (MISTRAL, '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_time", '
      '"arguments": {}}]', None, [("get_weather", {"city": "Oslo"}), ("get_time", {})]),
+    (MISTRAL, '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time[ARGS]{}', None,
+     [("get_weather", {"city": "Oslo"}), ("get_time", {})]),
+    (MISTRAL, '[TOOL_CALLS]get_time[ARGS]{', '[TOOL_CALLS]get_time[ARGS]{', []),
     (MISTRAL, 'Sure. [TOOL_CALLS] [{"name": "get_time"', 'Sure. [TOOL_CALLS] [{"name": "get_time"', []),
 ])
 def test_parse_each_format_whole_and_streamed(fmt, text, content, calls):
@@ -154,7 +157,7 @@ def test_parse_each_format_whole_and_streamed(fmt, text, content, calls):
     assert got_content == content and names_args(got) == calls
     events = streamed(text, None, fmt)
     assert names_args([v for k, v in events if k == "call"]) == calls
-    assert joined(events, "content").strip() == (content or "")
+    assert joined(events, "content") == (content or "")
     if fmt is MISTRAL:
         assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in got)
     else:
@@ -178,8 +181,7 @@ def test_reasoning_split_whole_and_streamed(think, text, reasoning, content, cal
     assert got[0] == reasoning and got[1] == content and names_args(got[2]) == calls
     events = streamed(text, think, HERMES)
     assert (joined(events, "reasoning") or None) == reasoning
-    text_out = joined(events, "content")
-    assert (text_out.strip() if calls else text_out) == (content or "")  # a call's newline: no content
+    assert joined(events, "content") == (content or "")  # the newlines around calls are no content
     assert names_args([v for k, v in events if k == "call"]) == calls
     kinds = [k for k, _ in events]
     assert "reasoning" not in kinds[kinds.index("content") if "content" in kinds else len(kinds):]
@@ -193,7 +195,7 @@ def test_prompt_tails_that_open_a_block():
 def test_tool_stream_holds_no_call_text_back_as_content():
     s = ToolStream(MISTRAL)
     events = [e for ch in 'Hi [TOOL_CALLS] [{"name": "get_time", "arguments": {}}]' for e in s.feed(ch)] + s.finish()
-    assert joined(events, "content") == "Hi " and [k for k, _ in events][-1] == "call"
+    assert joined(events, "content") == "Hi" and [k for k, _ in events][-1] == "call"
 
 
 # ------------------------------------------------------------------ rendering, as transformers renders
@@ -348,7 +350,7 @@ def test_the_model_output_parsed_streamed_and_not(servers, family):
     assert finish == "tool_calls" and m["content"] == content and names_args(m["tool_calls"]) == calls, m
     assert m.get("reasoning_content") == reasoning and ("reasoning_content" in m) == (family == "qwen3")
     got, finish = stream_chat(client, **body)
-    assert finish == "tool_calls" and got["content"].strip() == (content or "")  # streamed: the "\n" before a call
+    assert finish == "tool_calls" and got["content"] == (content or "")
     assert got["reasoning_content"] == (reasoning or "")
     assert [(c["name"], json.loads(c["arguments"])) for c in got["tool_calls"].values()] == calls
     # malformed: the text stays content, as it is

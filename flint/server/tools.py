@@ -8,8 +8,9 @@ names one instead, with vLLM's names):
   call; the template renders tools into the system prompt and results as ``<tool_response>`` blocks;
 * ``llama3_json`` (Llama 3.1+): a bare ``{"name", "parameters"}`` object, optionally after ``<|python_tag|>``,
   several separated by ``;``; results go back as the template's ``ipython`` turn;
-* ``mistral`` (Mistral v0.3 templates): ``[TOOL_CALLS] [{"name", "arguments"}, ...]``, call ids of 9
-  letters and digits (the template checks them);
+* ``mistral``: ``[TOOL_CALLS] [{"name", "arguments"}, ...]`` (v0.3 to Small 3.1), or ``[TOOL_CALLS]NAME[ARGS]{...}``
+  per call (later releases; parsed, while a forced call is written the first way); call ids of 9 letters
+  and digits (the templates check them);
 * ``granite`` (Granite 3): ``<|tool_call|>[{"name", "arguments"}, ...]``.
 
 A template that renders tools gets them as transformers' ``apply_chat_template(messages, tools=...)`` passes
@@ -58,6 +59,7 @@ PARSERS = {f.name: f for f in (HERMES, LLAMA3, MISTRAL, GRANITE3)}  # --tool-cal
 PARSER_CHOICES = ("auto", *PARSERS)
 SEPARATOR = ";"  # between the bare calls of llama3_json
 PYTHON_TAG = "<|python_tag|>"  # what may open llama3_json's calls
+MISTRAL_ARGS = "[ARGS]"  # between a call's name and its arguments in Mistral's later format
 
 
 def detect_format(template: str | None, parser: str = "auto") -> ToolFormat:
@@ -167,6 +169,20 @@ def _json_values(text: str) -> list | None:
         at += len(text[at:]) - len(text[at:].lstrip())
 
 
+def _named_args(body: str, fmt: ToolFormat) -> list[dict] | None:
+    """The calls of Mistral's later templates, ``NAME[ARGS]{...}`` after each [TOOL_CALLS], as call objects."""
+    objs = []
+    for part in body.split(fmt.begin):
+        name, sep, args = part.strip().partition(MISTRAL_ARGS)
+        if not sep or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+            return None
+        try:
+            objs.append({"name": name, fmt.args_key: json.loads(args)})
+        except ValueError:
+            return None
+    return objs
+
+
 def _parse_body(body: str, fmt: ToolFormat) -> list[dict] | None:
     """The calls in one marker's body, or None when it is not valid call JSON."""
     if fmt.begin is None:
@@ -177,8 +193,11 @@ def _parse_body(body: str, fmt: ToolFormat) -> list[dict] | None:
         try:
             obj = json.loads(body)
         except ValueError:
-            return None
-        objs = obj if isinstance(obj, list) and fmt.listed else [obj]
+            objs = _named_args(body, fmt) if fmt.short_ids else None
+            if objs is None:
+                return None
+        else:
+            objs = obj if isinstance(obj, list) and fmt.listed else [obj]
     calls = [_as_call(o, fmt) for o in objs]
     return calls if calls and all(calls) else None
 
@@ -215,17 +234,19 @@ class ToolStream:
         return self._between(self._feed(piece))
 
     def _between(self, events: list) -> list:
-        """The whitespace that separates calls (the newline between two Hermes blocks) is no content."""
+        """Whitespace at the end of the text so far waits for what follows: dropped before and between calls
+        (the newlines around Hermes blocks are no content), content before more text."""
         out = []
         for kind, v in events:
-            if kind == "content" and self.calls and not v.strip():
-                self.space += v
-                continue
             if kind == "content":
                 v, self.space = self.space + v, ""
+                body = v.rstrip()
+                self.space = v[len(body):]
+                if body:
+                    out.append((kind, body))
             else:
                 self.space = ""
-            out.append((kind, v))
+                out.append((kind, v))
         return out
 
     def _feed(self, piece: str) -> list:
@@ -262,31 +283,31 @@ class ToolStream:
             out += self._calls(body)
             self.in_call = False
 
-    def _calls(self, body: str) -> list:
+    def _calls(self, body: str, closed: bool = True) -> list:
+        """The calls in a marker's body (``closed``: its end marker was seen), or the text back as content."""
         fmt = self.fmt
         text = body.strip()
         if fmt.begin is None and text.startswith(PYTHON_TAG):
             text = text[len(PYTHON_TAG):]
         calls = _parse_body(text, fmt)
         if calls is None:  # not a call after all: give the text back as content
-            return [("content", (fmt.begin or "") + body + (fmt.end or "") if fmt.begin else body)]
+            if fmt.begin is None:
+                return [("content", body)]
+            return [("content", fmt.begin + body + ((fmt.end or "") if closed else ""))]
         self.calls += len(calls)
         return [("call", c) for c in calls]
 
     def finish(self) -> list:
         out = self._between(self._finish())
-        self.space = ""  # trailing whitespace after the last call
+        if self.space and not self.calls:  # an output without calls keeps its text as it is
+            out.append(("content", self.space))
+        self.space = ""
         return out
 
     def _finish(self) -> list:
         if self.in_call or (self.fmt.begin is None and self.buf):
             body, self.buf, self.in_call = self.buf, "", False
-            if self.fmt.begin is None:
-                return self._calls(body)
-            calls = _parse_body(body.strip(), self.fmt)
-            if calls is None:
-                return [("content", self.fmt.begin + body)]
-            return [("call", c) for c in calls]
+            return self._calls(body, closed=False)
         out = [("content", self.buf)] if self.buf else []
         self.buf = ""
         return out
