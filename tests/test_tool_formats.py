@@ -309,15 +309,20 @@ def stream_chat(client, **body) -> tuple[dict, str | None]:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_forced_calls_come_in_the_family_format(servers, family):
     client = servers[family]
+    extra = {}
+    if family == "qwen3":  # the grammar allows a <think> block first, which a random model never closes: "<to"
+        # rather than "<th" (where "h" is the only token allowed, as in "get_weather", it is still taken)
+        h = client.post("/tokenize", json={"model": "m", "prompt": "h", "add_special_tokens": False}).json()["tokens"]
+        extra = {"logit_bias": {str(h[0]): -100}}
     r = chat(client, tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}},
-             temperature=0)
+             temperature=0, **extra)
     choice = r["choices"][0]
     m = choice["message"]
     assert choice["finish_reason"] == "tool_calls" and m["content"] is None, m
     assert [c["function"]["name"] for c in m["tool_calls"]] == ["get_weather"]
     assert json.loads(m["tool_calls"][0]["function"]["arguments"])["city"] in ("Oslo", "Paris")
     got, finish = stream_chat(client, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
-                              temperature=0)
+                              temperature=0, **extra)
     assert finish == "tool_calls" and got["content"] == "" and len(got["tool_calls"]) == 1, got
     # the next turn: the call and its result back through the family's template (Mistral's 9-character ids)
     history = ASK + [m, {"role": "tool", "tool_call_id": m["tool_calls"][0]["id"], "content": "Cold"}]
@@ -380,3 +385,29 @@ def test_thinking_switches_reach_the_template(servers):
     r = client.post("/v1/chat/completions", json={"model": "m", "max_tokens": 2, "messages": [
         {"role": "user", "content": "x", "reasoning_content": "no"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.reasoning_content"
+
+
+def test_a_thinking_model_may_reason_before_a_forced_or_strict_call(tiny_llama):
+    """With the reasoning split on, the tools' grammars allow one <think> block the output opens before the
+    calls (or, under strict auto, the text), and nothing else new."""
+    from flint.grammar import Grammars
+    from flint.server.tools import auto_grammar, call_grammar
+
+    tok = tiny_llama.tokenizer
+    g = Grammars(tok, tiny_llama.cfg.vocab_size, tok.eos_token_ids[0])
+    strict = {"type": "function", "function": dict(WEATHER["function"], strict=True)}
+
+    def accepts(constraint, text: str) -> bool:
+        m = constraint.matcher()
+        return all(m.m.consume_token(t) for t in tok.encode(text, add_special_tokens=False)) and m.accepting
+
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    forced, auto = call_grammar(g, HERMES, [strict], True, think=True), auto_grammar(g, HERMES, [strict], True,
+                                                                                        think=True)
+    for c in (forced, auto):
+        assert accepts(c, call) and accepts(c, "<think>\nOslo.\n</think>\n\n" + call)
+        assert not accepts(c, "<think>a</think>b</think>" + call)  # one block
+        assert not accepts(c, "<think>a</think>\n\n" + call.replace("Oslo", "Rome"))  # the schema still holds
+    assert accepts(auto, "<think>a</think>\n\nJust text.") and not accepts(forced, "<think>a</think>\n\nJust text.")
+    assert not accepts(auto, "<think>a</think>\n\ntext then " + call)
+    assert not accepts(call_grammar(g, HERMES, [strict], True), "<think>a</think>" + call)  # no split, no block

@@ -6,8 +6,9 @@ A template that writes ``<think>`` and ``</think>`` turns the split on (``--reas
 off; ``qwen3`` or ``deepseek_r1``, vLLM's names, turn it on for any template). The block counts only at the
 start of the output, or from the first token when the rendered prompt itself ends by opening one (templates
 that make the model think, DeepSeek-R1's, Qwen3's thinking-only releases). An output that opens the block and
-never closes it (cut by max_tokens) is all reasoning. Under a grammar (a forced tool call, response_format)
-the output is what the grammar shapes from its first token, so only a block the output itself opens counts.
+never closes it (cut by max_tokens) is all reasoning. Under a grammar only a block the output itself opens
+counts: the tools' grammars (flint.server.tools) allow one before the calls, the others (response_format,
+structured_outputs) shape the output from its first token.
 ``chat_template_kwargs: {"enable_thinking": false}`` reaches Qwen3's template, which then closes an empty
 block in the prompt, and the output is all content.
 

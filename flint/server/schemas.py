@@ -358,8 +358,8 @@ class ToolPlan:
 
 def plan_reasoning(plan: ToolPlan, state: "ServerState", prompt_ids: list[int], sp) -> None:
     """Turn the reasoning split on for a chat request whose model has one; ``think`` says whether the rendered
-    prompt already opened the block. Under a grammar (a forced call, response_format) the output is what the
-    grammar shapes from its first token: a block counts only where the output itself opens it."""
+    prompt already opened the block. Under a grammar the output is what it shapes from its first token, and a
+    block counts only where the output itself opens it (the tools' grammars allow one before the calls)."""
     from .reasoning import opened_by
 
     if state.reasoning:
@@ -393,10 +393,11 @@ def _tool_plan(req, state: "ServerState") -> ToolPlan:
             # a named function is called once; "required" allows several when parallel_tool_calls permits
             parallel = choice == "required" and req.parallel_tool_calls is not False
             _refuse_on_draft(state, "tool_choice", "forcing a tool call")
-            force = call_grammar(state.grammars, fmt, chosen, parallel)
+            force = call_grammar(state.grammars, fmt, chosen, parallel, think=state.reasoning)
         elif any(t["function"].get("strict") for t in tools):  # auto, strict: text, or calls valid for their schemas
             _refuse_on_draft(state, "tools", "strict function schemas")
-            force, param = auto_grammar(state.grammars, fmt, tools, req.parallel_tool_calls is not False), "tools"
+            force = auto_grammar(state.grammars, fmt, tools, req.parallel_tool_calls is not False, think=state.reasoning)
+            param = "tools"
         else:  # auto: the schemas must still be ones the engine could force
             for i, t in enumerate(tools):
                 if "parameters" in t["function"]:

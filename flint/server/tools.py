@@ -344,19 +344,28 @@ def _compile(grammars, lark: str, tools: list[dict], param: str):
         raise GrammarError(f"{param}: the tools' call grammar cannot be compiled ({e})", param) from None
 
 
-def call_grammar(grammars, fmt: ToolFormat, tools: list[dict], parallel: bool, param: str = "tool_choice"):
+# a reasoning block the output opens before the calls or text (flint.server.reasoning): one closing tag, then the
+# whitespace up to the answer; one lexeme, so that the answer's first byte ends it
+THINK_RULE = r"THINK: /<think>(.|\n)*<\/think>[ \t\n]*/ & ~/(.|\n)*<\/think>(.|\n)*<\/think>(.|\n)*/"
+
+
+def call_grammar(grammars, fmt: ToolFormat, tools: list[dict], parallel: bool, param: str = "tool_choice",
+                 think: bool = False):
     """The Constraint that makes the output a call of one of ``tools`` (several when ``parallel`` and the format
-    allows them), each tool's schema checked first."""
+    allows them), each tool's schema checked first; ``think``: a reasoning block may come first."""
     rules = _calls_rule(grammars, fmt, tools, parallel and fmt.parallel)
-    return _compile(grammars, "start: calls\n" + rules, tools, param)
+    start = f"start: THINK? calls\n{THINK_RULE}\n" if think else "start: calls\n"
+    return _compile(grammars, start + rules, tools, param)
 
 
 _REGEX_META = set("\\.+*?()|[]{}^$&~")
 
 
-def auto_grammar(grammars, fmt: ToolFormat, tools: list[dict], parallel: bool, param: str = "tools"):
+def auto_grammar(grammars, fmt: ToolFormat, tools: list[dict], parallel: bool, param: str = "tools",
+                 think: bool = False):
     """tool_choice auto with strict tools: the output is either text with no call in it, or calls whose arguments
-    are valid for their schemas (text before a call is not allowed under this grammar)."""
+    are valid for their schemas (text before a call is not allowed under this grammar); ``think``: a reasoning
+    block may come first (the text then does not open another)."""
     if fmt.begin is None:  # a bare-JSON format: text is anything that does not open an object
         text = r"/[^{ \t\n](.|\n)*/"
     elif grammars.literal(fmt.begin).startswith("<["):  # a special token: text can never produce it
@@ -364,8 +373,11 @@ def auto_grammar(grammars, fmt: ToolFormat, tools: list[dict], parallel: bool, p
     else:
         marker = "".join("\\" + c if c in _REGEX_META else c for c in fmt.begin)
         text = rf"/(.|\n)+/ & ~/(.|\n)*{marker}(.|\n)*/"
+    if think:
+        text += r" & ~/(.|\n)*<\/think>(.|\n)*/"
     rules = _calls_rule(grammars, fmt, tools, parallel and fmt.parallel)
-    return _compile(grammars, f"start: TEXT | calls\nTEXT: {text}\n" + rules, tools, param)
+    start = f"start: THINK? (TEXT | calls)\n{THINK_RULE}\n" if think else "start: TEXT | calls\n"
+    return _compile(grammars, f"{start}TEXT: {text}\n" + rules, tools, param)
 
 
 def check_tools(tools: list[dict]) -> None:
