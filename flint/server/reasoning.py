@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .tools import ToolStream, _holdback
+from .tools import ToolStream, _holdback, collect
 
 OPEN, CLOSE = "<think>", "</think>"
 PARSER_CHOICES = ("auto", "none", "qwen3", "deepseek_r1")
@@ -134,9 +134,4 @@ def split(text: str, think: bool | None, fmt=None) -> tuple[str | None, str | No
     other text, reasoning None when there is none."""
     r = Reply(think, fmt)
     events = r.feed(text) + r.finish()
-    reasoning = "".join(v for k, v in events if k == "reasoning") or None
-    content = "".join(v for k, v in events if k == "content")
-    calls = [v for k, v in events if k == "call"]
-    if calls:
-        content = content.strip() or None
-    return reasoning, content, calls
+    return ("".join(v for k, v in events if k == "reasoning") or None, *collect(events))

@@ -4,7 +4,8 @@ one JSON object or an SSE stream: text, reasoning or tool-call deltas (flint.ser
 thinking model's reasoning off, flint.server.tools parses the model's calls),
 logprobs as OpenAI shapes them for chat and for completions, usage, and llama.cpp's ``timings``.
 
-Used by flint/server/app.py; tests: ``pytest tests/test_server.py tests/test_tools.py``.
+Used by flint/server/app.py; tests: ``pytest tests/test_server.py tests/test_tools.py
+tests/test_tool_formats.py``.
 """
 from __future__ import annotations
 

@@ -202,13 +202,17 @@ def _parse_body(body: str, fmt: ToolFormat) -> list[dict] | None:
     return calls if calls and all(calls) else None
 
 
-def parse(text: str, fmt: ToolFormat) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of a finished output; text that is no valid call stays content (content None
-    when there are calls and no other text)."""
-    from .reasoning import split
+def collect(events: list) -> tuple[str | None, list[dict]]:
+    """(content, tool_calls) of a whole output's events; content None when there are calls and no other text."""
+    content = "".join(v for k, v in events if k == "content")
+    calls = [v for k, v in events if k == "call"]
+    return ((content.strip() or None), calls) if calls else (content, [])
 
-    _, content, calls = split(text, None, fmt)
-    return content, calls
+
+def parse(text: str, fmt: ToolFormat) -> tuple[str | None, list[dict]]:
+    """(content, tool_calls) of a finished output; text that is no valid call stays content."""
+    s = ToolStream(fmt)
+    return collect(s.feed(text) + s.finish())
 
 
 def _holdback(text: str, marker: str) -> int:
