@@ -89,8 +89,10 @@ class ServerState:
         self.special_ids = {i for i, t in lm.tokenizer.tk.get_added_tokens_decoder().items() if t.special}
         self.scheduler = Scheduler(engine, self.max_queue, self.should_stop, self.metrics)
         self.ready.set()
-        log.info("model %s ready on backend %s (context %d tokens) in %.1fs", self.model_id,
-                 backend.name, engine.max_seq_len, time.perf_counter() - t0)
+        log.info("model %s ready on backend %s (context %d tokens; tool calls: %s%s; reasoning split: %s) in %.1fs",
+                 self.model_id, backend.name, engine.max_seq_len, self.tool_format.name,
+                 "" if self.tool_format.native else " through flint's system prompt",
+                 "on" if self.reasoning else "off", time.perf_counter() - t0)
 
     @staticmethod
     def _message_tokens(tok) -> int:
