@@ -349,11 +349,12 @@ def test_a_draft_server_refuses_constraints_naming_the_field(tiny_llama, grammar
     from flint.ngram import NgramDraft
     from flint.server.errors import APIError
     from flint.server.schemas import _constraint, _tool_plan, schemas
+    from flint.server.tools import FALLBACK
     from flint.speculative import SpeculativeEngine
 
     engine = SpeculativeEngine(make_backend("reference", tiny_llama, 96, device="cpu"), tiny_llama.tokenizer,
                                NgramDraft(tiny_llama.cfg.vocab_size))
-    state = SimpleNamespace(engine=engine, grammars=grammars, lm=tiny_llama)
+    state = SimpleNamespace(engine=engine, grammars=grammars, lm=tiny_llama, tool_format=FALLBACK, reasoning=False)
     chat = schemas()[0]
     base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     tool = {"type": "function", "function": {"name": "f"}}

@@ -13,7 +13,8 @@ import logging
 
 from .errors import APIError, client_closed, shutdown_error
 from .schemas import (chat_messages, check_fits, check_message_count, completion_input, encode_chat, encode_text,
-                      options, refuse_unsupported, sampling, schemas, _tool_plan, validation_error)
+                      options, plan_reasoning, refuse_unsupported, sampling, schemas, _tool_plan,
+                      validation_error)
 from .respond import respond
 from .state import ServerState
 
@@ -209,6 +210,7 @@ def create_app(state: ServerState):
         plan = _tool_plan(req, state)
         ids = encode_chat(messages, state, plan=plan, template_kwargs=req.chat_template_kwargs)
         sp = sampling(req, state, len(ids), "messages", plan)
+        plan_reasoning(plan, state, ids, sp)
         return req, ids, plan, sp, options(req, sp)
 
     @app.post("/v1/chat/completions")

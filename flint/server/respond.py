@@ -1,9 +1,11 @@
 """The answer of `flint serve` to a chat or completion request: the job submitted to the queue (429
 when full) and cancelled when the client leaves, then the OpenAI response shaped from its events,
-one JSON object or an SSE stream: text or tool-call deltas (flint.server.tools parses the model's calls),
+one JSON object or an SSE stream: text, reasoning or tool-call deltas (flint.server.reasoning splits a
+thinking model's reasoning off, flint.server.tools parses the model's calls),
 logprobs as OpenAI shapes them for chat and for completions, usage, and llama.cpp's ``timings``.
 
-Used by flint/server/app.py; tests: ``pytest tests/test_server.py tests/test_tools.py``.
+Used by flint/server/app.py; tests: ``pytest tests/test_server.py tests/test_tools.py
+tests/test_tool_formats.py``.
 """
 from __future__ import annotations
 
@@ -147,9 +149,11 @@ async def respond(state: ServerState, request: Request, req, prompt_ids: list[in
     with (its logprobs too, when asked)."""
     from fastapi.responses import Response, StreamingResponse
 
-    from .tools import ToolStream
+    from .reasoning import Reply, split
 
     parsing = plan is not None and plan.parse
+    think = plan.think if plan is not None else None
+    shaped = parsing or think is not None  # the output is parsed (reasoning, calls), not sent as it is
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     job = submit(state, rid, prompt_ids, sp, opts)
     head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
@@ -208,6 +212,8 @@ async def respond(state: ServerState, request: Request, req, prompt_ids: list[in
             for kind, v in parsed:
                 if kind == "content":
                     delta = {"content": v}
+                elif kind == "reasoning":
+                    delta = {"reasoning_content": v}
                 else:
                     delta = {"tool_calls": [{"index": n_calls[0], **v}]}
                     n_calls[0] += 1
@@ -223,7 +229,7 @@ async def respond(state: ServerState, request: Request, req, prompt_ids: list[in
             def begin() -> list[str]:  # a choice's first chunk
                 nonlocal calls
                 new_choice()
-                calls = ToolStream(plan.fmt) if parsing else None
+                calls = Reply(think, plan.fmt if parsing else None) if shaped else None
                 n_calls[0] = 0
                 if chat:
                     return [chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -293,12 +299,13 @@ async def respond(state: ServerState, request: Request, req, prompt_ids: list[in
         new_choice()
         if chat:
             message, finish = {"role": "assistant", "content": out}, r.finish_reason
-            if parsing:
-                from .tools import parse
-
-                content, tool_calls = parse(out, plan.fmt)
+            if shaped:
+                reasoning, content, tool_calls = split(out, think, plan.fmt if parsing else None)
+                message = {"role": "assistant", "content": content}
+                if think is not None:
+                    message["reasoning_content"] = reasoning
                 if tool_calls:
-                    message = {"role": "assistant", "content": content, "tool_calls": tool_calls}
+                    message["tool_calls"] = tool_calls
                     finish = "tool_calls" if finish == "stop" else finish
             return {"index": i, "message": message, "logprobs": logprobs(entries), "finish_reason": finish}
         lps = None

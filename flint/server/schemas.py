@@ -84,6 +84,7 @@ def schemas():
         name: str | None = None  # a participant's name: given to the chat template with the message
         tool_call_id: str | None = None  # goes to the chat template with the message
         tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+        reasoning_content: str | None = None  # an assistant's earlier reasoning: to the template (Qwen3's reads it)
         # what an answer's message.model_dump() sends back: accepted when empty (null; annotations [])
         refusal: None = None
         audio: None = None
@@ -344,21 +345,39 @@ def _logprobs_wanted(req) -> int | None:
 
 class ToolPlan:
     """How one chat request uses tools: the format its template speaks, the tools shown to the model, whether
-    the output is parsed for calls, and the grammar that forces a call (tool_choice required or named)."""
+    the output is parsed for calls, and the grammar that forces a call (tool_choice required or named); and
+    whether its output is split into reasoning and content (``think``, set once the prompt is known: see
+    plan_reasoning)."""
 
     def __init__(self, fmt, tools: list[dict] | None, parse: bool, force=None, keep_special: bool = False,
                  param: str = "tool_choice"):
         self.fmt, self.tools, self.parse, self.force, self.keep_special = fmt, tools, parse, force, keep_special
         self.param = param  # the field the grammar comes from: tool_choice (a forced call), tools (strict, auto)
+        self.think: bool | None = None  # None: no reasoning split; True: the prompt opened the block
+
+
+def plan_reasoning(plan: ToolPlan, state: "ServerState", prompt_ids: list[int], sp) -> None:
+    """Turn the reasoning split on for a chat request whose model has one; ``think`` says whether the rendered
+    prompt already opened the block. Under a grammar the output is what it shapes from its first token, and a
+    block counts only where the output itself opens it (the tools' grammars allow one before the calls)."""
+    from .reasoning import opened_by
+
+    if state.reasoning:
+        tail = state.lm.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False)
+        plan.think = sp.constraint is None and opened_by(tail)
 
 
 def _tool_plan(req, state: "ServerState") -> ToolPlan:
     from ..grammar import GrammarError
-    from .tools import auto_grammar, call_grammar, check_tools, detect_format
+    from .reasoning import CLOSE, OPEN
+    from .tools import auto_grammar, call_grammar, check_tools
 
-    fmt = detect_format(state.lm.tokenizer.chat_template)
+    fmt = state.tool_format
+    tok = state.lm.tokenizer
+    specials = {t.content for t in tok.tk.get_added_tokens_decoder().values() if t.special}
+    think_special = state.reasoning and bool({OPEN, CLOSE} & specials)  # the split needs the markers' text
     if not req.tools or req.tool_choice == "none":  # "none": the tools are not shown, the output is text
-        return ToolPlan(fmt, None, False)
+        return ToolPlan(fmt, None, False, keep_special=think_special)
     tools = [t.model_dump(exclude_none=True) for t in req.tools]
     force, param = None, "tool_choice"
     try:
@@ -374,19 +393,19 @@ def _tool_plan(req, state: "ServerState") -> ToolPlan:
             # a named function is called once; "required" allows several when parallel_tool_calls permits
             parallel = choice == "required" and req.parallel_tool_calls is not False
             _refuse_on_draft(state, "tool_choice", "forcing a tool call")
-            force = call_grammar(state.grammars, fmt, chosen, parallel)
+            force = call_grammar(state.grammars, fmt, chosen, parallel, think=state.reasoning)
         elif any(t["function"].get("strict") for t in tools):  # auto, strict: text, or calls valid for their schemas
             _refuse_on_draft(state, "tools", "strict function schemas")
-            force, param = auto_grammar(state.grammars, fmt, tools, req.parallel_tool_calls is not False), "tools"
+            force = auto_grammar(state.grammars, fmt, tools, req.parallel_tool_calls is not False, think=state.reasoning)
+            param = "tools"
         else:  # auto: the schemas must still be ones the engine could force
             for i, t in enumerate(tools):
                 if "parameters" in t["function"]:
                     state.grammars.json_schema(t["function"]["parameters"], f"tools.{i}.function.parameters")
     except GrammarError as e:
         raise APIError(400, str(e), param=e.param or "tools", code="invalid_value") from None
-    tok = state.lm.tokenizer
-    specials = {t.content for t in tok.tk.get_added_tokens_decoder().values() if t.special}
-    return ToolPlan(fmt, tools, True, force, keep_special=bool({fmt.begin, fmt.end} & specials), param=param)
+    keep = think_special or bool({fmt.begin, fmt.end} & specials)
+    return ToolPlan(fmt, tools, True, force, keep_special=keep, param=param)
 
 
 def _refuse_on_draft(state: "ServerState", param: str, what: str) -> None:
@@ -541,8 +560,8 @@ def _skip_special(req, plan: ToolPlan | None) -> bool:
     are special tokens (the parser needs them)."""
     keep = plan is not None and plan.keep_special
     if req.skip_special_tokens and keep:
-        raise APIError(400, "skip_special_tokens: true would remove this model's tool-call markers (special "
-                            "tokens) that tool calls are parsed from", param="skip_special_tokens",
+        raise APIError(400, "skip_special_tokens: true would remove this model's tool-call or reasoning markers "
+                            "(special tokens) that the output is parsed by", param="skip_special_tokens",
                        code="invalid_value")
     return not keep if req.skip_special_tokens is None else req.skip_special_tokens
 
@@ -584,6 +603,11 @@ def chat_messages(req, state: "ServerState") -> list[dict]:
             _unanswered(open_calls, i)
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None:
+            if role != "assistant":
+                raise APIError(400, f"messages.{i}.reasoning_content: only assistant messages have reasoning",
+                               param=f"messages.{i}.reasoning_content", code="invalid_value")
+            msg["reasoning_content"] = m.reasoning_content
         if m.tool_calls:
             if role != "assistant":
                 raise APIError(400, f"messages.{i}.tool_calls: only assistant messages have tool calls",
@@ -602,6 +626,7 @@ def chat_messages(req, state: "ServerState") -> list[dict]:
         _unanswered(open_calls, len(messages))
     extra = sum(len(json.dumps(t.model_dump(exclude_none=True))) for t in (getattr(req, "tools", None) or []))
     extra += sum(len(json.dumps(m["tool_calls"])) for m in messages if "tool_calls" in m)
+    extra += sum(len(m.get("reasoning_content", "")) for m in messages)
     _check_length(sum(len(m["content"]) for m in messages) + extra, req, state, "messages", len(messages))
     return messages
 
@@ -617,14 +642,14 @@ RESERVED_TEMPLATE_NAMES = {"messages", "tools", "add_generation_prompt", "bos_to
 
 def encode_chat(messages: list[dict], state: "ServerState", add_generation_prompt: bool = True,
                  plan: ToolPlan | None = None, template_kwargs: dict | None = None) -> list[int]:
-    from .tools import FALLBACK, detect_format, render
+    from .tools import render
 
     clash = sorted(RESERVED_TEMPLATE_NAMES & set(template_kwargs or ()))
     if clash:
         raise APIError(400, f"chat_template_kwargs: {', '.join(clash)} are set by the request itself",
                        param="chat_template_kwargs", code="invalid_value")
-    fmt = plan.fmt if plan is not None else detect_format(state.lm.tokenizer.chat_template)
-    messages, tools = render(messages, plan.tools if plan is not None else None, fmt or FALLBACK)
+    fmt = plan.fmt if plan is not None else state.tool_format
+    messages, tools = render(messages, plan.tools if plan is not None else None, fmt)
     try:
         return state.lm.tokenizer.encode_chat(messages, add_generation_prompt, tools, template_kwargs)
     except ValueError as e:  # no chat template, or the template rejects the conversation

@@ -179,7 +179,8 @@ def cmd_serve(args) -> int:
         log.propagate = False
     allow = [h.strip() for item in args.allow_host for h in item.split(",") if h.strip()]
     state = ServerState(args.model or DEFAULT_MODEL, args.api_key, args.max_queue, args.default_max_tokens,
-                        args.max_tokens_limit, allow, args.body_timeout, args.max_requests)
+                        args.max_tokens_limit, allow, args.body_timeout, args.max_requests, args.tool_call_parser,
+                        args.reasoning_parser)
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     # no uvicorn limit_concurrency: it counts sockets before any byte arrives, so idle connections could
@@ -233,6 +234,14 @@ def register(sub) -> None:
     p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                    help="without --api-key, also serve requests whose Host (or Origin) is NAME (repeatable, or "
                         "comma-separated; '*' = any); by default only loopback names are served")
+    from .reasoning import PARSER_CHOICES as REASONING_CHOICES
+    from .tools import PARSER_CHOICES as TOOL_CHOICES
+
+    p.add_argument("--tool-call-parser", choices=TOOL_CHOICES, default="auto",
+                   help="the format of the model's tool calls (vLLM's names; default: read from the chat template)")
+    p.add_argument("--reasoning-parser", choices=REASONING_CHOICES, default="auto",
+                   help="split a <think>...</think> block off into reasoning_content (qwen3 and deepseek_r1 both "
+                        "do; default: when the chat template writes one; none: never)")
     for flag, kind, default, text in (
             ("--default-max-tokens", int, 1024, "max_tokens of a request that gives none (less if the context has "
                                                 "less room)"),

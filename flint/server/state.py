@@ -1,6 +1,8 @@
 """What one `flint serve` process holds: the model and engine (loaded on a thread while /health
 answers 503), the grammar compiler, the queue, the metrics, the settings from the command line,
-the Host check run without an API key, and each token's text and bytes as logprobs report them.
+the Host check run without an API key, each token's text and bytes as logprobs report them, and the
+tool-call format and reasoning split of the model's chat template (or of --tool-call-parser and
+--reasoning-parser).
 
 Used by flint/server/serve.py and flint/server/app.py; tests: ``pytest tests/test_server_ops.py``.
 """
@@ -32,7 +34,15 @@ def _byte_level_alphabet() -> dict[str, int]:
 class ServerState:
     def __init__(self, model_id: str, api_key: str | None, max_queue: int, default_max_tokens: int = 1024,
                  max_tokens_limit: int = 4096, allow_hosts=(), body_timeout_s: float = 30.0,
-                 max_requests: int = 256):
+                 max_requests: int = 256, tool_parser: str = "auto", reasoning_parser: str = "auto"):
+        from .reasoning import PARSER_CHOICES as REASONING_CHOICES
+        from .tools import PARSER_CHOICES as TOOL_CHOICES
+
+        for flag, name, choices in (("--tool-call-parser", tool_parser, TOOL_CHOICES),
+                                    ("--reasoning-parser", reasoning_parser, REASONING_CHOICES)):
+            if name not in choices:
+                raise ValueError(f"{flag}: unknown parser {name!r}; use one of {', '.join(choices)}")
+        self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
         self.model_id = model_id
         self.api_key = api_key
         self.max_queue = max_queue
@@ -79,8 +89,10 @@ class ServerState:
         self.special_ids = {i for i, t in lm.tokenizer.tk.get_added_tokens_decoder().items() if t.special}
         self.scheduler = Scheduler(engine, self.max_queue, self.should_stop, self.metrics)
         self.ready.set()
-        log.info("model %s ready on backend %s (context %d tokens) in %.1fs", self.model_id,
-                 backend.name, engine.max_seq_len, time.perf_counter() - t0)
+        log.info("model %s ready on backend %s (context %d tokens; tool calls: %s%s; reasoning split: %s) in %.1fs",
+                 self.model_id, backend.name, engine.max_seq_len, self.tool_format.name,
+                 "" if self.tool_format.native else " through flint's system prompt",
+                 "on" if self.reasoning else "off", time.perf_counter() - t0)
 
     @staticmethod
     def _message_tokens(tok) -> int:
@@ -92,6 +104,20 @@ class ServerState:
         except Exception:  # no template, or one that refuses these turns: no per-message count
             return 0
         return max(0, (three - one) // 2)
+
+    @functools.cached_property
+    def tool_format(self):
+        """The tool-call format (flint.server.tools.ToolFormat) of the model's chat template or --tool-call-parser."""
+        from .tools import detect_format
+
+        return detect_format(self.lm.tokenizer.chat_template, self.tool_parser)
+
+    @functools.cached_property
+    def reasoning(self) -> bool:
+        """Whether chat outputs are split into reasoning and content (flint.server.reasoning)."""
+        from .reasoning import enabled
+
+        return enabled(self.lm.tokenizer.chat_template, self.reasoning_parser)
 
     def token_text(self, tid: int) -> tuple[str, list[int]]:
         """A token's text and its UTF-8 bytes, as logprobs report them. A byte-level BPE token may hold

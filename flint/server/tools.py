@@ -1,26 +1,37 @@
 """Tool calls for `flint serve`: OpenAI's ``tools`` into the prompt, the model's tool-call text out as
 ``tool_calls``, and the grammar that forces a call.
 
-A chat template that takes ``tools`` (it mentions them and one of the known call markers) renders them
-itself and the model answers in that template's format: ``<tool_call>{"name", "arguments"}</tool_call>``
-(Hermes style: Granite 4, Qwen), ``<|tool_call|>[{"name", "arguments"}, ...]`` (Granite 3), or a bare
-``{"name", "parameters"}`` object (Llama 3.1+, one call a turn). A template without tools (SmolLM2's
-ChatML) gets them from flint as a system message that asks for the Hermes format. Assistant messages with
-``tool_calls`` and ``role: "tool"`` messages go back through the template the same way (natively, or as
-Hermes text for a template without tools).
+Each family writes its calls its own way; the format is read from the chat template (``--tool-call-parser``
+names one instead, with vLLM's names):
+
+* ``hermes`` (Qwen2.5, Qwen3, Granite 4): ``<tool_call>\n{"name", "arguments"}\n</tool_call>``, one block a
+  call; the template renders tools into the system prompt and results as ``<tool_response>`` blocks;
+* ``llama3_json`` (Llama 3.1+): a bare ``{"name", "parameters"}`` object, optionally after ``<|python_tag|>``,
+  several separated by ``;``; results go back as the template's ``ipython`` turn;
+* ``mistral``: ``[TOOL_CALLS] [{"name", "arguments"}, ...]`` (v0.3 to Small 3.1), or ``[TOOL_CALLS]NAME[ARGS]{...}``
+  per call (later releases; parsed, while a forced call is written the first way); call ids of 9 letters
+  and digits (the templates check them);
+* ``granite`` (Granite 3): ``<|tool_call|>[{"name", "arguments"}, ...]``.
+
+A template that renders tools gets them as transformers' ``apply_chat_template(messages, tools=...)`` passes
+them: the OpenAI tool objects as they are, assistant ``tool_calls`` with their arguments as a mapping,
+``role: "tool"`` messages unchanged. A template without tools (SmolLM2's ChatML) gets them from flint as a
+system message asking for the chosen format (Hermes unless named), and earlier calls as that text.
 
 ``parse`` turns a finished output into (content, calls); ``ToolStream`` does it piece by piece for SSE
-(text that may begin a call marker is held back; each call is emitted when complete). ``call_grammar``
-is the Lark grammar (llguidance, flint.grammar) that makes the output one call (or several, with
-parallel_tool_calls) whose arguments are valid for the function's JSON schema: used when tool_choice is
-"required" or names a function. Tests: ``pytest tests/test_tools.py``.
+(text that may begin a call marker is held back; each call is emitted when complete); text that is no
+valid call stays content, as vLLM's parsers leave it. ``call_grammar`` is the Lark grammar (llguidance,
+flint.grammar) that makes the output one call (or several, with parallel_tool_calls) in the format, its
+arguments valid for the function's JSON schema: used when tool_choice is "required" or names a function.
+Tests: ``pytest tests/test_tools.py tests/test_tool_formats.py``.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..grammar import JSON_OPTIONS, GrammarError
 
@@ -34,41 +45,65 @@ class ToolFormat:
     parallel: bool  # several calls in one turn
     listed: bool = False  # the calls are one JSON array after `begin`
     native: bool = True  # the chat template renders the tools itself
+    short_ids: bool = False  # call ids of 9 letters and digits (Mistral's templates refuse others)
 
 
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # a function without any
 
 HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>", "arguments", True)
-GRANITE3 = ToolFormat("granite3", "<|tool_call|>", None, "arguments", True, listed=True)
-LLAMA3 = ToolFormat("llama3", None, None, "parameters", False)
+GRANITE3 = ToolFormat("granite", "<|tool_call|>", None, "arguments", True, listed=True)
+LLAMA3 = ToolFormat("llama3_json", None, None, "parameters", False)
+MISTRAL = ToolFormat("mistral", "[TOOL_CALLS]", None, "arguments", True, listed=True, short_ids=True)
 FALLBACK = ToolFormat("hermes", "<tool_call>", "</tool_call>", "arguments", True, native=False)
+PARSERS = {f.name: f for f in (HERMES, LLAMA3, MISTRAL, GRANITE3)}  # --tool-call-parser's names (vLLM's)
+PARSER_CHOICES = ("auto", *PARSERS)
+SEPARATOR = ";"  # between the bare calls of llama3_json
+PYTHON_TAG = "<|python_tag|>"  # what may open llama3_json's calls
+MISTRAL_ARGS = "[ARGS]"  # between a call's name and its arguments in Mistral's later format
 
 
-def detect_format(template: str | None) -> ToolFormat:
-    """The tool-call format a chat template speaks; FALLBACK when it does not take tools."""
-    if not template or "tools" not in template:
+def detect_format(template: str | None, parser: str = "auto") -> ToolFormat:
+    """The tool-call format of a chat template, or the one ``parser`` names; a template that does not render
+    tools gets them from flint (``native`` false: FALLBACK unless a parser is named)."""
+    if parser != "auto" and parser not in PARSERS:
+        raise ValueError(f"unknown tool-call parser {parser!r}; use one of {', '.join(PARSER_CHOICES)}")
+    native = bool(template) and "tools" in template
+    if parser != "auto":
+        return PARSERS[parser] if native else replace(PARSERS[parser], native=False)
+    if not native:
         return FALLBACK
-    if "<|tool_call|>" in template:
-        return GRANITE3
-    if "<tool_call>" in template:
-        return HERMES
-    if "<|python_tag|>" in template or "ipython" in template:
-        return LLAMA3
+    for marker, fmt in (("[TOOL_CALLS]", MISTRAL), ("<|tool_call|>", GRANITE3), ("<tool_call>", HERMES),
+                        ("<|python_tag|>", LLAMA3), ("ipython", LLAMA3)):
+        if marker in template:
+            return fmt
     return FALLBACK
 
 
 def _call_text(fmt: ToolFormat, calls: list[dict]) -> str:
     """Assistant tool calls as the model would have written them (for a template without tools)."""
-    return "\n".join(f"{fmt.begin}\n{json.dumps({'name': c['name'], fmt.args_key: c['arguments']})}\n{fmt.end}"
-                     for c in calls)
+    objs = [{"name": c["name"], fmt.args_key: c["arguments"]} for c in calls]
+    if fmt.listed:
+        return f"{fmt.begin} {json.dumps(objs, ensure_ascii=False)}"
+    if fmt.begin is None:
+        return f"{SEPARATOR} ".join(json.dumps(o, ensure_ascii=False) for o in objs)
+    return "\n".join(f"{fmt.begin}\n{json.dumps(o, ensure_ascii=False)}\n{fmt.end}" for o in objs)
 
 
-def system_prompt(tools: list[dict]) -> str:
+def system_prompt(tools: list[dict], fmt: ToolFormat = FALLBACK) -> str:
     lines = ["You can call these functions (JSON schemas of their arguments):"]
     lines += [json.dumps(t["function"], ensure_ascii=False) for t in tools]
-    lines.append('To call one, answer with <tool_call>\n{"name": NAME, "arguments": {...}}\n</tool_call> '
-                 "and nothing else; one such block per call. Otherwise answer normally.")
+    example = _call_text(fmt, [{"name": "NAME", "arguments": {"ARGUMENT": "VALUE"}}])
+    several = ("one such block per call" if fmt.end else "several calls in the one list" if fmt.listed
+               else "several calls separated by ';'" if fmt.parallel else "one call at a time")
+    lines.append(f"To call one, answer with {example} and nothing else; {several}. Otherwise answer normally.")
     return "\n".join(lines)
+
+
+def _short_id(call_id: str) -> str:
+    """A call id as Mistral's templates take it (9 letters and digits): kept when it is one, else derived."""
+    if re.fullmatch(r"[A-Za-z0-9]{9}", call_id):
+        return call_id
+    return hashlib.sha256(call_id.encode()).hexdigest()[:9]
 
 
 def render(messages: list[dict], tools: list[dict] | None, fmt: ToolFormat) -> tuple[list[dict], list[dict] | None]:
@@ -78,8 +113,10 @@ def render(messages: list[dict], tools: list[dict] | None, fmt: ToolFormat) -> t
     for m in messages:
         m = dict(m)
         calls = m.pop("tool_calls", None)
+        if fmt.short_ids and m.get("tool_call_id") is not None:
+            m["tool_call_id"] = _short_id(m["tool_call_id"])
         if calls:
-            parsed = [{"id": c["id"], "name": c["function"]["name"],
+            parsed = [{"id": _short_id(c["id"]) if fmt.short_ids else c["id"], "name": c["function"]["name"],
                        "arguments": json.loads(c["function"]["arguments"])} for c in calls]
             if fmt.native:  # HF's convention: arguments as a mapping, under "function"
                 m["tool_calls"] = [{"id": c["id"], "type": "function",
@@ -91,7 +128,7 @@ def render(messages: list[dict], tools: list[dict] | None, fmt: ToolFormat) -> t
         return out, None
     if fmt.native:
         return out, tools
-    text = system_prompt(tools)
+    text = system_prompt(tools, fmt)
     if out and out[0]["role"] == "system":
         out[0] = dict(out[0], content=out[0]["content"] + "\n\n" + text)
     else:
@@ -99,8 +136,9 @@ def render(messages: list[dict], tools: list[dict] | None, fmt: ToolFormat) -> t
     return out, None
 
 
-def _new_call(name: str, args) -> dict:
-    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+def _new_call(name: str, args, fmt: ToolFormat) -> dict:
+    call_id = uuid.uuid4().hex[:9] if fmt.short_ids else "call_" + uuid.uuid4().hex[:24]
+    return {"id": call_id, "type": "function",
             "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
 
 
@@ -110,29 +148,71 @@ def _as_call(obj, fmt: ToolFormat) -> dict | None:
     args = obj.get(fmt.args_key, obj.get("arguments", obj.get("parameters", {})))
     if not isinstance(args, dict):
         return None
-    return _new_call(obj["name"], args)
+    return _new_call(obj["name"], args, fmt)
+
+
+def _json_values(text: str) -> list | None:
+    """The JSON values of ``a; b; c`` (llama3_json's several calls), or None when it is not that."""
+    dec, out, at = json.JSONDecoder(), [], 0
+    while True:
+        try:
+            value, at = dec.raw_decode(text, at)
+        except ValueError:
+            return None
+        out.append(value)
+        rest = text[at:].lstrip()
+        if not rest:
+            return out
+        if not rest.startswith(SEPARATOR):
+            return None
+        at = len(text) - len(rest) + 1
+        at += len(text[at:]) - len(text[at:].lstrip())
+
+
+def _named_args(body: str, fmt: ToolFormat) -> list[dict] | None:
+    """The calls of Mistral's later templates, ``NAME[ARGS]{...}`` after each [TOOL_CALLS], as call objects."""
+    objs = []
+    for part in body.split(fmt.begin):
+        name, sep, args = part.strip().partition(MISTRAL_ARGS)
+        if not sep or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+            return None
+        try:
+            objs.append({"name": name, fmt.args_key: json.loads(args)})
+        except ValueError:
+            return None
+    return objs
 
 
 def _parse_body(body: str, fmt: ToolFormat) -> list[dict] | None:
     """The calls in one marker's body, or None when it is not valid call JSON."""
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
-    objs = obj if isinstance(obj, list) and fmt.listed else [obj]
+    if fmt.begin is None:
+        objs = _json_values(body)
+        if objs is None:
+            return None
+    else:
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            objs = _named_args(body, fmt) if fmt.short_ids else None
+            if objs is None:
+                return None
+        else:
+            objs = obj if isinstance(obj, list) and fmt.listed else [obj]
     calls = [_as_call(o, fmt) for o in objs]
     return calls if calls and all(calls) else None
+
+
+def collect(events: list) -> tuple[str | None, list[dict]]:
+    """(content, tool_calls) of a whole output's events; content None when there are calls and no other text."""
+    content = "".join(v for k, v in events if k == "content")
+    calls = [v for k, v in events if k == "call"]
+    return ((content.strip() or None), calls) if calls else (content, [])
 
 
 def parse(text: str, fmt: ToolFormat) -> tuple[str | None, list[dict]]:
     """(content, tool_calls) of a finished output; text that is no valid call stays content."""
     s = ToolStream(fmt)
-    events = s.feed(text) + s.finish()
-    content = "".join(v for k, v in events if k == "content")
-    calls = [v for k, v in events if k == "call"]
-    if calls:
-        return (content.strip() or None), calls
-    return content, []
+    return collect(s.feed(text) + s.finish())
 
 
 def _holdback(text: str, marker: str) -> int:
@@ -158,26 +238,29 @@ class ToolStream:
         return self._between(self._feed(piece))
 
     def _between(self, events: list) -> list:
-        """The whitespace that separates calls (the newline between two Hermes blocks) is no content."""
+        """Whitespace at the end of the text so far waits for what follows: dropped before and between calls
+        (the newlines around Hermes blocks are no content), content before more text."""
         out = []
         for kind, v in events:
-            if kind == "content" and self.calls and not v.strip():
-                self.space += v
-                continue
             if kind == "content":
                 v, self.space = self.space + v, ""
+                body = v.rstrip()
+                self.space = v[len(body):]
+                if body:
+                    out.append((kind, body))
             else:
                 self.space = ""
-            out.append((kind, v))
+                out.append((kind, v))
         return out
 
     def _feed(self, piece: str) -> list:
         self.buf += piece
         fmt, out = self.fmt, []
         if fmt.begin is None:  # the whole output is the call, or it is content
-            if not self.started and self.buf.strip():
+            head = self.buf.lstrip()
+            if not self.started and head and not (PYTHON_TAG.startswith(head) and head != PYTHON_TAG):
                 self.started = True
-                self.in_call = self.buf.lstrip().startswith(("{", "<|python_tag|>"))
+                self.in_call = head.startswith(("{", PYTHON_TAG))
             if self.started and not self.in_call:
                 out.append(("content", self.buf))
                 self.buf = ""
@@ -204,31 +287,31 @@ class ToolStream:
             out += self._calls(body)
             self.in_call = False
 
-    def _calls(self, body: str) -> list:
+    def _calls(self, body: str, closed: bool = True) -> list:
+        """The calls in a marker's body (``closed``: its end marker was seen), or the text back as content."""
         fmt = self.fmt
         text = body.strip()
-        if fmt.begin is None and text.startswith("<|python_tag|>"):
-            text = text[len("<|python_tag|>"):]
+        if fmt.begin is None and text.startswith(PYTHON_TAG):
+            text = text[len(PYTHON_TAG):]
         calls = _parse_body(text, fmt)
         if calls is None:  # not a call after all: give the text back as content
-            return [("content", (fmt.begin or "") + body + (fmt.end or "") if fmt.begin else body)]
+            if fmt.begin is None:
+                return [("content", body)]
+            return [("content", fmt.begin + body + ((fmt.end or "") if closed else ""))]
         self.calls += len(calls)
         return [("call", c) for c in calls]
 
     def finish(self) -> list:
         out = self._between(self._finish())
-        self.space = ""  # trailing whitespace after the last call
+        if self.space and not self.calls:  # an output without calls keeps its text as it is
+            out.append(("content", self.space))
+        self.space = ""
         return out
 
     def _finish(self) -> list:
         if self.in_call or (self.fmt.begin is None and self.buf):
             body, self.buf, self.in_call = self.buf, "", False
-            if self.fmt.begin is None:
-                return self._calls(body)
-            calls = _parse_body(body.strip(), self.fmt)
-            if calls is None:
-                return [("content", self.fmt.begin + body)]
-            return [("call", c) for c in calls]
+            return self._calls(body, closed=False)
         out = [("content", self.buf)] if self.buf else []
         self.buf = ""
         return out
@@ -265,19 +348,28 @@ def _compile(grammars, lark: str, tools: list[dict], param: str):
         raise GrammarError(f"{param}: the tools' call grammar cannot be compiled ({e})", param) from None
 
 
-def call_grammar(grammars, fmt: ToolFormat, tools: list[dict], parallel: bool, param: str = "tool_choice"):
+# a reasoning block the output opens before the calls or text (flint.server.reasoning): one closing tag, then the
+# whitespace up to the answer; one lexeme, so that the answer's first byte ends it
+THINK_RULE = r"THINK: /<think>(.|\n)*<\/think>[ \t\n]*/ & ~/(.|\n)*<\/think>(.|\n)*<\/think>(.|\n)*/"
+
+
+def call_grammar(grammars, fmt: ToolFormat, tools: list[dict], parallel: bool, param: str = "tool_choice",
+                 think: bool = False):
     """The Constraint that makes the output a call of one of ``tools`` (several when ``parallel`` and the format
-    allows them), each tool's schema checked first."""
+    allows them), each tool's schema checked first; ``think``: a reasoning block may come first."""
     rules = _calls_rule(grammars, fmt, tools, parallel and fmt.parallel)
-    return _compile(grammars, "start: calls\n" + rules, tools, param)
+    start = f"start: THINK? calls\n{THINK_RULE}\n" if think else "start: calls\n"
+    return _compile(grammars, start + rules, tools, param)
 
 
 _REGEX_META = set("\\.+*?()|[]{}^$&~")
 
 
-def auto_grammar(grammars, fmt: ToolFormat, tools: list[dict], parallel: bool, param: str = "tools"):
+def auto_grammar(grammars, fmt: ToolFormat, tools: list[dict], parallel: bool, param: str = "tools",
+                 think: bool = False):
     """tool_choice auto with strict tools: the output is either text with no call in it, or calls whose arguments
-    are valid for their schemas (text before a call is not allowed under this grammar)."""
+    are valid for their schemas (text before a call is not allowed under this grammar); ``think``: a reasoning
+    block may come first (the text then does not open another)."""
     if fmt.begin is None:  # a bare-JSON format: text is anything that does not open an object
         text = r"/[^{ \t\n](.|\n)*/"
     elif grammars.literal(fmt.begin).startswith("<["):  # a special token: text can never produce it
@@ -285,8 +377,11 @@ def auto_grammar(grammars, fmt: ToolFormat, tools: list[dict], parallel: bool, p
     else:
         marker = "".join("\\" + c if c in _REGEX_META else c for c in fmt.begin)
         text = rf"/(.|\n)+/ & ~/(.|\n)*{marker}(.|\n)*/"
+    if think:
+        text += r" & ~/(.|\n)*<\/think>(.|\n)*/"
     rules = _calls_rule(grammars, fmt, tools, parallel and fmt.parallel)
-    return _compile(grammars, f"start: TEXT | calls\nTEXT: {text}\n" + rules, tools, param)
+    start = f"start: THINK? (TEXT | calls)\n{THINK_RULE}\n" if think else "start: TEXT | calls\n"
+    return _compile(grammars, f"{start}TEXT: {text}\n" + rules, tools, param)
 
 
 def check_tools(tools: list[dict]) -> None:
