@@ -551,7 +551,7 @@ def run_draft_bench(model: str | None, backends: list[str], draft_path: str, k: 
                     group_size: int = 128, draft_vocab: list[int | None] | None = None,
                     temperature: float = 0.0, seed: int = 0, top_p: float = 1.0, top_k: int = 0,
                     rounds: int = 1, log=print, prompt_set: str = "v1", split: str = "eval") -> dict:
-    """Speculative vs plain decoding on held-out draft prompts (flint.draft_data.eval_prompts; ``prompt_set``
+    """Speculative vs plain decoding on held-out draft prompts (flint.speculative.draft_data.eval_prompts; ``prompt_set``
     workloads: the workload conversations, ``split`` eval or train), per
     backend, k and drafting-vocabulary size: tokens per verify step (accepted drafts + the target's
     own token), acceptance rate, decode tok/s of both, and (greedy) whether the outputs were
@@ -560,9 +560,9 @@ def run_draft_bench(model: str | None, backends: list[str], draft_path: str, k: 
     tok/s are the rounds' medians, each round's kept as spec_tok_s_rounds / plain_tok_s_rounds / x_plain_rounds."""
     if rounds < 1:
         raise BenchError(f"--repeats {rounds}: the draft bench's rounds must be >= 1")
-    from .draft import load_draft
-    from .draft_data import eval_prompts
-    from .draft_train import eval_acceptance
+    from .speculative.draft_head import load_draft
+    from .speculative.draft_data import eval_prompts
+    from .speculative.draft_train import eval_acceptance
     from .engine import SamplingParams
     from .loading import load_model
 
@@ -618,14 +618,14 @@ def _median_rounds(tables: list[dict]) -> dict:
 def run_oracle_bench(model: str, backends: list[str], ks: list[int], accepts: list[float], n_prompts: int,
                      max_new_tokens: int, device: str | None = None, group_size: int = 128, seed: int = 0,
                      draft_vocab: int = 8192, log=print) -> dict:
-    """Speculative vs plain greedy decoding with ORACLE acceptance (flint.oracle; benchmarking only): a random
+    """Speculative vs plain greedy decoding with ORACLE acceptance (flint.speculative.oracle; benchmarking only): a random
     draft shaped like the shipped one (one MLP block of the target's intermediate size, a ``draft_vocab``-row head)
     runs its rollout, and its proposals are replaced by the target's own continuation, each kept with probability
     ``accept``. Random prompts of 32 token ids; plain is Engine.generate of the same run (greedy_run bursts)."""
-    from .draft import DraftHead, draft_config_for
+    from .speculative.draft_head import DraftHead, draft_config_for
     from .engine import Engine, SamplingParams
-    from .oracle import OracleDraft, expected_tokens_per_step
-    from .speculative import SpeculativeEngine
+    from .speculative.oracle import OracleDraft, expected_tokens_per_step
+    from .speculative.verify import SpeculativeEngine
 
     dev = torch.device(device or default_device())
     lm = load_bench_model(model, group_size, dev, seed)

@@ -26,7 +26,7 @@ import sys
 
 from . import __version__
 
-SUBCOMMAND_MODULES = ("flint.server.serve", "flint.bench", "flint.evaluate", "flint.quantize", "flint.draft_cli")
+SUBCOMMAND_MODULES = ("flint.server.serve", "flint.bench", "flint.evaluate", "flint.quant.quantize", "flint.speculative.cli")
 
 SELFTEST_PROMPT = "What is the capital of France? Answer in one sentence."
 SELFTEST_KEYWORD = "paris"
@@ -251,7 +251,7 @@ def load_engine(args, quiet: bool = False):
     from .backend import default_backend, make_backend
     from .engine import Engine
     from .loading import load_model
-    from .suffix import K_MAX
+    from .speculative.suffix import K_MAX
 
     if getattr(args, "draft", None) in ("suffix", "auto") and (args.draft_k or 0) > K_MAX:
         raise ValueError(f"--draft-k {args.draft_k}: the {args.draft} draft proposes at most {K_MAX} tokens a step "
@@ -264,8 +264,8 @@ def load_engine(args, quiet: bool = False):
     engine = Engine(backend, lm.tokenizer)
     draft_path = getattr(args, "draft", None)
     if draft_path and draft_path != "none":
-        from .draft import load_draft
-        from .speculative import SpeculativeEngine
+        from .speculative.draft_head import load_draft
+        from .speculative.verify import SpeculativeEngine
 
         draft = load_draft(draft_path, lm.cfg, lm.params, device=backend.device,
                            draft_vocab=getattr(args, "draft_vocab", None))

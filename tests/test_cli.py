@@ -107,15 +107,15 @@ def test_bad_values_are_refused_before_the_model_loads(argv, needle, no_model_lo
 ])
 def test_other_subcommands_refuse_out_of_range_values_at_parse_time(argv, needle, monkeypatch, capsys):
     import flint.bench
-    import flint.draft_cli
+    import flint.speculative.cli
     import flint.server.serve
 
     def ran(args):
         raise AssertionError(f"flint {args.command} ran with a bad value")
     import flint.evaluate
 
-    for mod, fn in ((flint.server.serve, "cmd_serve"), (flint.draft_cli, "cmd_harvest"), (flint.bench, "_run"),
-                    (flint.draft_cli, "cmd_train"), (flint.draft_cli, "cmd_eval"), (flint.draft_cli, "cmd_vocab"),
+    for mod, fn in ((flint.server.serve, "cmd_serve"), (flint.speculative.cli, "cmd_harvest"), (flint.bench, "_run"),
+                    (flint.speculative.cli, "cmd_train"), (flint.speculative.cli, "cmd_eval"), (flint.speculative.cli, "cmd_vocab"),
                     (flint.evaluate, "_run")):
         monkeypatch.setattr(mod, fn, ran)  # register() reads these names when main() builds the parser
     with pytest.raises(SystemExit) as info:

@@ -195,7 +195,7 @@ def side_target(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def flint_int4_target(tmp_path_factory) -> Path:
     """flint quantize of a small random model (every K a multiple of the group size 32)."""
-    from flint.quantize import quantize_checkpoint
+    from flint.quant.quantize import quantize_checkpoint
     from test_quantize_safety import TINY
 
     d = tmp_path_factory.mktemp("fuzz-int4")
