@@ -878,7 +878,7 @@ def default_backends(device: torch.device) -> str:
     return DEFAULT_BACKENDS + (",megakernel" if device.type == "cuda" and cuda_sm90() else "")
 
 
-# the options each bench mode reads (flint.cli.refuse_unused refuses any other given a value)
+# the options each bench mode reads (flint.options.refuse_unused refuses any other given a value)
 _MODE_OPTIONS = {
     "oracle_accept": ("with --draft oracle",),
     **dict.fromkeys(("draft_k", "draft_vocab", "draft_prompts"), ("with --draft oracle", "with --draft PATH")),
@@ -914,7 +914,8 @@ def _run(args) -> int:
         from .bench_serve import run
 
         return run(args)
-    from .cli import refuse_unused
+    from .assemble import check_draft_k
+    from .options import refuse_unused
 
     refuse_unused(args, _mode(args), _MODE_OPTIONS)
     _check_lists(args)
@@ -931,10 +932,11 @@ def _run(args) -> int:
             (not args.draft or args.draft == "oracle"):
         raise BenchError("--prompt-set / --prompt-split choose the prompts of --draft PATH|ngram|suffix|auto; "
                          "no other bench mode reads them")
-    if args.draft in ("suffix", "auto") and args.draft_k and \
-            max(_parse_list(args.draft_k, "draft-k", int)) > 7:
-        raise BenchError(f"--draft-k {args.draft_k}: the {args.draft} draft proposes at most 7 tokens a step "
-                         "(the widest verify is M = 8)")
+    if args.draft_k:
+        try:
+            check_draft_k(args.draft, max(_parse_list(args.draft_k, "draft-k", int)), shown=args.draft_k)
+        except ValueError as e:
+            raise BenchError(str(e)) from None
     rounds = getattr(args, "repeats", None)  # (a Namespace built by hand may lack it)
     if args.draft == "oracle" and rounds not in (None, 1):
         raise BenchError("--repeats: --draft oracle runs one pass over its prompts (more: --draft-prompts)")
@@ -1005,7 +1007,7 @@ def _run(args) -> int:
 
 
 def register(sub) -> None:
-    from .cli import add_kv_cache_arg
+    from .options import add_device_arg, add_kv_cache_arg
 
     p = sub.add_parser("bench", help="batch-1 decode tok/s, bytes per token and MBU per backend and context",
                        description=__doc__.split("\n\n")[0])
@@ -1021,7 +1023,7 @@ def register(sub) -> None:
                    help="timed passes; the median is reported (default 3; with --draft PATH: rounds over the prompt "
                         "set, default 1)")
     p.add_argument("--prompt-len", type=int, default=None, help="also time TTFT for a prompt of this many tokens")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    add_device_arg(p)
     p.add_argument("--group-size", type=int, default=128, choices=(32, 64, 128),
                    help="int4 group size for weights quantized at load and synthetic int4 (default 128)")
     p.add_argument("--head-group-size", default=None, metavar="G,...",

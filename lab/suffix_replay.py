@@ -26,7 +26,7 @@ def record(args) -> None:
     from flint.backend import make_backend
     from flint.speculative.draft_data import workload_prompts
     from flint.engine import Engine, SamplingParams
-    from flint.cli import default_threads, set_threads
+    from flint.options import default_threads, set_threads
     from flint.loading import load_model
 
     set_threads(default_threads())  # (one thread on a 2-core box: as `flint` itself)

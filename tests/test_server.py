@@ -131,7 +131,8 @@ def env(tmp_path_factory):
 def generate():
     """generate(prompt, n, chat) -> the text `flint generate --prompt P [--chat] --max-new-tokens N
     --temperature 0` prints (less its final newline), built the way flint/cli.py's cmd_generate does."""
-    from flint.cli import build_parser, load_engine
+    from flint.assemble import load_engine
+    from flint.cli import build_parser
     from flint.engine import SamplingParams
 
     args = build_parser().parse_args(["generate", "--prompt", "unused", *COMMON,

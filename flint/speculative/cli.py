@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..cli import finite_float, int_at_least
+from ..options import add_device_arg, finite_float, int_at_least
 from .draft_head import (DraftError, DraftHead, draft_config_for, load_draft, load_vocab_ranking, num_parameters,
                     resolve_draft_path, save_draft, save_vocab_ranking)
 from .draft_data import (ALL_KINDS, PROMPT_SET, PROMPT_SETS, draft_prompts, eval_prompts, harvest, harvest_passes,
@@ -165,7 +165,7 @@ def register(sub) -> None:
 
     def model_args(q):
         q.add_argument("--model", default=None, help="target model spec (default: the embedded SmolLM2)")
-        q.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+        add_device_arg(q)
         q.add_argument("--seed", type=int, default=0)
 
     sets = ", ".join(n.rsplit("-", 1)[1] for n in PROMPT_SETS)
