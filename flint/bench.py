@@ -1007,7 +1007,7 @@ def _run(args) -> int:
 
 
 def register(sub) -> None:
-    from .options import add_device_arg, add_kv_cache_arg
+    from .options import add_device_arg, add_group_size_arg, add_kv_cache_arg
 
     p = sub.add_parser("bench", help="batch-1 decode tok/s, bytes per token and MBU per backend and context",
                        description=__doc__.split("\n\n")[0])
@@ -1024,8 +1024,7 @@ def register(sub) -> None:
                         "set, default 1)")
     p.add_argument("--prompt-len", type=int, default=None, help="also time TTFT for a prompt of this many tokens")
     add_device_arg(p)
-    p.add_argument("--group-size", type=int, default=128, choices=(32, 64, 128),
-                   help="int4 group size for weights quantized at load and synthetic int4 (default 128)")
+    add_group_size_arg(p, "int4 group size for weights quantized at load and synthetic int4 (default 128)")
     p.add_argument("--head-group-size", default=None, metavar="G,...",
                    help="one pass per int4 group size of the LM head (32,64,128; the body as loaded), for the "
                         "int4 backends (compiled, megakernel): bytes per token and tok/s per head variant")

@@ -28,7 +28,7 @@ import sys
 from . import __version__
 from .assemble import load_engine
 from .options import (OPTION_RANGES, SMALL_MACHINE_CORES, HelpFormatter, Parser, add_model_args, add_sampling_args,
-                      check_device, check_kv_cache_arg, default_threads, finite_float, int_at_least, leaf_parsers,
+                      check_device, check_kv_cache_arg, default_threads, int_at_least, leaf_parsers,
                       max_threads, read_text, refuse_unused, sampling_params, set_threads, text_arg, text_error)
 
 SUBCOMMAND_MODULES = ("flint.server.serve", "flint.bench", "flint.evaluate", "flint.quant.quantize", "flint.speculative.cli")
@@ -198,14 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # not built yet
             raise
         m.register(sub)
-    ranged = {"port": int_at_least(0, 65535), "temperature": finite_float(0.0),
-              "max_new_tokens": int_at_least(0), **OPTION_RANGES}
     for p in leaf_parsers(ap):
         for a in p._actions:
             # a subcommand module's plain int / float option of this name gets its range checked
             # at parse time (an out-of-range port would otherwise wrap around modulo 65536)
-            if a.dest in ranged and a.type in (int, float):
-                a.type = ranged[a.dest]
+            if a.dest in OPTION_RANGES and a.type in (int, float):
+                a.type = OPTION_RANGES[a.dest]
         if "--threads" not in p._option_string_actions:
             p.add_argument("--threads", type=int_at_least(1, max_threads()), default=None,
                            help=f"torch CPU threads (default: 1 on a machine with at most "

@@ -87,8 +87,10 @@ OPTION_RANGES = {
     **dict.fromkeys(("batch_size", "k", "depth", "steps", "layers", "intermediate_size", "eval_every",
                      "ckpt_every", "num_prompts", "prompts_per_kind", "max_seq_len", "tokens", "repeats",
                      "prompt_len", "draft_prompts", "stride", "max_tokens"), int_at_least(1)),
-    **dict.fromkeys(("attention_heads", "size", "draft_vocab", "top_k"), int_at_least(0)),
+    **dict.fromkeys(("attention_heads", "size", "draft_vocab", "top_k", "max_new_tokens"), int_at_least(0)),
     "seed": SEED,
+    "port": int_at_least(0, 65535),
+    "temperature": finite_float(0.0),
     **dict.fromkeys(("lr", "time_budget"), finite_float(0.0, lo_open=True)),
     "reg_weight": finite_float(0.0),
     "top_p": finite_float(0.0, 1.0, lo_open=True),
@@ -227,6 +229,11 @@ def add_device_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
 
 
+def add_group_size_arg(p: argparse.ArgumentParser, help: str) -> None:
+    """``--group-size``: the int4 group size of the weights the backend quantizes at load."""
+    p.add_argument("--group-size", type=int, default=128, choices=(32, 64, 128), help=help)
+
+
 def add_kv_cache_arg(p: argparse.ArgumentParser) -> None:
     from .model import KV_CACHE_FORMATS
 
@@ -263,8 +270,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache length (default: min(model context, 8192))")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                    help="reference backend precision (default: float32 on CPU, bfloat16 on GPU)")
-    p.add_argument("--group-size", type=int, default=128, choices=(32, 64, 128),
-                   help="int4 group size for weights not already int4 (kernel backends)")
+    add_group_size_arg(p, "int4 group size for weights not already int4 (kernel backends)")
     add_kv_cache_arg(p)
     p.set_defaults(model_args=True)  # check_args checks --kv-cache against --backend
     p.add_argument("--draft", default="auto",
