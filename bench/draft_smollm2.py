@@ -31,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flint.backend import make_backend  # noqa: E402
 from flint.speculative.draft_head import (DraftHead, draft_config_for, load_draft, num_parameters, save_draft,  # noqa: E402
-                         save_vocab_ranking)
+                                          save_vocab_ranking)
 from flint.speculative.cli import parse_passes, temperature_list  # noqa: E402
 from flint.speculative.draft_data import (draft_prompts, eval_prompts, harvest, load_harvest, rank_vocab,  # noqa: E402
-                              resolve_prompt_set)
+                                          resolve_prompt_set)
 from flint.speculative.draft_train import eval_acceptance, init_weights, print_eval_table, train_draft  # noqa: E402
 from flint.engine import SamplingParams  # noqa: E402
 from flint.loading import load_model  # noqa: E402

@@ -551,8 +551,8 @@ def run_draft_bench(model: str | None, backends: list[str], draft_path: str, k: 
                     group_size: int = 128, draft_vocab: list[int | None] | None = None,
                     temperature: float = 0.0, seed: int = 0, top_p: float = 1.0, top_k: int = 0,
                     rounds: int = 1, log=print, prompt_set: str = "v1", split: str = "eval") -> dict:
-    """Speculative vs plain decoding on held-out draft prompts (flint.speculative.draft_data.eval_prompts; ``prompt_set``
-    workloads: the workload conversations, ``split`` eval or train), per
+    """Speculative vs plain decoding on held-out draft prompts (flint.speculative.draft_data.eval_prompts;
+    ``prompt_set`` workloads: the workload conversations, ``split`` eval or train), per
     backend, k and drafting-vocabulary size: tokens per verify step (accepted drafts + the target's
     own token), acceptance rate, decode tok/s of both, and (greedy) whether the outputs were
     identical. ``temperature`` > 0 samples (lossless speculative sampling; plain samples too), with ``top_p`` /
@@ -618,10 +618,10 @@ def _median_rounds(tables: list[dict]) -> dict:
 def run_oracle_bench(model: str, backends: list[str], ks: list[int], accepts: list[float], n_prompts: int,
                      max_new_tokens: int, device: str | None = None, group_size: int = 128, seed: int = 0,
                      draft_vocab: int = 8192, log=print) -> dict:
-    """Speculative vs plain greedy decoding with ORACLE acceptance (flint.speculative.oracle; benchmarking only): a random
-    draft shaped like the shipped one (one MLP block of the target's intermediate size, a ``draft_vocab``-row head)
-    runs its rollout, and its proposals are replaced by the target's own continuation, each kept with probability
-    ``accept``. Random prompts of 32 token ids; plain is Engine.generate of the same run (greedy_run bursts)."""
+    """Speculative vs plain greedy decoding with ORACLE acceptance (flint.speculative.oracle; benchmarking only): a
+    random draft shaped like the shipped one (one MLP block of the target's intermediate size, a ``draft_vocab``-row
+    head) runs its rollout, and its proposals are replaced by the target's own continuation, each kept with
+    probability ``accept``. Random prompts of 32 token ids; plain is Engine.generate of the same run (greedy_run bursts)."""
     from .speculative.draft_head import DraftHead, draft_config_for
     from .engine import Engine, SamplingParams
     from .speculative.oracle import OracleDraft, expected_tokens_per_step

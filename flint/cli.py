@@ -31,7 +31,8 @@ from .options import (OPTION_RANGES, SMALL_MACHINE_CORES, HelpFormatter, Parser,
                       check_device, check_kv_cache_arg, default_threads, int_at_least, leaf_parsers,
                       max_threads, read_text, refuse_unused, sampling_params, set_threads, text_arg, text_error)
 
-SUBCOMMAND_MODULES = ("flint.server.serve", "flint.bench", "flint.evaluate", "flint.quant.quantize", "flint.speculative.cli")
+SUBCOMMAND_MODULES = ("flint.server.serve", "flint.bench", "flint.evaluate", "flint.quant.quantize",
+                      "flint.speculative.cli")
 
 SELFTEST_PROMPT = "What is the capital of France? Answer in one sentence."
 SELFTEST_KEYWORD = "paris"

@@ -50,7 +50,7 @@ import torch
 from .errors import FlintError
 from .model import kv_format_bytes
 from .quant.int4 import (GROUP_SIZES, Int4Weight, fit_group_size, int8_rows, quantize_int4,
-                    kernel_params, quantize_params, requantize_params)
+                         kernel_params, quantize_params, requantize_params)
 
 DEFAULT_CORPUS = Path(__file__).parent / "data" / "eval-corpus.txt"
 

@@ -43,7 +43,7 @@ from .checks import check_types, check_weight, parse_json, read_json
 from .config import ConfigError, ModelConfig, from_hf_dict, parse_rope_scaling
 from .params import LoadedModel, LoadError, check_params, expected_shapes
 from .quant.int4 import (GROUP_SIZES, Int4Weight, dequant_q4_k_blocks, dequant_q5_k_blocks, dequant_q6_k_blocks,
-                    dequant_q8_0_blocks, from_q4_0_blocks, from_q4_1_blocks, from_q4_k_blocks)
+                         dequant_q8_0_blocks, from_q4_0_blocks, from_q4_1_blocks, from_q4_k_blocks)
 
 DEFAULT_MODEL = "embedded:smollm2"
 QUANT_METHOD = "flint-int4-v1"

@@ -1,5 +1,6 @@
 """Does attention over the draft's own features raise acceptance? The shipped draft's shape (fc, one SwiGLU block) plus
-one causal self-attention block after fc (EAGLE-1's decoder layer: ``DraftConfig.attention_heads``, flint/speculative/draft_attention.py),
+one causal self-attention block after fc (EAGLE-1's decoder layer: ``DraftConfig.attention_heads``,
+flint/speculative/draft_attention.py),
 against the same shape without it, both warm started from the shipped draft and trained the same steps on the same
 harvest; the validation is train_draft's (the greedy walk on greedy sequences of held-out subjects, tokens per
 verify step by k).

@@ -105,7 +105,8 @@ def main() -> None:
     p = sub.add_parser("replay")
     p.add_argument("path")
     p.add_argument("--k", type=int, default=7)
-    p.add_argument("--set", action="append", help="NAME=VALUE: a knob of flint.speculative.suffix / flint.speculative.auto")
+    p.add_argument("--set", action="append",
+                   help="NAME=VALUE: a knob of flint.speculative.suffix / flint.speculative.auto")
     p.set_defaults(func=replay)
     args = ap.parse_args()
     args.func(args)

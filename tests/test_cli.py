@@ -115,9 +115,9 @@ def test_other_subcommands_refuse_out_of_range_values_at_parse_time(argv, needle
         raise AssertionError(f"flint {args.command} ran with a bad value")
     import flint.evaluate
 
-    for mod, fn in ((flint.server.serve, "cmd_serve"), (flint.speculative.cli, "cmd_harvest"), (flint.bench, "_run"),
-                    (flint.speculative.cli, "cmd_train"), (flint.speculative.cli, "cmd_eval"), (flint.speculative.cli, "cmd_vocab"),
-                    (flint.evaluate, "_run")):
+    draft = flint.speculative.cli
+    for mod, fn in ((flint.server.serve, "cmd_serve"), (draft, "cmd_harvest"), (flint.bench, "_run"),
+                    (draft, "cmd_train"), (draft, "cmd_eval"), (draft, "cmd_vocab"), (flint.evaluate, "_run")):
         monkeypatch.setattr(mod, fn, ran)  # register() reads these names when main() builds the parser
     with pytest.raises(SystemExit) as info:
         main(argv)

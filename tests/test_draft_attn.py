@@ -1,5 +1,5 @@
-"""The draft's attention over its own features (flint/speculative/draft_attention.py): decoding with its cache of true pairs predicts
-what the batched training-time rollout predicts at every start; a new block starts as the draft without it; it saves
+"""The draft's attention over its own features (flint/speculative/draft_attention.py): decoding with its cache of true
+pairs predicts what the batched training-time rollout predicts at every start; a new block starts as the draft without it; it saves
 and loads; the kernel and graph rollouts refuse it; the speculative engine stays exact with it (greedy identical to
 plain; sampled tokens follow the target's law: tests/test_speculative.py)."""
 import json
@@ -182,8 +182,8 @@ def test_batched_training_rollout_equals_an_explicit_start_by_start_one():
 
 
 def test_trains_through_train_draft(tmp_path):
-    """flint.speculative.draft_train.train_draft drives a draft with attention (begin_rollout before each rollout): the loss
-    falls, the validation walk runs, and the saved draft loads with its block."""
+    """flint.speculative.draft_train.train_draft drives a draft with attention (begin_rollout before each rollout):
+    the loss falls, the validation walk runs, and the saved draft loads with its block."""
     from test_draft import id_prompts, tiny_lm
 
     from flint.speculative.draft_data import harvest, load_harvest

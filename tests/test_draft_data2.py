@@ -15,7 +15,7 @@ import torch
 
 from flint.speculative.draft_head import DraftError, DraftHead, draft_config_for, load_draft, save_draft
 from flint.speculative.draft_data import (ALL_KINDS, KINDS, PROMPT_SET, PROMPT_SET_V2, Pass, draft_prompts, eval_prompts,
-                              harvest, harvest_passes, load_harvest, sample_rows, sample_uniforms)
+                                          harvest, harvest_passes, load_harvest, sample_rows, sample_uniforms)
 from flint.speculative.draft_train import init_weights, train_draft
 from flint.engine import probs_from_logits
 from flint.model import Transformer

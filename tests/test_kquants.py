@@ -29,7 +29,7 @@ import torch
 from flint.loading import LoadError, load_model
 from flint.model import Transformer
 from flint.quant.int4 import (ExactInt4Weight, Int4Weight, dequant_q4_k_blocks, dequant_q5_k_blocks, dequant_q6_k_blocks,
-                         from_q4_k_blocks, int4_group_size, quantize_params)
+                              from_q4_k_blocks, int4_group_size, quantize_params)
 
 QT = gguf.GGMLQuantizationType
 BLOCK = {QT.Q4_K: 144, QT.Q5_K: 176, QT.Q6_K: 210}

@@ -1,5 +1,5 @@
-"""The oracle-acceptance benchmark draft (flint.speculative.oracle): tokens per step follow the set probability, the output
-stays plain greedy's, and it is refused where it would mislead. Tiny random model on CPU; a few seconds.
+"""The oracle-acceptance benchmark draft (flint.speculative.oracle): tokens per step follow the set probability, the
+output stays plain greedy's, and it is refused where it would mislead. Tiny random model on CPU; a few seconds.
 
 Run: ``pytest tests/test_oracle.py``
 """

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flint.quant.int4 import (Int4Weight, concat_rows, fit_group_size, from_q4_0_blocks, from_q4_1_blocks,
-                         pack_int4, quantize_int4, requantize_params, unpack_int4)
+                              pack_int4, quantize_int4, requantize_params, unpack_int4)
 
 
 def test_pack_unpack_exact_and_nibble_order():

@@ -16,7 +16,7 @@ from flint.loading import LoadedModel, load_model
 from flint.model import Transformer
 from flint.quant.int4 import Int4Weight, quantize_int4, quantize_int4_searched
 from flint.quant.quantize import (QuantizeError, embedding_for_checkpoint, main, quantize_checkpoint,
-                            quantize_for_checkpoint, save_checkpoint)
+                                  quantize_for_checkpoint, save_checkpoint)
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

@@ -6,8 +6,8 @@
     flint draft vocab --draft DRAFT [--data SHARDS] [--size N]   the drafting vocabulary
     flint draft eval --draft DRAFT [--k 2,3,4]     acceptance on held-out prompts, by kind
 
-The work itself lives in flint/speculative/draft_head.py (the model and its files), flint/speculative/draft_data.py (prompts,
-harvest, token ranking) and flint/speculative/draft_train.py (training, evaluation). Tests:
+The work itself lives beside this file: draft_head.py (the model and its files), draft_data.py (prompts,
+harvest, token ranking) and draft_train.py (training, evaluation). Tests:
 ``pytest tests/test_draft.py tests/test_cli.py``.
 """
 from __future__ import annotations

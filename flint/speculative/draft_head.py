@@ -9,8 +9,8 @@ target's own final norm and LM head (tied, read-only, never saved with the draft
 
 Rolling forward K steps feeds each predicted f back in as the next h (on CUDA: one kernel launch
 greedy, else a captured CUDA graph). ``attention_heads`` > 0 adds one attention block over the draft's own features
-after fc (flint/speculative/draft_attention.py: state across steps, decoded on torch only). Drafts are saved as ``draft.safetensors`` + ``draft.json``
-(format, shapes, target name/fingerprint, default K, training record); ``load_draft`` refuses a
+after fc (flint/speculative/draft_attention.py: state across steps, decoded on torch only). Drafts are saved
+as ``draft.safetensors`` + ``draft.json`` (format, shapes, target name/fingerprint, default K, training record); ``load_draft`` refuses a
 draft whose hidden_size or vocab_size differ from the target's. A drafting vocabulary comes from
 the token ranking in ``vocab.safetensors``, read and written here.
 
@@ -57,7 +57,8 @@ class DraftConfig:
     rms_norm_eps: float = 1e-5
     k_default: int = 4
     draft_vocab: int = 0  # drafting vocabulary: the first N ids of vocab.safetensors' ranking (0: all V)
-    attention_heads: int = 0  # > 0: one attention block over the draft's own features after fc (flint/speculative/draft_attention.py)
+    # > 0: one attention block over the draft's own features after fc (flint/speculative/draft_attention.py)
+    attention_heads: int = 0
     target: dict = field(default_factory=dict)  # name, arch, num_layers, fingerprint
     training: dict = field(default_factory=dict)  # how it was trained (steps, depth, val acceptance)
     format: str = FORMAT
@@ -230,7 +231,8 @@ class DraftHead(nn.Module):
     def forward(self, hidden: torch.Tensor, token_embed: torch.Tensor) -> torch.Tensor:
         """(hidden at i [.., H], embedding of token i+1 [.., H]) -> predicted hidden at i+1."""
         x = self._features(hidden, token_embed)
-        if self.attn is not None:  # over the true pairs so far and this rollout's own steps (flint/speculative/draft_attention.py)
+        # over the true pairs so far and this rollout's own steps (flint/speculative/draft_attention.py)
+        if self.attn is not None:
             x = x + self.attn(self.attn.norm(x))
         for b in self.blocks:
             x = b(x)
@@ -253,7 +255,8 @@ class DraftHead(nn.Module):
                              "starts (flint.speculative.verify does)")
 
     def begin_rollout(self) -> None:
-        """Training and validation: the next forward is step 1 of a batched rollout (flint/speculative/draft_train.py)."""
+        """Training and validation: the next forward is step 1 of a batched rollout
+        (flint/speculative/draft_train.py)."""
         if self.attn is not None:
             self.attn.begin_rollout()
 
@@ -353,8 +356,9 @@ class DraftHead(nn.Module):
     def begin(self, hidden: torch.Tensor, tok: torch.Tensor, k: int) -> torch.Tensor:
         """The greedy rollout of ``k`` tokens from device inputs, enqueued without a host synchronisation:
         ``hidden`` [H] (or [1, H]) is the target's hidden state before token ``tok`` (LongTensor [1] on the
-        draft's device). Returns the proposals' LongTensor [k] on the device, still being computed; flint.speculative.verify
-        enqueues the next step's rollout this way before it reads the current step's verify back (``finish``)."""
+        draft's device). Returns the proposals' LongTensor [k] on the device, still being computed;
+        flint.speculative.verify enqueues the next step's rollout this way before it reads the current step's verify
+        back (``finish``)."""
         self._need_target()
         kr = self._kernel_rollout()
         if kr is not None:
@@ -384,8 +388,8 @@ class DraftHead(nn.Module):
     def finish_sampled(self, pending, k: int, sp, raw: bool = False):
         """The first ``k`` proposals of a ``begin_sampled`` rollout and their q [k, V] (softmax(logits / T) over the
         drafting vocabulary, 0 elsewhere; ``q_from_logits``); a draw does not depend on the steps after it, so a
-        shorter k keeps q. ``raw``: (ids, logits [k, N]) instead, q left to the caller (flint.speculative.verify computes it
-        inside its captured acceptance)."""
+        shorter k keeps q. ``raw``: (ids, logits [k, N]) instead, q left to the caller (flint.speculative.verify
+        computes it inside its captured acceptance)."""
         ids, logits = pending
         if k > ids.shape[0]:
             raise ValueError(f"draft finish: {k} proposals asked of a rollout of {ids.shape[0]}")
@@ -709,9 +713,9 @@ def load_draft(path: str | Path, target_cfg, target_params: dict | None = None, 
     for another target. With ``target_params`` the target's embedding/norm/head are attached, with
     a drafting vocabulary of ``draft_vocab`` tokens (None: draft.json's ``draft_vocab``; 0: all V)
     taken from the ranking in vocab.safetensors.
-    ``ngram``: the draft-free prompt-lookup proposals of flint.speculative.ngram (any model, nothing loaded); ``suffix``: the
-    draft-free suffix-trie proposals of flint.speculative.suffix; ``auto``: flint.speculative.auto's choice per step between the suffix
-    draft and the draft head shipped for this model, if any."""
+    ``ngram``: the draft-free prompt-lookup proposals of flint.speculative.ngram (any model, nothing loaded);
+    ``suffix``: the draft-free suffix-trie proposals of flint.speculative.suffix; ``auto``: flint.speculative.auto's
+    choice per step between the suffix draft and the draft head shipped for this model, if any."""
     from safetensors import safe_open
 
     if str(path) == "ngram":

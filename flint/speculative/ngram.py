@@ -74,7 +74,8 @@ class NgramDraft:
 
 
 def point_mass(toks: list[int], vocab_size: int, sp):
-    """A draft-free proposal as flint.speculative.verify takes it: (tokens, q), q None when greedy, else one-hot rows."""
+    """A draft-free proposal as flint.speculative.verify takes it: (tokens, q), q None when greedy, else one-hot
+    rows."""
     t = torch.tensor(toks, dtype=torch.long)
     if sp is None or sp.temperature == 0:
         return t, None

@@ -48,8 +48,8 @@ class OracleDraft:
         return bool(getattr(self.inner, "pipelined", False))
 
     def begin(self, hidden, tok, k: int):
-        """The inner draft's rollout enqueued from device inputs (flint.speculative.verify's pipelined step): its cost is
-        paid; ``finish`` replaces its proposals once the context is known."""
+        """The inner draft's rollout enqueued from device inputs (flint.speculative.verify's pipelined step): its cost
+        is paid; ``finish`` replaces its proposals once the context is known."""
         return self.inner.begin(hidden, tok, k)
 
     def finish(self, pending, context_ids: list[int], k: int):
