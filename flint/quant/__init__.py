@@ -6,5 +6,5 @@
     hfquant.py   GPTQ, AWQ and compressed-tensors int4 checkpoints read straight into the layout
     quantize.py  `flint quantize MODEL OUT`: a flint int4 checkpoint that `--model OUT` loads directly
 
-This file imports nothing, so building flint's parser does not pay for torch.
+This file imports nothing: a module of the wing is imported by name (flint.quant.int4), and brings only what it uses.
 """

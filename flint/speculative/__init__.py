@@ -13,6 +13,6 @@ output is exactly the target's own.
     oracle.py           a benchmarking-only draft whose acceptance is set by hand (synthetic models)
     cli.py              `flint draft harvest | train | vocab | eval`
 
-docs/speculative.md describes the design and its measurements. This file imports nothing, so building flint's
-parser does not pay for torch.
+docs/speculative.md describes the design and its measurements. This file imports nothing: a module of the wing is
+imported by name (flint.speculative.verify), and brings only what it uses.
 """
