@@ -2,9 +2,10 @@
 help formatter, the options of the model and of sampling, the device check, UTF-8 text arguments and the torch
 thread count.
 
-flint.cli builds the `flint` parser from them (its subcommand modules add their own options with the same types);
-every option of this kind is defined here once. User mistakes argparse can see are refused at parse time,
-argparse-style (exit 2). Tests: ``pytest tests/test_cli.py tests/test_input_fuzz.py``.
+flint.cli builds the `flint` parser from them, and the subcommand modules take the options they share from here
+(--device, --group-size, --kv-cache; `flint serve` the model options of chat and generate). Every plain number
+option of any subcommand gets its range from OPTION_RANGES, so user mistakes argparse can see are refused at parse
+time, argparse-style (exit 2). Tests: ``pytest tests/test_cli.py tests/test_input_fuzz.py``.
 """
 from __future__ import annotations
 
@@ -226,6 +227,7 @@ def refuse_unused(args, mode: str, only: dict) -> None:
 
 
 def add_device_arg(p: argparse.ArgumentParser) -> None:
+    """``--device``, for the commands that run on the GPU when there is one."""
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
 
 
@@ -235,6 +237,7 @@ def add_group_size_arg(p: argparse.ArgumentParser, help: str) -> None:
 
 
 def add_kv_cache_arg(p: argparse.ArgumentParser) -> None:
+    """``--kv-cache``: one format (check_kv_cache_arg checks it against the backend before any model loads)."""
     from .model import KV_CACHE_FORMATS
 
     p.add_argument("--kv-cache", default="fp16", choices=KV_CACHE_FORMATS,
