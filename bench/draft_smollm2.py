@@ -9,7 +9,7 @@ training budget shrinks to leave the evals their time; the sweep is skipped when
 cannot hold it), so the run fits one device call; the eager reference backend costs ~35 ms a
 forward on the H200 whatever the batch (measured 2026-11-29), so harvest batches are wide and the
 B=1 evals are short. Results are written as each phase ends: OUT/draft/ (the draft, loadable with
-flint.draft.load_draft; draft.json's training record names the prompt set, the passes and the
+flint.speculative.draft_head.load_draft; draft.json's training record names the prompt set, the passes and the
 init), OUT/results.json, OUT/train_log.json. docs/speculative.md has the staging commands and
 the figures.
 
@@ -30,12 +30,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flint.backend import make_backend  # noqa: E402
-from flint.draft import (DraftHead, draft_config_for, load_draft, num_parameters, save_draft,  # noqa: E402
-                         save_vocab_ranking)
-from flint.draft_cli import parse_passes, temperature_list  # noqa: E402
-from flint.draft_data import (draft_prompts, eval_prompts, harvest, load_harvest, rank_vocab,  # noqa: E402
-                              resolve_prompt_set)
-from flint.draft_train import eval_acceptance, init_weights, print_eval_table, train_draft  # noqa: E402
+from flint.speculative.draft_head import (DraftHead, draft_config_for, load_draft, num_parameters, save_draft,  # noqa: E402
+                                          save_vocab_ranking)
+from flint.speculative.cli import parse_passes, temperature_list  # noqa: E402
+from flint.speculative.draft_data import (draft_prompts, eval_prompts, harvest, load_harvest, rank_vocab,  # noqa: E402
+                                          resolve_prompt_set)
+from flint.speculative.draft_train import eval_acceptance, init_weights, print_eval_table, train_draft  # noqa: E402
 from flint.engine import SamplingParams  # noqa: E402
 from flint.loading import load_model  # noqa: E402
 
@@ -54,7 +54,7 @@ def parse_args(argv=None):
     ap.add_argument("--init", default=None, help="start from this draft's weights (a directory or a shipped name)")
     ap.add_argument("--attention-heads", type=int, default=0,
                     help="add the attention block over the draft's own features in this many heads (0: none; "
-                         "flint/draft_attn.py; its output projection starts at zero, so --init's draft is step 0)")
+                         "flint/speculative/draft_attention.py; its output projection starts at zero, so --init's draft is step 0)")
     ap.add_argument("--batch-size", type=int, default=1024, help="harvest rows per step (lengths mix)")
     ap.add_argument("--max-new-tokens", type=int, default=192)
     ap.add_argument("--harvest-budget", type=float, default=75)

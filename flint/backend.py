@@ -153,7 +153,7 @@ def make_backend(name: str, lm, max_seq_len: int | None = None, device: str | No
         if not cuda_sm90():
             raise BackendError("backend 'megakernel' needs an sm_90 (Hopper) CUDA GPU")
         from .megakernel import MegakernelBackend
-        from .quant import quantize_params
+        from .quant.int4 import quantize_params
 
         return MegakernelBackend(cfg, quantize_params(lm.params, group_size), max_seq_len, device="cuda",
                                  kv_cache=kv_cache)

@@ -551,8 +551,8 @@ def run_draft_bench(model: str | None, backends: list[str], draft_path: str, k: 
                     group_size: int = 128, draft_vocab: list[int | None] | None = None,
                     temperature: float = 0.0, seed: int = 0, top_p: float = 1.0, top_k: int = 0,
                     rounds: int = 1, log=print, prompt_set: str = "v1", split: str = "eval") -> dict:
-    """Speculative vs plain decoding on held-out draft prompts (flint.draft_data.eval_prompts; ``prompt_set``
-    workloads: the workload conversations, ``split`` eval or train), per
+    """Speculative vs plain decoding on held-out draft prompts (flint.speculative.draft_data.eval_prompts;
+    ``prompt_set`` workloads: the workload conversations, ``split`` eval or train), per
     backend, k and drafting-vocabulary size: tokens per verify step (accepted drafts + the target's
     own token), acceptance rate, decode tok/s of both, and (greedy) whether the outputs were
     identical. ``temperature`` > 0 samples (lossless speculative sampling; plain samples too), with ``top_p`` /
@@ -560,9 +560,9 @@ def run_draft_bench(model: str | None, backends: list[str], draft_path: str, k: 
     tok/s are the rounds' medians, each round's kept as spec_tok_s_rounds / plain_tok_s_rounds / x_plain_rounds."""
     if rounds < 1:
         raise BenchError(f"--repeats {rounds}: the draft bench's rounds must be >= 1")
-    from .draft import load_draft
-    from .draft_data import eval_prompts
-    from .draft_train import eval_acceptance
+    from .speculative.draft_head import load_draft
+    from .speculative.draft_data import eval_prompts
+    from .speculative.draft_train import eval_acceptance
     from .engine import SamplingParams
     from .loading import load_model
 
@@ -618,14 +618,14 @@ def _median_rounds(tables: list[dict]) -> dict:
 def run_oracle_bench(model: str, backends: list[str], ks: list[int], accepts: list[float], n_prompts: int,
                      max_new_tokens: int, device: str | None = None, group_size: int = 128, seed: int = 0,
                      draft_vocab: int = 8192, log=print) -> dict:
-    """Speculative vs plain greedy decoding with ORACLE acceptance (flint.oracle; benchmarking only): a random
-    draft shaped like the shipped one (one MLP block of the target's intermediate size, a ``draft_vocab``-row head)
-    runs its rollout, and its proposals are replaced by the target's own continuation, each kept with probability
-    ``accept``. Random prompts of 32 token ids; plain is Engine.generate of the same run (greedy_run bursts)."""
-    from .draft import DraftHead, draft_config_for
+    """Speculative vs plain greedy decoding with ORACLE acceptance (flint.speculative.oracle; benchmarking only): a
+    random draft shaped like the shipped one (one MLP block of the target's intermediate size, a ``draft_vocab``-row
+    head) runs its rollout, and its proposals are replaced by the target's own continuation, each kept with
+    probability ``accept``. Random prompts of 32 token ids; plain is Engine.generate of the same run (greedy_run bursts)."""
+    from .speculative.draft_head import DraftHead, draft_config_for
     from .engine import Engine, SamplingParams
-    from .oracle import OracleDraft, expected_tokens_per_step
-    from .speculative import SpeculativeEngine
+    from .speculative.oracle import OracleDraft, expected_tokens_per_step
+    from .speculative.verify import SpeculativeEngine
 
     dev = torch.device(device or default_device())
     lm = load_bench_model(model, group_size, dev, seed)
@@ -878,7 +878,7 @@ def default_backends(device: torch.device) -> str:
     return DEFAULT_BACKENDS + (",megakernel" if device.type == "cuda" and cuda_sm90() else "")
 
 
-# the options each bench mode reads (flint.cli.refuse_unused refuses any other given a value)
+# the options each bench mode reads (flint.options.refuse_unused refuses any other given a value)
 _MODE_OPTIONS = {
     "oracle_accept": ("with --draft oracle",),
     **dict.fromkeys(("draft_k", "draft_vocab", "draft_prompts"), ("with --draft oracle", "with --draft PATH")),
@@ -914,7 +914,8 @@ def _run(args) -> int:
         from .bench_serve import run
 
         return run(args)
-    from .cli import refuse_unused
+    from .assemble import check_draft_k
+    from .options import refuse_unused
 
     refuse_unused(args, _mode(args), _MODE_OPTIONS)
     _check_lists(args)
@@ -931,10 +932,11 @@ def _run(args) -> int:
             (not args.draft or args.draft == "oracle"):
         raise BenchError("--prompt-set / --prompt-split choose the prompts of --draft PATH|ngram|suffix|auto; "
                          "no other bench mode reads them")
-    if args.draft in ("suffix", "auto") and args.draft_k and \
-            max(_parse_list(args.draft_k, "draft-k", int)) > 7:
-        raise BenchError(f"--draft-k {args.draft_k}: the {args.draft} draft proposes at most 7 tokens a step "
-                         "(the widest verify is M = 8)")
+    if args.draft_k:
+        try:
+            check_draft_k(args.draft, max(_parse_list(args.draft_k, "draft-k", int)), shown=args.draft_k)
+        except ValueError as e:
+            raise BenchError(str(e)) from None
     rounds = getattr(args, "repeats", None)  # (a Namespace built by hand may lack it)
     if args.draft == "oracle" and rounds not in (None, 1):
         raise BenchError("--repeats: --draft oracle runs one pass over its prompts (more: --draft-prompts)")
@@ -1005,7 +1007,7 @@ def _run(args) -> int:
 
 
 def register(sub) -> None:
-    from .cli import add_kv_cache_arg
+    from .options import add_device_arg, add_group_size_arg, add_kv_cache_arg
 
     p = sub.add_parser("bench", help="batch-1 decode tok/s, bytes per token and MBU per backend and context",
                        description=__doc__.split("\n\n")[0])
@@ -1021,9 +1023,8 @@ def register(sub) -> None:
                    help="timed passes; the median is reported (default 3; with --draft PATH: rounds over the prompt "
                         "set, default 1)")
     p.add_argument("--prompt-len", type=int, default=None, help="also time TTFT for a prompt of this many tokens")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--group-size", type=int, default=128, choices=(32, 64, 128),
-                   help="int4 group size for weights quantized at load and synthetic int4 (default 128)")
+    add_device_arg(p)
+    add_group_size_arg(p, "int4 group size for weights quantized at load and synthetic int4 (default 128)")
     p.add_argument("--head-group-size", default=None, metavar="G,...",
                    help="one pass per int4 group size of the LM head (32,64,128; the body as loaded), for the "
                         "int4 backends (compiled, megakernel): bytes per token and tok/s per head variant")

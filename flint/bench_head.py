@@ -1,7 +1,7 @@
 """`flint bench --head-group-size 32,64,128`: the same body with the LM head at other int4 group sizes.
 
 Each listed group size G gives one pass over the backends with the model's head replaced by the
-round-to-nearest int4 fit of its values at G (flint.quant.quantize_int4; the body is untouched), so
+round-to-nearest int4 fit of its values at G (flint.quant.int4.quantize_int4; the body is untouched), so
 one run prints the bytes per token and tok/s of every head variant side by side. Rows are named
 ``MODEL · head int4 gG`` and carry ``"head": "int4 gG"`` in the JSON. A searched or GPTQ head has
 the bytes (and the kernel work) of an RTN head at its group size: it needs no row of its own.
@@ -26,7 +26,7 @@ import dataclasses
 import torch
 
 from .errors import FlintError
-from .quant import GROUP_SIZES, Int4Weight, quantize_int4
+from .quant.int4 import GROUP_SIZES, Int4Weight, quantize_int4
 
 INT4_BACKENDS = ("compiled", "megakernel")
 

@@ -38,7 +38,7 @@ from .token_mask import check_token_mask, mask_logits
 from .backend_api import BackendError, check_greedy_run, refuse_kernel_features
 from .config import ModelConfig
 from .model import apply_rope, dense, rms_norm, rope_tables
-from .quant import Int4Weight, concat_rows, fit_group_size, quantize_int4
+from .quant.int4 import Int4Weight, concat_rows, fit_group_size, quantize_int4
 
 BUCKET = 128
 

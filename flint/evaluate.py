@@ -11,12 +11,12 @@
   round-to-nearest at group size G (the largest group size dividing K where G does not). Options
   after ':': ``float-head`` keeps the head as it was (float, or dequantized from int4);
   ``searched-head`` fits the int4 head's (scale, min) per group by search
-  (flint.quant.quantize_int4_searched); ``gptq-head`` quantizes the head by GPTQ; ``int8-head``
+  (flint.quant.int4.quantize_int4_searched); ``gptq-head`` quantizes the head by GPTQ; ``int8-head``
   holds the head as symmetric 8-bit per 32 values (what an 8-bit head would cost; no kernel reads
-  it yet); ``gptq`` quantizes the linear weights and the head by GPTQ (flint/gptq.py, calibrated on
+  it yet); ``gptq`` quantizes the linear weights and the head by GPTQ (flint/quant/gptq.py, calibrated on
   flint/data/calibration.txt, a text disjoint from the eval corpus); ``int4-embed`` makes the
   embedding lookup read int4 rows too; ``kernel`` is the model as the int4 backends run it at
-  ``--group-size G`` (flint.quant.quantize_params: int4 weights kept, with the fp16 scale / min
+  ``--group-size G`` (flint.quant.int4.quantize_params: int4 weights kept, with the fp16 scale / min
   the kernels read where the reference holds exact ones, as for a GGUF's Q4_K; float ones such as
   Q6_K / Q8_0 requantized), ``kernel:float-head`` the same with the head left as loaded (to
   separate the head's share). "MB/token" is what a decode step streams: the
@@ -49,8 +49,8 @@ import torch
 
 from .errors import FlintError
 from .model import kv_format_bytes
-from .quant import (GROUP_SIZES, Int4Weight, fit_group_size, int8_rows, quantize_int4,
-                    kernel_params, quantize_params, requantize_params)
+from .quant.int4 import (GROUP_SIZES, Int4Weight, fit_group_size, int8_rows, quantize_int4,
+                         kernel_params, quantize_params, requantize_params)
 
 DEFAULT_CORPUS = Path(__file__).parent / "data" / "eval-corpus.txt"
 
@@ -181,8 +181,8 @@ def parse_variants(spec: str) -> list[Variant]:
 def variant_params(lm, v: Variant, hessians=None) -> tuple[dict, str | None, int | None]:
     """(params of ``lm`` re-fitted as ``v`` says, the head's description when the params hold
     it as float values of another format, the head's bytes then). ``hessians()`` gives GPTQ's
-    (flint.gptq.collect_hessians, computed once per run by the caller)."""
-    from . import gptq
+    (flint.quant.gptq.collect_hessians, computed once per run by the caller)."""
+    from .quant import gptq
 
     if v.kernel:
         linear = [k for k in lm.params if k.rsplit(".", 1)[-1] in gptq.LINEAR_NAMES]
@@ -340,7 +340,7 @@ def run_eval(model: str | None = None, text_path: str | None = None, against: st
 
     def hessians():
         if "h" not in hs:
-            from . import gptq
+            from .quant import gptq
 
             hs["h"] = gptq.collect_hessians(lm.cfg, lm.params, gptq.calibration_ids(lm.tokenizer),
                                             device=device)

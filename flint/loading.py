@@ -1,6 +1,6 @@
 """Loading checkpoints into flint's params dict: HF directories, hub ids, GGUF files, flint's own
 quantized checkpoints, GPTQ / AWQ / compressed-tensors int4 directories (their packings are read
-by flint.hfquant), and synthetic random models.
+by flint.quant.hfquant), and synthetic random models.
 
 Every loader returns a ``LoadedModel`` (config, params, tokenizer). ``params`` maps flint names
 ("embed", "layers.{i}.wq", ..., "norm", "lm_head") to float tensors or ``Int4Weight``; a tied head
@@ -38,12 +38,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import hfquant
+from .quant import hfquant
 from .checks import check_types, check_weight, parse_json, read_json
 from .config import ConfigError, ModelConfig, from_hf_dict, parse_rope_scaling
 from .params import LoadedModel, LoadError, check_params, expected_shapes
-from .quant import (GROUP_SIZES, Int4Weight, dequant_q4_k_blocks, dequant_q5_k_blocks, dequant_q6_k_blocks,
-                    dequant_q8_0_blocks, from_q4_0_blocks, from_q4_1_blocks, from_q4_k_blocks)
+from .quant.int4 import (GROUP_SIZES, Int4Weight, dequant_q4_k_blocks, dequant_q5_k_blocks, dequant_q6_k_blocks,
+                         dequant_q8_0_blocks, from_q4_0_blocks, from_q4_1_blocks, from_q4_k_blocks)
 
 DEFAULT_MODEL = "embedded:smollm2"
 QUANT_METHOD = "flint-int4-v1"
@@ -129,7 +129,7 @@ def _flint_dtypes(name: str, default: tuple) -> tuple:
 def _check_safetensors_header(f: Path, hdr, data_size: int, dtypes=_flint_dtypes) -> None:
     """Every tensor entry typed, sized by its shape and dtype, inside the data and not overlapping
     another; float weights in a float dtype, the rest as ``dtypes(name, floats)`` says (flint's
-    int4 codes in U8; GPTQ / AWQ / compressed-tensors: flint.hfquant). The safetensors library
+    int4 codes in U8; GPTQ / AWQ / compressed-tensors: flint.quant.hfquant). The safetensors library
     checks most of this too, but its messages do not name the tensor."""
     if not isinstance(hdr, dict):
         raise LoadError(f"{f}: the safetensors header is not a JSON object")
@@ -638,7 +638,7 @@ def _gguf_tensor(t, path: str):
         conv = {q.Q8_0: dequant_q8_0_blocks, q.Q4_1: from_q4_1_blocks, q.Q4_0: from_q4_0_blocks}[kind]
         return conv(data, shape[0], shape[1])
     if kind in (q.Q4_K, q.Q5_K, q.Q6_K) and len(shape) == 2:
-        # Q4_K keeps its codes as int4 G32 (flint.quant.from_q4_k_blocks: exact for the reference,
+        # Q4_K keeps its codes as int4 G32 (flint.quant.int4.from_q4_k_blocks: exact for the reference,
         # fp16 (scale, min) rounded once for the kernels); Q5_K / Q6_K (5- and 6-bit codes) load as
         # float32, exactly gguf's values, and the int4 backends requantize them (load_gguf's notice)
         conv = {q.Q4_K: dequant_q4_k_blocks, q.Q5_K: dequant_q5_k_blocks, q.Q6_K: dequant_q6_k_blocks}[kind]

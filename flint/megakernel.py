@@ -22,7 +22,7 @@ from .backend_api import check_greedy_run, refuse_kernel_features
 from .config import ModelConfig
 from .errors import FlintError
 from .model import kv_format_bytes
-from .quant import Int4Weight
+from .quant.int4 import Int4Weight
 
 # the kernel's constants this module plans with (mk_common.cuh); check_abi compares them with the library's at load
 MAX_M = 8          # tokens per launch compiled (1..8): mk::MAX_M
@@ -540,7 +540,7 @@ class MegakernelBackend:
             w = params.get(n)
             if not isinstance(w, Int4Weight):
                 raise ValueError(f"megakernel: tensor {n!r} must be an Int4Weight (flint-int4-v1), got "
-                                 f"{type(w).__name__}; quantize with flint.quant.quantize_params")
+                                 f"{type(w).__name__}; quantize with flint.quant.int4.quantize_params")
             if w.group_size not in (32, 64, 128):
                 raise ValueError(f"megakernel: tensor {n!r} has group_size {w.group_size} (32/64/128)")
         for n in ("embed", "norm"):

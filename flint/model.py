@@ -11,7 +11,7 @@ last position's, with ``last_only``). Calling it
 again with a smaller start_pos overwrites the cache there, which is how speculative decoding rolls
 back. ``tokens`` may also be [B, M] when the model was built with batch_size=B (batched harvest).
 
-int4 weights (flint.quant.Int4Weight) are dequantized once at construction; the codes stay
+int4 weights (flint.quant.int4.Int4Weight) are dequantized once at construction; the codes stay
 available in ``params`` for the kernels. Test: ``pytest tests/test_hf_parity.py``.
 
 The KV cache (``kv_cache=``, the CLI's ``--kv-cache``; flint.evaluate measures what each costs):
@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from .config import ModelConfig
 from .params import LINEAR_NAMES
-from .quant import Int4Weight
+from .quant.int4 import Int4Weight
 
 
 def dense(w, dtype, device) -> torch.Tensor:

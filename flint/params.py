@@ -2,13 +2,13 @@
 
 ``params`` maps flint names ("embed", "layers.{i}.wq", ..., "norm", "lm_head"; with the config's
 features also "layers.{i}.bq" / "bk" / "bv" and "layers.{i}.q_norm" / "k_norm") to float tensors or
-``flint.quant.Int4Weight``; a tied head is the same object as "embed". ``expected_shapes(cfg)``
+``flint.quant.int4.Int4Weight``; a tied head is the same object as "embed". ``expected_shapes(cfg)``
 gives every name's shape, ``check_params`` raises ``LoadError`` for a missing, unexpected or
 misshapen tensor, a dtype that does not suit it, or a layer count other than the layers present,
 and ``LINEAR_NAMES`` are the per-layer linear weights (the ones quantized to int4).
 
 The loaders (flint.loading), the synthetic models (flint.synthetic), the reference decoder
-(flint.model) and the quantizer (flint.quant) all build on this; it imports only flint.config.
+(flint.model) and the quantizer (flint.quant.int4) all build on this; it imports only flint.config.
 """
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def check_params(cfg: ModelConfig, params: dict, source: str, layers_field: str 
         got = tuple(t.shape)
         if got != shape:
             raise LoadError(f"{source}: tensor {name!r} has shape {list(got)}, config implies {list(shape)}")
-        if hasattr(t, "qweight"):  # flint.quant.Int4Weight
+        if hasattr(t, "qweight"):  # flint.quant.int4.Int4Weight
             n, k = shape
             g = t.group_size
             groups = (n, k // g) if isinstance(g, int) and g > 0 and k % g == 0 else None

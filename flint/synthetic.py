@@ -20,7 +20,7 @@ import torch
 
 from .config import SYNTHETIC, ConfigError, ModelConfig, from_hf_dict, load_hf_config
 from .params import LoadedModel, LoadError, expected_shapes
-from .quant import Int4Weight, check_shape, fit_group_size
+from .quant.int4 import Int4Weight, check_shape, fit_group_size
 
 WEIGHT_STD = 0.02
 # uniform codes 0..15 have std sqrt((16^2 - 1) / 12) = 4.61 steps: scale = std / 4.61
@@ -47,7 +47,7 @@ def random_int4(n: int, k: int, group_size: int, gen: torch.Generator, device,
                 std: float = WEIGHT_STD, name: str = "weight") -> Int4Weight:
     """Random flint-int4-v1 weight: uniform codes, scales ~ std / 4.61 (x e^N(0, 0.1)), centred
     mins, so values have roughly the given std and mean 0. The group size is ``group_size`` or,
-    where that does not divide K, the largest one that does (flint.quant.fit_group_size)."""
+    where that does not divide K, the largest one that does (flint.quant.int4.fit_group_size)."""
     group_size = fit_group_size(k, group_size, name)
     check_shape(name, n, k, group_size)
     qweight = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen, device=device)

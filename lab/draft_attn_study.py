@@ -1,5 +1,6 @@
 """Does attention over the draft's own features raise acceptance? The shipped draft's shape (fc, one SwiGLU block) plus
-one causal self-attention block after fc (EAGLE-1's decoder layer: ``DraftConfig.attention_heads``, flint/draft_attn.py),
+one causal self-attention block after fc (EAGLE-1's decoder layer: ``DraftConfig.attention_heads``,
+flint/speculative/draft_attention.py),
 against the same shape without it, both warm started from the shipped draft and trained the same steps on the same
 harvest; the validation is train_draft's (the greedy walk on greedy sequences of held-out subjects, tokens per
 verify step by k).
@@ -23,14 +24,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from flint.draft import DraftHead, draft_config_for  # noqa: E402
+from flint.speculative.draft_head import DraftHead, draft_config_for  # noqa: E402
 
 
 def train_warm(draft, lm, data, out_dir: Path, init: str, dev, steps: int, batch_size: int, lr: float, budget: float,
                k: int) -> dict:
     """Train ``draft`` from ``init``'s weights (the keys they share) for ``budget`` seconds on ``data``; the record's
     steps, kept step, validated tokens per step (by k and by kind) and first / last loss. (The studies' common run.)"""
-    from flint.draft_train import init_weights, train_draft
+    from flint.speculative.draft_train import init_weights, train_draft
 
     draft = draft.to(dev)
     rec_init = init_weights(draft, init, lm.cfg)
@@ -42,8 +43,8 @@ def train_warm(draft, lm, data, out_dir: Path, init: str, dev, steps: int, batch
 
 
 def main() -> None:
-    from flint.draft import load_draft
-    from flint.draft_data import load_harvest
+    from flint.speculative.draft_head import load_draft
+    from flint.speculative.draft_data import load_harvest
     from flint.loading import load_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from flint.draft import DraftHead, RMSNorm, draft_config_for  # noqa: E402
+from flint.speculative.draft_head import DraftHead, RMSNorm, draft_config_for  # noqa: E402
 
 
 class TopView(DraftHead):
@@ -70,8 +70,8 @@ class FusedDraft(TopView):
 
 
 def main() -> None:
-    from flint.draft_cli import parse_passes
-    from flint.draft_data import draft_prompts, harvest, load_harvest
+    from flint.speculative.cli import parse_passes
+    from flint.speculative.draft_data import draft_prompts, harvest, load_harvest
     from draft_attn_study import train_warm
     from flint.loading import load_model
     from flint.model import Transformer
@@ -113,7 +113,7 @@ def main() -> None:
     if data.hidden.shape[-1] != n_in * lm.cfg.hidden_size:
         raise SystemExit(f"{data_dir}: hidden rows of width {data.hidden.shape[-1]}, not {n_in} x "
                          f"{lm.cfg.hidden_size} (--layers {a.layers})")
-    from flint.draft import load_draft
+    from flint.speculative.draft_head import load_draft
 
     src = load_draft(a.init, lm.cfg, dtype=torch.float32)
     dcfg = draft_config_for(lm.cfg, src.cfg.num_layers, src.cfg.intermediate_size, a.k)

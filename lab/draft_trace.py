@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import flint.megakernel as mkmod  # noqa: E402
 from flint.config import SYNTHETIC, from_hf_dict  # noqa: E402
-from flint.draft import DraftHead, draft_config_for  # noqa: E402
+from flint.speculative.draft_head import DraftHead, draft_config_for  # noqa: E402
 from flint.engine import SamplingParams  # noqa: E402
 from flint.synthetic import synthetic_params  # noqa: E402
 from spec_cost import timed  # noqa: E402  (median wall time of synchronized calls, µs)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flint.quant import Int4Weight
+from flint.quant.int4 import Int4Weight
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # (the lab's modules import each other by name)
 from mma_dot_emulation import TILE_ROWS, XSUM_FLOATS, repack_segments, x_stride_bytes  # noqa: E402

@@ -96,7 +96,7 @@ def greedy_check(path: str, tokens: int = 256, prompts=("The capital of France i
                                                          "Once upon a time")) -> list[dict]:
     from flint.loading import load_model
     from flint.model import Transformer
-    from flint.quant import quantize_params
+    from flint.quant.int4 import quantize_params
 
     lm = load_model(path)
     params = quantize_params(lm.params, 32)

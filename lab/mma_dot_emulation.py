@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from flint.megakernel import row_segment_bytes, segment_plan
-from flint.quant import Int4Weight
+from flint.quant.int4 import Int4Weight
 
 MAGIC_1024 = 0x64006400  # fp16 1024.0 in both halves
 MAX_TOKENS = 8

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flint.backend import make_backend  # noqa: E402
-from flint.draft import load_draft  # noqa: E402
-from flint.draft_data import eval_prompts  # noqa: E402
+from flint.speculative.draft_head import load_draft  # noqa: E402
+from flint.speculative.draft_data import eval_prompts  # noqa: E402
 from flint.engine import Engine, SamplingParams  # noqa: E402
 from flint.loading import load_model  # noqa: E402
 

@@ -21,9 +21,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flint.backend import make_backend  # noqa: E402
 from flint.bench import load_bench_model  # noqa: E402
-from flint.draft import DraftHead, draft_config_for  # noqa: E402
+from flint.speculative.draft_head import DraftHead, draft_config_for  # noqa: E402
 from flint.engine import SamplingParams  # noqa: E402
-from flint.speculative import SpeculativeEngine  # noqa: E402
+from flint.speculative.verify import SpeculativeEngine  # noqa: E402
 
 
 def main() -> None:

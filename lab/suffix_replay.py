@@ -10,7 +10,7 @@ suffix draft's cache of outputs fills as they end).
 ``record`` decodes the workload prompts (flint/data/workloads.json) plainly on the reference backend (CPU);
 ``replay`` prints tokens per step by kind for ngram, suffix and auto's suffix rule (auto's head is not replayed: it
 needs the target's hidden states; a step auto would give the head counts here as a plain one). ``--set NAME=V``
-overrides a knob of flint.suffix or flint.draft_auto for the replay.
+overrides a knob of flint.speculative.suffix or flint.speculative.auto for the replay.
 """
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def record(args) -> None:
     from flint.backend import make_backend
-    from flint.draft_data import workload_prompts
+    from flint.speculative.draft_data import workload_prompts
     from flint.engine import Engine, SamplingParams
-    from flint.cli import default_threads, set_threads
+    from flint.options import default_threads, set_threads
     from flint.loading import load_model
 
     set_threads(default_threads())  # (one thread on a 2-core box: as `flint` itself)
@@ -64,9 +64,9 @@ def walk(draft, prompt: list[int], output: list[int], k: int) -> tuple[int, int]
 
 
 def replay(args) -> None:
-    import flint.draft_auto as auto
-    import flint.suffix as suffix
-    from flint.ngram import NgramDraft
+    import flint.speculative.auto as auto
+    import flint.speculative.suffix as suffix
+    from flint.speculative.ngram import NgramDraft
 
     for kv in args.set or []:
         name, v = kv.split("=")
@@ -105,7 +105,8 @@ def main() -> None:
     p = sub.add_parser("replay")
     p.add_argument("path")
     p.add_argument("--k", type=int, default=7)
-    p.add_argument("--set", action="append", help="NAME=VALUE: a knob of flint.suffix / flint.draft_auto")
+    p.add_argument("--set", action="append",
+                   help="NAME=VALUE: a knob of flint.speculative.suffix / flint.speculative.auto")
     p.set_defaults(func=replay)
     args = ap.parse_args()
     args.func(args)

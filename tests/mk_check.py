@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from flint.model import Transformer
-from flint.quant import kernel_params
+from flint.quant.int4 import kernel_params
 
 
 def assert_megakernel_matches(cfg, params: dict, max_seq: int = 64) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from flint.bench import main, markdown_table, run_bench
 from flint.bench_head import HeadOptionError, head_variants, int4_bytes, parse_head_groups
-from flint.quant import Int4Weight
+from flint.quant.int4 import Int4Weight
 from flint.synthetic import synthetic_model
 
 TINY = dict(model_type="llama", vocab_size=256, hidden_size=96, intermediate_size=128, num_hidden_layers=2,

@@ -187,7 +187,7 @@ def test_two_sources_for_one_tensor_refused(ckpt):
 def test_flint_int4_checkpoint_with_two_sources_refused(hf_dir, tmp_path, extra):
     """A flint checkpoint with a float tensor beside the int4 one of the same flint name (or
     "embed.weight" beside "embed"): refused, not the later one silently kept."""
-    from flint.quantize import quantize_checkpoint
+    from flint.quant.quantize import quantize_checkpoint
     from test_quantize_safety import TINY
 
     (tmp_path / "tiny.json").write_text(json.dumps(TINY))
@@ -237,7 +237,7 @@ def test_q4_k_and_q4_0_swapped_caught(seed):
     import gguf
 
     from flint.checks import check_weight
-    from flint.quant import dequant_q4_k_blocks, from_q4_0_blocks, from_q4_k_blocks
+    from flint.quant.int4 import dequant_q4_k_blocks, from_q4_0_blocks, from_q4_k_blocks
     from test_kquants import kquant_blocks
 
     qt = gguf.GGMLQuantizationType

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from flint import __version__
-from flint.cli import build_parser, leaf_parsers, main
+from flint.cli import build_parser, main
+from flint.options import leaf_parsers
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BAD = b"ab\xffcd".decode("utf-8", "surrogateescape")  # how Linux hands the bytes ab\xffcd to argv
@@ -107,16 +108,16 @@ def test_bad_values_are_refused_before_the_model_loads(argv, needle, no_model_lo
 ])
 def test_other_subcommands_refuse_out_of_range_values_at_parse_time(argv, needle, monkeypatch, capsys):
     import flint.bench
-    import flint.draft_cli
+    import flint.speculative.cli
     import flint.server.serve
 
     def ran(args):
         raise AssertionError(f"flint {args.command} ran with a bad value")
     import flint.evaluate
 
-    for mod, fn in ((flint.server.serve, "cmd_serve"), (flint.draft_cli, "cmd_harvest"), (flint.bench, "_run"),
-                    (flint.draft_cli, "cmd_train"), (flint.draft_cli, "cmd_eval"), (flint.draft_cli, "cmd_vocab"),
-                    (flint.evaluate, "_run")):
+    draft = flint.speculative.cli
+    for mod, fn in ((flint.server.serve, "cmd_serve"), (draft, "cmd_harvest"), (flint.bench, "_run"),
+                    (draft, "cmd_train"), (draft, "cmd_eval"), (draft, "cmd_vocab"), (flint.evaluate, "_run")):
         monkeypatch.setattr(mod, fn, ran)  # register() reads these names when main() builds the parser
     with pytest.raises(SystemExit) as info:
         main(argv)
@@ -126,7 +127,7 @@ def test_other_subcommands_refuse_out_of_range_values_at_parse_time(argv, needle
 
 def test_every_numeric_option_has_a_range():
     """No subcommand option parses as a bare int or float (any value, 0 or -1 or 1e9, accepted):
-    each has a range (flint.cli.OPTION_RANGES) or a list of choices. flint serve's are checked by
+    each has a range (flint.options.OPTION_RANGES) or a list of choices. flint serve's are checked by
     flint.server.serve before it starts."""
     bare = [f"{p.prog} --{a.dest}" for p in leaf_parsers(build_parser()) for a in p._actions
             if a.type in (int, float) and not a.choices and not p.prog.endswith(" serve")]
@@ -244,7 +245,7 @@ def test_nan_logits_end_generate_with_a_clear_error(tiny_llama_dir, tmp_path, mo
 
 
 def test_every_subcommand_takes_threads_and_help_shows_defaults():
-    from flint.cli import leaf_parsers
+    from flint.options import leaf_parsers
 
     ap = build_parser()
     leaves = list(leaf_parsers(ap))
@@ -267,19 +268,19 @@ def test_version(capsys):
 
 
 def test_threads_flag_and_small_machine_default(tiny_llama_dir, monkeypatch, capsys):
-    import flint.cli
+    import flint.options
 
     torch.set_num_threads(2)
     assert main(gen_args(tiny_llama_dir, "--prompt", "hi", "--threads", "1")) == 0
     assert torch.get_num_threads() == 1
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     for cores, want in ((2, 1), (64, 2)):  # small machine: 1 thread; a large one keeps torch's
-        monkeypatch.setattr(flint.cli, "available_cores", lambda: cores)
+        monkeypatch.setattr(flint.options, "available_cores", lambda: cores)
         torch.set_num_threads(2)
         assert main(gen_args(tiny_llama_dir, "--prompt", "hi")) == 0
         assert torch.get_num_threads() == want, cores
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's own setting wins over the default
-    monkeypatch.setattr(flint.cli, "available_cores", lambda: 2)
+    monkeypatch.setattr(flint.options, "available_cores", lambda: 2)
     torch.set_num_threads(2)
     assert main(gen_args(tiny_llama_dir, "--prompt", "hi")) == 0
     assert torch.get_num_threads() == 2

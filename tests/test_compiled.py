@@ -15,7 +15,7 @@ from flint.compiled import BUCKET, CompiledBackend, linear, tinygemm_weight
 from flint.config import from_hf_dict
 from flint.loading import LoadedModel
 from flint.model import Transformer
-from flint.quant import Int4Weight, quantize_int4, quantize_params
+from flint.quant.int4 import Int4Weight, quantize_int4, quantize_params
 from flint.synthetic import synthetic_model, synthetic_params
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

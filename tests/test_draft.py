@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from flint.config import from_hf_dict
-from flint.draft import DraftError, DraftHead, draft_config_for, load_draft, save_draft
-from flint.draft_data import KINDS, draft_prompts, eval_prompts, harvest, load_harvest
-from flint.draft_train import accepted_runs, simulated_acceptance, train_draft
+from flint.speculative.draft_head import DraftError, DraftHead, draft_config_for, load_draft, save_draft
+from flint.speculative.draft_data import KINDS, draft_prompts, eval_prompts, harvest, load_harvest
+from flint.speculative.draft_train import accepted_runs, simulated_acceptance, train_draft
 from flint.engine import Engine, SamplingParams
 from flint.loading import LoadedModel, expected_shapes
 from flint.model import Transformer
-from flint.speculative import SpeculativeEngine
+from flint.speculative.verify import SpeculativeEngine
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -170,7 +170,7 @@ def test_training_lowers_loss_and_val_acceptance_matches_engine(tmp_path):
 def test_cli_registers_draft_commands():
     import argparse
 
-    from flint import draft_cli
+    from flint.speculative import cli as draft_cli
 
     ap = argparse.ArgumentParser()
     draft_cli.register(ap.add_subparsers(dest="command"))
@@ -206,7 +206,7 @@ def test_inference_step_equals_training_step():
 def test_drafting_vocabulary_is_the_full_draft_restricted(tmp_path):
     """A draft on a drafting vocabulary proposes what the full-vocabulary draft would if its
     argmax were taken over those tokens only; q is 0 outside them and sums to 1."""
-    from flint.quant import quantize_int4
+    from flint.quant.int4 import quantize_int4
 
     lm = tiny_lm(seed=4, vocab=64)
     lm.params["embed"] = lm.params["lm_head"] = quantize_int4(lm.params["embed"], 32)  # as a Q4 GGUF's
@@ -242,9 +242,9 @@ def test_drafting_vocabulary_is_the_full_draft_restricted(tmp_path):
 def test_vocab_ranking_saved_and_loaded(tmp_path, capsys):
     """The ranking counts generated tokens only; `flint draft vocab` writes it and the size;
     load_draft takes the first N; bad sizes, a missing ranking and ngram sizes are refused."""
-    from flint.draft import load_vocab_ranking, save_vocab_ranking
-    from flint.draft_cli import cmd_vocab
-    from flint.draft_data import HarvestData, rank_vocab
+    from flint.speculative.draft_head import load_vocab_ranking, save_vocab_ranking
+    from flint.speculative.cli import cmd_vocab
+    from flint.speculative.draft_data import HarvestData, rank_vocab
 
     lm = tiny_lm()
     tokens = torch.tensor([[9, 3, 3, 5, 0], [1, 5, 3, 7, 7]])  # region 0 = the last prompt token

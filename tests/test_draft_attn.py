@@ -1,5 +1,5 @@
-"""The draft's attention over its own features (flint/draft_attn.py): decoding with its cache of true pairs predicts
-what the batched training-time rollout predicts at every start; a new block starts as the draft without it; it saves
+"""The draft's attention over its own features (flint/speculative/draft_attention.py): decoding with its cache of true
+pairs predicts what the batched training-time rollout predicts at every start; a new block starts as the draft without it; it saves
 and loads; the kernel and graph rollouts refuse it; the speculative engine stays exact with it (greedy identical to
 plain; sampled tokens follow the target's law: tests/test_speculative.py)."""
 import json
@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from flint.config import from_hf_dict
-from flint.draft import DraftError, DraftHead, draft_config_for, load_draft, save_draft
-from flint.draft_train import accepted_runs, rollout_losses
+from flint.speculative.draft_head import DraftError, DraftHead, draft_config_for, load_draft, save_draft
+from flint.speculative.draft_train import accepted_runs, rollout_losses
 from flint.engine import Engine, SamplingParams
 from flint.loading import expected_shapes
 from flint.model import Transformer
-from flint.speculative import SpeculativeEngine
+from flint.speculative.verify import SpeculativeEngine
 
 
 @pytest.fixture(autouse=True)
@@ -129,7 +129,7 @@ def test_speculative_greedy_with_attention_draft_is_plain_greedy():
 def test_batched_training_rollout_equals_an_explicit_start_by_start_one():
     """The training-time semantics, written out: from start i, step 1 attends over the true pairs p <= i, step s over
     those and its own steps 2..s (RoPE at i + s - 1)."""
-    from flint.draft_attn import rope
+    from flint.speculative.draft_attention import rope
 
     cfg, params = tiny_target(hidden=16)
     torch.manual_seed(1)
@@ -182,12 +182,12 @@ def test_batched_training_rollout_equals_an_explicit_start_by_start_one():
 
 
 def test_trains_through_train_draft(tmp_path):
-    """flint.draft_train.train_draft drives a draft with attention (begin_rollout before each rollout): the loss
-    falls, the validation walk runs, and the saved draft loads with its block."""
+    """flint.speculative.draft_train.train_draft drives a draft with attention (begin_rollout before each rollout):
+    the loss falls, the validation walk runs, and the saved draft loads with its block."""
     from test_draft import id_prompts, tiny_lm
 
-    from flint.draft_data import harvest, load_harvest
-    from flint.draft_train import train_draft
+    from flint.speculative.draft_data import harvest, load_harvest
+    from flint.speculative.draft_train import train_draft
 
     lm = tiny_lm(seed=2)
     harvest(lm, tmp_path / "h", id_prompts(16, seed=3), batch_size=8, max_new_tokens=16, log=lambda *a: None)

@@ -13,10 +13,10 @@ import json
 import pytest
 import torch
 
-from flint.draft import DraftError, DraftHead, draft_config_for, load_draft, save_draft
-from flint.draft_data import (ALL_KINDS, KINDS, PROMPT_SET, PROMPT_SET_V2, Pass, draft_prompts, eval_prompts,
-                              harvest, harvest_passes, load_harvest, sample_rows, sample_uniforms)
-from flint.draft_train import init_weights, train_draft
+from flint.speculative.draft_head import DraftError, DraftHead, draft_config_for, load_draft, save_draft
+from flint.speculative.draft_data import (ALL_KINDS, KINDS, PROMPT_SET, PROMPT_SET_V2, Pass, draft_prompts, eval_prompts,
+                                          harvest, harvest_passes, load_harvest, sample_rows, sample_uniforms)
+from flint.speculative.draft_train import init_weights, train_draft
 from flint.engine import probs_from_logits
 from flint.model import Transformer
 
@@ -129,7 +129,7 @@ def test_sampled_sequences_are_the_targets_draws_with_its_hidden_states(tmp_path
     passes = harvest_passes(1, [0.9], 0.8)
     harvest(lm, tmp_path / "h", prompts, batch_size=5, max_new_tokens=12, passes=passes, seed=11, **QUIET)
     data = load_harvest(tmp_path / "h", lm.cfg)
-    from flint.draft_data import _prompt_key
+    from flint.speculative.draft_data import _prompt_key
     checked = 0
     for r, (pi, ps) in enumerate(zip(data.prompt_index.tolist(), data.pass_index.tolist())):
         if ps != 1:
@@ -245,7 +245,7 @@ def test_init_loads_weights_and_refuses_another_shape(tmp_path):
 def test_cli_harvest_and_train_options():
     import argparse
 
-    from flint import draft_cli
+    from flint.speculative import cli as draft_cli
 
     ap = argparse.ArgumentParser()
     draft_cli.register(ap.add_subparsers(dest="command"))

@@ -420,7 +420,7 @@ def test_seeds_use_all_64_bits(engine, prompt_ids):
 
 
 def test_speculative_engine_refuses_what_its_loop_does_not_apply(backend, tiny_llama, prompt_ids):
-    from flint.speculative import SpeculativeEngine
+    from flint.speculative.verify import SpeculativeEngine
 
     eng = SpeculativeEngine(backend, tiny_llama.tokenizer, draft=None, k=2)
     for kw, name in ((dict(presence_penalty=1.0), "presence_penalty"), (dict(logit_bias={5: 1.0}), "logit_bias"),

@@ -14,10 +14,10 @@ ERRORS = [("backend_api", "BackendError", ValueError), ("bench", "BenchError", V
           ("engine", "NonFiniteLogits", RuntimeError),
           ("evaluate", "EvalError", ValueError), ("grammar", "GrammarError", ValueError),
           ("kernels.build", "BuildError", RuntimeError), ("megakernel", "MegakernelError", RuntimeError),
-          ("params", "LoadError", ValueError), ("quantize", "QuantizeError", ValueError),
+          ("params", "LoadError", ValueError), ("quant.quantize", "QuantizeError", ValueError),
           ("tokenizer", "TokenizerError", ValueError), ("server.errors", "APIError", Exception),
           ("server.queue", "QueueFull", Exception),
-          ("draft", "DraftError", ValueError)]
+          ("speculative.draft_head", "DraftError", ValueError)]
 
 
 @pytest.mark.parametrize("module,name,builtin", ERRORS)

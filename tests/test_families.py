@@ -125,7 +125,7 @@ def test_window_counts_only_past_the_context(tmp_path):
 def test_int4_checkpoint_keeps_the_features(tmp_path, family, overrides):
     """flint quantize of such a model (from its HF directory and from its GGUF) loads back with the
     same config and the same float feature tensors (norms, biases) as the model it was written from."""
-    from flint.quantize import quantize_checkpoint
+    from flint.quant.quantize import quantize_checkpoint
 
     from test_gguf import write_tiny_gguf
 

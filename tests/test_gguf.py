@@ -32,7 +32,7 @@ import torch
 from flint.engine import Engine, SamplingParams
 from flint.loading import embedded_gguf_path, load_model
 from flint.model import Transformer
-from flint.quant import Int4Weight
+from flint.quant.int4 import Int4Weight
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

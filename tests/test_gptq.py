@@ -1,4 +1,4 @@
-"""GPTQ (flint/gptq.py): lower output error than round-to-nearest for correlated inputs, exact on
+"""GPTQ (flint/quant/gptq.py): lower output error than round-to-nearest for correlated inputs, exact on
 weights already on an int4 grid, Hessians collected at the right sites of the reference decoder,
 and clear errors. Run: ``pytest tests/test_gptq.py`` (~10 s).
 """
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flint.gptq import CALIBRATION_TEXT, calibration_ids, collect_hessians, gptq_int4, gptq_params, output_error
+from flint.quant.gptq import CALIBRATION_TEXT, calibration_ids, collect_hessians, gptq_int4, gptq_params, output_error
 from flint.model import Transformer, rms_norm
-from flint.quant import Int4Weight, quantize_int4
+from flint.quant.int4 import Int4Weight, quantize_int4
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

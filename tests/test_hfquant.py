@@ -1,4 +1,4 @@
-"""GPTQ, AWQ and compressed-tensors int4 checkpoints (flint.hfquant) against each format's own
+"""GPTQ, AWQ and compressed-tensors int4 checkpoints (flint.quant.hfquant) against each format's own
 dequantization, on tiny random Llama / Granite / GraniteMoeHybrid directories written here.
 
 Each case quantizes a random transformers model round-to-nearest, packs the codes, zeros and
@@ -29,10 +29,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import make_hf_model, save_hf_dir
-from flint.hfquant import ExactMinInt4Weight
+from flint.quant.hfquant import ExactMinInt4Weight
 from flint.loading import LoadError, load_model
 from flint.model import Transformer
-from flint.quant import Int4Weight, kernel_params, quantize_params
+from flint.quant.int4 import Int4Weight, kernel_params, quantize_params
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

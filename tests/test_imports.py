@@ -1,8 +1,9 @@
-"""The flint/*.py and flint/server/*.py modules import each other without a cycle.
+"""The flint/*.py modules and those of its wings (flint/server/, flint/speculative/, flint/quant/) import each
+other without a cycle.
 
 Every import statement counts, at module level or inside a function: ``from flint import x``,
-``from . import x``, ``from .x import y``, ``from ..x import y`` (in flint/server/), ``from flint.x import y``,
-``import flint.x``. An edge goes to a module of the package (flint/x.py, or flint/server/x.py, named
+``from . import x``, ``from .x import y``, ``from ..x import y`` (in a wing), ``from flint.x import y``,
+``import flint.x``. An edge goes to a module of the package (flint/x.py, or a wing's flint/server/x.py, named
 ``server.x``; ``server.__init__`` for that package's __init__.py); imports of other subpackages
 (flint.kernels) and dynamic ``importlib.import_module`` calls are not edges. CPU only, no flint import.
 """
@@ -12,7 +13,7 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "flint"
-WINGS = ("server",)  # subpackages whose modules are nodes of the graph like flint/*.py's
+WINGS = ("server", "speculative", "quant")  # subpackages whose modules are nodes of the graph like flint/*.py's
 
 
 def _modules() -> dict[str, Path]:

@@ -195,7 +195,7 @@ def side_target(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def flint_int4_target(tmp_path_factory) -> Path:
     """flint quantize of a small random model (every K a multiple of the group size 32)."""
-    from flint.quantize import quantize_checkpoint
+    from flint.quant.quantize import quantize_checkpoint
     from test_quantize_safety import TINY
 
     d = tmp_path_factory.mktemp("fuzz-int4")
@@ -246,7 +246,8 @@ NASTY = ["0", "-1", "1", "-0", "1e9", "99999999999999999999", "nan", "inf", "-in
 
 
 def cli_cases(rng: random.Random, n: int) -> list[list[str]]:
-    from flint.cli import build_parser, leaf_parsers
+    from flint.cli import build_parser
+    from flint.options import leaf_parsers
 
     leaves = []
     for p in leaf_parsers(build_parser()):
@@ -269,13 +270,14 @@ def run_cli(argv, monkeypatch) -> str:
     import argparse
 
     import flint.cli
+    import flint.options
 
     ran = []
     real = flint.cli.build_parser
 
     def stubbed():
         ap = real()
-        for p in flint.cli.leaf_parsers(ap):
+        for p in flint.options.leaf_parsers(ap):
             p.set_defaults(func=lambda args: ran.append(args) or 0)
         return ap
     monkeypatch.setattr(flint.cli, "build_parser", stubbed)

@@ -1,12 +1,12 @@
 """GGUF K-quants (Q4_K, Q5_K, Q6_K) against the gguf package's own dequantize, bit for bit.
 
-* flint.quant's K-quant dequantizers equal gguf.quants.dequantize on blocks built from chosen
+* flint.quant.int4's K-quant dequantizers equal gguf.quants.dequantize on blocks built from chosen
   super-block scales and random codes/sub-scales (edge values included: zero, negative and
   subnormal d, the largest 6-bit sub-scales);
 * a Q4_K tensor becomes int4 G = 32 with the file's codes: a plain Int4Weight when fp16 holds
   every d * sc and dmin * m (the predicate is computed here from gguf's own sub-scale unpacking),
   else an ExactInt4Weight; either dequantizes to gguf's values bit for bit, and the fp16 fields the
-  kernels read are the products rounded once, within flint.quant's stated bound (at most
+  kernels read are the products rounded once, within flint.quant.int4's stated bound (at most
   15 |ds| + |dm| per weight, |dx| <= max(2^-11 |x|, 2^-25)); a product beyond fp16's range loads
   as float32;
 * a tiny model whose matrices are Q4_K / Q5_K / Q6_K loads with every tensor equal to gguf's
@@ -28,8 +28,8 @@ import torch
 
 from flint.loading import LoadError, load_model
 from flint.model import Transformer
-from flint.quant import (ExactInt4Weight, Int4Weight, dequant_q4_k_blocks, dequant_q5_k_blocks, dequant_q6_k_blocks,
-                         from_q4_k_blocks, int4_group_size, quantize_params)
+from flint.quant.int4 import (ExactInt4Weight, Int4Weight, dequant_q4_k_blocks, dequant_q5_k_blocks, dequant_q6_k_blocks,
+                              from_q4_k_blocks, int4_group_size, quantize_params)
 
 QT = gguf.GGMLQuantizationType
 BLOCK = {QT.Q4_K: 144, QT.Q5_K: 176, QT.Q6_K: 210}

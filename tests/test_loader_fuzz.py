@@ -697,7 +697,7 @@ def gguf_mutants(path: Path, seed: int, rounds: int, n_random: int) -> list[Muta
 def test_small_gguf_loads_like_the_embedded_layout(small_gguf):
     """The target itself loads, with the embedded model's tensor types (so mutants start valid)."""
     from flint.loading import load_model
-    from flint.quant import Int4Weight
+    from flint.quant.int4 import Int4Weight
 
     lm = load_model(str(small_gguf))
     assert lm.cfg.num_layers == LAYERS and lm.cfg.tie_word_embeddings

@@ -140,7 +140,7 @@ def test_trace_readers_layout():
 
 def test_segment_plan_and_repack_roundtrip():
     from flint.megakernel import repack, segment_plan
-    from flint.quant import quantize_int4
+    from flint.quant.int4 import quantize_int4
 
     assert segment_plan(2560, 128) == (1, 2560)
     assert segment_plan(8192, 128) == (4, 2048)
@@ -167,7 +167,7 @@ def test_ffn_split_plan_and_slices():
     down slices dequantize to exactly the original columns (codes copied, the covering group's
     (scale, min)), with zero padding rows."""
     from flint.megakernel import ffn_split_plan, repack_down_slices
-    from flint.quant import quantize_int4
+    from flint.quant.int4 import quantize_int4
 
     assert ffn_split_plan(8192, 128, 132) == dict(nffn=128, nffn_pad=128, tiles=8, kf=64, G=64)
     assert ffn_split_plan(1536, 32, 132) == dict(nffn=48, nffn_pad=48, tiles=4, kf=32, G=32)
@@ -716,7 +716,7 @@ def test_smollm2_greedy_matches_reference():
     from flint.loading import load_model
     from flint.megakernel import MegakernelBackend
     from flint.model import Transformer
-    from flint.quant import quantize_params
+    from flint.quant.int4 import quantize_params
 
     lm = load_model(path)
     params = quantize_params(lm.params, 32)

@@ -8,11 +8,11 @@ import random
 import pytest
 import torch
 
-from flint.draft import load_draft
+from flint.speculative.draft_head import load_draft
 from flint.engine import Engine, SamplingParams
 from flint.model import Transformer
-from flint.ngram import NgramDraft
-from flint.speculative import SpeculativeEngine
+from flint.speculative.ngram import NgramDraft
+from flint.speculative.verify import SpeculativeEngine
 from test_speculative import chi_square_pvalue, exact_joint_t2_t3, sample_t2_t3, tiny_lm
 
 

@@ -1,5 +1,5 @@
-"""The oracle-acceptance benchmark draft (flint.oracle): tokens per step follow the set probability, the output
-stays plain greedy's, and it is refused where it would mislead. Tiny random model on CPU; a few seconds.
+"""The oracle-acceptance benchmark draft (flint.speculative.oracle): tokens per step follow the set probability, the
+output stays plain greedy's, and it is refused where it would mislead. Tiny random model on CPU; a few seconds.
 
 Run: ``pytest tests/test_oracle.py``
 """
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flint.bench import BenchError, _run, run_oracle_bench
-from flint.oracle import OracleDraft, expected_tokens_per_step
+from flint.speculative.oracle import OracleDraft, expected_tokens_per_step
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -29,7 +29,7 @@ import torch
 from flint.loading import load_model
 from flint.model import Transformer
 from flint.params import LINEAR_NAMES
-from flint.quant import ExactInt4Weight, Int4Weight, kernel_params, quantize_params
+from flint.quant.int4 import ExactInt4Weight, Int4Weight, kernel_params, quantize_params
 
 QT = gguf.GGMLQuantizationType
 _spec = importlib.util.spec_from_file_location("make_q4km", Path(__file__).parents[1] / "lab" / "studies" / "make_q4km.py")
@@ -197,7 +197,7 @@ def test_megakernel_repack_takes_the_kept_codes(tiny_q4km):
     err = (w.kernel_view().dequantize() - w.dequantize()).abs()
     assert 0 < float(err.max()) and bool((err <= w.scales.float().abs().repeat_interleave(32, 1) / 64 + 1e-9).all())
     # a matrix whose layers have different group sizes is refused, naming it
-    from flint.quant import quantize_int4
+    from flint.quant.int4 import quantize_int4
 
     mixed = [params["layers.0.w_down"], quantize_int4(params["layers.1.w_down"].dequantize(), 128)]
     with pytest.raises(ValueError, match=r"w_down: layer 1 .*G128, expected .*G32"):

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from flint.quant import (Int4Weight, concat_rows, fit_group_size, from_q4_0_blocks, from_q4_1_blocks,
-                         pack_int4, quantize_int4, requantize_params, unpack_int4)
+from flint.quant.int4 import (Int4Weight, concat_rows, fit_group_size, from_q4_0_blocks, from_q4_1_blocks,
+                              pack_int4, quantize_int4, requantize_params, unpack_int4)
 
 
 def test_pack_unpack_exact_and_nibble_order():
@@ -113,7 +113,7 @@ def test_concat_rows_and_requantize():
 
 def test_quantize_checkpoint_round_trip_hf(tiny_llama_dir, tmp_path):
     from flint.loading import load_model
-    from flint.quantize import quantize_checkpoint
+    from flint.quant.quantize import quantize_checkpoint
 
     src = load_model(str(tiny_llama_dir))
     out = quantize_checkpoint(str(tiny_llama_dir), tmp_path / "q", group_size=32, log=lambda *a, **k: None)
@@ -138,7 +138,7 @@ def test_quantize_checkpoint_round_trip_hf(tiny_llama_dir, tmp_path):
 
 
 def test_quantize_group_size_must_divide_k(tiny_llama_dir, tmp_path):
-    from flint.quantize import QuantizeError, quantize_checkpoint
+    from flint.quant.quantize import QuantizeError, quantize_checkpoint
 
     # w_down has K = 96: 64 does not divide it
     with pytest.raises(QuantizeError, match=r"w_down: group_size 64 does not divide in_features K=96"):
@@ -153,7 +153,7 @@ def _quantize_cli(*argv: str) -> int:
 
 def test_quantize_checkpoint_refuses_a_non_empty_out_before_any_work(tiny_llama_dir, tmp_path,
                                                                        monkeypatch, capsys):
-    import flint.quantize
+    import flint.quant.quantize
 
     out = tmp_path / "out"
     out.mkdir()
@@ -161,7 +161,7 @@ def test_quantize_checkpoint_refuses_a_non_empty_out_before_any_work(tiny_llama_
 
     def refuse(*a, **k):
         raise AssertionError("the model was loaded before OUT was checked")
-    monkeypatch.setattr(flint.quantize, "load_model", refuse)
+    monkeypatch.setattr(flint.quant.quantize, "load_model", refuse)
     assert _quantize_cli(str(tiny_llama_dir), str(out)) == 2
     err = capsys.readouterr().err
     assert f"flint: error: {out}: is not empty" in err and "--force" in err
@@ -200,7 +200,7 @@ def test_quantize_checkpoint_interrupted_leaves_nothing_half_written(tiny_llama_
     """Ctrl-C after the weights and config are written but before the tokenizer: OUT is absent
     (or, with --force over an old checkpoint, that old checkpoint unchanged), and no partial folder
     is left next to it."""
-    import flint.quantize
+    import flint.quant.quantize
     from conftest import dir_snapshot
 
     out = tmp_path / "out"
@@ -211,7 +211,7 @@ def test_quantize_checkpoint_interrupted_leaves_nothing_half_written(tiny_llama_
     def interrupt(lm, where):
         assert (where / "model.safetensors").exists()
         raise KeyboardInterrupt
-    monkeypatch.setattr(flint.quantize, "_write_tokenizer", interrupt)
+    monkeypatch.setattr(flint.quant.quantize, "_write_tokenizer", interrupt)
     assert _quantize_cli(str(tiny_llama_dir), str(out), *(["--force"] if existing else [])) == 130
     assert sorted(p.name for p in tmp_path.iterdir()) == (["out"] if existing else [])
     if existing:
@@ -237,7 +237,7 @@ def test_quantize_checkpoint_from_gguf_writes_config_and_tokenizer(smollm2_token
     a Q4_1-like int4 part at G = 32, which must be kept bit for bit."""
     from flint.config import from_hf_dict
     from flint.loading import LoadedModel, load_model
-    from flint.quantize import default_group_size, quantize_for_checkpoint, save_checkpoint
+    from flint.quant.quantize import default_group_size, quantize_for_checkpoint, save_checkpoint
     from flint.synthetic import synthetic_params
 
     tok, path = smollm2_tokenizer
@@ -273,7 +273,7 @@ def test_quantize_checkpoint_from_gguf_writes_config_and_tokenizer(smollm2_token
 def test_searched_fit_never_worse_than_rtn_group_by_group(group_size):
     """Same layout, every group's squared error <= round-to-nearest's, the total clearly lower on
     heavy-tailed weights (where shrinking the range pays), and exact where RTN already is."""
-    from flint.quant import quantize_int4_searched
+    from flint.quant.int4 import quantize_int4_searched
 
     g = torch.Generator().manual_seed(5)
     w = torch.randn(96, 256, generator=g) ** 3
@@ -292,7 +292,7 @@ def test_searched_fit_never_worse_than_rtn_group_by_group(group_size):
 
 
 def test_searched_fit_constant_group_and_errors():
-    from flint.quant import quantize_int4_searched
+    from flint.quant.int4 import quantize_int4_searched
 
     w = torch.zeros(2, 64)
     w[1] = 0.25
@@ -303,7 +303,7 @@ def test_searched_fit_constant_group_and_errors():
 
 
 def test_int8_rows_error_and_bytes():
-    from flint.quant import int8_rows
+    from flint.quant.int4 import int8_rows
 
     g = torch.Generator().manual_seed(6)
     w = torch.randn(10, 64, generator=g)

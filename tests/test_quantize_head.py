@@ -14,9 +14,9 @@ from conftest import make_hf_model, save_hf_dir
 from flint.compiled import CompiledBackend
 from flint.loading import LoadedModel, load_model
 from flint.model import Transformer
-from flint.quant import Int4Weight, quantize_int4, quantize_int4_searched
-from flint.quantize import (QuantizeError, embedding_for_checkpoint, main, quantize_checkpoint,
-                            quantize_for_checkpoint, save_checkpoint)
+from flint.quant.int4 import Int4Weight, quantize_int4, quantize_int4_searched
+from flint.quant.quantize import (QuantizeError, embedding_for_checkpoint, main, quantize_checkpoint,
+                                  quantize_for_checkpoint, save_checkpoint)
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

@@ -40,7 +40,7 @@ def leftovers(parent: Path) -> list[str]:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_signal_while_writing_leaves_nothing(src, tmp_path, monkeypatch, sig):
-    import flint.quantize
+    import flint.quant.quantize
 
     out = tmp_path / "out"
     before = signal.getsignal(sig)
@@ -50,7 +50,7 @@ def test_signal_while_writing_leaves_nothing(src, tmp_path, monkeypatch, sig):
         os.kill(os.getpid(), sig)
         time.sleep(5)  # the handler raises before this ends
         raise AssertionError("the signal did not interrupt the write")
-    monkeypatch.setattr(flint.quantize, "_write_tokenizer", killed)
+    monkeypatch.setattr(flint.quant.quantize, "_write_tokenizer", killed)
     with pytest.raises(SystemExit) as info:
         main(["quantize", src, str(out)])
     assert info.value.code == 128 + sig
@@ -93,7 +93,7 @@ def test_stale_folders_of_dead_runs_removed(src, tmp_path):
 
 def test_stale_old_folder_kept_while_out_is_missing(tmp_path):
     """A run killed between its two renames: the old folder holds the only copy of OUT."""
-    from flint.quantize import remove_stale_siblings
+    from flint.quant.quantize import remove_stale_siblings
 
     old = tmp_path / f".out.old-{2**22 + 7}-00000000"
     old.mkdir()

@@ -5,8 +5,8 @@ Two servers start together: MAIN (API key, small context so "prompt too long" is
 for the 16-client load test) and NARROW (--max-queue 1, for the 429 and disconnect tests). Each runs
 with one torch thread: two processes loading at once on 2 cores with 2 OpenMP threads each spin
 against each other (measured here: loads and decoding ~3x slower). Greedy text is compared with what `flint generate`
-prints: the CLI's own load_engine and prompt building, run in this process (one model load instead
-of one per prompt). Run: ``pytest tests/test_server.py`` (under a minute on 2 idle CPU cores).
+prints: the CLI's own engine (flint.assemble.load_engine) and prompt building, run in this process (one model load
+instead of one per prompt). Run: ``pytest tests/test_server.py`` (under a minute on 2 idle CPU cores).
 """
 import importlib.util
 import json
@@ -131,7 +131,8 @@ def env(tmp_path_factory):
 def generate():
     """generate(prompt, n, chat) -> the text `flint generate --prompt P [--chat] --max-new-tokens N
     --temperature 0` prints (less its final newline), built the way flint/cli.py's cmd_generate does."""
-    from flint.cli import build_parser, load_engine
+    from flint.assemble import load_engine
+    from flint.cli import build_parser
     from flint.engine import SamplingParams
 
     args = build_parser().parse_args(["generate", "--prompt", "unused", *COMMON,

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from flint.config import from_hf_dict
-from flint.draft import DraftError, DraftHead, draft_config_for
+from flint.speculative.draft_head import DraftError, DraftHead, draft_config_for
 from flint.engine import Engine, SamplingParams, probs_from_logits
 from flint.loading import LoadedModel, expected_shapes
 from flint.model import Transformer
-from flint import speculative
-from flint.speculative import SpeculativeEngine, verify_sampling
+from flint.speculative import verify as speculative
+from flint.speculative.verify import SpeculativeEngine, verify_sampling
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -316,7 +316,7 @@ def test_speculative_sampling_matches_target_distribution(temperature, top_k, to
 
 def test_speculative_sampling_with_an_attention_draft_matches_target_distribution():
     """The same law with a draft that attends over its own features (a live block: its output projection random),
-    its cache of true pairs fed by every verify (flint/draft_attn.py)."""
+    its cache of true pairs fed by every verify (flint/speculative/draft_attention.py)."""
     lm = tiny_lm(seed=5, vocab=8)
     prompt = [1, 5, 2]
     sp = SamplingParams(max_new_tokens=5, temperature=1.0)
@@ -431,8 +431,8 @@ def test_int4_rollout_weights_round_once_and_borrow_the_targets_int4(monkeypatch
     """The kernel rollout's int4 matrices: the draft's fc / gate|up / down rounded to nearest in groups of 128 or the
     largest that divides K (each value within half a step of its group); the target's int4 embedding and head are
     the target's own tensors (no copy), a dense one rounded once; a bad FLINT_DRAFT_WEIGHTS is refused by name."""
-    from flint.draft import int4_rollout_weights, kernel_weights
-    from flint.quant import quantize_int4
+    from flint.speculative.draft_head import int4_rollout_weights, kernel_weights
+    from flint.quant.int4 import quantize_int4
 
     lm = tiny_lm(vocab=40, hidden=96)
     torch.manual_seed(1)
@@ -463,7 +463,7 @@ def int4_reference(draft):
     and down rounded once; the target's int4 head and embedding rows): what the int4 kernel must propose."""
     import copy
 
-    from flint.draft import int4_rollout_weights
+    from flint.speculative.draft_head import int4_rollout_weights
 
     q = int4_rollout_weights(draft)
     ref = copy.deepcopy(draft).float()
@@ -497,7 +497,7 @@ def test_kernel_rollout_matches_fp32_emulation(monkeypatch, weights, pruned, lay
     (hidden 64) and 128 / 64 / 32 (hidden 192: fc's K = 384, gate|up's 192, down's 96)."""
     import copy
 
-    from flint.draft import DraftHead, draft_config_for
+    from flint.speculative.draft_head import DraftHead, draft_config_for
 
     monkeypatch.setenv("FLINT_DRAFT_WEIGHTS", weights)
     lm = tiny_lm(vocab=300, hidden=hidden)

@@ -269,8 +269,8 @@ def test_grammar_errors_name_the_field(grammars):
 def test_speculative_engine_refuses_constraints(tiny_llama, grammars):
     from flint.backend import make_backend
     from flint.engine import SamplingParams
-    from flint.ngram import NgramDraft
-    from flint.speculative import SpeculativeEngine
+    from flint.speculative.ngram import NgramDraft
+    from flint.speculative.verify import SpeculativeEngine
 
     engine = SpeculativeEngine(make_backend("reference", tiny_llama, 96, device="cpu"), tiny_llama.tokenizer,
                                NgramDraft(tiny_llama.cfg.vocab_size))
@@ -346,11 +346,11 @@ def test_a_draft_server_refuses_constraints_naming_the_field(tiny_llama, grammar
     from types import SimpleNamespace
 
     from flint.backend import make_backend
-    from flint.ngram import NgramDraft
+    from flint.speculative.ngram import NgramDraft
     from flint.server.errors import APIError
     from flint.server.schemas import _constraint, _tool_plan, schemas
     from flint.server.tools import FALLBACK
-    from flint.speculative import SpeculativeEngine
+    from flint.speculative.verify import SpeculativeEngine
 
     engine = SpeculativeEngine(make_backend("reference", tiny_llama, 96, device="cpu"), tiny_llama.tokenizer,
                                NgramDraft(tiny_llama.cfg.vocab_size))

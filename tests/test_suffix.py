@@ -1,4 +1,4 @@
-"""The suffix draft (flint.suffix) and the automatic choice of drafter (flint.draft_auto): the trie's counts against
+"""The suffix draft (flint.speculative.suffix) and the automatic choice of drafter (flint.speculative.auto): the trie's counts against
 a brute-force count, removal and least-recently-used eviction, the proposal rule, and speculative decoding with
 them exact (greedy identical to plain greedy for every k, sampling distributed as the target's: chi-square).
 Tiny random models on CPU. Run: ``pytest tests/test_suffix.py``"""
@@ -9,12 +9,12 @@ import random
 import pytest
 import torch
 
-from flint.draft import load_draft
-from flint.draft_auto import BACKOFF_STEPS, AutoDraft, Gate
+from flint.speculative.draft_head import load_draft
+from flint.speculative.auto import BACKOFF_STEPS, AutoDraft, Gate
 from flint.engine import Engine, SamplingParams
 from flint.model import Transformer
-from flint.speculative import SpeculativeEngine
-from flint.suffix import K_MAX, SuffixCache, SuffixDraft, SuffixTrie, best_run
+from flint.speculative.verify import SpeculativeEngine
+from flint.speculative.suffix import K_MAX, SuffixCache, SuffixDraft, SuffixTrie, best_run
 from test_speculative import chi_square_pvalue, exact_joint_t2_t3, random_draft, sample_t2_t3, tiny_lm
 
 
@@ -239,7 +239,7 @@ def test_a_seed_gives_the_same_text_whatever_came_before(name):
 
 def test_workload_prompt_set_and_its_bench_options():
     from flint.bench import main as bench_main
-    from flint.draft_data import eval_prompts, workload_prompts
+    from flint.speculative.draft_data import eval_prompts, workload_prompts
 
     rows = workload_prompts()
     kinds = list(dict.fromkeys(r["kind"] for r in rows))
@@ -290,7 +290,7 @@ def test_auto_bursts_plain_tokens_where_nothing_drafts():
 
 
 def test_auto_finds_the_head_shipped_for_the_embedded_model():
-    from flint.draft import shipped_head_for
+    from flint.speculative.draft_head import shipped_head_for
     from flint.loading import load_model
 
     assert shipped_head_for(load_model(None).cfg) == "smollm2-135m"

@@ -219,7 +219,7 @@ def cmd_serve(args) -> int:
 
 
 def register(sub) -> None:
-    from ..cli import add_model_args
+    from ..options import add_model_args
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and completions, SSE)",
                        description="An OpenAI-compatible HTTP server on the engine; see docs/serve.md.")

@@ -69,7 +69,7 @@ class ServerState:
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="flint-tokenize")
 
     def load(self, args) -> None:
-        from ..cli import load_engine
+        from ..assemble import load_engine
 
         t0 = time.perf_counter()
         lm, backend, engine = load_engine(args)

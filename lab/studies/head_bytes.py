@@ -17,7 +17,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from flint.bench_head import int4_bytes  # noqa: E402
 from flint.params import LINEAR_NAMES, expected_shapes  # noqa: E402
-from flint.quant import fit_group_size  # noqa: E402
+from flint.quant.int4 import fit_group_size  # noqa: E402
 from flint.synthetic import synthetic_config  # noqa: E402
 
 for name in ("smollm2-135m", "granite-4.1-3b"):

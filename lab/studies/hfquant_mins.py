@@ -4,7 +4,7 @@ group (CPU, about a minute).
     python3 lab/studies/hfquant_mins.py [--tokens 96] [--seed 0]
 
 flint-int4-v1 stores per group (scale, min) in fp16; a zero-point format stores (s, u) with
-W = s (q - u), so min = -u s, exact in float32 but not always in fp16 (flint.hfquant). Part 1: a
+W = s (q - u), so min = -u s, exact in float32 but not always in fp16 (flint.quant.hfquant). Part 1: a
 Gaussian [2048, 2048] weight quantized asymmetric round-to-nearest (s = range / 15 in fp16,
 u = round(-min / s) in 0..15, as GPTQ / AWQ / compressed-tensors' min-max observers do) at
 G = 32 / 64 / 128: the share of groups whose min fp16 does not hold, the largest |fp16(min) - min|
@@ -23,8 +23,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from flint.hfquant import ExactMinInt4Weight  # noqa: E402
-from flint.quant import Int4Weight, pack_int4  # noqa: E402
+from flint.quant.hfquant import ExactMinInt4Weight  # noqa: E402
+from flint.quant.int4 import Int4Weight, pack_int4  # noqa: E402
 
 TEXT = ("The river rose through the night, and by morning the old stone bridge stood alone in a "
         "brown sea. Farmers came down from the hills to look at it, and the miller, who had seen "

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from flint.quant import dequant_q4_k_blocks, quantize_int4  # noqa: E402
+from flint.quant.int4 import dequant_q4_k_blocks, quantize_int4  # noqa: E402
 
 
 def simulated_q4_k(w: np.ndarray):

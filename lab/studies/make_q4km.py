@@ -192,7 +192,7 @@ def check(path: str) -> int:
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     from flint.loading import _GGUF_LAYER, _unpermute_rows, load_model
-    from flint.quant import Int4Weight
+    from flint.quant.int4 import Int4Weight
 
     lm = load_model(path)
     top = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
@@ -216,7 +216,7 @@ def check(path: str) -> int:
 
 
 def requant_report(path: str, group_sizes=(32, 128), log=print) -> None:
-    """What the int4 backends do to ``path``'s matrices (flint.quant.quantize_params at each
+    """What the int4 backends do to ``path``'s matrices (flint.quant.int4.quantize_params at each
     ``--group-size``): per source type, how many tensors, the group size they get, and the
     relative RMS error of the int4 values the kernels read against the file's, and the largest
     error of one weight in quantization steps (|error| / the group's scale); and the share of Q4_K
@@ -225,7 +225,7 @@ def requant_report(path: str, group_sizes=(32, 128), log=print) -> None:
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     from flint.loading import _GGUF_LAYER, load_model
-    from flint.quant import ExactInt4Weight, Int4Weight, quantize_params
+    from flint.quant.int4 import ExactInt4Weight, Int4Weight, quantize_params
 
     r = gguf.GGUFReader(path)
     ours = {v: k for k, v in _GGUF_LAYER.items()}

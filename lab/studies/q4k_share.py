@@ -23,7 +23,7 @@ import gguf  # noqa: E402
 from flint.evaluate import _reference_decoder, evaluate, read_corpus  # noqa: E402
 from flint.loading import _GGUF_LAYER, load_model  # noqa: E402
 from flint.params import LINEAR_NAMES  # noqa: E402
-from flint.quant import ExactInt4Weight, Int4Weight, quantize_int4  # noqa: E402
+from flint.quant.int4 import ExactInt4Weight, Int4Weight, quantize_int4  # noqa: E402
 
 
 def main() -> None:

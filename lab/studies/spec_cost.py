@@ -26,10 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from flint.config import SYNTHETIC, from_hf_dict  # noqa: E402
-from flint.draft import DraftHead, draft_config_for  # noqa: E402
+from flint.speculative.draft_head import DraftHead, draft_config_for  # noqa: E402
 from flint.engine import Engine, SamplingParams  # noqa: E402
 from flint.megakernel import MegakernelBackend  # noqa: E402
-from flint.speculative import SpeculativeEngine  # noqa: E402
+from flint.speculative.verify import SpeculativeEngine  # noqa: E402
 from flint.synthetic import synthetic_params  # noqa: E402
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from flint.backend import make_backend  # noqa: E402
-from flint.draft import load_draft  # noqa: E402
+from flint.speculative.draft_head import load_draft  # noqa: E402
 from flint.engine import Engine, SamplingParams  # noqa: E402
 from flint.loading import load_model  # noqa: E402
-from flint.speculative import SpeculativeEngine  # noqa: E402
+from flint.speculative.verify import SpeculativeEngine  # noqa: E402
 
 PROMPTS = ["Write a Python function that merges two sorted lists.",
            "Explain how a refrigerator keeps food cold.",

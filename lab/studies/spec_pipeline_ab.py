@@ -1,11 +1,11 @@
 """What the pipelined greedy speculative step buys: the same engine, backend and draft, with the next step's
-rollout enqueued before the verify is read back (flint.speculative's default for drafts with ``begin``) and in
+rollout enqueued before the verify is read back (flint.speculative.verify's default for drafts with ``begin``) and in
 host order (the draft wrapped so that it only has ``propose``: rollout after the read-back), rounds alternating
 between the two and plain greedy decoding, all in one process (device).
 
     # real SmolLM2 and its shipped draft, the held-out prompts of `flint bench --draft`:
     FLINT_KERNEL_DIR=build/kernels python3 lab/studies/spec_pipeline_ab.py --model <SmolLM2 GGUF> --k 2,3 --rounds 3
-    # Granite-4.1-3B shapes, oracle acceptance (benchmarking only, flint.oracle):
+    # Granite-4.1-3B shapes, oracle acceptance (benchmarking only, flint.speculative.oracle):
     FLINT_KERNEL_DIR=build/kernels python3 lab/studies/spec_pipeline_ab.py --model synthetic:granite-4.1-3b \\
         --oracle-accept 0.77 --k 3 --rounds 3
 
@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from flint.bench import device_name, load_bench_model, make_backend  # noqa: E402
 from flint.engine import Engine, SamplingParams  # noqa: E402
-from flint.speculative import SpeculativeEngine  # noqa: E402
+from flint.speculative.verify import SpeculativeEngine  # noqa: E402
 
 
 class DraftEnv:
@@ -114,8 +114,8 @@ def main() -> None:
     if synthetic and a.temperature:
         raise SystemExit("--temperature: the oracle draft is greedy only")
     if synthetic:
-        from flint.draft import DraftHead, draft_config_for
-        from flint.oracle import OracleDraft
+        from flint.speculative.draft_head import DraftHead, draft_config_for
+        from flint.speculative.oracle import OracleDraft
 
         lm = load_bench_model(a.model, 128, dev, 0)
         g = torch.Generator().manual_seed(0)
@@ -127,8 +127,8 @@ def main() -> None:
         vocab = torch.randperm(lm.cfg.vocab_size, generator=g)[:a.draft_vocab]
         inner.attach_target(lm.cfg, lm.params, device=dev, dtype=torch.bfloat16, vocab=vocab)
     else:
-        from flint.draft import load_draft
-        from flint.draft_data import eval_prompts
+        from flint.speculative.draft_head import load_draft
+        from flint.speculative.draft_data import eval_prompts
         from flint.loading import load_model
 
         lm = load_model(a.model)

@@ -5,8 +5,8 @@ import torch
 
 from draft_eagle3_study import FusedDraft, TopView
 from flint.config import from_hf_dict
-from flint.draft import DraftHead, draft_config_for
-from flint.draft_train import _top_hidden, rollout_losses
+from flint.speculative.draft_head import DraftHead, draft_config_for
+from flint.speculative.draft_train import _top_hidden, rollout_losses
 from flint.loading import expected_shapes
 from flint.model import Transformer
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import imma_dot_emulation as emu
-from flint.quant import quantize_int4
+from flint.quant.int4 import quantize_int4
 
 
 @pytest.mark.parametrize("g", [32, 64, 128])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mma_dot_emulation as emu
-from flint.quant import quantize_int4
+from flint.quant.int4 import quantize_int4
 
 
 def _fp16_x_effective(x: np.ndarray) -> np.ndarray:

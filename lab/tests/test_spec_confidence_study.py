@@ -4,7 +4,7 @@ greedy rollout position by position."""
 import torch
 
 from flint.config import from_hf_dict
-from flint.draft import DraftHead, draft_config_for
+from flint.speculative.draft_head import DraftHead, draft_config_for
 from flint.loading import expected_shapes
 from spec_confidence_study import rollouts, walk
 

@@ -10,8 +10,8 @@ distributed as the target's. Rejected positions need no cleanup: the next forwar
 right start_pos and overwrites them (the backend API's rollback).
 
 The draft is any object with ``propose(context_ids, hidden, k, sp, gen) -> (tokens[j], q[j, V] or
-None)``, j <= k (flint.draft.DraftHead; flint.ngram.NgramDraft, which may propose fewer or none;
-``hidden`` is the target's last-layer hidden state before context_ids[-1]). A step with no proposal
+None)``, j <= k (flint.speculative.draft_head.DraftHead; flint.speculative.ngram.NgramDraft, which may propose
+fewer or none; ``hidden`` is the target's last-layer hidden state before context_ids[-1]). A step with no proposal
 is a plain M = 1 step. Logprobs (``sp.logprobs``) come from the verify row each emitted token was chosen
 from, the target's own distribution at its position. Acceptance is reported as tokens per verify step = accepted drafts + 1 (the
 target's own token is counted), so it lies in [1, K + 1]. Grammar constraints (``sp.constraint``) are refused,
@@ -19,8 +19,8 @@ as logit bias and penalties are (``Engine.unsupported``: this loop applies no to
 verify rows); `flint serve --draft` answers a constrained request with a 400 naming its field, unless the engine
 was built with ``plain_fallback`` (``--draft auto``), which decodes such a request plainly. Optional parts of the
 draft interface: ``source`` or ``name`` (the drafter counted per step in ``SpeculativeStats.drafters``),
-``end_request(context, prompt_len)`` (a generation ended: flint.suffix keeps its output), ``plain_run(context)``
-(tokens to decode plainly first, as one burst of a backend's ``greedy_run``, greedy only).
+``end_request(context, prompt_len)`` (a generation ended: flint.speculative.suffix keeps its output),
+``plain_run(context)`` (tokens to decode plainly first, as one burst of a backend's ``greedy_run``, greedy only).
 Tests: ``pytest tests/test_speculative.py`` (the refusal: ``tests/test_structured.py``).
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .engine import Engine, SamplingParams, inverse_cdf_draw, probs_from_logits, sample, token_logprob
+from ..engine import Engine, SamplingParams, inverse_cdf_draw, probs_from_logits, sample, token_logprob
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """The draft's optional attention over its own features (EAGLE-1's decoder layer, one causal self-attention block
-after fc): ``DraftConfig.attention_heads`` > 0 adds it to flint.draft.DraftHead as x = x + Attn(norm(x)).
+after fc): ``DraftConfig.attention_heads`` > 0 adds it to flint.speculative.draft_head.DraftHead as
+x = x + Attn(norm(x)).
 
 What it attends over. The draft's feature at region position p is x_p = fc([norm(h_p), norm(embed[t_{p+1}])]), the
 pair of the target's hidden state at p and the token after it; the region starts at the last prompt token. A
@@ -7,9 +8,9 @@ rollout from start i (the pair of the target's state at i and the token it chose
 and its step s >= 2 also over its own steps 2..s of that rollout, RoPE at position i + s - 1. The true pairs are
 what the verify confirmed, so they never roll back: the rollout's own steps are kept only for the rollout.
 
-Two modes, told apart by the input's rank. Training and validation (flint/draft_train.py: [B, n, H], every start at
-once): begin_rollout(), then the first call is step 1 over the true pairs (causal), later calls step s over starts
-0..n-s (the inputs shifted as rollout_losses and accepted_runs shift them). Decoding ([1, H], flint.speculative):
+Two modes, told apart by the input's rank. Training and validation (flint/speculative/draft_train.py: [B, n, H],
+every start at once): begin_rollout(), then the first call is step 1 over the true pairs (causal), later calls step s over starts
+0..n-s (the inputs shifted as rollout_losses and accepted_runs shift them). Decoding ([1, H], flint.speculative.verify):
 reset_state(max_len) when a generation starts, ``append`` (DraftHead.observe) adds the pairs each verify accepted before the next
 rollout (their count on the device: no host sync), each rollout's first step appends its own start pair; the cache
 is [max_len] rows with a device-side length, masked, so every shape is fixed.
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .model import apply_rope
+from ..model import apply_rope
 
 ROPE_THETA = 10000.0  # the draft's own positions (region indices), not the target's
 

@@ -21,8 +21,8 @@ product of the children's shares (the estimated chance that the whole run is rig
 Its score is the expected number of accepted tokens under those shares; the trie with the higher score proposes.
 A sampled request reads its own trie only: its draws, and so its text for a seed, do not depend on other requests.
 
-Verification is flint.speculative's: greedy output identical to plain greedy; sampling takes the proposal as a
-point mass (q one-hot), so it is lossless (flint.ngram's docstring has the argument).
+Verification is flint.speculative.verify's: greedy output identical to plain greedy; sampling takes the proposal as a
+point mass (q one-hot), so it is lossless (flint.speculative.ngram's docstring has the argument).
 
     flint chat --draft suffix        flint bench --draft suffix --prompt-set workloads
 Tests: ``pytest tests/test_suffix.py``.
@@ -205,7 +205,7 @@ class SuffixCache:
 
 class SuffixDraft:
     """``propose(context_ids, hidden, k, sp, gen) -> (tokens[<= k], q or None)``: the draft interface of
-    flint.speculative (``hidden`` unused). ``end_request(context, prompt_len)`` (called by the engine when a
+    flint.speculative.verify (``hidden`` unused). ``end_request(context, prompt_len)`` (called by the engine when a
     generation ends) adds its output to the cache. ``last`` holds the last proposal's (source, score, match length)."""
 
     name = "suffix"  # (what the engine's statistics call this drafter)

@@ -1,8 +1,8 @@
 """`--draft auto`: the drafter chosen step by step, the default of `flint chat`, `generate` and `serve`.
 
-Each verify step asks, in order: does the suffix draft (flint.suffix, over this request's prompt and output and
+Each verify step asks, in order: does the suffix draft (flint.speculative.suffix, over this request's prompt and output and
 the model's recent outputs) expect at least ``SUFFIX_STRONG`` accepted tokens (k, if smaller)? Then it drafts. Otherwise the
-model's draft head drafts where one is shipped for this model (flint.draft.shipped_head_for: a draft whose
+model's draft head drafts where one is shipped for this model (flint.speculative.draft_head.shipped_head_for: a draft whose
 target fingerprint equals the model's), at its own k. Otherwise the step is a plain one (M = 1, nothing proposed).
 
 Each drafter sits behind a gate that backs off where its drafts keep failing: the mean of its accepted tokens
@@ -19,7 +19,7 @@ counts per step (SpeculativeStats.drafters).
 Where no drafter would propose, greedy decoding on a backend with a device loop (``greedy_run``) decodes
 ``PLAIN_RUN`` tokens in one burst (``plain_run``), as plain decoding does, instead of that many host-synchronised
 M = 1 steps. With a pipelined head (a greedy rollout begun on the device before the host reads the verify back,
-flint.speculative) the head's rollout is begun every step its gate is open, and ``finish`` replaces it by the
+flint.speculative.verify) the head's rollout is begun every step its gate is open, and ``finish`` replaces it by the
 suffix proposal where that is strong. Sampling goes through ``propose`` (the suffix proposal as a point mass,
 the head's with its q): lossless either way.
 
@@ -74,7 +74,7 @@ class Gate:
 
 
 class AutoDraft:
-    """The draft interface of flint.speculative over a SuffixDraft and an optional draft head (module docstring)."""
+    """The draft interface of flint.speculative.verify over a SuffixDraft and an optional draft head (module docstring)."""
 
     def __init__(self, suffix: SuffixDraft, head=None):
         self.suffix = suffix
@@ -132,7 +132,7 @@ class AutoDraft:
         return toks if score >= min(SUFFIX_STRONG, k) else []  # (k below the bar: every token certain)
 
     def plain_run(self, ctx: list[int]) -> int:
-        """Greedy decoding asks before each step: how many tokens to decode plainly first (flint.speculative runs them
+        """Greedy decoding asks before each step: how many tokens to decode plainly first (flint.speculative.verify runs them
         as one burst of the backend's device loop): PLAIN_RUN where no drafter would propose now (the head absent,
         stateful or shut, no strong suffix match), else 0."""
         if self.stateful or self._head_open():

@@ -10,9 +10,9 @@ and the ranking of the tokens the target generated (the drafting vocabulary).
     harvest     the target generates continuations of the prompts, batched, and stores the tokens
                 and the hidden states the draft learns from as resumable safetensors shards; one
                 pass greedy, further passes sampled from the target's distribution
-    rank_vocab  tokens by how often the target generated them; flint.draft saves and loads it
+    rank_vocab  tokens by how often the target generated them; flint.speculative.draft_head saves and loads it
 
-Run through ``flint draft harvest`` / ``flint draft vocab`` (flint/draft_cli.py). Tests:
+Run through ``flint draft harvest`` / ``flint draft vocab`` (flint/speculative/cli.py). Tests:
 ``pytest tests/test_draft.py tests/test_draft_data2.py``.
 """
 from __future__ import annotations
@@ -27,14 +27,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .draft import FORMAT, DraftError, target_fingerprint
+from .draft_head import FORMAT, DraftError, target_fingerprint
 
 PROMPT_SET = "flint-draft-prompts-v1"
 PROMPT_SET_V2 = "flint-draft-prompts-v2"
 KINDS = ("code", "explain", "qa", "chat")  # v1's kinds
 ALL_KINDS = KINDS + ("rewrite", "codeedit")  # v2 adds prompts whose answer repeats the prompt
 WORKLOADS = "flint-workloads-v1"  # the workload prompt set (bench only: its conversations have several messages)
-WORKLOADS_FILE = Path(__file__).parent / "data" / "workloads.json"
+WORKLOADS_FILE = Path(__file__).parent.parent / "data" / "workloads.json"
 
 
 # ------------------------------------------------------------------ the prompt set
@@ -647,7 +647,7 @@ def sample_uniforms(seed: int, pass_no: int, keys, n_pos: int) -> torch.Tensor:
 def sample_rows(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Tensor) -> torch.Tensor:
     """One token per row of ``logits`` [B, V], drawn from probs_from_logits(logits, temperature,
     top_p=top_p) (the engine's sampling distribution) by inverse CDF at the uniforms ``u`` [B]."""
-    from .engine import probs_from_logits
+    from ..engine import probs_from_logits
 
     p = probs_from_logits(logits, temperature, top_p=top_p)
     cdf = p.cumsum(-1)
@@ -685,7 +685,7 @@ def harvest(lm, out_dir: str | Path, prompts: list[dict], batch_size: int = 64,
     from safetensors.torch import save_file
     from tqdm import tqdm
 
-    from .model import Transformer
+    from ..model import Transformer
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ columns not yet quantized in proportion to H's inverse, so that the layer's outp
 0..15, one fp16 scale and min per group of G along K), so every backend runs the result.
 
 * Group parameters: a group's (scale, min) are fitted when the loop reaches its first column, on
-  the weights as updated by the errors so far, with the searched fit (flint.quant.fit_groups_searched).
+  the weights as updated by the errors so far, with the searched fit (flint.quant.int4.fit_groups_searched).
 * Hessians are collected in one pass of the reference decoder (fp32) over the calibration text, with
   the source's weights (not layer by layer on the already-quantized model: simpler, one forward).
 * Damping: 1% of H's mean diagonal is added, which also covers inputs that never vary on the text.
@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .params import LINEAR_NAMES
-from .quant import Int4Weight, group_codes, check_shape, fit_groups_searched, pack_int4
+from ..params import LINEAR_NAMES
+from .int4 import Int4Weight, group_codes, check_shape, fit_groups_searched, pack_int4
 
-CALIBRATION_TEXT = Path(__file__).parent / "data" / "calibration.txt"
+CALIBRATION_TEXT = Path(__file__).parent.parent / "data" / "calibration.txt"
 DAMP = 0.01
 BLOCK = 128  # columns updated together; a multiple of every group size
 
@@ -64,7 +64,7 @@ def collect_hessians(cfg, params: dict, ids: list[int], window: int = 512, progr
     Memory: 8 * sum(K^2) bytes over the 4 inputs per layer and the head's: 0.8 GB for SmolLM2-135M,
     28 GB for Granite-4.1-3B (its 40 w_down inputs of K = 8192 take 21 GB): run a 3B model with
     ``device="cuda"`` (`flint quantize --device cuda`)."""
-    from .model import Transformer
+    from ..model import Transformer
 
     window = min(window, cfg.max_position_embeddings)
     model = Transformer(cfg, params, max_seq_len=window, device=device, dtype=torch.float32)

@@ -10,7 +10,7 @@ harvest, the validation estimate of acceptance, and the acceptance of real specu
                       would accept, without running it (simulated_acceptance, evaluate_val)
     eval_acceptance   mean tokens per verify step of real speculative decoding, by prompt kind
 
-Run through ``flint draft train`` / ``flint draft eval`` (flint/draft_cli.py). Tests:
+Run through ``flint draft train`` / ``flint draft eval`` (flint/speculative/cli.py). Tests:
 ``pytest tests/test_draft.py``.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .draft import DraftError, DraftHead, load_draft
+from .draft_head import DraftError, DraftHead, load_draft
 from .draft_data import ALL_KINDS, HarvestData
 
 
@@ -325,8 +325,8 @@ def eval_acceptance(backend, tokenizer, draft, prompts: list[dict], k: int, max_
     decoding on the same prompts for tok/s and, when greedy, token identity."""
     from tqdm import tqdm
 
-    from .engine import Engine, SamplingParams
-    from .speculative import SpeculativeEngine
+    from ..engine import Engine, SamplingParams
+    from .verify import SpeculativeEngine
 
     sp = sp or SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     spec = SpeculativeEngine(backend, tokenizer, draft, k=k)

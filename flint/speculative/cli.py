@@ -6,8 +6,8 @@
     flint draft vocab --draft DRAFT [--data SHARDS] [--size N]   the drafting vocabulary
     flint draft eval --draft DRAFT [--k 2,3,4]     acceptance on held-out prompts, by kind
 
-The work itself lives in flint/draft.py (the model and its files), flint/draft_data.py (prompts,
-harvest, token ranking) and flint/draft_train.py (training, evaluation). Tests:
+The work itself lives beside this file: draft_head.py (the model and its files), draft_data.py (prompts,
+harvest, token ranking) and draft_train.py (training, evaluation). Tests:
 ``pytest tests/test_draft.py tests/test_cli.py``.
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from .cli import finite_float, int_at_least
-from .draft import (DraftError, DraftHead, draft_config_for, load_draft, load_vocab_ranking, num_parameters,
+from ..options import add_device_arg, finite_float, int_at_least
+from .draft_head import (DraftError, DraftHead, draft_config_for, load_draft, load_vocab_ranking, num_parameters,
                     resolve_draft_path, save_draft, save_vocab_ranking)
 from .draft_data import (ALL_KINDS, PROMPT_SET, PROMPT_SETS, draft_prompts, eval_prompts, harvest, harvest_passes,
                          load_harvest, rank_vocab, resolve_prompt_set)
@@ -53,7 +53,7 @@ def parse_passes(sampled: int, temperatures: list[float] | None, top_p: float | 
 
 
 def cmd_harvest(args) -> int:
-    from .loading import load_model
+    from ..loading import load_model
 
     prompt_set = resolve_prompt_set(args.prompt_set)
     passes = parse_passes(args.sampled_passes, args.temperature, args.top_p)
@@ -77,7 +77,7 @@ def cmd_harvest(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from .loading import load_model
+    from ..loading import load_model
 
     if args.attention_heads < 0:
         raise DraftError(f"--attention-heads must be >= 0, got {args.attention_heads}")
@@ -130,9 +130,9 @@ def cmd_vocab(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from .backend import default_backend, make_backend
-    from .engine import SamplingParams
-    from .loading import load_model
+    from ..backend import default_backend, make_backend
+    from ..engine import SamplingParams
+    from ..loading import load_model
 
     prompt_set = resolve_prompt_set(args.prompt_set)
     lm = load_model(args.model)
@@ -165,7 +165,7 @@ def register(sub) -> None:
 
     def model_args(q):
         q.add_argument("--model", default=None, help="target model spec (default: the embedded SmolLM2)")
-        q.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+        add_device_arg(q)
         q.add_argument("--seed", type=int, default=0)
 
     sets = ", ".join(n.rsplit("-", 1)[1] for n in PROMPT_SETS)

@@ -4,7 +4,7 @@ The proposal for the next tokens is what followed the most recent earlier occurr
 tokens (n from ``max_ngram`` down to ``min_ngram``; the longest match wins), up to k tokens. It shines where the
 answer repeats its input (editing, summarising, code); where nothing matches it proposes nothing and the verify
 step is a plain M = 1 step, so it never costs more than the match it found. Verification is the same lossless
-verify as a trained draft's (flint.speculative): greedy output identical to plain greedy; with sampling the
+verify as a trained draft's (flint.speculative.verify): greedy output identical to plain greedy; with sampling the
 proposal is a point mass (q = one-hot), so a draft token x is kept with probability p(x) and a rejection is drawn
 from p without x.
 
@@ -31,7 +31,7 @@ class NgramConfig:
 
 class NgramDraft:
     """``propose(context_ids, hidden, k, sp, gen) -> (tokens[<= k], q or None)``: the draft interface of
-    flint.speculative; ``hidden`` is unused."""
+    flint.speculative.verify; ``hidden`` is unused."""
 
     name = "ngram"  # (what the engine's statistics call this drafter)
 
@@ -74,7 +74,8 @@ class NgramDraft:
 
 
 def point_mass(toks: list[int], vocab_size: int, sp):
-    """A draft-free proposal as flint.speculative takes it: (tokens, q), q None when greedy, else one-hot rows."""
+    """A draft-free proposal as flint.speculative.verify takes it: (tokens, q), q None when greedy, else one-hot
+    rows."""
     t = torch.tensor(toks, dtype=torch.long)
     if sp is None or sp.temperature == 0:
         return t, None

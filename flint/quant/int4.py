@@ -28,7 +28,7 @@ repack scales/mins (interleave them) at load; they never re-round codes.
 reads) are float32 values rounded once to nearest, with those float32 values kept beside them
 (``exact_scales``, ``exact_mins``; None where the fp16 field is exact). ``dequantize`` (what the
 reference backend runs) uses them: a GGUF Q4_K tensor dequantizes bit for bit as gguf's
-``dequantize`` does, a GPTQ / AWQ one as its format does (flint/hfquant.py). On the kernels a
+``dequantize`` does, a GPTQ / AWQ one as its format does (flint/quant/hfquant.py). On the kernels a
 weight q s + m moves by at most 15 |ds| + |dm|, where fp16 rounding to nearest gives
 |dx| <= max(2^-11 |x|, 2^-25) (half an ulp; 2^-25 in the subnormal range): for a normal scale at
 most (15 + |m| / s) / 2048 of the quantization step s, i.e. <= s / 68 in a sub-block whose values
@@ -37,7 +37,7 @@ measures it on a Q4_K_M file.
 
 Fits into the layout: ``quantize_int4`` (round-to-nearest from each group's min and max),
 ``quantize_int4_searched`` (each group's scale and min searched to minimise its squared error), and
-GPTQ in flint/gptq.py (errors compensated over calibration activations).
+GPTQ in flint/quant/gptq.py (errors compensated over calibration activations).
 
 Run ``pytest tests/test_quant.py`` for the round-trip tests, ``tests/test_kquants.py`` for the K-quants.
 """
@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .params import LINEAR_NAMES
+from ..params import LINEAR_NAMES
 
 GROUP_SIZES = (32, 64, 128)
 LAYOUT = "flint-int4-v1"

@@ -3,7 +3,7 @@
 A 3B model is quantized once, then loads in seconds. OUT holds:
 
 * ``model.safetensors``: every linear weight and the LM head as ``<name>.qweight`` (uint8),
-  ``<name>.scales`` and ``<name>.mins`` (fp16) in the flint-int4-v1 layout (flint/quant.py), and
+  ``<name>.scales`` and ``<name>.mins`` (fp16) in the flint-int4-v1 layout (flint/quant/int4.py), and
   the float tensors under their flint names ("embed", "norm", "layers.{i}.attn_norm", ...).
   "embed" is the embedding lookup's own copy (``--embed``, embedding_for_checkpoint): by default
   int4 where that layout holds the source's values exactly (a GGUF Q4_0 / Q4_1 embedding), else
@@ -15,8 +15,8 @@ A 3B model is quantized once, then loads in seconds. OUT holds:
   embedded SmolLM2 (a 98.4 MB GGUF) the checkpoint is 140.9 MB (fp16 embedding; 197.5 MB with the
   fp32 one, ``--embed source``) and 84.3 MB with ``--embed int4``.
 * The LM head (``--head``): int4 round-to-nearest (``rtn``), ``searched`` (each group's scale and
-  min searched to minimise its squared error, flint.quant.quantize_int4_searched), ``gptq``, or
-  ``float``. ``--method gptq`` quantizes the float linear weights by GPTQ (flint/gptq.py) over
+  min searched to minimise its squared error, flint.quant.int4.quantize_int4_searched), ``gptq``, or
+  ``float``. ``--method gptq`` quantizes the float linear weights by GPTQ (flint/quant/gptq.py) over
   flint/data/calibration.txt (or ``--calibration PATH``). Int4 weights already at the group size
   are kept as they are whatever the method. What each choice costs on SmolLM2: docs/eval.md.
   The command prints one line each on the linear weights, the head and the embedding.
@@ -54,11 +54,11 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelConfig
-from .errors import FlintError
-from .loading import QUANT_METHOD, LoadedModel, load_model
-from .params import LINEAR_NAMES
-from .quant import (GROUP_SIZES, Int4Weight, check_shape, int4_group_size, quantize_int4,
+from ..config import ModelConfig
+from ..errors import FlintError
+from ..loading import QUANT_METHOD, LoadedModel, load_model
+from ..params import LINEAR_NAMES
+from .int4 import (GROUP_SIZES, Int4Weight, check_shape, int4_group_size, quantize_int4,
                     quantize_int4_searched)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -116,9 +116,9 @@ def quantize_for_checkpoint(params: dict, group_size: int, float_head: bool = Fa
     divide.
 
     ``method`` quantizes the float linear weights (and int4 ones re-fitted to another group size):
-    "rtn" or "gptq". ``head``: "rtn", "searched" (flint.quant.quantize_int4_searched), "gptq" or
+    "rtn" or "gptq". ``head``: "rtn", "searched" (flint.quant.int4.quantize_int4_searched), "gptq" or
     "float" (``float_head`` is the same as "float"); by default the method's. "gptq" needs
-    ``calibrate(names, group_sizes) -> {name: Int4Weight}`` (flint.gptq.gptq_params bound to the
+    ``calibrate(names, group_sizes) -> {name: Int4Weight}`` (flint.quant.gptq.gptq_params bound to the
     model and its calibration tokens). Logs one line on the linear weights and one on the head.
     """
     if group_size not in GROUP_SIZES:
@@ -479,7 +479,7 @@ def write_dir_atomically(out: Path, write) -> Path:
 
 
 def calibrator(lm: LoadedModel, text: str | Path | None = None, log=print, device="cpu"):
-    """``calibrate(names, group_sizes)`` for quantize_for_checkpoint: GPTQ (flint.gptq) with
+    """``calibrate(names, group_sizes)`` for quantize_for_checkpoint: GPTQ (flint.quant.gptq) with
     Hessians from ``lm``'s own weights over the calibration text (default: the shipped one), the
     calibration pass and the solves on ``device``."""
     from . import gptq
@@ -572,8 +572,8 @@ def register(sub) -> None:
 
 
 def main(argv=None) -> int:
-    """`python -m flint.quantize` = `flint quantize`."""
-    from .cli import main as cli_main
+    """`python -m flint.quant.quantize` = `flint quantize`."""
+    from ..cli import main as cli_main
 
     return cli_main(["quantize", *(sys.argv[1:] if argv is None else argv)])
 

@@ -9,13 +9,13 @@ target's own final norm and LM head (tied, read-only, never saved with the draft
 
 Rolling forward K steps feeds each predicted f back in as the next h (on CUDA: one kernel launch
 greedy, else a captured CUDA graph). ``attention_heads`` > 0 adds one attention block over the draft's own features
-after fc (flint/draft_attn.py: state across steps, decoded on torch only). Drafts are saved as ``draft.safetensors`` + ``draft.json``
-(format, shapes, target name/fingerprint, default K, training record); ``load_draft`` refuses a
+after fc (flint/speculative/draft_attention.py: state across steps, decoded on torch only). Drafts are saved
+as ``draft.safetensors`` + ``draft.json`` (format, shapes, target name/fingerprint, default K, training record); ``load_draft`` refuses a
 draft whose hidden_size or vocab_size differ from the target's. A drafting vocabulary comes from
 the token ranking in ``vocab.safetensors``, read and written here.
 
-The rest of the draft: flint/draft_data.py (the prompt set, harvest shards, the token ranking),
-flint/draft_train.py (training, validation, acceptance eval), flint/draft_cli.py (`flint draft`).
+The rest of the draft: flint/speculative/draft_data.py (the prompt set, harvest shards, the token ranking),
+flint/speculative/draft_train.py (training, validation, acceptance eval), flint/speculative/cli.py (`flint draft`).
 
 Tests: ``pytest tests/test_draft.py tests/test_speculative.py``. The shipped SmolLM2 draft and its
 measurements: docs/speculative.md.
@@ -33,13 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import FlintError
-from .draft_attn import DraftAttention, heads_fit
-from .model import dense, rms_norm
-from .quant import Int4Weight, fit_group_size, quantize_int4
+from ..errors import FlintError
+from .draft_attention import DraftAttention, heads_fit
+from ..model import dense, rms_norm
+from ..quant.int4 import Int4Weight, fit_group_size, quantize_int4
 
 FORMAT = "flint-draft-v1"
-SHIPPED_DRAFTS = Path(__file__).parent / "data" / "drafts"
+SHIPPED_DRAFTS = Path(__file__).parent.parent / "data" / "drafts"
 
 
 class DraftError(FlintError, ValueError):
@@ -57,7 +57,8 @@ class DraftConfig:
     rms_norm_eps: float = 1e-5
     k_default: int = 4
     draft_vocab: int = 0  # drafting vocabulary: the first N ids of vocab.safetensors' ranking (0: all V)
-    attention_heads: int = 0  # > 0: one attention block over the draft's own features after fc (flint/draft_attn.py)
+    # > 0: one attention block over the draft's own features after fc (flint/speculative/draft_attention.py)
+    attention_heads: int = 0
     target: dict = field(default_factory=dict)  # name, arch, num_layers, fingerprint
     training: dict = field(default_factory=dict)  # how it was trained (steps, depth, val acceptance)
     format: str = FORMAT
@@ -126,7 +127,7 @@ class MLPBlock(nn.Module):
 
 
 class DraftHead(nn.Module):
-    pipelined = True  # greedy rollouts from device inputs: begin / finish (flint.speculative)
+    pipelined = True  # greedy rollouts from device inputs: begin / finish (flint.speculative.verify)
 
     def __init__(self, cfg: DraftConfig):
         super().__init__()
@@ -230,7 +231,8 @@ class DraftHead(nn.Module):
     def forward(self, hidden: torch.Tensor, token_embed: torch.Tensor) -> torch.Tensor:
         """(hidden at i [.., H], embedding of token i+1 [.., H]) -> predicted hidden at i+1."""
         x = self._features(hidden, token_embed)
-        if self.attn is not None:  # over the true pairs so far and this rollout's own steps (flint/draft_attn.py)
+        # over the true pairs so far and this rollout's own steps (flint/speculative/draft_attention.py)
+        if self.attn is not None:
             x = x + self.attn(self.attn.norm(x))
         for b in self.blocks:
             x = b(x)
@@ -250,10 +252,11 @@ class DraftHead(nn.Module):
     def _need_state(self):
         if not self.attn.has_state:
             raise DraftError("a draft with attention decodes with state: call reset_state(max_len) when a generation "
-                             "starts (flint.speculative does)")
+                             "starts (flint.speculative.verify does)")
 
     def begin_rollout(self) -> None:
-        """Training and validation: the next forward is step 1 of a batched rollout (flint/draft_train.py)."""
+        """Training and validation: the next forward is step 1 of a batched rollout
+        (flint/speculative/draft_train.py)."""
         if self.attn is not None:
             self.attn.begin_rollout()
 
@@ -284,7 +287,7 @@ class DraftHead(nn.Module):
         scalars per row). Sampling: ``sampling`` = (temperature, top_k, top_p) and u [k] uniform
         draws; step j takes the first token whose cumulative q exceeds u[j] (inverse CDF: never a
         token of q = 0); returns (ids [k], q [k, V], 0 outside the drafting vocabulary)."""
-        from .engine import inverse_cdf_draw, probs_from_logits
+        from ..engine import inverse_cdf_draw, probs_from_logits
 
         idx, qs = [], []
         e = self.embed_tokens(tok)
@@ -353,8 +356,9 @@ class DraftHead(nn.Module):
     def begin(self, hidden: torch.Tensor, tok: torch.Tensor, k: int) -> torch.Tensor:
         """The greedy rollout of ``k`` tokens from device inputs, enqueued without a host synchronisation:
         ``hidden`` [H] (or [1, H]) is the target's hidden state before token ``tok`` (LongTensor [1] on the
-        draft's device). Returns the proposals' LongTensor [k] on the device, still being computed; flint.speculative
-        enqueues the next step's rollout this way before it reads the current step's verify back (``finish``)."""
+        draft's device). Returns the proposals' LongTensor [k] on the device, still being computed;
+        flint.speculative.verify enqueues the next step's rollout this way before it reads the current step's verify
+        back (``finish``)."""
         self._need_target()
         kr = self._kernel_rollout()
         if kr is not None:
@@ -384,8 +388,8 @@ class DraftHead(nn.Module):
     def finish_sampled(self, pending, k: int, sp, raw: bool = False):
         """The first ``k`` proposals of a ``begin_sampled`` rollout and their q [k, V] (softmax(logits / T) over the
         drafting vocabulary, 0 elsewhere; ``q_from_logits``); a draw does not depend on the steps after it, so a
-        shorter k keeps q. ``raw``: (ids, logits [k, N]) instead, q left to the caller (flint.speculative computes it
-        inside its captured acceptance)."""
+        shorter k keeps q. ``raw``: (ids, logits [k, N]) instead, q left to the caller (flint.speculative.verify
+        computes it inside its captured acceptance)."""
         ids, logits = pending
         if k > ids.shape[0]:
             raise ValueError(f"draft finish: {k} proposals asked of a rollout of {ids.shape[0]}")
@@ -396,7 +400,7 @@ class DraftHead(nn.Module):
     def q_from_logits(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
         """The kernel rollout's q [k, V] from its logits [k, N] at a temperature: softmax(logits / T) over the drafting
         vocabulary, 0 elsewhere (no host sync: capturable)."""
-        from .engine import probs_from_logits
+        from ..engine import probs_from_logits
 
         return self._full_q(probs_from_logits(logits, temperature))
 
@@ -440,7 +444,7 @@ class _KernelRollout:
     def __init__(self, draft: DraftHead, key, weights: str):
         import ctypes
 
-        from .megakernel import load_library
+        from ..megakernel import load_library
 
         self.key = key
         lib = load_library()
@@ -709,9 +713,9 @@ def load_draft(path: str | Path, target_cfg, target_params: dict | None = None, 
     for another target. With ``target_params`` the target's embedding/norm/head are attached, with
     a drafting vocabulary of ``draft_vocab`` tokens (None: draft.json's ``draft_vocab``; 0: all V)
     taken from the ranking in vocab.safetensors.
-    ``ngram``: the draft-free prompt-lookup proposals of flint.ngram (any model, nothing loaded); ``suffix``: the
-    draft-free suffix-trie proposals of flint.suffix; ``auto``: flint.draft_auto's choice per step between the suffix
-    draft and the draft head shipped for this model, if any."""
+    ``ngram``: the draft-free prompt-lookup proposals of flint.speculative.ngram (any model, nothing loaded);
+    ``suffix``: the draft-free suffix-trie proposals of flint.speculative.suffix; ``auto``: flint.speculative.auto's
+    choice per step between the suffix draft and the draft head shipped for this model, if any."""
     from safetensors import safe_open
 
     if str(path) == "ngram":
@@ -727,7 +731,7 @@ def load_draft(path: str | Path, target_cfg, target_params: dict | None = None, 
                 raise DraftError(f"draft_vocab={draft_vocab}: the suffix draft proposes tokens of the context and "
                                  "earlier outputs, it has no drafting vocabulary")
             return SuffixDraft(target_cfg.vocab_size)
-        from .draft_auto import AutoDraft
+        from .auto import AutoDraft
         name = shipped_head_for(target_cfg) if target_params is not None else None
         if draft_vocab and name is None:
             raise DraftError(f"draft_vocab={draft_vocab}: no draft head is shipped for this model, so the auto draft "

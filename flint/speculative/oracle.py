@@ -25,7 +25,7 @@ def expected_tokens_per_step(accept: float, k: int) -> float:
 
 
 class OracleDraft:
-    """The draft interface of flint.speculative: ``propose(context_ids, hidden, k, sp, gen)``. ``inner``: the
+    """The draft interface of flint.speculative.verify: ``propose(context_ids, hidden, k, sp, gen)``. ``inner``: the
     draft whose rollout runs (and is discarded); ``reference``: prompt + the target's plain greedy tokens."""
 
     def __init__(self, inner, reference: list[int], accept: float, vocab_size: int, seed: int = 0):
@@ -48,8 +48,8 @@ class OracleDraft:
         return bool(getattr(self.inner, "pipelined", False))
 
     def begin(self, hidden, tok, k: int):
-        """The inner draft's rollout enqueued from device inputs (flint.speculative's pipelined step): its cost is
-        paid; ``finish`` replaces its proposals once the context is known."""
+        """The inner draft's rollout enqueued from device inputs (flint.speculative.verify's pipelined step): its cost
+        is paid; ``finish`` replaces its proposals once the context is known."""
         return self.inner.begin(hidden, tok, k)
 
     def finish(self, pending, context_ids: list[int], k: int):

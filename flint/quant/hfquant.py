@@ -34,7 +34,7 @@ the load says so, as for GGUF Q5_K / Q6_K.
 mins: -u s is exact in float32 (at most 15 significant bits) but fp16 keeps 11. For u in
 {0, 1, 2, 4, 8, 16} (every symmetric checkpoint: u = 8) it is always exact, for other u only when
 the low bits of s allow. A tensor with any inexact min becomes an ``ExactInt4Weight``
-(flint.quant; ``ExactMinInt4Weight`` here) with exact scales: its fp16
+(flint.quant.int4; ``ExactMinInt4Weight`` here) with exact scales: its fp16
 ``mins`` (what the kernels read) are -u s rounded once to fp16, and its ``dequantize`` (what the
 reference backend runs) uses the exact float32 -u s, i.e. the format's own values. On the int4
 kernels a weight then differs from the format's by at most half an fp16 ulp of its min, at most
@@ -67,8 +67,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .params import LoadError
-from .quant import GROUP_SIZES, ExactInt4Weight, Int4Weight, check_shape, pack_int4, unpack_int4
+from ..params import LoadError
+from .int4 import GROUP_SIZES, ExactInt4Weight, Int4Weight, check_shape, pack_int4, unpack_int4
 
 METHODS = ("gptq", "awq", "compressed-tensors")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i] of its 8
@@ -85,7 +85,7 @@ _SUFFIXES = {
 _CODES = {"gptq": "qweight", "awq": "qweight", "compressed-tensors": "weight_packed"}
 
 
-# GPTQ / AWQ tensors with inexact fp16 mins: the shared exact-values weight of flint.quant, its
+# GPTQ / AWQ tensors with inexact fp16 mins: the shared exact-values weight of flint.quant.int4, its
 # scales exact (exact_scales None), its mins -u s in float32
 ExactMinInt4Weight = ExactInt4Weight
 

@@ -1,0 +1,49 @@
+"""Assembling an Engine from the model options (flint.options.add_model_args): the model loaded, its backend
+built, and the drafter of speculative decoding attached. `flint chat`, `generate` and `serve` build their engine
+here, so each command's flags mean the same engine.
+
+Test: ``pytest tests/test_cli.py tests/test_server.py``.
+"""
+from __future__ import annotations
+
+import sys
+
+MAX_SEQ_LEN = 8192  # the KV cache's length when --max-seq-len is not given (less where the model's context is)
+
+
+def check_draft_k(draft: str | None, k: int | None, shown=None) -> None:
+    """ValueError when the suffix or auto drafter is asked for more tokens a step than it proposes (``shown``: the
+    option's text, when it is not k itself)."""
+    from .speculative.suffix import K_MAX
+
+    if draft in ("suffix", "auto") and (k or 0) > K_MAX:
+        raise ValueError(f"--draft-k {k if shown is None else shown}: the {draft} draft proposes at most {K_MAX} "
+                         f"tokens a step (the widest verify is M = {K_MAX + 1})")
+
+
+def load_engine(args, quiet: bool = False):
+    """(LoadedModel, backend, Engine) from the model options; with ``--draft`` other than none the Engine is a
+    SpeculativeEngine. ``quiet``: no notes on stderr."""
+    from .backend import default_backend, make_backend
+    from .engine import Engine
+    from .loading import load_model
+
+    check_draft_k(getattr(args, "draft", None), getattr(args, "draft_k", None))
+    lm = load_model(args.model)
+    name = args.backend or default_backend(quiet=quiet)
+    max_seq = args.max_seq_len or min(lm.cfg.max_position_embeddings, MAX_SEQ_LEN)
+    backend = make_backend(name, lm, max_seq, device=args.device, group_size=args.group_size,
+                           dtype=getattr(args, "dtype", None), kv_cache=getattr(args, "kv_cache", "fp16"))
+    engine = Engine(backend, lm.tokenizer)
+    draft_path = getattr(args, "draft", None)
+    if draft_path and draft_path != "none":
+        from .speculative.draft_head import load_draft
+        from .speculative.verify import SpeculativeEngine
+
+        draft = load_draft(draft_path, lm.cfg, lm.params, device=backend.device,
+                           draft_vocab=getattr(args, "draft_vocab", None))
+        engine = SpeculativeEngine(backend, lm.tokenizer, draft, k=args.draft_k, plain_fallback=draft_path == "auto")
+        if name == "megakernel" and not quiet and draft_path != "auto":
+            print("flint: speculative decoding on the megakernel is exact but slower than plain decoding except on "
+                  "code prompts (its verify step is not yet flat in M; docs/speculative.md)", file=sys.stderr)
+    return lm, backend, engine
