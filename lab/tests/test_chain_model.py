@@ -91,3 +91,13 @@ def test_predicts_the_other_cards_steps(fitted):
         for m in (1, 4):
             r = rows[f"{shape} M = {m} step µs"]
             assert abs(r["err"]) < 0.10, r
+
+
+def test_pinned_primitives_hold_their_measured_bound(fitted):
+    # a primitive an A/B bounded (PINNED) stays under its bound, and the traces alone would have put more there
+    traces, p = fitted
+    free = cm.fit(traces, pinned={})
+    for name, (hi, evidence) in cm.PINNED.items():
+        assert getattr(p, name) <= hi + 1e-9, (name, getattr(p, name))
+        assert getattr(free, name) > hi, (name, getattr(free, name))
+        assert "docs/megakernel-log.md" in evidence
