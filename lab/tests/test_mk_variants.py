@@ -88,3 +88,13 @@ def test_source_hash_of_a_tree_is_its_build_hash():
     from flint.kernels.build import source_hash
 
     assert mv.source_hash(ROOT) == source_hash()
+
+
+@pytest.mark.parametrize("patch", sorted(p.name for p in (ROOT / "lab" / "patches").glob("*.patch")))
+def test_lab_patches_apply_to_the_tree(patch):
+    """A variant patch kept in the lab still applies to today's kernel sources (else rebase it or log it as lost)."""
+    import subprocess
+
+    r = subprocess.run(["git", "apply", "--check", str(ROOT / "lab" / "patches" / patch)], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
