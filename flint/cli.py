@@ -241,12 +241,27 @@ def check_args(args) -> None:
         raise ValueError("--system does nothing without --chat (the chat template places it)")
 
 
+def _exit_130(signum, frame):
+    os._exit(130)
+
+
 def main(argv=None) -> int:
+    # Ctrl-C while the subcommand modules import torch and numpy: exit 130 at once (a KeyboardInterrupt raised
+    # inside their native initialisation aborts the process or is swallowed by it)
+    import signal
+    import threading
+
+    old = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if old is not None:  # (None: not the main thread, or a handler installed outside Python: left as it is)
+        signal.signal(signal.SIGINT, _exit_130)
     try:
         ap = build_parser()
         args = ap.parse_args(argv)
-    except KeyboardInterrupt:  # Ctrl-C while the subcommand modules import torch: no traceback
+    except KeyboardInterrupt:
         return 130
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGINT, old)
     try:
         check_args(args)
     except ValueError as e:
