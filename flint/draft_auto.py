@@ -1,14 +1,18 @@
 """`--draft auto`: the drafter chosen step by step, the default of `flint chat`, `generate` and `serve`.
 
 Each verify step asks, in order: does the suffix draft (flint.suffix, over this request's prompt and output and
-the model's recent outputs) expect at least ``SUFFIX_STRONG`` accepted tokens (k, if smaller)? Then it drafts. Otherwise the
-model's draft head drafts where one is shipped for this model (flint.draft.shipped_head_for: a draft whose
-target fingerprint equals the model's), at its own k. Otherwise the step is a plain one (M = 1, nothing proposed).
+the model's recent outputs) propose, and, where the head could draft instead, expect at least ``SUFFIX_STRONG``
+accepted tokens (k / 2, if smaller)? Then it drafts. Otherwise the model's draft head drafts where one is shipped
+for this model (flint.draft.shipped_head_for: a draft whose target fingerprint equals the model's), at its own k.
+Otherwise the step is a plain one (M = 1, nothing proposed). (The suffix draft proposes only what it expects to be
+worth its verify against a plain step.)
 
 Each drafter sits behind a gate that backs off where its drafts keep failing: the mean of its accepted tokens
 per step (an exponential average, weight ``EMA_WEIGHT`` on the newest step, starting from ``GATE_PRIOR``) falling
 below its floor shuts it for ``BACKOFF_STEPS`` steps, twice as long each time it fails again (up to
-``BACKOFF_MAX``); a stretch above twice the floor resets the wait. Gates start afresh with each request, and a
+``BACKOFF_MAX``); a stretch above twice the floor resets the wait. The suffix draft states what each proposal
+expects, so its floor is a share (``SUFFIX_FLOOR``) of the same average of what it expected: its gate shuts where
+the text stops following the context as its matches predict, not where the matches are short. Gates start afresh with each request, and a
 sampled request's suffix proposals come from its own trie only, so a seed gives the same text whatever requests
 came before (a greedy text is plain greedy's anyway). So a kind whose text the drafters cannot
 predict runs plain steps nearly all the time, and pays only the probes. What each step's drafts earned is read
@@ -141,7 +145,7 @@ class AutoDraft:
     def plain_run(self, ctx: list[int]) -> int:
         """Greedy decoding asks before each step: how many tokens to decode plainly first (flint.speculative runs them
         as one burst of the backend's device loop): PLAIN_RUN where no drafter would propose now (the head absent,
-        stateful or shut, no strong suffix match), else 0."""
+        stateful or shut, no suffix proposal), else 0."""
         if self.stateful or self._head_open():
             return 0
         if self.gates["suffix"].open and self.suffix.lookup(ctx, K_MAX)[0]:

@@ -15,10 +15,15 @@ used first; an output counts as used when it is added and whenever a proposal fr
 was the last to pass through). The draft object holds one cache; a server builds one draft per loaded model, so
 the cache is per model. In each trie the match is the longest suffix of the context that occurred before with a
 continuation (at least ``MIN_MATCH`` tokens); the proposal follows the most frequent child (of equals, the latest
-seen: a request's trie records positions, the cache sequence numbers) from there while the
-product of the children's shares (the estimated chance that the whole run is right) stays above ``MIN_PROB``, up to
-``SPEC_PER_MATCH`` x the match length tokens and the engine's k (at most the verify's widest, M = 8: k <= 7).
-Its score is the expected number of accepted tokens under those shares; the trie with the higher score proposes.
+seen: a request's trie records positions, the cache sequence numbers), re-matching after each token. A token's
+chance of being right is its share of the match's continuations x ``hit(m)``, which grows with the match length m
+(0.25 after one token, 0.94 after eight: fitted to how often the target followed the workloads' train split,
+lab/studies/copy_ceiling.py; x ``CACHE_TRUST`` for the cache, another request's text); a run's chance is the
+product, and the run stops when that falls below ``MIN_PROB`` or at the engine's k (at most the verify's widest,
+M = 8: k <= 7). Of the run, the prefix that maximises (1 + its expected accepted tokens) / the time of verifying it
+(``VERIFY_COST``, by width: the CPU's) is proposed, nothing where a plain step is worth more: a short match gives
+a token or two, a long one the whole k. Its score is the expected number of accepted tokens; the trie with the
+higher score proposes.
 A sampled request reads its own trie only: its draws, and so its text for a seed, do not depend on other requests.
 
 Verification is flint.speculative's: greedy output identical to plain greedy; sampling takes the proposal as a

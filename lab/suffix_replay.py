@@ -5,7 +5,8 @@ any drafter and any setting of its knobs. Requests run in order through one draf
 suffix draft's cache of outputs fills as they end).
 
     python3 lab/suffix_replay.py record --split train --tokens 128 --out runs/train.json   # plain greedy, once
-    python3 lab/suffix_replay.py replay runs/train.json [--k 7] [--set SPEC_PER_MATCH=2 ...]
+    python3 lab/suffix_replay.py replay runs/train.json [--k 7] [--set MIN_MATCH=2 ...]
+    python3 lab/suffix_replay.py cost      # the verify's time by width on the CPU: flint.suffix.VERIFY_COST
 
 ``record`` decodes the workload prompts (flint/data/workloads.json) plainly on the reference backend (CPU);
 ``replay`` prints tokens per step by kind for ngram, suffix and auto's suffix rule (auto's head is not replayed: it
@@ -111,6 +112,32 @@ def replay(args) -> None:
     print("x plain projected from the verify's time by width (flint.suffix.VERIFY_COST: the CPU's)")
 
 
+def cost(args) -> None:
+    """The verify's time by width on the reference backend (CPU), relative to M = 1: flint.suffix.VERIFY_COST."""
+    import statistics
+    import time
+
+    import torch
+
+    from flint.backend import make_backend
+    from flint.cli import default_threads, set_threads
+    from flint.loading import load_model
+
+    set_threads(default_threads())
+    lm = load_model(args.model)
+    be = make_backend("reference", lm, 2048, device="cpu")
+    toks = torch.randint(0, 1000, (args.ctx,))
+    be.forward(toks, 0)
+    ts: dict[int, list[float]] = {m: [] for m in range(1, 9)}
+    for _ in range(args.repeats):
+        for m in ts:  # (widths interleaved: a shared machine's load falls on all alike)
+            t0 = time.perf_counter()
+            be.forward(toks[:m], args.ctx)
+            ts[m].append(time.perf_counter() - t0)
+    base = statistics.median(ts[1])
+    print(f"M = 1: {base * 1e3:.1f} ms; by M:", {m: round(statistics.median(v) / base, 2) for m, v in ts.items()})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -126,6 +153,11 @@ def main() -> None:
     p.add_argument("--k", type=int, default=7)
     p.add_argument("--set", action="append", help="NAME=VALUE: a knob of flint.suffix / flint.draft_auto")
     p.set_defaults(func=replay)
+    p = sub.add_parser("cost")
+    p.add_argument("--model", default=None)
+    p.add_argument("--ctx", type=int, default=300, help="context before the verified tokens")
+    p.add_argument("--repeats", type=int, default=15)
+    p.set_defaults(func=cost)
     args = ap.parse_args()
     args.func(args)
 

@@ -17,8 +17,10 @@ step a drafter proposes up to k tokens, the leading ones equal to the text are k
 
     python3 lab/studies/copy_ceiling.py RECORDED.json [RECORDED2.json ...] [--k 7] [--out result.json]
 
-Prints tokens per verify step by kind (the target's token counted) per oracle and drafter, then one JSON document
-(also written to --out). CPU, seconds.
+Prints tokens per verify step by kind (the target's token counted; "grounded": the input-grounded kinds' prompts
+pooled, "mean": those kinds' mean, as flint bench's figure) per oracle and drafter, and how often the suffix
+draft's tokens are right by the length of the match behind them (what flint.suffix.hit is fitted to, on the train
+split), then one JSON document (also written to --out). CPU, seconds.
 """
 from __future__ import annotations
 
@@ -31,6 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from suffix_replay import drafters, walk  # noqa: E402
+
+from flint.draft_data import WORKLOADS_FILE  # noqa: E402
+
+GROUNDED = set(json.loads(WORKLOADS_FILE.read_text())["grounded_kinds"])  # the input-grounded kinds
 
 
 class Sources:
@@ -107,12 +113,47 @@ def table(recs: list[dict], makers: dict, k: int) -> dict:
             if isinstance(d, Oracle):
                 d.start(r["prompt"], r["output"])
             s, t, _ = walk(d, r["prompt"], r["output"], k)
-            for key in (r["kind"], "all"):
+            for key in (r["kind"], "all") + (("grounded",) if r["kind"] in GROUNDED else ()):
                 a = acc.setdefault(key, [0, 0])
                 a[0] += s
                 a[1] += t
         out[name] = {key: round(t / s, 3) for key, (s, t) in acc.items()}
+        mine = [v for key, v in out[name].items() if key in GROUNDED]
+        out[name]["mean"] = round(sum(mine) / max(1, len(mine)), 3)  # the grounded kinds' mean (flint bench's)
     return out
+
+
+def calibration(recs: list[dict], k: int) -> dict:
+    """How often the suffix draft's i-th proposed token (the one before it right) is the target's, by the match
+    length behind it (the first match's m + i: a right token lengthens the match), for the request's own trie and
+    the cache, against flint.suffix.hit. Proposals taken whole (no cost cut, no floor on their chance)."""
+    import flint.suffix as suffix
+
+    saved = suffix.MIN_PROB, suffix.CUT_BY_COST
+    suffix.MIN_PROB, suffix.CUT_BY_COST = 0.0, False
+    d, tally = suffix.SuffixDraft(49152), {}
+    try:
+        for r in recs:
+            prompt, output = r["prompt"], r["output"]
+            ctx = list(prompt) + output[:1]
+            while len(ctx) - len(prompt) < len(output) - 1:
+                toks, _ = d.lookup(ctx, k)
+                src, _, m = d.last
+                truth = output[len(ctx) - len(prompt):]
+                n = 0
+                while n < len(toks) and n < len(truth) - 1 and toks[n] == truth[n]:
+                    n += 1
+                for i in range(min(len(toks), len(truth) - 1, n + 1)):  # tried: those up to the first wrong
+                    a = tally.setdefault(src, {}).setdefault(min(m + i, 8), [0, 0])
+                    a[0] += 1
+                    a[1] += i < n
+                ctx.extend(truth[:n + 1])
+            d.end_request(ctx, len(prompt))
+    finally:
+        suffix.MIN_PROB, suffix.CUT_BY_COST = saved
+    trust = {"prompt+output": 1.0, "cache": suffix.CACHE_TRUST}
+    return {src: {m: {"tried": t, "right": round(a / t, 3), "hit": round(suffix.hit(m, trust[src]), 3)}
+                  for m, (t, a) in sorted(rows.items())} for src, rows in tally.items()}
 
 
 def main() -> None:
@@ -126,13 +167,17 @@ def main() -> None:
         rec = json.loads(Path(path).read_text())
         recs = rec["records"]
         res = table(recs, {**oracles(args.k), **drafters(args.k)}, args.k)
+        cal = calibration(recs, args.k)
         doc["splits"][rec["split"]] = {"file": Path(path).name, "prompts": len(recs), "tokens": rec["tokens"],
-                                       "table": res}
-        kinds = list(dict.fromkeys(r["kind"] for r in recs)) + ["all"]
+                                       "table": res, "calibration": cal}
+        kinds = list(dict.fromkeys(r["kind"] for r in recs)) + ["grounded", "mean", "all"]
         print(f"## {rec['split']} ({len(recs)} prompts, {Path(path).name})")
         print(f"{'':<20}" + "".join(f"{c:>10}" for c in kinds))
         for name, row in res.items():
             print(f"{name:<20}" + "".join(f"{row[c]:>10.2f}" for c in kinds))
+        for src, rows in cal.items():
+            print(f"suffix's proposals from {src}, by match length: right / tried (flint.suffix.hit): " + ", ".join(
+                f"{m}: {v['right']:.2f} of {v['tried']} ({v['hit']:.2f})" for m, v in rows.items()))
     print(json.dumps(doc))
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
