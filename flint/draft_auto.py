@@ -12,10 +12,10 @@ per step (an exponential average, weight ``EMA_WEIGHT`` on the newest step, star
 below its floor shuts it for ``BACKOFF_STEPS`` steps, twice as long each time it fails again (up to
 ``BACKOFF_MAX``); a stretch above twice the floor resets the wait. The suffix draft states what each proposal
 expects, so its floor is a share (``SUFFIX_FLOOR``) of the same average of what it expected: its gate shuts where
-the text stops following the context as its matches predict, not where the matches are short. Gates start afresh with each request, and a
-sampled request's suffix proposals come from its own trie only, so a seed gives the same text whatever requests
-came before (a greedy text is plain greedy's anyway). So a kind whose text the drafters cannot
-predict runs plain steps nearly all the time, and pays only the probes. What each step's drafts earned is read
+the text stops following the context as its matches predict, not where the matches are short. Gates start afresh
+with each request, and a sampled request's suffix proposals come from its own trie only, so a seed gives the same
+text whatever requests came before (a greedy text is plain greedy's anyway). So a kind whose text the drafters
+cannot predict runs plain steps nearly all the time, and pays only the probes. What each step's drafts earned is read
 from the context at the next call (the tokens appended after the proposal), so the draft needs no hook in the
 verify loop. ``source`` names the drafter of the last proposal ("suffix", "head" or "none"), which the engine
 counts per step (SpeculativeStats.drafters).

@@ -53,6 +53,7 @@ VERIFY_COST = (1.0, 1.0, 1.1, 1.27, 1.85, 1.91, 2.0, 2.25, 2.33)  # a verify of 
                       # steps: the CPU reference backend, embedded SmolLM2, 300-token context (2026-12-07)
 CACHE_TOKENS = 16384  # recent outputs kept per model (the trie then holds at most TRIE_DEPTH x this many nodes)
 
+
 @contextmanager
 def _no_cyclic_gc():
     """Building a trie allocates a node (with a dict) per token and depth; the cyclic collector, triggered by those
@@ -165,12 +166,14 @@ def best_run(trie: SuffixTrie, frontier: list, k: int, trust: float = 1.0) -> tu
     each token the longest match with a continuation gives the most frequent child (a variable-order model: the
     match is re-taken after every proposed token, so a run is not cut by the trie's depth); its chance is the
     child's share of the continuations x hit(the match's length, ``trust``), and the run's chance so far the product
-    of those. The run stops when that falls below MIN_PROB or at k tokens; then, with CUT_BY_COST, the prefix of it that maximises (1 + its expected accepted tokens) / the cost of
-    verifying it (VERIFY_COST) is proposed, none where a plain step is worth more. score = the sum of the proposed
-    prefix's chances (the expected number of tokens accepted)."""
+    of those. The run stops when that falls below MIN_PROB or at k tokens; then, with CUT_BY_COST, the prefix of it
+    that maximises (1 + its expected accepted tokens) / the cost of verifying it (VERIFY_COST) is proposed, none
+    where a plain step is worth more. score = the sum of the proposed prefix's chances (the expected number of
+    tokens accepted)."""
     node, m = _match(frontier, trie.depth)
     if node is None:
         return [], 0.0, 0, None
+    k = min(k, len(VERIFY_COST) - 2)
     toks, p, scores, used, depth = [], 1.0, [0.0], [None], m
     while node is not None and len(toks) < k:
         total = sum(c.count for c in node.kids.values())

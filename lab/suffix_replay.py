@@ -11,8 +11,8 @@ suffix draft's cache of outputs fills as they end).
 ``record`` decodes the workload prompts (flint/data/workloads.json) plainly on the reference backend (CPU);
 ``replay`` prints tokens per step by kind for ngram, suffix and auto's suffix rule (auto's head is not replayed: it
 needs the target's hidden states; a step auto would give the head counts here as a plain one), then each one's
-speed against plain decoding projected from the verify's time by width (flint.suffix.VERIFY_COST, the CPU's). ``--set NAME=V``
-overrides a knob of flint.suffix or flint.draft_auto for the replay.
+speed against plain decoding projected from the verify's time by width (flint.suffix.VERIFY_COST, the CPU's).
+``--set NAME=V`` overrides a knob of flint.suffix or flint.draft_auto for the replay.
 """
 from __future__ import annotations
 
