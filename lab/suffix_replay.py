@@ -5,12 +5,14 @@ any drafter and any setting of its knobs. Requests run in order through one draf
 suffix draft's cache of outputs fills as they end).
 
     python3 lab/suffix_replay.py record --split train --tokens 128 --out runs/train.json   # plain greedy, once
-    python3 lab/suffix_replay.py replay runs/train.json [--k 7] [--set SPEC_PER_MATCH=2 ...]
+    python3 lab/suffix_replay.py replay runs/train.json [--k 7] [--set MIN_MATCH=2 ...]
+    python3 lab/suffix_replay.py cost      # the verify's time by width on the CPU: flint.speculative.suffix.VERIFY_COST
 
 ``record`` decodes the workload prompts (flint/data/workloads.json) plainly on the reference backend (CPU);
 ``replay`` prints tokens per step by kind for ngram, suffix and auto's suffix rule (auto's head is not replayed: it
-needs the target's hidden states; a step auto would give the head counts here as a plain one). ``--set NAME=V``
-overrides a knob of flint.speculative.suffix or flint.speculative.auto for the replay.
+needs the target's hidden states; a step auto would give the head counts here as a plain one), then each one's
+speed against plain decoding projected from the verify's time by width (flint.speculative.suffix.VERIFY_COST, the CPU's).
+``--set NAME=V`` overrides a knob of flint.speculative.suffix or flint.speculative.auto for the replay.
 """
 from __future__ import annotations
 
@@ -44,10 +46,15 @@ def record(args) -> None:
         Path(args.out).write_text(json.dumps({"split": args.split, "tokens": args.tokens, "records": out}))
 
 
-def walk(draft, prompt: list[int], output: list[int], k: int) -> tuple[int, int]:
-    """(verify steps, tokens emitted after the first) of greedy speculative decoding that produces ``output``."""
+def walk(draft, prompt: list[int], output: list[int], k: int, cost=None) -> tuple[int, int, float]:
+    """(verify steps, tokens emitted after the first, their time in plain steps under ``cost``: the verify's time by
+    its width M, cost[M], default flint.speculative.suffix.VERIFY_COST, the CPU's) of greedy speculative decoding that produces
+    ``output``."""
+    from flint.speculative.suffix import VERIFY_COST
+
+    cost = cost or VERIFY_COST
     ctx = list(prompt) + output[:1]
-    steps = 0
+    steps, time = 0, 0.0
     while len(ctx) - len(prompt) < len(output):
         left = len(output) - (len(ctx) - len(prompt))
         kk = max(0, min(k, left - 1))
@@ -58,38 +65,77 @@ def walk(draft, prompt: list[int], output: list[int], k: int) -> tuple[int, int]
             n += 1
         ctx.extend(truth[:n + 1])
         steps += 1
+        time += cost[1 + len(props)]
     if hasattr(draft, "end_request"):
         draft.end_request(ctx, len(prompt))
-    return steps, len(output) - 1
+    return steps, len(output) - 1, time
+
+
+def drafters(k: int) -> dict:
+    """name -> a maker of each replayed drafter (the module's knobs read when it runs)."""
+    import flint.speculative.auto as auto
+    import flint.speculative.suffix as suffix
+    from flint.speculative.ngram import NgramDraft
+
+    return {"ngram": lambda: NgramDraft(49152, k_default=k), "suffix": lambda: suffix.SuffixDraft(49152),
+            "auto (suffix rule)": lambda: auto.AutoDraft(suffix.SuffixDraft(49152))}
 
 
 def replay(args) -> None:
     import flint.speculative.auto as auto
     import flint.speculative.suffix as suffix
-    from flint.speculative.ngram import NgramDraft
 
     for kv in args.set or []:
         name, v = kv.split("=")
         for mod in (suffix, auto):
             if hasattr(mod, name):
-                setattr(mod, name, type(getattr(mod, name))(v))
+                cur = getattr(mod, name)
+                setattr(mod, name, v.lower() in ("1", "true") if isinstance(cur, bool) else type(cur)(v))
     recs = json.loads(Path(args.path).read_text())["records"]
-    drafts = {"ngram": lambda: NgramDraft(49152, k_default=args.k), "suffix": lambda: suffix.SuffixDraft(49152),
-              "auto (suffix rule)": lambda: auto.AutoDraft(suffix.SuffixDraft(49152))}
     table = {}
-    for name, make in drafts.items():
+    for name, make in drafters(args.k).items():
         d = make()
         for r in recs:
-            s, t = walk(d, r["prompt"], r["output"], args.k)
+            s, t, c = walk(d, r["prompt"], r["output"], args.k)
             for key in (r["kind"], "all"):
-                a = table.setdefault(name, {}).setdefault(key, [0, 0])
+                a = table.setdefault(name, {}).setdefault(key, [0, 0, 0.0])
                 a[0] += s
                 a[1] += t
+                a[2] += c
     kinds = list(dict.fromkeys(r["kind"] for r in recs)) + ["all"]
     print(f"{'drafter':<20}" + "".join(f"{k:>11}" for k in kinds))
     for name, row in table.items():
         print(f"{name:<20}" + "".join(f"{row[k][1] / row[k][0]:>11.2f}" for k in kinds))
     print("tokens per verify step (the target's token counted)")
+    for name, row in table.items():
+        print(f"{name:<20}" + "".join(f"{row[k][1] / row[k][2]:>11.2f}" for k in kinds))
+    print("x plain projected from the verify's time by width (flint.speculative.suffix.VERIFY_COST: the CPU's)")
+
+
+def cost(args) -> None:
+    """The verify's time by width on the reference backend (CPU), relative to M = 1: flint.speculative.suffix.VERIFY_COST."""
+    import statistics
+    import time
+
+    import torch
+
+    from flint.backend import make_backend
+    from flint.options import default_threads, set_threads
+    from flint.loading import load_model
+
+    set_threads(default_threads())
+    lm = load_model(args.model)
+    be = make_backend("reference", lm, 2048, device="cpu")
+    toks = torch.randint(0, 1000, (args.ctx,))
+    be.forward(toks, 0)
+    ts: dict[int, list[float]] = {m: [] for m in range(1, 9)}
+    for _ in range(args.repeats):
+        for m in ts:  # (widths interleaved: a shared machine's load falls on all alike)
+            t0 = time.perf_counter()
+            be.forward(toks[:m], args.ctx)
+            ts[m].append(time.perf_counter() - t0)
+    base = statistics.median(ts[1])
+    print(f"M = 1: {base * 1e3:.1f} ms; by M:", {m: round(statistics.median(v) / base, 2) for m, v in ts.items()})
 
 
 def main() -> None:
@@ -105,9 +151,13 @@ def main() -> None:
     p = sub.add_parser("replay")
     p.add_argument("path")
     p.add_argument("--k", type=int, default=7)
-    p.add_argument("--set", action="append",
-                   help="NAME=VALUE: a knob of flint.speculative.suffix / flint.speculative.auto")
+    p.add_argument("--set", action="append", help="NAME=VALUE: a knob of flint.speculative.suffix / flint.speculative.auto")
     p.set_defaults(func=replay)
+    p = sub.add_parser("cost")
+    p.add_argument("--model", default=None)
+    p.add_argument("--ctx", type=int, default=300, help="context before the verified tokens")
+    p.add_argument("--repeats", type=int, default=15)
+    p.set_defaults(func=cost)
     args = ap.parse_args()
     args.func(args)
 

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from flint.speculative.draft_head import load_draft
-from flint.speculative.auto import BACKOFF_STEPS, AutoDraft, Gate
+from flint.speculative.auto import BACKOFF_STEPS, SUFFIX_STRONG, AutoDraft, Gate
 from flint.engine import Engine, SamplingParams
 from flint.model import Transformer
 from flint.speculative.verify import SpeculativeEngine
-from flint.speculative.suffix import K_MAX, SuffixCache, SuffixDraft, SuffixTrie, best_run
+import flint.speculative.suffix as suffix
+from flint.speculative.suffix import K_MAX, SuffixCache, SuffixDraft, SuffixTrie, best_run, hit
 from test_speculative import chi_square_pvalue, exact_joint_t2_t3, random_draft, sample_t2_t3, tiny_lm
 
 
@@ -68,20 +69,41 @@ def test_frontier_is_every_suffix_the_trie_holds():
     assert len(front) == 5 or want[len(front)] is None
 
 
-def test_best_run_copies_a_repeated_text_and_weighs_branches():
+def test_best_run_copies_a_repeated_text_and_weighs_branches(monkeypatch):
     trie = SuffixTrie(depth=8)
     text = [5, 6, 7, 8, 9, 10, 11, 12, 13]
     front: list = []
     for t in text + [1] + text[:3]:  # the context ends by repeating the text's start
         front = trie.append(front, t)
+    monkeypatch.setattr(suffix, "CUT_BY_COST", False)
+    toks, score, m, _ = best_run(trie, front, 4)
+    # three tokens matched; each next token's match is one longer, so its chance hit(m) grows
+    chances = [hit(3), hit(3) * hit(4), hit(3) * hit(4) * hit(5), hit(3) * hit(4) * hit(5) * hit(6)]
+    assert m == 3 and toks == [8, 9, 10, 11] and abs(score - sum(chances)) < 1e-9  # k tokens
+    monkeypatch.setattr(suffix, "CUT_BY_COST", True)
     toks, score, m, _ = best_run(trie, front, 7)
-    assert m == 3 and toks == [8, 9, 10] and score == 3.0  # three tokens matched: three proposed, each certain
+    # the prefix worth most per verify time: (1 + expected accepted) / VERIFY_COST[M]
+    best = max(range(5), key=lambda n: (1 + sum(chances[:n])) / suffix.VERIFY_COST[1 + n])
+    assert best == 2 and toks == [8, 9] and abs(score - sum(chances[:2])) < 1e-9
     trie2 = SuffixTrie(depth=8)
     for s in ([1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 9]):  # after (1, 2, 3): 4 twice, 9 once
         trie2.add(s)
     toks, score, m, _ = best_run(trie2, trie2.frontier_of([0, 1, 2, 3]), 7)
-    assert toks == [4] and m == 3 and abs(score - 2 / 3) < 1e-9
+    assert toks == [4] and m == 3 and abs(score - 2 / 3 * hit(3)) < 1e-9
     assert best_run(trie2, trie2.frontier_of([7, 7]), 7)[0] == []  # no match
+
+
+def test_the_proposal_grows_with_the_match():
+    """A 1-token match proposes one token (its chance is low: a second would cost more than it is expected to
+    earn); a long one the whole k (each token near certain, the widest verify worth its cost)."""
+    assert hit(1) < 0.3 < 0.9 < hit(10) < 1.0
+    text = list(range(10, 40))
+    trie = SuffixTrie()
+    trie.add(text + [2, 10])
+    assert best_run(trie, trie.frontier_of(text + [2, 10]), 7)[0] == [11]
+    trie.add(text + [2] + text[:20])
+    toks, score, m, _ = best_run(trie, trie.frontier_of(text + [2] + text[:20]), 7)
+    assert m == 15 and toks == text[20:27] and score > 6.0
 
 
 def test_cache_evicts_least_recently_used_whole_outputs():
@@ -104,9 +126,11 @@ def test_a_request_drafts_from_an_earlier_output():
     d.end_request([1, 2] + out, 2)
     ctx = [9, 9, 40, 41, 42, 43, 44]
     toks, score = d.lookup(ctx, 7)
-    assert toks == [45, 46, 47, 48, 49] and d.last[0] == "cache"
+    assert toks and toks == out[5:5 + len(toks)] and d.last[0] == "cache"
     toks, q = d.propose([3, 4, 5, 3, 4], None, 3, SamplingParams(temperature=0.7))
-    assert toks.tolist() == [5, 3] and q.shape == (2, 100) and q[0, 5] == 1 and d.last[0] == "prompt+output"
+    n = len(toks)
+    assert toks.tolist() == [5, 3, 4][:n] and n and q.shape == (n, 100) and q[0, 5] == 1
+    assert d.last[0] == "prompt+output"
 
 
 def test_bad_parameters_are_refused():
@@ -134,6 +158,40 @@ def test_gate_backs_off_and_doubles_its_wait():
     for _ in range(20):
         g2.record(3)
     assert g2.open
+
+
+def test_gate_against_what_the_drafter_expected():
+    """The suffix gate holds a drafter that stated its expected accepted tokens to a share of that: proposals that
+    expect little and earn little keep it open, proposals that expect much and earn nothing shut it."""
+    g = Gate(0.3)
+    for _ in range(30):
+        g.record(0 if _ % 4 else 1, expected=0.25)  # earns what it expected
+    assert g.open
+    for _ in range(3):
+        g.record(0, expected=4.0)
+    assert not g.open
+
+
+def test_auto_drafts_a_weak_suffix_match_only_without_an_open_head():
+    """Without a head a suffix proposal worth its verify drafts, however little it expects; with the head's gate
+    open the suffix must expect SUFFIX_STRONG accepted tokens, else the head drafts."""
+    class Head:  # proposes one fixed token
+        cfg = type("Cfg", (), {"k_default": 3})
+
+        def propose(self, ctx, hidden, k, sp=None, gen=None):
+            return torch.tensor([49]), None
+
+    ctx = [1, 2, 3, 4, 5, 6, 40, 2, 3]  # (2, 3) matched: a 2-token match, expected accepted below SUFFIX_STRONG
+    alone = AutoDraft(SuffixDraft(50, cache=SuffixCache(max_tokens=0)))
+    toks, _ = alone.propose(ctx, None, K_MAX)
+    assert toks.tolist()[:1] == [4] and alone.source == "suffix" and alone.suffix.last[1] < SUFFIX_STRONG
+    head = AutoDraft(SuffixDraft(50, cache=SuffixCache(max_tokens=0)), Head())
+    hidden = torch.zeros(1, 8)
+    head.propose(ctx, hidden, K_MAX)
+    assert head.source == "head"
+    long = list(range(10, 30)) + [2] + list(range(10, 25))  # a long match: strong
+    head.propose(long, hidden, K_MAX)
+    assert head.source == "suffix" and head.suffix.last[1] >= SUFFIX_STRONG
 
 
 def _drafts(lm):

@@ -1,17 +1,21 @@
 """`--draft auto`: the drafter chosen step by step, the default of `flint chat`, `generate` and `serve`.
 
 Each verify step asks, in order: does the suffix draft (flint.speculative.suffix, over this request's prompt and output and
-the model's recent outputs) expect at least ``SUFFIX_STRONG`` accepted tokens (k, if smaller)? Then it drafts. Otherwise the
-model's draft head drafts where one is shipped for this model (flint.speculative.draft_head.shipped_head_for: a draft whose
-target fingerprint equals the model's), at its own k. Otherwise the step is a plain one (M = 1, nothing proposed).
+the model's recent outputs) propose, and, where the head could draft instead, expect at least ``SUFFIX_STRONG``
+accepted tokens (k / 2, if smaller)? Then it drafts. Otherwise the model's draft head drafts where one is shipped
+for this model (flint.speculative.draft_head.shipped_head_for: a draft whose target fingerprint equals the model's), at its own k.
+Otherwise the step is a plain one (M = 1, nothing proposed). (The suffix draft proposes only what it expects to be
+worth its verify against a plain step.)
 
 Each drafter sits behind a gate that backs off where its drafts keep failing: the mean of its accepted tokens
 per step (an exponential average, weight ``EMA_WEIGHT`` on the newest step, starting from ``GATE_PRIOR``) falling
 below its floor shuts it for ``BACKOFF_STEPS`` steps, twice as long each time it fails again (up to
-``BACKOFF_MAX``); a stretch above twice the floor resets the wait. Gates start afresh with each request, and a
-sampled request's suffix proposals come from its own trie only, so a seed gives the same text whatever requests
-came before (a greedy text is plain greedy's anyway). So a kind whose text the drafters cannot
-predict runs plain steps nearly all the time, and pays only the probes. What each step's drafts earned is read
+``BACKOFF_MAX``); a stretch above twice the floor resets the wait. The suffix draft states what each proposal
+expects, so its floor is a share (``SUFFIX_FLOOR``) of the same average of what it expected: its gate shuts where
+the text stops following the context as its matches predict, not where the matches are short. Gates start afresh
+with each request, and a sampled request's suffix proposals come from its own trie only, so a seed gives the same
+text whatever requests came before (a greedy text is plain greedy's anyway). So a kind whose text the drafters
+cannot predict runs plain steps nearly all the time, and pays only the probes. What each step's drafts earned is read
 from the context at the next call (the tokens appended after the proposal), so the draft needs no hook in the
 verify loop. ``source`` names the drafter of the last proposal ("suffix", "head" or "none"), which the engine
 counts per step (SpeculativeStats.drafters).
@@ -32,9 +36,9 @@ import torch
 from .ngram import point_mass
 from .suffix import K_MAX, SuffixDraft
 
-SUFFIX_STRONG = 2.0   # expected accepted tokens for a suffix proposal to draft (2.5: 1.22x plain on the CPU
-                      # workloads, 2.0 with HEAD_FLOOR_CPU: 1.30x, bench_workloads_auto_cpu_2026-12-07{b,c}.json)
-SUFFIX_FLOOR = 0.5    # the suffix gate shuts below this many accepted tokens per suffix step
+SUFFIX_STRONG = 1.0   # expected accepted tokens (flint.speculative.suffix's calibrated score) for a suffix proposal to draft
+                      # while the head could: what the head must earn to stay open on the CPU (HEAD_FLOOR_CPU)
+SUFFIX_FLOOR = 0.3    # the suffix gate shuts below this share of the accepted tokens its proposals expected
 HEAD_FLOOR = 0.5      # the head's gate shuts below this many accepted tokens per head step (its rollout: 4-8% of a
                       # GPU step)
 HEAD_FLOOR_CPU = 1.0  # the same for a head on the CPU, whose eager rollout costs about a quarter of a step
@@ -46,11 +50,13 @@ PLAIN_RUN = 4         # tokens decoded in one plain burst where no drafter would
 
 
 class Gate:
-    """Back-off for one drafter: ``open`` while its average accepted tokens per step stay above ``floor``."""
+    """Back-off for one drafter: ``open`` while its average accepted tokens per step stay above ``floor``, or, for a
+    drafter that states what it expects (``record``'s ``expected``), above ``floor`` x the average expected."""
 
     def __init__(self, floor: float):
         self.floor = floor
         self.mean = GATE_PRIOR
+        self.expect = GATE_PRIOR
         self.wait = 0
         self.backoff = BACKOFF_STEPS
 
@@ -63,13 +69,17 @@ class Gate:
         if self.wait:
             self.wait = max(0, self.wait - steps)
             if not self.wait:
-                self.mean = GATE_PRIOR
+                self.mean = self.expect = GATE_PRIOR
 
-    def record(self, accepted: int) -> None:
+    def record(self, accepted: int, expected: float | None = None) -> None:
         self.mean = (1 - EMA_WEIGHT) * self.mean + EMA_WEIGHT * accepted
-        if self.mean < self.floor:
+        bar = self.floor
+        if expected is not None:
+            self.expect = (1 - EMA_WEIGHT) * self.expect + EMA_WEIGHT * expected
+            bar *= self.expect
+        if self.mean < bar:
             self.wait, self.backoff = self.backoff, min(2 * self.backoff, BACKOFF_MAX)
-        elif self.mean >= 2 * self.floor:
+        elif self.mean >= 2 * bar:
             self.backoff = BACKOFF_STEPS
 
 
@@ -84,7 +94,7 @@ class AutoDraft:
         self.head_k = getattr(getattr(head, "cfg", None), "k_default", 0) if head is not None else 0
         self.gates = self._fresh_gates()
         self.source = "none"
-        self._last = None  # (context list, its length then, the proposal, its drafter)
+        self._last = None  # (context list, its length then, the proposal, its drafter, its expected accepted)
 
     @property
     def cfg(self):  # SpeculativeEngine reads the default k from draft.cfg.k_default
@@ -114,39 +124,40 @@ class AutoDraft:
             g.tick()
         if last is None or last[0] is not ctx or len(ctx) <= last[1]:
             return
-        _, at, drafts, src = last
+        _, at, drafts, src, expected = last
         if isinstance(drafts, torch.Tensor):  # (a head's rollout: read now, after the verify's own read-back)
             drafts = drafts.tolist()
         got = ctx[at:at + len(drafts)]
         n = 0
         while n < len(got) and got[n] == drafts[n]:
             n += 1
-        self.gates[src].record(n)
+        self.gates[src].record(n, expected)
 
     def _suffix(self, ctx: list[int], k: int, greedy: bool = True) -> list[int]:
-        """The suffix proposal where it is strong and its gate open, else [] (sampling: from the request's own trie,
+        """The suffix proposal where its gate is open and, while the head's gate is open too, it is strong (expects
+        at least SUFFIX_STRONG accepted tokens, k / 2 if smaller), else [] (sampling: from the request's own trie,
         so a seed gives the same text whatever other requests left in the cache)."""
         if not self.gates["suffix"].open:
             return []
         toks, score = self.suffix.lookup(ctx, k, use_cache=greedy)
-        return toks if score >= min(SUFFIX_STRONG, k) else []  # (k below the bar: every token certain)
+        return toks if not self._head_open() or score >= min(SUFFIX_STRONG, k / 2) else []
 
     def plain_run(self, ctx: list[int]) -> int:
         """Greedy decoding asks before each step: how many tokens to decode plainly first (flint.speculative.verify runs them
         as one burst of the backend's device loop): PLAIN_RUN where no drafter would propose now (the head absent,
-        stateful or shut, no strong suffix match), else 0."""
+        stateful or shut, no suffix proposal), else 0."""
         if self.stateful or self._head_open():
             return 0
-        if self.gates["suffix"].open and self.suffix.lookup(ctx, K_MAX)[1] >= SUFFIX_STRONG:
+        if self.gates["suffix"].open and self.suffix.lookup(ctx, K_MAX)[0]:
             return 0
         for g in self.gates.values():
             g.tick(PLAIN_RUN)
         self.source = "none"
         return PLAIN_RUN
 
-    def _chosen(self, ctx: list[int], toks: list[int], src: str) -> None:
+    def _chosen(self, ctx: list[int], toks: list[int], src: str, expected: float | None = None) -> None:
         self.source = src if len(toks) else "none"
-        self._last = (ctx, len(ctx), toks, src) if len(toks) else None
+        self._last = (ctx, len(ctx), toks, src, expected) if len(toks) else None
 
     def _head_open(self) -> bool:
         return self.head is not None and self.gates["head"].open
@@ -155,7 +166,7 @@ class AutoDraft:
         self._settle(context_ids)
         toks = self._suffix(context_ids, k, sp is None or sp.temperature == 0)
         if toks:
-            self._chosen(context_ids, toks, "suffix")
+            self._chosen(context_ids, toks, "suffix", self.suffix.last[1])
             return point_mass(toks, self.vocab_size, sp)
         if self._head_open() and hidden is not None:
             t, q = self.head.propose(context_ids, hidden, min(k, self.head_k), sp, gen)
@@ -172,7 +183,7 @@ class AutoDraft:
         self._settle(context_ids)
         toks = self._suffix(context_ids, k)
         if toks:
-            self._chosen(context_ids, toks, "suffix")
+            self._chosen(context_ids, toks, "suffix", self.suffix.last[1])
             return torch.tensor(toks, dtype=torch.long)
         if pending is not None:
             t = self.head.finish(pending, context_ids, min(k, pending.shape[0]))

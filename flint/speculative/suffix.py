@@ -15,10 +15,15 @@ used first; an output counts as used when it is added and whenever a proposal fr
 was the last to pass through). The draft object holds one cache; a server builds one draft per loaded model, so
 the cache is per model. In each trie the match is the longest suffix of the context that occurred before with a
 continuation (at least ``MIN_MATCH`` tokens); the proposal follows the most frequent child (of equals, the latest
-seen: a request's trie records positions, the cache sequence numbers) from there while the
-product of the children's shares (the estimated chance that the whole run is right) stays above ``MIN_PROB``, up to
-``SPEC_PER_MATCH`` x the match length tokens and the engine's k (at most the verify's widest, M = 8: k <= 7).
-Its score is the expected number of accepted tokens under those shares; the trie with the higher score proposes.
+seen: a request's trie records positions, the cache sequence numbers), re-matching after each token. A token's
+chance of being right is its share of the match's continuations x ``hit(m)``, which grows with the match length m
+(0.25 after one token, 0.94 after eight: fitted to how often the target followed the workloads' train split,
+lab/studies/copy_ceiling.py; x ``CACHE_TRUST`` for the cache, another request's text); a run's chance is the
+product, and the run stops when that falls below ``MIN_PROB`` or at the engine's k (at most the verify's widest,
+M = 8: k <= 7). Of the run, the prefix that maximises (1 + its expected accepted tokens) / the time of verifying it
+(``VERIFY_COST``, by width: the CPU's) is proposed, nothing where a plain step is worth more: a short match gives
+a token or two, a long one the whole k. Its score is the expected number of accepted tokens; the trie with the
+higher score proposes.
 A sampled request reads its own trie only: its draws, and so its text for a seed, do not depend on other requests.
 
 Verification is flint.speculative.verify's: greedy output identical to plain greedy; sampling takes the proposal as a
@@ -37,9 +42,15 @@ from .ngram import point_mass
 
 TRIE_DEPTH = 16       # tokens per stored path: a match plus its continuation (nodes per token stored, at most)
 K_MAX = 7             # the widest verify the kernels run is M = 8 tokens
-MIN_MATCH = 2         # shorter matches (one token) propose noise
+MIN_MATCH = 1         # the shortest match that proposes (a 1-token match: a short proposal, by its low chance)
 MIN_PROB = 0.1        # stop once the estimated chance that every token so far is right falls below this
-SPEC_PER_MATCH = 1.0  # propose at most this many tokens per matched token (a short match: a short proposal)
+HIT_MISS = 0.75       # a token after an m-token match is right with chance (its share) x hit(m),
+HIT_DECAY = 0.7       # hit(m) = 1 - HIT_MISS x HIT_DECAY^(m - 1): 0.25, 0.48, 0.63, 0.74 ... (fitted on the workloads'
+                      # train split: 0.26, 0.52, 0.61, 0.80 for the first token; a later token's match has grown)
+CACHE_TRUST = 0.6     # the cache's matches hit less often (another request's text): hit(m) x this
+CUT_BY_COST = True    # propose the run's prefix that maximises (1 + expected accepted) / the verify's cost
+VERIFY_COST = (1.0, 1.0, 1.1, 1.27, 1.85, 1.91, 2.0, 2.25, 2.33)  # a verify of M tokens (index M) in plain
+                      # steps: the CPU reference backend, embedded SmolLM2, 300-token context (2026-12-07)
 CACHE_TOKENS = 16384  # recent outputs kept per model (the trie then holds at most TRIE_DEPTH x this many nodes)
 
 
@@ -143,29 +154,42 @@ def _match(frontier: list, depth: int):
     return None, 0
 
 
-def best_run(trie: SuffixTrie, frontier: list, k: int) -> tuple[list[int], float, int, "_Node | None"]:
+def hit(m: int, trust: float = 1.0) -> float:
+    """The chance that the continuation of an m-token match is the target's next token, given its share of the
+    match's continuations is 1 (calibrated on the workloads' train split, lab/studies/copy_ceiling.py)."""
+    return trust * (1.0 - HIT_MISS * HIT_DECAY ** (m - 1))
+
+
+def best_run(trie: SuffixTrie, frontier: list, k: int, trust: float = 1.0) -> tuple[list[int], float, int,
+                                                                                     "_Node | None"]:
     """The proposal from a context's frontier in ``trie``: (tokens, score, match length, the last node used). At
     each token the longest match with a continuation gives the most frequent child (a variable-order model: the
-    match is re-taken after every proposed token, so a run is not cut by the trie's depth); the run stops when the
-    product of the children's shares falls below MIN_PROB or at min(k, SPEC_PER_MATCH x the first match's length)
-    tokens. score = the sum of those products (the expected number of tokens accepted)."""
+    match is re-taken after every proposed token, so a run is not cut by the trie's depth); its chance is the
+    child's share of the continuations x hit(the match's length, ``trust``), and the run's chance so far the product
+    of those. The run stops when that falls below MIN_PROB or at k tokens; then, with CUT_BY_COST, the prefix of it
+    that maximises (1 + its expected accepted tokens) / the cost of verifying it (VERIFY_COST) is proposed, none
+    where a plain step is worth more. score = the sum of the proposed prefix's chances (the expected number of
+    tokens accepted)."""
     node, m = _match(frontier, trie.depth)
     if node is None:
         return [], 0.0, 0, None
-    limit = min(k, max(1, int(SPEC_PER_MATCH * m)))
-    toks, p, score, used = [], 1.0, 0.0, None
-    while node is not None and len(toks) < limit:
+    k = min(k, len(VERIFY_COST) - 2)
+    toks, p, scores, used, depth = [], 1.0, [0.0], [None], m
+    while node is not None and len(toks) < k:
         total = sum(c.count for c in node.kids.values())
         t, child = max(node.kids.items(), key=lambda kv: (kv[1].count, kv[1].seq))  # ties: the latest
-        p *= child.count / total
+        p *= child.count / total * hit(depth, trust)
         if p < MIN_PROB:
             break
         toks.append(t)
-        score += p
-        used = child
+        scores.append(scores[-1] + p)
+        used.append(child)
         frontier = trie.follow(frontier, t)
-        node, _ = _match(frontier, trie.depth)
-    return toks, score, m, used
+        node, depth = _match(frontier, trie.depth)
+    n = len(toks)
+    if CUT_BY_COST:
+        n = max(range(n + 1), key=lambda i: (1.0 + scores[i]) / VERIFY_COST[1 + i])
+    return toks[:n], scores[n], m, used[n]
 
 
 class SuffixCache:
@@ -260,7 +284,7 @@ class SuffixDraft:
         k = min(k, K_MAX)
         toks, score, m, _ = best_run(self._local, self._lfront, k)
         src = "prompt+output"
-        g = best_run(self.cache.trie, self._gfront, k) if use_cache else ([], 0.0, 0, None)
+        g = best_run(self.cache.trie, self._gfront, k, CACHE_TRUST) if use_cache else ([], 0.0, 0, None)
         if g[1] > score:
             toks, score, m = g[0], g[1], g[2]
             src = "cache"
