@@ -265,56 +265,58 @@ template <int M>
 __device__ __forceinline__ void stage_word_f16(const Ctx<M>& c, const float (&x)[8], const float (&wx)[8], float r,
                                                const float* norm_w, bool ok, int m, int kw, int G, int gshift, int L,
                                                int xstride, uint32_t xlo, int t, int wshift) {
-uint32_t hw[8], lw[8];
-float s_raw = 0.f, s_eff = 0.f;
+  uint32_t hw[8], lw[8];
+  float s_raw = 0.f, s_eff = 0.f;
 #pragma unroll
-for (int j = 0; j < 8; ++j) {
-  float xv = norm_w ? ((x[j] * r) * wx[j]) : x[j];
-  if (j & 1) xv *= 0.0625f;  // odd k: the code arrives as 16 q
-  const __half hi = __float2half_rn(xv);
-  const __half lo = __float2half_rn(xv - __half2float(hi));
-  const float sum = __half2float(hi) + __half2float(lo);
-  s_raw += sum;
-  s_eff += (j & 1) ? 16.f * sum : sum;
-  hw[j] = __half_as_ushort(hi);
-  lw[j] = __half_as_ushort(lo);
-}
-// chunk order {0,4,1,5,2,6,3,7}
-const uint4 hc = make_uint4(hw[0] | (hw[4] << 16), hw[1] | (hw[5] << 16), hw[2] | (hw[6] << 16), hw[3] | (hw[7] << 16));
-const uint4 lc = make_uint4(lw[0] | (lw[4] << 16), lw[1] | (lw[5] << 16), lw[2] | (lw[6] << 16), lw[3] | (lw[7] << 16));
-#pragma unroll
-for (int o = 1; o < 16; o <<= 1) {  // group sums over the L lanes of (m, group)
-  if (o < L) {
-    s_raw += __shfl_xor_sync(0xffffffffu, s_raw, o);
-    s_eff += __shfl_xor_sync(0xffffffffu, s_eff, o);
+  for (int j = 0; j < 8; ++j) {
+    float xv = norm_w ? ((x[j] * r) * wx[j]) : x[j];
+    if (j & 1) xv *= 0.0625f;  // odd k: the code arrives as 16 q
+    const __half hi = __float2half_rn(xv);
+    const __half lo = __float2half_rn(xv - __half2float(hi));
+    const float sum = __half2float(hi) + __half2float(lo);
+    s_raw += sum;
+    s_eff += (j & 1) ? 16.f * sum : sum;
+    hw[j] = __half_as_ushort(hi);
+    lw[j] = __half_as_ushort(lo);
   }
-}
-if (ok) {
-  const int k = kw << 3;                  // first code of this word, relative to k0
-  const int gi = k >> gshift, w = (k & (G - 1)) >> 3;
-  const int pos = gi * G + ((w & ((1 << wshift) - 1)) * 4 + (w >> wshift)) * 8;
-  const uint32_t a = c.xs + (uint32_t)(m * xstride + 2 * pos);
-  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(hc.x), "r"(hc.y), "r"(hc.z), "r"(hc.w)
-               : "memory");
-  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(a + xlo), "r"(lc.x), "r"(lc.y), "r"(lc.z),
-               "r"(lc.w)
-               : "memory");
-  if ((t & (L - 1)) == 0) {
-    const uint32_t xa = c.xsum + (uint32_t)(gi * mkmma::MMA_XSUM_FLOATS * 4);
-    const float off = -1024.f * s_raw;
-    const uint32_t a_off = xa + (uint32_t)(4 * (4 * (m >> 1) + (m & 1)));
-    asm volatile("st.shared.f32 [%0], %1;" ::"r"(a_off), "f"(off) : "memory");
-    asm volatile("st.shared.f32 [%0], %1;" ::"r"(a_off + 8u), "f"(off) : "memory");
-    asm volatile("st.shared.f32 [%0], %1;" ::"r"(xa + (uint32_t)(4 * (16 + m))), "f"(s_eff) : "memory");
-    if constexpr (kIdot<M> && 2 * M <= 8) {  // the lo column's entries an integer staging of this object may have
-      constexpr int LB = M == 1 ? 1 : M == 2 ? 2 : 4;  // written (M = 2: the raw-byte rows' scales, rows g and g + 8)
-      const int n = LB + m;
-      asm volatile("st.shared.f32 [%0], %1;" ::"r"(xa + 4u * (4 * (n >> 1) + (n & 1))), "f"(0.f) : "memory");
-      if constexpr (M == 2)
-        asm volatile("st.shared.f32 [%0], %1;" ::"r"(xa + 4u * (4 * (n >> 1) + 2 + (n & 1))), "f"(0.f) : "memory");
+  // chunk order {0,4,1,5,2,6,3,7}
+  const uint4 hc = make_uint4(hw[0] | (hw[4] << 16), hw[1] | (hw[5] << 16), hw[2] | (hw[6] << 16),
+                              hw[3] | (hw[7] << 16));
+  const uint4 lc = make_uint4(lw[0] | (lw[4] << 16), lw[1] | (lw[5] << 16), lw[2] | (lw[6] << 16),
+                              lw[3] | (lw[7] << 16));
+#pragma unroll
+  for (int o = 1; o < 16; o <<= 1) {  // group sums over the L lanes of (m, group)
+    if (o < L) {
+      s_raw += __shfl_xor_sync(0xffffffffu, s_raw, o);
+      s_eff += __shfl_xor_sync(0xffffffffu, s_eff, o);
     }
   }
-}
+  if (ok) {
+    const int k = kw << 3;                  // first code of this word, relative to k0
+    const int gi = k >> gshift, w = (k & (G - 1)) >> 3;
+    const int pos = gi * G + ((w & ((1 << wshift) - 1)) * 4 + (w >> wshift)) * 8;
+    const uint32_t a = c.xs + (uint32_t)(m * xstride + 2 * pos);
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(hc.x), "r"(hc.y), "r"(hc.z), "r"(hc.w)
+                 : "memory");
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(a + xlo), "r"(lc.x), "r"(lc.y), "r"(lc.z),
+                 "r"(lc.w)
+                 : "memory");
+    if ((t & (L - 1)) == 0) {
+      const uint32_t xa = c.xsum + (uint32_t)(gi * mkmma::MMA_XSUM_FLOATS * 4);
+      const float off = -1024.f * s_raw;
+      const uint32_t a_off = xa + (uint32_t)(4 * (4 * (m >> 1) + (m & 1)));
+      asm volatile("st.shared.f32 [%0], %1;" ::"r"(a_off), "f"(off) : "memory");
+      asm volatile("st.shared.f32 [%0], %1;" ::"r"(a_off + 8u), "f"(off) : "memory");
+      asm volatile("st.shared.f32 [%0], %1;" ::"r"(xa + (uint32_t)(4 * (16 + m))), "f"(s_eff) : "memory");
+      if constexpr (kIdot<M> && 2 * M <= 8) {  // the lo column's entries an integer staging of this object may have
+        constexpr int LB = M == 1 ? 1 : M == 2 ? 2 : 4;  // written (M = 2: the raw-byte rows' scales, rows g and g + 8)
+        const int n = LB + m;
+        asm volatile("st.shared.f32 [%0], %1;" ::"r"(xa + 4u * (4 * (n >> 1) + (n & 1))), "f"(0.f) : "memory");
+        if constexpr (M == 2)
+          asm volatile("st.shared.f32 [%0], %1;" ::"r"(xa + 4u * (4 * (n >> 1) + 2 + (n & 1))), "f"(0.f) : "memory");
+      }
+    }
+  }
 }
 
 // The stage's input [k0, k0 + kst) for every token -> hi/lo fp16 terms in mma order (mk_mma.cuh) and the per-group
