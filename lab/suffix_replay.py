@@ -90,7 +90,13 @@ def replay(args) -> None:
         for mod in (suffix, auto):
             if hasattr(mod, name):
                 cur = getattr(mod, name)
-                setattr(mod, name, v.lower() in ("1", "true") if isinstance(cur, bool) else type(cur)(v))
+                if isinstance(cur, bool):
+                    val = v.lower() in ("1", "true")
+                elif isinstance(cur, tuple):  # a table: comma-separated numbers (e.g. VERIFY_COST of another card)
+                    val = tuple(type(cur[0])(x) for x in v.strip("()").split(","))
+                else:
+                    val = type(cur)(v)
+                setattr(mod, name, val)
     recs = json.loads(Path(args.path).read_text())["records"]
     table = {}
     for name, make in drafters(args.k).items():
@@ -109,7 +115,8 @@ def replay(args) -> None:
     print("tokens per verify step (the target's token counted)")
     for name, row in table.items():
         print(f"{name:<20}" + "".join(f"{row[k][1] / row[k][2]:>11.2f}" for k in kinds))
-    print("x plain projected from the verify's time by width (flint.speculative.suffix.VERIFY_COST: the CPU's)")
+    print("x plain projected from the verify's time by width (flint.speculative.suffix.VERIFY_COST = "
+          f"{', '.join(f'{c:g}' for c in suffix.VERIFY_COST[1:])} for M = 1..)")
 
 
 def cost(args) -> None:
