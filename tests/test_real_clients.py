@@ -1,0 +1,81 @@
+"""Real clients against `flint serve`: lm-evaluation-harness's ``local-completions`` model and the OpenAI
+Agents SDK, run for real (tests/test_server_compat.py sends their request shapes by hand).
+
+- lm-eval: ``lm_eval.simple_evaluate`` with ``local-completions`` pointed at /v1/completions, on two tiny
+  tasks defined in local YAML and JSONL files (no dataset hub): a multiple_choice task (loglikelihood
+  requests: token-id prompts, echo, logprobs 1) whose per-choice loglikelihoods are checked against the
+  reference backend, and a generate_until task (string prompts, stop strings). The tokenizer is the
+  checkpoint directory's own (``tokenizer_backend=huggingface``), so nothing is fetched.
+- Agents SDK: an ``Agent`` with one function tool on ``OpenAIResponsesModel`` and on
+  ``OpenAIChatCompletionsModel``, ``tool_choice="required"``, one ``Runner.run``: the tool is called with
+  schema-valid arguments (flint's tool grammar holds the random model to the schema), its result goes back,
+  and the run ends at max_turns without a protocol error. Tracing is off (no network here).
+
+Both packages are optional (CI does not install them): each test skips when its package is not importable.
+The servers run the tiny random llama of tests/conftest.py (byte tokenizer); the agent turns on a copy
+with a longer context (its tool prompt is some hundreds of byte tokens). Run:
+``pip install lm-eval openai-agents && pytest tests/test_real_clients.py`` (about a minute).
+"""
+import json
+import math
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+from test_server import Server  # noqa: E402  (pytest puts tests/ on sys.path)
+from test_server_ops import ops, reference  # noqa: E402,F401  (fixtures)
+
+MC_DOCS = [{"q": "Once upon a", "choices": [" time", " hill", " rock"], "label": 0},
+           {"q": "The cat sat on the", "choices": [" mat", " dog"], "label": 0},
+           {"q": "One, two,", "choices": [" three", " four", " ten"], "label": 0}]
+GEN_DOCS = [{"q": "Say hi:", "a": "hi"}, {"q": "Count: 1 2", "a": "3"}]
+
+
+def write_tasks(root) -> None:
+    """Two lm-eval tasks over local JSONL files: flint_mc (multiple_choice) and flint_gen (generate_until)."""
+    for name, docs in (("mc", MC_DOCS), ("gen", GEN_DOCS)):
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    common = (f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {root / '{}.jsonl'}\n"
+              "test_split: test\n")
+    (root / "flint_mc.yaml").write_text(
+        "task: flint_mc\n" + common.format("mc") + "output_type: multiple_choice\n"
+        "doc_to_text: '{{q}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: label\ntarget_delimiter: ''\n"
+        "metric_list:\n  - metric: acc\n")
+    (root / "flint_gen.yaml").write_text(
+        "task: flint_gen\n" + common.format("gen") + "output_type: generate_until\n"
+        "doc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n"
+        "generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 8\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n")
+
+
+def test_lm_eval_local_completions(ops, tiny_llama, reference, tmp_path):  # noqa: F811  (fixtures)
+    lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install lm-eval)")
+    pytest.importorskip("tenacity", reason="lm-eval's API models need lm-eval[api] (tenacity)")
+    from lm_eval.tasks import TaskManager
+
+    write_tasks(tmp_path)
+    out = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args={"model": ops.model, "base_url": ops.url + "/v1/completions", "tokenizer": ops.model,
+                    "tokenizer_backend": "huggingface", "max_length": 96, "num_concurrent": 1, "max_retries": 1},
+        tasks=["flint_mc", "flint_gen"], task_manager=TaskManager(include_path=str(tmp_path)),
+        log_samples=True, bootstrap_iters=0)
+    res = out["results"]
+    print("lm-eval results:", json.dumps({t: {k: v for k, v in r.items() if "," in k} for t, r in res.items()}))
+    acc, em = res["flint_mc"]["acc,none"], res["flint_gen"]["exact_match,none"]
+    assert 0.0 <= acc <= 1.0 and 0.0 <= em <= 1.0, res
+    # each choice's loglikelihood is the sum of the reference backend's log-probs of its tokens
+    tok = tiny_llama.tokenizer
+    samples = out["samples"]["flint_mc"]
+    assert len(samples) == len(MC_DOCS)
+    for s in samples:
+        ctx = tok.encode(s["doc"]["q"], add_special_tokens=False)
+        for choice, resp in zip(s["doc"]["choices"], s["resps"]):
+            ll, _greedy = resp[0]
+            cont = tok.encode(choice, add_special_tokens=False)
+            ids = ctx + cont
+            want = sum(reference(ids[:i])[ids[i]].item() for i in range(len(ctx), len(ids)))
+            assert math.isfinite(ll) and abs(ll - want) < 1e-3, (s["doc"], choice, ll, want)
+    gens = out["samples"]["flint_gen"]
+    assert len(gens) == len(GEN_DOCS) and all(isinstance(g["resps"][0][0], str) for g in gens)
+    assert all("\n" not in g["resps"][0][0] for g in gens)
