@@ -79,3 +79,69 @@ def test_lm_eval_local_completions(ops, tiny_llama, reference, tmp_path):  # noq
     gens = out["samples"]["flint_gen"]
     assert len(gens) == len(GEN_DOCS) and all(isinstance(g["resps"][0][0], str) for g in gens)
     assert all("\n" not in g["resps"][0][0] for g in gens)
+
+
+@pytest.fixture(scope="module")
+def long_srv(tmp_path_factory):
+    """`flint serve` on the tiny random llama with a 2048-token context: the Agents SDK's tool prompt fits."""
+    pytest.importorskip("agents", reason="the OpenAI Agents SDK is not installed (pip install openai-agents)")
+    from conftest import make_hf_model, prefer_printable_ascii, save_hf_dir
+
+    model = make_hf_model("llama", seed=1, rope_theta=5000.0, max_position_embeddings=2048)
+    prefer_printable_ascii(model)
+    path = save_hf_dir(model, tmp_path_factory.mktemp("tiny-llama-2k"))
+    s = Server("agents", ["--model", str(path), "--max-seq-len", "2048"], tmp_path_factory.mktemp("agents"))
+    try:
+        s.wait_ready({})
+        s.model = str(path)
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("api", ["responses", "chat"])
+def test_agents_sdk_one_tool_turn(long_srv, api):
+    agents = pytest.importorskip("agents", reason="the OpenAI Agents SDK is not installed (pip install openai-agents)")
+    import asyncio
+    from typing import Literal
+
+    from openai import AsyncOpenAI
+
+    agents.set_tracing_disabled(True)
+    calls = []
+
+    @agents.function_tool
+    def weather(city: Literal["Paris", "Oslo"]) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return f"Cold in {city}"
+
+    client = AsyncOpenAI(base_url=long_srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    model = (agents.OpenAIResponsesModel if api == "responses" else agents.OpenAIChatCompletionsModel)(
+        model=long_srv.model, openai_client=client)
+    settings = agents.ModelSettings(tool_choice="required", max_tokens=200, temperature=0)
+
+    async def run(stream=False, **kw):
+        agent = agents.Agent(name="weather", instructions="Answer with the weather tool.", tools=[weather],
+                             model=model, model_settings=settings, **kw)
+        if not stream:
+            return await agents.Runner.run(agent, "Weather in Oslo?", max_turns=2)
+        streamed = agents.Runner.run_streamed(agent, "Weather in Oslo?", max_turns=2)
+        events = [e.type async for e in streamed.stream_events()]
+        assert "raw_response_event" in events and "run_item_stream_event" in events, events
+        return streamed
+
+    async def both():
+        # the call, its output back to the model in the next request, and a second forced call: max_turns
+        # ends it (with the choice left "auto" the random model's text would run to max_tokens, which the
+        # SDK treats as a failed response: status "incomplete")
+        with pytest.raises(agents.MaxTurnsExceeded):
+            await run(reset_tool_choice=False)
+        assert len(calls) == 2 and set(calls) <= {"Paris", "Oslo"}  # the tool ran twice, arguments valid
+        # runs that complete on the tool's output, then streamed (SSE)
+        return [await run(stream=stream, tool_use_behavior="stop_on_first_tool") for stream in (False, True)]
+
+    for i, result in enumerate(asyncio.run(both())):
+        assert [item.type for item in result.new_items] == ["tool_call_item", "tool_call_output_item"]
+        assert result.final_output == f"Cold in {calls[2 + i]}"
+    assert len(calls) == 4
