@@ -48,16 +48,23 @@ def write_tasks(root) -> None:
         "metric_list:\n  - metric: exact_match\n")
 
 
-def test_lm_eval_local_completions(ops, tiny_llama, reference, tmp_path):  # noqa: F811  (fixtures)
+@pytest.mark.parametrize("tokenizer", ["local", "remote"])
+def test_lm_eval_local_completions(ops, tiny_llama, reference, tmp_path, tokenizer):  # noqa: F811  (fixtures)
     lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install lm-eval)")
     pytest.importorskip("tenacity", reason="lm-eval's API models need lm-eval[api] (tenacity)")
+    from lm_eval.api.registry import get_model
     from lm_eval.tasks import TaskManager
 
     write_tasks(tmp_path)
+    # local: the checkpoint directory's tokenizer; remote: lm_eval's default "auto" finds the server's
+    # /tokenizer_info and /tokenize and tokenizes through them (no tokenizer files on the client)
+    lm = get_model("local-completions")(
+        model=ops.model, base_url=ops.url + "/v1/completions", max_length=96, num_concurrent=1, max_retries=1,
+        **({"tokenizer": ops.model, "tokenizer_backend": "huggingface"} if tokenizer == "local"
+           else {"tokenizer_backend": "auto"}))
+    assert lm.tokenizer_backend == ("huggingface" if tokenizer == "local" else "remote")
     out = lm_eval.simple_evaluate(
-        model="local-completions",
-        model_args={"model": ops.model, "base_url": ops.url + "/v1/completions", "tokenizer": ops.model,
-                    "tokenizer_backend": "huggingface", "max_length": 96, "num_concurrent": 1, "max_retries": 1},
+        model=lm,
         tasks=["flint_mc", "flint_gen"], task_manager=TaskManager(include_path=str(tmp_path)),
         log_samples=True, bootstrap_iters=0)
     res = out["results"]

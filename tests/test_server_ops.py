@@ -190,6 +190,18 @@ def test_tokenize_and_detokenize_in_vllm_and_llama_cpp_spellings(ops, tiny_llama
         assert r.json()["error"]["param"] == param, (body, r.text)
 
 
+def test_tokenizer_info_is_vllms(ops, tiny_llama):
+    # what lm-evaluation-harness's RemoteTokenizer reads (with /tokenize and /detokenize)
+    tok = tiny_llama.tokenizer
+    r = httpx.get(ops.url + "/tokenizer_info", timeout=30)
+    assert r.status_code == 200, r.text
+    info = r.json()
+    assert info["eos_token"] == "<|im_end|>" and info["bos_token"] == "<|im_start|>" and info["pad_token"] is None
+    assert info["chat_template"] == tok.chat_template and info["model_max_length"] == CONTEXT
+    ids = post(ops, "/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False}).json()["tokens"]
+    assert ids == [2]  # lm_eval takes the first id of the eos text as the eos id
+
+
 def test_timings_in_responses(ops):
     body = {"model": ops.model, "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
     r = post(ops, "/v1/completions", body).json()

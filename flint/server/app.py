@@ -191,6 +191,18 @@ def create_app(state: ServerState):
         text = await off_loop(lambda ids: state.lm.tokenizer.decode(ids, skip_special_tokens=False), req.tokens)
         return {"prompt": text, "content": text}  # vLLM's name and llama.cpp's
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request):
+        # vLLM's route (its --enable-tokenizer-info-endpoint): lm-evaluation-harness's local-completions
+        # looks for it, with /tokenize, to tokenize through the server instead of loading a tokenizer itself
+        authorize(request)
+        require_ready()
+        tok = state.lm.tokenizer
+        eos = tok.eos_token or next((tok.tk.id_to_token(t) for t in tok.eos_token_ids), None)
+        return {"tokenizer_class": "flint", "eos_token": eos, "bos_token": tok.bos_token, "pad_token": None,
+                "chat_template": tok.chat_template, "model_max_length": state.engine.max_seq_len,
+                "add_bos_token": bool(tok.add_bos)}
+
     def model_card() -> dict:
         return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "flint"}
 

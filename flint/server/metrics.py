@@ -5,7 +5,7 @@ speculative-decoding counts. Each server keeps its own registry.
 Tests: ``pytest tests/test_server_ops.py``.
 """
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/v1/models", "/health",
-          "/metrics", "/tokenize", "/detokenize")
+          "/metrics", "/tokenize", "/detokenize", "/tokenizer_info")
 TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 

@@ -7,7 +7,7 @@ POST /v1/chat/completions (SSE streaming with ``stream``; ``stream_options.inclu
 OpenAI shapes them; ``n`` choices one after the other; llama.cpp's ``timings`` in each answer), POST
 /v1/responses (text and function tools, through the chat path), POST /v1/embeddings (refused: no embedding
 is defined), GET /metrics (Prometheus), POST /tokenize and /detokenize (vLLM's and llama.cpp's field
-names). Structured output (``response_format``, vLLM's ``structured_outputs``, llama.cpp's ``grammar``)
+names), GET /tokenizer_info (vLLM's: what lm-evaluation-harness's remote tokenizer reads). Structured output (``response_format``, vLLM's ``structured_outputs``, llama.cpp's ``grammar``)
 compiles to a flint.grammar constraint the engine applies each step; ``tools`` / ``tool_choice`` go
 through flint.server.tools (rendered by the chat template, the output parsed into ``tool_calls``, a forced call
 constrained to the function's schema).
