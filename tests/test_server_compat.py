@@ -4,12 +4,13 @@ skip_special_tokens, chat_template_kwargs, the prompt cache in timings and usage
 the openai SDK's model_dump() round trip in an agent loop, /v1/responses in the OpenAI Agents SDK's request
 shape, /v1/embeddings refused.
 
-lm-evaluation-harness and the Agents SDK are not installed here: their requests are sent as they build them
-(lm_eval's local-completions: token-id prompts with echo, logprobs 1 and max_tokens 1 for loglikelihood;
-string prompts with stop strings for generation; the Agents SDK's OpenAIResponsesModel: input items,
-instructions, function tools). One real server on the tiny random llama of tests/conftest.py (byte tokenizer,
-context 96); the tool-using turns on the embedded SmolLM2 (conftest's ``smol``: its tool prompt needs more
-than 96 tokens). Run: ``pytest tests/test_server_compat.py`` (about a minute).
+Here their requests are sent as they build them, without the packages (tests/test_real_clients.py runs
+the clients themselves when they are installed): lm_eval's local-completions sends token-id prompts with
+echo, logprobs 1 and max_tokens 1 for loglikelihood and string prompts with stop strings for generation;
+the Agents SDK's OpenAIResponsesModel sends input items, instructions and function tools. One real server
+on the tiny random llama of tests/conftest.py (byte tokenizer, context 96); the tool-using turns on the
+embedded SmolLM2 (conftest's ``smol``: its tool prompt needs more than 96 tokens).
+Run: ``pytest tests/test_server_compat.py`` (about a minute).
 """
 import json
 
