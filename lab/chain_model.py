@@ -40,7 +40,6 @@ KSEG = 2560        # codes per K segment
 TILE = 16          # rows per tile
 DS_CHUNK = 34      # down-slice tiles per ring slot (the FFN split-K)
 PART_FLOATS = 32   # K parts x M per tile (mk_common.cuh)
-WORDS_PER_ROUND = {4: 3}  # 8-float words a thread loads per staging round (mk_stage.cuh's U: 3 at M = 4, else 2)
 TRACE_FILES = ("verify_stages_warps_2026-12-03.json",)  # H200, 2026-12-03: Granite and SmolLM2, M = 1..4, ctx 512
 
 
@@ -167,7 +166,7 @@ def _fx(shape: Shape, M: int, design: Design) -> bool:
 
 def _staging(p: Prims, M: int, K: int, norm: bool, fx: bool, design: Design) -> float:
     words = M * K / 8  # 8-float words
-    rounds = math.ceil(words / (NCT * WORDS_PER_ROUND.get(M, 2)))
+    rounds = math.ceil(words / (NCT * (3 if M == 4 else 2)))  # (mk_stage.cuh's U: words a thread loads a round)
     # a normed row of several rounds: compute_rstd's pass over the row first (one more round of loads)
     rounds += 1 if norm and rounds > 1 and not (design.staging_once or design.one_pass_rstd) else 0
     if design.staging_once:  # copies of the owners' converted rows: the loads stay, the reduction and conversion go
@@ -394,10 +393,19 @@ FIT_KEYS = ("qkv", "qkv.stage_x", "qkv.tiles", "attn+bar2", "attn.q", "o", "o.st
 # Upper bounds on primitives the traces cannot separate, from A/Bs that removed the work: name -> (µs, evidence).
 # Without them the fit puts a staging's wait for its loads into the RMSNorm's block reduction (1.48 µs a staging)
 # and projects a 10% step from taking the reduction off the chain, which the A/B below measured as nothing.
+@dataclass(frozen=True)
+class Pin:
+    bound: float      # µs, the primitive's upper bound
+    design: str       # the DESIGNS row the A/B built
+    measured: float   # its step / the base's (Granite M = 1, H200)
+    evidence: str
+
+
 PINNED = {
-    "reduce": (0.2, "the normed stagings without the block reduction, the reducers scaling (MK_RSTD_DEFER, "
-                    "docs/megakernel-log.md): 1.0024 (11/30 rounds faster), noise: the reduction costs at most "
-                    "~0.1-0.2 µs a staging"),
+    "reduce": Pin(0.2, "rstd in the epilogue", 1.0024,
+                  "the normed stagings without the block reduction, the reducers scaling (MK_RSTD_DEFER, "
+                  "docs/megakernel-log.md): 11/30 rounds faster, noise: the reduction costs at most ~0.1-0.2 µs a "
+                  "staging"),
 }
 
 
@@ -407,7 +415,7 @@ def fit(traces: dict, card: Card = CARDS["h200"], keys=None, start: Prims = Prim
     keys = list(traces) if keys is None else keys
     pinned = PINNED if pinned is None else pinned
     x0 = np.array([getattr(start, n) for n in FIT_NAMES])
-    hi = np.array([pinned[n][0] if n in pinned else 20.0 for n in FIT_NAMES])
+    hi = np.array([pinned[n].bound if n in pinned else 20.0 for n in FIT_NAMES])
     x0 = np.minimum(x0, hi / 2)
 
     def resid(x):
@@ -580,12 +588,13 @@ def main() -> None:
     for r in chk:
         print(f"| {r['what']} | {r['measured']:.2f} | {r['model']:.2f} | {100 * r['err']:+.1f}% |")
     free = fit(traces, pinned={})
-    d = next(x for x in DESIGNS if x.name == "rstd in the epilogue")
     g, h200 = SHAPES["granite-4.1-3b"], CARDS["h200"]
-    print("\nthe A/B behind PINNED (Granite M = 1, H200; step variant / base):")
+    print("\nthe A/Bs behind PINNED (Granite M = 1, H200; step variant / base):")
     print("| design | measured | model, traces alone | model, pinned |\n|---|---:|---:|---:|")
-    print(f"| {d.name} | 1.0024 | {step_us(g, h200, 1, free, d) / step_us(g, h200, 1, free):.3f} | "
-          f"{step_us(g, h200, 1, prims, d) / step_us(g, h200, 1, prims):.3f} |")
+    for pin in PINNED.values():
+        d = next(x for x in DESIGNS if x.name == pin.design)
+        print(f"| {d.name} | {pin.measured:.4f} | {step_us(g, h200, 1, free, d) / step_us(g, h200, 1, free):.3f} | "
+              f"{step_us(g, h200, 1, prims, d) / step_us(g, h200, 1, prims):.3f} |")
     print("\nwhere a layer goes today (model, H200):\n" + _md_split(prims, CARDS["h200"]))
     print("\n" + _md_candidates(cand, card))
     if a.json:

@@ -97,10 +97,11 @@ def test_pinned_primitives_hold_their_measured_bound(fitted):
     # a primitive an A/B bounded (PINNED) stays under its bound, and the traces alone would have put more there
     traces, p = fitted
     free = cm.fit(traces, pinned={})
-    for name, (hi, evidence) in cm.PINNED.items():
-        assert getattr(p, name) <= hi + 1e-9, (name, getattr(p, name))
-        assert getattr(free, name) > hi, (name, getattr(free, name))
-        assert "docs/megakernel-log.md" in evidence
+    for name, pin in cm.PINNED.items():
+        assert getattr(p, name) <= pin.bound + 1e-9, (name, getattr(p, name))
+        assert getattr(free, name) > pin.bound, (name, getattr(free, name))
+        assert "docs/megakernel-log.md" in pin.evidence
+        assert any(d.name == pin.design for d in cm.DESIGNS), pin.design
 
 
 def test_predicts_m8_beyond_the_traces(fitted):
