@@ -189,7 +189,7 @@ __device__ __forceinline__ void fused_rstd(const Ctx<M>& c, const float4 (&v)[U]
 template <int M>
 __device__ __forceinline__ void stage_word_i8(const Ctx<M>& c, const float (&x)[8], const float (&wx)[8], float r,
                                               const float* norm_w, bool ok, int m, int kw, int G, int gshift, int L,
-                                              int xstride, uint32_t xlo, int t, int wshift) {
+                                              int xstride, uint32_t xlo, int t) {
   float xv[8], amax = 0.f;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
@@ -397,7 +397,7 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
         }
       }
       if constexpr (I8)  // the integer dot's x: two int8 terms per token and group
-        stage_word_i8<M>(c, x, wx, r, norm_w, ok, m, kw, G, gshift, L, xstride, xlo, t, wshift);
+        stage_word_i8<M>(c, x, wx, r, norm_w, ok, m, kw, G, gshift, L, xstride, xlo, t);
       else
         stage_word_f16<M>(c, x, wx, r, norm_w, ok, m, kw, G, gshift, L, xstride, xlo, t, wshift);
     }
