@@ -46,7 +46,7 @@ NVCC_FLAGS = [
     "-gencode", "arch=compute_90a,code=sm_90a",
     "-O3", "-lineinfo", "-std=c++17",
     "-Xptxas=-v,--warn-on-spills",
-    "-Xfatbin=-compress-all",  # (the library 4.5x smaller, the same SASS: the driver inflates it at load)
+    "-Xfatbin=-compress-all",  # (the library 4x smaller, the same SASS: the driver inflates it at load)
     "-Xcompiler", "-fPIC",
 ]
 LINK_FLAGS = ["-shared", "-gencode", "arch=compute_90a,code=sm_90a", "-Xcompiler", "-fPIC"]
