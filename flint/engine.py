@@ -261,8 +261,9 @@ class LogitAdjuster:
             self.seen[tok] = True
 
 
-def _stop_holdback(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of text that is a proper prefix of a stop string."""
+def holdback(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of one of ``stops`` (text a stream must hold
+    back until it knows whether a stop string or a marker begins there)."""
     best = 0
     for s in stops:
         for n in range(min(len(s) - 1, len(text)), 0, -1):
@@ -543,7 +544,7 @@ class Engine:
                             yield tok, text[emitted:cut]
                         text, emitted, finish = text[:cut], cut, "stop"
                         break
-                    hold = _stop_holdback(text, sp.stop) if sp.stop else 0
+                    hold = holdback(text, sp.stop) if sp.stop else 0
                     if len(text) - hold > emitted:
                         yield tok, text[emitted: len(text) - hold]
                         emitted = len(text) - hold

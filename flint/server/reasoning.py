@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .tools import ToolStream, _holdback, collect
+from ..engine import holdback
+from .tools import ToolStream, collect
 
 OPEN, CLOSE = "<think>", "</think>"
 PARSER_CHOICES = ("auto", "none", "qwen3", "deepseek_r1")
@@ -68,7 +69,7 @@ class ThinkStream:
         if self.state == "reasoning":
             at = self.buf.find(CLOSE)
             if at < 0:
-                keep = _holdback(self.buf, CLOSE)
+                keep = holdback(self.buf, [CLOSE])
                 self._reason(self.buf[:len(self.buf) - keep], out)
                 self.buf = self.buf[len(self.buf) - keep:]
                 return out

@@ -33,6 +33,7 @@ import re
 import uuid
 from dataclasses import dataclass, replace
 
+from ..engine import holdback
 from ..grammar import JSON_OPTIONS, GrammarError
 
 
@@ -215,13 +216,6 @@ def parse(text: str, fmt: ToolFormat) -> tuple[str | None, list[dict]]:
     return collect(s.feed(text) + s.finish())
 
 
-def _holdback(text: str, marker: str) -> int:
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
-
-
 class ToolStream:
     """Incremental parse: ``feed(piece)`` and ``finish()`` return events ("content", text) and
     ("call", tool_call), in output order."""
@@ -269,7 +263,7 @@ class ToolStream:
             if not self.in_call:
                 at = self.buf.find(fmt.begin)
                 if at < 0:
-                    keep = _holdback(self.buf, fmt.begin)
+                    keep = holdback(self.buf, [fmt.begin])
                     if len(self.buf) > keep:
                         out.append(("content", self.buf[:len(self.buf) - keep]))
                         self.buf = self.buf[len(self.buf) - keep:]
