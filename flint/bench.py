@@ -302,12 +302,23 @@ def _parse_list(s: str, what: str, conv=str) -> list:
         raise BenchError(f"--{what}: {s!r} is not a comma-separated list of integers") from None
 
 
+# a synthetic model whose weights exceed this share of the GPU's memory is generated there and parked in host
+# memory, so a backend's repacked copy and the generated one are not on the device at once (70B-class int4: 37 GB)
+HOST_PARK_SHARE = 0.25
+
+
 def load_bench_model(spec: str | None, int4_group_size: int | None, device: torch.device, seed: int = 0):
     if spec and spec.startswith("synthetic:"):
-        from .synthetic import synthetic_model
+        from .synthetic import synthetic_bytes, synthetic_config, synthetic_model
 
-        return synthetic_model(spec[len("synthetic:"):], seed, int4_group_size=int4_group_size,
-                               dtype=torch.bfloat16, device=device)
+        name = spec[len("synthetic:"):]
+        store = None
+        if device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+            if synthetic_bytes(synthetic_config(name), int4_group_size) > HOST_PARK_SHARE * total:
+                store = "cpu"
+        return synthetic_model(name, seed, int4_group_size=int4_group_size, dtype=torch.bfloat16, device=device,
+                               store=store)
     from .loading import load_model
 
     return load_model(spec)
@@ -403,7 +414,20 @@ _FLUSH: dict = {}  # the L2-flush buffer, made once
 def _bench_backend(doc, save, lm, name, bname, ctxs, n_tokens, repeats, prompt_len, dev, need,
                    group_size, gen, l2, log, loop="device", verify=(), kv_cache="fp16") -> None:
     """All rows of one model x backend."""
+    mem = {}
+    if dev.type == "cuda":  # the backend's own device memory: what it keeps, and the most it held while loading
+        torch.cuda.synchronize(dev)
+        before = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
     backend = make_backend(bname, lm, max_seq_len=need, device=str(dev), group_size=group_size, kv_cache=kv_cache)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        resident = torch.cuda.memory_allocated(dev) - before
+        peak = torch.cuda.max_memory_allocated(dev) - before
+        mem = {"resident_GB": round(resident / 1e9, 3), "peak_GB": round(peak / 1e9, 3),
+               "peak_x_resident": round(peak / resident, 3) if resident > 0 else None}
+        log(f"  {name} {bname}: {mem['resident_GB']} GB resident on the device, {mem['peak_GB']} GB at the peak "
+            f"of loading", file=sys.stderr)
     wbytes = weight_bytes_per_token(backend)
     flush = None
     if dev.type == "cuda" and wbytes < 2 * l2:
@@ -425,6 +449,7 @@ def _bench_backend(doc, save, lm, name, bname, ctxs, n_tokens, repeats, prompt_l
                "tok_s": round(tok_s, 2),
                "ms_per_token": round(s * 1e3, 4), "bytes_per_token": int(nbytes),
                "mbu": round(nbytes * tok_s / (doc["hbm_read_GBps"] * 1e9), 4)}
+        row.update(mem)
         if kv_cache != "fp16":
             row["kv_cache"] = kv_cache
         if getattr(backend, "placement", None):  # the megakernel's scratch sets timed at load (docs/bench.md)

@@ -166,27 +166,36 @@ def row_segment_bytes(kseg: int, g: int) -> int:
     return kseg // 2 + (sm + 15) // 16 * 16
 
 
-def repack(ws: list[Int4Weight], name: str, device) -> tuple[torch.Tensor, dict]:
-    """Layers of one [N, K] int4 matrix -> uint8 [layers, nseg, N16, srb] and its descriptor; N is
-    padded to a multiple of 16 rows (a tile) with zero codes and zero (scale, min)."""
-    n, k = ws[0].shape
-    g = ws[0].group_size
+def repack_layout(n: int, k: int, g: int) -> dict:
+    """The descriptor of an [N, K] G-group int4 matrix repacked as [nseg, N16, srb] a layer (repack_into)."""
     nseg, kseg = segment_plan(k, g)
     srb = row_segment_bytes(kseg, g)
     n_pad = -(-n // TILE_ROWS) * TILE_ROWS
-    ng = kseg // g
-    out = torch.zeros((len(ws), nseg, n_pad, srb), dtype=torch.uint8, device=device)
-    for li, w in enumerate(ws):
-        if w.shape != (n, k) or w.group_size != g:
-            raise ValueError(f"{name}: layer {li} has shape {w.shape}/G{w.group_size}, expected {(n, k)}/G{g}")
-        qw = w.qweight.to(device)
-        sm = torch.stack((w.scales.to(device, torch.float16), w.mins.to(device, torch.float16)), -1)
-        for s in range(nseg):
-            out[li, s, :n, : kseg // 2] = qw[:, s * kseg // 2:(s + 1) * kseg // 2]
-            out[li, s, :n, kseg // 2: kseg // 2 + ng * 4] = (
-                sm[:, s * ng:(s + 1) * ng].contiguous().view(torch.uint8).view(n, ng * 4))
-    desc = dict(N=n_pad, K=k, G=g, nseg=nseg, kseg=kseg, srb=srb, nreal=n,
+    return dict(N=n_pad, K=k, G=g, nseg=nseg, kseg=kseg, srb=srb, nreal=n,
                 layer_stride=nseg * n_pad * srb, seg_stride=n_pad * srb)
+
+
+def repack_into(out: torch.Tensor, w: Int4Weight, desc: dict, name: str) -> None:
+    """One layer of an int4 matrix -> ``out`` (uint8 [nseg, N16, srb], zeroed: the padding rows stay zero codes
+    with zero (scale, min))."""
+    n, k, g, kseg = desc["nreal"], desc["K"], desc["G"], desc["kseg"]
+    if w.shape != (n, k) or w.group_size != g:
+        raise ValueError(f"{name} has shape {w.shape}/G{w.group_size}, expected {(n, k)}/G{g}")
+    ng = kseg // g
+    qw = w.qweight.to(out.device)
+    sm = torch.stack((w.scales.to(out.device, torch.float16), w.mins.to(out.device, torch.float16)), -1)
+    for s in range(desc["nseg"]):
+        out[s, :n, : kseg // 2] = qw[:, s * kseg // 2:(s + 1) * kseg // 2]
+        out[s, :n, kseg // 2: kseg // 2 + ng * 4] = sm[:, s * ng:(s + 1) * ng].contiguous().view(torch.uint8).view(n, ng * 4)
+
+
+def repack(ws: list[Int4Weight], name: str, device) -> tuple[torch.Tensor, dict]:
+    """Layers of one [N, K] int4 matrix -> uint8 [layers, nseg, N16, srb] and its descriptor; N is
+    padded to a multiple of 16 rows (a tile) with zero codes and zero (scale, min)."""
+    desc = repack_layout(*ws[0].shape, ws[0].group_size)
+    out = torch.zeros((len(ws), desc["nseg"], desc["N"], desc["srb"]), dtype=torch.uint8, device=device)
+    for li, w in enumerate(ws):
+        repack_into(out[li], w, desc, f"{name}: layer {li}")
     return out, desc
 
 
@@ -213,31 +222,42 @@ def ffn_split_plan(intermediate: int, group: int, nblocks: int) -> dict | None:
     return None
 
 
-def repack_down_slices(ws: list[Int4Weight], plan: dict, device) -> tuple[torch.Tensor, dict]:
-    """Layers of down [H, I] -> uint8 [layers, nffn, H16, srb]: slice f = every row over the K range
-    [f kf, (f + 1) kf), codes as stored, one (scale, min) per row and slice group of plan["G"] codes
-    (copied from the group that covers it); rows padded to whole tiles with zeros; srb padded to the
-    dot's code-load width (G / 8 bytes)."""
-    n, k = ws[0].shape
-    g = ws[0].group_size
+def down_slices_layout(n: int, k: int, g: int, plan: dict) -> dict:
+    """The descriptor of down [H, I] repacked as FFN-block K slices [nffn, H16, srb] a layer (down_slices_into):
+    srb padded to the dot's code-load width (plan's G / 8 bytes)."""
     nffn, kf, gs = plan["nffn"], plan["kf"], plan["G"]
     if nffn * kf != k:
         raise ValueError(f"down slices: {nffn} x {kf} != K={k}")
-    ngs = kf // gs
     w8 = gs // 8
-    srb = -(-(kf // 2 + 4 * ngs) // w8) * w8
+    srb = -(-(kf // 2 + 4 * (kf // gs)) // w8) * w8
     n_pad = -(-n // TILE_ROWS) * TILE_ROWS
-    gidx = ((torch.arange(nffn)[:, None] * kf + torch.arange(ngs)[None, :] * gs) // g).flatten().to(device)
-    out = torch.zeros((len(ws), nffn, n_pad, srb), dtype=torch.uint8, device=device)
-    for li, w in enumerate(ws):
-        if w.shape != (n, k) or w.group_size != g:
-            raise ValueError(f"down: layer {li} has shape {w.shape}/G{w.group_size}, expected {(n, k)}/G{g}")
-        out[li, :, :n, :kf // 2] = w.qweight.to(device).view(n, nffn, kf // 2).permute(1, 0, 2)
-        sm = torch.stack((w.scales.to(device, torch.float16), w.mins.to(device, torch.float16)), -1)
-        sel = sm[:, gidx].reshape(n, nffn, ngs * 2).permute(1, 0, 2).contiguous()
-        out[li, :, :n, kf // 2:kf // 2 + 4 * ngs] = sel.view(torch.uint8)
-    desc = dict(N=n_pad, K=kf, G=gs, nseg=1, kseg=kf, srb=srb, nreal=n,
+    return dict(N=n_pad, K=kf, G=gs, nseg=1, kseg=kf, srb=srb, nreal=n,
                 layer_stride=nffn * n_pad * srb, seg_stride=n_pad * srb)
+
+
+def down_slices_into(out: torch.Tensor, w: Int4Weight, plan: dict, expect: tuple, name: str) -> None:
+    """One layer of down -> ``out`` (uint8 [nffn, H16, srb], zeroed): slice f = every row over the K range
+    [f kf, (f + 1) kf), codes as stored, one (scale, min) per row and slice group of plan["G"] codes (copied
+    from the group that covers it). ``expect``: (N, K, G) of every layer's down."""
+    n, k, g = expect
+    if w.shape != (n, k) or w.group_size != g:
+        raise ValueError(f"{name} has shape {w.shape}/G{w.group_size}, expected {(n, k)}/G{g}")
+    nffn, kf, gs = plan["nffn"], plan["kf"], plan["G"]
+    ngs = kf // gs
+    dev = out.device
+    gidx = ((torch.arange(nffn)[:, None] * kf + torch.arange(ngs)[None, :] * gs) // g).flatten().to(dev)
+    out[:, :n, :kf // 2] = w.qweight.to(dev).view(n, nffn, kf // 2).permute(1, 0, 2)
+    sm = torch.stack((w.scales.to(dev, torch.float16), w.mins.to(dev, torch.float16)), -1)
+    sel = sm[:, gidx].reshape(n, nffn, ngs * 2).permute(1, 0, 2).contiguous()
+    out[:, :n, kf // 2:kf // 2 + 4 * ngs] = sel.view(torch.uint8)
+
+
+def repack_down_slices(ws: list[Int4Weight], plan: dict, device) -> tuple[torch.Tensor, dict]:
+    """Layers of down [H, I] -> uint8 [layers, nffn, H16, srb] (down_slices_into each) and the descriptor."""
+    desc = down_slices_layout(*ws[0].shape, ws[0].group_size, plan)
+    out = torch.zeros((len(ws), plan["nffn"], desc["N"], desc["srb"]), dtype=torch.uint8, device=device)
+    for li, w in enumerate(ws):
+        down_slices_into(out[li], w, plan, (*ws[0].shape, ws[0].group_size), f"down: layer {li}")
     return out, desc
 
 
@@ -287,28 +307,25 @@ class MegakernelBackend:
         traced = os.environ.get("FLINT_MK_TRACE") == "1"
         lib = load_library(traced)
         dev = self.device
-        nh, nkv, d, L, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers, cfg.hidden_size
+        nkv, d, L, H = cfg.num_kv_heads, cfg.head_dim, cfg.num_layers, cfg.hidden_size
         self.nblocks = torch.cuda.get_device_properties(dev).multi_processor_count
         self.ffn_plan = self._ffn_plan(ffn_split, params["layers.0.w_down"].group_size)
         with torch.device(dev):
-            mats, descs = {}, {}
-            qkv, o, gu, dn = [], [], [], []
+            # one layer at a time: its matrices are moved, concatenated and repacked into the preallocated blobs,
+            # so the device holds the repacked weights and one layer's transient copies (not a second model)
+            descs = self._layouts(params)
+            self._check_fits(descs)
+            mats = {key: torch.zeros((L if key != "lm_head" else 1, dsc["layer_stride"] // dsc["seg_stride"],
+                                      dsc["N"], dsc["srb"]), dtype=torch.uint8) for key, dsc in descs.items()}
+            w0 = params["layers.0.w_down"]
+            down0 = (*w0.shape, w0.group_size)
             for i in range(L):
-                p = f"layers.{i}."
-                wq = _rope_pair_rows(params[p + "wq"].to(dev), nh, d)
-                wk = _rope_pair_rows(params[p + "wk"].to(dev), nkv, d)
-                qkv.append(_cat([wq, wk, params[p + "wv"].to(dev)], p + "wq|wk|wv"))
-                o.append(params[p + "wo"].to(dev))
-                gu.append(_interleave_rows(params[p + "w_gate"].to(dev), params[p + "w_up"].to(dev),
-                                           p + "w_gate|w_up"))
-                dn.append(params[p + "w_down"].to(dev))
-            for key, ws in (("qkv", qkv), ("o", o), ("gu", gu), ("down", dn),
-                            ("lm_head", [params["lm_head"].to(dev)])):
-                if key == "down" and self.ffn_plan:  # FFN split-K: down as per-FFN-block K slices
-                    mats["dslice"], descs["dslice"] = repack_down_slices(ws, self.ffn_plan, dev)
-                else:
-                    mats[key], descs[key] = repack(ws, key, dev)
-            del qkv, o, gu, dn
+                for key, w in self._layer_matrices(params, i).items():
+                    if key == "dslice":
+                        down_slices_into(mats[key][i], w, self.ffn_plan, down0, f"layers.{i}.w_down")
+                    else:
+                        repack_into(mats[key][i], w, descs[key], f"layers.{i}.{key}")
+            repack_into(mats["lm_head"][0], params["lm_head"].to(dev), descs["lm_head"], "lm_head")
             self.weights = mats
             self.mat_desc = descs
             emb = params["embed"]
@@ -523,6 +540,48 @@ class MegakernelBackend:
         if mode == "0" or plan is None or (mode == "auto" and plan["nffn"] < 0.9 * self.nblocks):
             return None
         return plan
+
+    def _layouts(self, params: dict) -> dict:
+        """Each repacked matrix's descriptor, from layer 0's shapes (every layer is checked as it is packed)."""
+        p = "layers.0."
+        q, k, v, o = (params[p + n] for n in ("wq", "wk", "wv", "wo"))
+        gate, down, head = params[p + "w_gate"], params[p + "w_down"], params["lm_head"]
+        descs = {"qkv": repack_layout(q.shape[0] + k.shape[0] + v.shape[0], q.shape[1], q.group_size),
+                 "o": repack_layout(*o.shape, o.group_size),
+                 "gu": repack_layout(2 * gate.shape[0], gate.shape[1], gate.group_size)}
+        if self.ffn_plan:
+            descs["dslice"] = down_slices_layout(*down.shape, down.group_size, self.ffn_plan)
+        else:
+            descs["down"] = repack_layout(*down.shape, down.group_size)
+        descs["lm_head"] = repack_layout(*head.shape, head.group_size)
+        return descs
+
+    def _check_fits(self, descs: dict) -> None:
+        """Refuse, before anything is allocated, a model whose repacked weights, fp32 embedding and K/V cache exceed
+        the device's free memory (MegakernelError naming both sizes)."""
+        cfg, L = self.cfg, self.cfg.num_layers
+        weights = sum(d["layer_stride"] * (1 if key == "lm_head" else L) for key, d in descs.items())
+        embed = 4 * cfg.vocab_size * cfg.hidden_size
+        kv = kv_format_bytes(cfg, self.kv_cache) * self.max_seq_len
+        free, total = torch.cuda.mem_get_info(self.device)
+        if weights + embed + kv > free:
+            gb = 1e9
+            raise MegakernelError(
+                f"megakernel: {cfg.name} needs {(weights + embed + kv) / gb:.1f} GB on the device (int4 weights "
+                f"{weights / gb:.1f}, fp32 embedding {embed / gb:.1f}, K/V cache {kv / gb:.1f} at max_seq_len "
+                f"{self.max_seq_len}); {free / gb:.1f} of {total / gb:.1f} GB are free")
+
+    def _layer_matrices(self, params: dict, i: int) -> dict:
+        """Layer i's matrices as the kernel reads them, on the device: q|k|v (q and k rows in RoPE pair order), o,
+        gate|up (rows interleaved), and down (``dslice`` with FFN split-K)."""
+        cfg, dev, p = self.cfg, self.device, f"layers.{i}."
+        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        wq = _rope_pair_rows(params[p + "wq"].to(dev), nh, d)
+        wk = _rope_pair_rows(params[p + "wk"].to(dev), nkv, d)
+        return {"qkv": _cat([wq, wk, params[p + "wv"].to(dev)], p + "wq|wk|wv"),
+                "o": params[p + "wo"].to(dev),
+                "gu": _interleave_rows(params[p + "w_gate"].to(dev), params[p + "w_up"].to(dev), p + "w_gate|w_up"),
+                "dslice" if self.ffn_plan else "down": params[p + "w_down"].to(dev)}
 
     @staticmethod
     def _validate(cfg: ModelConfig, params: dict) -> None:

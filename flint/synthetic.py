@@ -58,7 +58,10 @@ def random_int4(n: int, k: int, group_size: int, gen: torch.Generator, device,
 
 
 def synthetic_params(cfg: ModelConfig, seed: int = 0, int4_group_size: int | None = None,
-                     dtype=torch.bfloat16, device="cpu") -> dict:
+                     dtype=torch.bfloat16, device="cpu", store=None) -> dict:
+    """The random weights, generated on ``device``; ``store``: where each tensor is kept once made (a model larger
+    than the device's memory can take twice is generated on the GPU and parked in host memory, and a backend
+    moves it layer by layer)."""
     device = torch.device(device)
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
@@ -75,6 +78,8 @@ def synthetic_params(cfg: ModelConfig, seed: int = 0, int4_group_size: int | Non
             params[name] = random_int4(*shape, int4_group_size, gen, device, name=name)
         else:
             params[name] = torch.randn(shape, generator=gen, device=device, dtype=dtype).mul_(WEIGHT_STD)
+        if store is not None:
+            params[name] = params[name].to(store)
     v, h = cfg.vocab_size, cfg.hidden_size
     if cfg.tie_word_embeddings and int4_group_size:
         head = random_int4(v, h, int4_group_size, gen, device, name="lm_head")
@@ -89,12 +94,33 @@ def synthetic_params(cfg: ModelConfig, seed: int = 0, int4_group_size: int | Non
         params["embed"] = torch.randn((v, h), generator=gen, device=device, dtype=dtype).mul_(WEIGHT_STD)
         if cfg.tie_word_embeddings:
             params["lm_head"] = params["embed"]
+    if store is not None:
+        tied = params.get("lm_head") is params["embed"]
+        params["embed"] = params["embed"].to(store)
+        params["lm_head"] = params["embed"] if tied else params["lm_head"].to(store)
     return params
 
 
+def synthetic_bytes(cfg: ModelConfig, int4_group_size: int | None, dtype=torch.bfloat16) -> int:
+    """The bytes synthetic_params makes for ``cfg`` (int4 codes with fp16 scale and min a group, or ``dtype``)."""
+    size = torch.finfo(dtype).bits // 8
+    total = 0
+    for name, shape in expected_shapes(cfg).items():
+        if name == "lm_head" and cfg.tie_word_embeddings and not int4_group_size:
+            continue  # the embedding itself
+        n = 1
+        for x in shape:
+            n *= x
+        if int4_group_size and len(shape) == 2 and name != "embed":
+            total += n // 2 + 4 * n // fit_group_size(shape[1], int4_group_size, name)
+        else:
+            total += n * size
+    return total
+
+
 def synthetic_model(name_or_path: str, seed: int = 0, int4_group_size: int | None = None,
-                    dtype=torch.bfloat16, device="cpu") -> LoadedModel:
-    """A LoadedModel with random weights (see module docstring); tokenizer None."""
+                    dtype=torch.bfloat16, device="cpu", store=None) -> LoadedModel:
+    """A LoadedModel with random weights (see module docstring); tokenizer None. ``store``: see synthetic_params."""
     cfg = synthetic_config(name_or_path)
-    params = synthetic_params(cfg, seed, int4_group_size, dtype, device)
+    params = synthetic_params(cfg, seed, int4_group_size, dtype, device, store)
     return LoadedModel(cfg, params, None, cfg.name)

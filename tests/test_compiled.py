@@ -241,3 +241,35 @@ def test_compiled_matches_reference_gpu(int4):
         tok = int(la.argmax())
     assert agree >= 5
     assert len(be.graphs) == 2
+
+
+def test_synthetic_bytes_and_store(tmp_path):
+    """synthetic_bytes predicts what synthetic_params makes (int4 and float, tied or not); ``store`` parks every
+    tensor there with the same values and keeps a tied float head the embedding itself."""
+    import json
+
+    from flint.quant.int4 import Int4Weight
+    from flint.synthetic import synthetic_bytes, synthetic_config
+
+    def nbytes(params):
+        seen, total = set(), 0
+        for t in params.values():
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.nbytes if isinstance(t, Int4Weight) else t.numel() * t.element_size()
+        return total
+
+    for tie in (True, False):
+        p = tmp_path / f"config_{tie}.json"
+        p.write_text(json.dumps(dict(SMALL, tie_word_embeddings=tie)))
+        cfg = synthetic_config(str(p))
+        for g in (None, 32):
+            assert nbytes(synthetic_params(cfg, 0, g)) == synthetic_bytes(cfg, g), (tie, g)
+            a, b = synthetic_params(cfg, 5, g), synthetic_params(cfg, 5, g, store="meta")
+            assert set(a) == set(b)
+            for n, t in b.items():
+                ts = (t.qweight, t.scales, t.mins) if isinstance(t, Int4Weight) else (t,)
+                assert all(x.device.type == "meta" for x in ts), n
+            assert (b["lm_head"] is b["embed"]) == (tie and g is None)
+    big = synthetic_config("smollm2-135m")
+    assert synthetic_bytes(big, 128) < synthetic_bytes(big, None)
