@@ -11,10 +11,11 @@ Agents SDK, run for real (tests/test_server_compat.py sends their request shapes
   schema-valid arguments (flint's tool grammar holds the random model to the schema), its result goes back,
   and the run ends at max_turns without a protocol error. Tracing is off (no network here).
 
-Both packages are optional (CI does not install them): each test skips when its package is not importable.
+Both packages are in the test extras (pyproject.toml), so CI runs these; each test still skips where its package
+is not importable.
 The servers run the tiny random llama of tests/conftest.py (byte tokenizer); the agent turns on a copy
 with a longer context (its tool prompt is some hundreds of byte tokens). Run:
-``pip install lm-eval openai-agents && pytest tests/test_real_clients.py`` (about a minute).
+``pytest tests/test_real_clients.py`` (about 20 s).
 """
 import json
 import math
