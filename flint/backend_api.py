@@ -135,7 +135,7 @@ def refuse_kernel_features(name: str, cfg, max_seq_len: int | None) -> None:
     (flint.config.kernel_features), before any weight is touched: the reference runs them."""
     from .config import kernel_features
 
-    missing = kernel_features(cfg, max_seq_len)
+    missing = kernel_features(cfg, max_seq_len, name)
     if missing:
         raise BackendError(f"backend {name!r} does not implement {'; '.join(missing)} yet: "
                            "use --backend reference (docs/loading.md)")

@@ -102,16 +102,21 @@ def _bytes(w: tuple) -> int:
 def layer_step(x, pos, cos, sin, mask, k_cache, v_cache, w, c):
     """One decoder layer. x [M, H]; pos [M] positions; cos/sin [M, D/2]; mask [M, A] (A = the
     attention length read from the cache); k_cache/v_cache [KV, S, D] (written at pos);
-    w = (attn_norm, wqkv, wo, ffn_norm, w_gu, w_down); c = the config constants."""
+    w = (attn_norm, wqkv, wo, ffn_norm, w_gu, w_down, bqkv, q_norm, k_norm): the last three None where the family
+    has no q|k|v biases (Qwen2 has) or per-head q/k RMSNorm (Qwen3 has); c = the config constants."""
     nh, nkv, d, eps, scale, rm, inter, use_rope = c
     m, a = x.shape[0], mask.shape[-1]
     g = nh // nkv
-    attn_norm, wqkv, wo, ffn_norm, w_gu, w_down = w
+    attn_norm, wqkv, wo, ffn_norm, w_gu, w_down, bqkv, q_norm, k_norm = w
     h = rms_norm(x, attn_norm, eps)
     qkv = linear(h, wqkv)
+    if bqkv is not None:
+        qkv = qkv + bqkv
     q = qkv[:, : nh * d].view(m, nh, d)
     k = qkv[:, nh * d: (nh + nkv) * d].view(m, nkv, d)
     v = qkv[:, (nh + nkv) * d:].view(m, nkv, d)
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
     if use_rope:
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_cache.index_copy_(1, pos, k.transpose(0, 1))
@@ -178,6 +183,10 @@ class CompiledBackend:
                 params[p + "ffn_norm"].to(device=dev, dtype=dtype),
                 self._prepare([params[p + n] for n in ("w_gate", "w_up")], p + "w_gu", group_size),
                 self._prepare([params[p + "w_down"]], p + "w_down", group_size),
+                (torch.cat([params[p + n].to(device=dev, dtype=dtype) for n in ("bq", "bk", "bv")])
+                 if cfg.qkv_bias else None),
+                params[p + "q_norm"].to(device=dev, dtype=dtype) if cfg.qk_norm else None,
+                params[p + "k_norm"].to(device=dev, dtype=dtype) if cfg.qk_norm else None,
             ))
         self.head = self._prepare([params["lm_head"]], "lm_head", group_size)
         self.consts = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.attn_scale,
@@ -235,7 +244,7 @@ class CompiledBackend:
         n = self.embed.shape[1] * self.embed.element_size() + _bytes(self.head)
         n += self.norm.numel() * self.norm.element_size()
         for L in self.layers:
-            n += sum(_bytes(w) if isinstance(w, tuple) else w.numel() * w.element_size() for w in L)
+            n += sum(_bytes(w) if isinstance(w, tuple) else w.numel() * w.element_size() for w in L if w is not None)
         return n
 
     def kv_bytes(self, ctx: int) -> int:
@@ -252,10 +261,19 @@ class CompiledBackend:
         positions): writes their K/V, returns the last layer's output."""
         x = F.embedding(tok, self.embed) * self.cfg.embedding_multiplier
         cos, sin = self.cos[pos], self.sin[pos]
-        mask = self.kv_positions[:a][None, :] <= pos[:, None]
+        mask = self._mask(pos, a)
         for li, w in enumerate(self.layers):
             x = layer_step(x, pos, cos, sin, mask, self.k_cache[li], self.v_cache[li], w, self.consts)
         return x
+
+    def _mask(self, pos, a: int):
+        """[M, a]: which cached positions each token attends to (its own and those before it; with a sliding
+        window W, only the W - 1 before it)."""
+        kv = self.kv_positions[:a][None, :]
+        mask = kv <= pos[:, None]
+        if self.cfg.sliding_window is not None:
+            mask = mask & (kv > pos[:, None] - self.cfg.sliding_window)
+        return mask
 
     def _run(self, tok, pos, a: int, compiled: bool, last_only: bool = False):
         """Embedding, all layers, head for tokens tok at positions pos, reading a cache positions
@@ -270,7 +288,7 @@ class CompiledBackend:
         layer, head = self._layer, self._head
         x = F.embedding(tok, self.embed) * cfg.embedding_multiplier
         cos, sin = self.cos[pos], self.sin[pos]
-        mask = self.kv_positions[:a][None, :] <= pos[:, None]
+        mask = self._mask(pos, a)
         # The attention length is the one dynamic dimension (one compile serves every bucket);
         # everything else is static, also when another model's shapes were compiled before in
         # this process (automatic dynamic shapes would otherwise make those symbolic).

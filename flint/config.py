@@ -388,19 +388,21 @@ def check_features(cfg: ModelConfig, source: str) -> None:
                           f"'low_freq_factor'={s['low_freq_factor']}")
 
 
-def kernel_features(cfg: ModelConfig, max_seq_len: int | None = None) -> list[str]:
-    """The features of ``cfg`` the GPU backends (megakernel, compiled) do not implement yet, each
-    named with its field; empty for a plain Llama / Granite layer. A sliding window counts only
-    when the context ``max_seq_len`` is longer than it (within it, attention is the same)."""
+def kernel_features(cfg: ModelConfig, max_seq_len: int | None = None, backend: str = "megakernel") -> list[str]:
+    """The features of ``cfg`` GPU backend ``backend`` (megakernel; compiled and compiled-bf16 run every one) does
+    not implement yet, each named with its field; empty for a plain Llama / Granite layer. Scaled RoPE (llama3,
+    linear, yarn, longrope) and partial RoPE are the RoPE tables every backend reads (flint.model.rope_tables). A
+    sliding window counts only when the context ``max_seq_len`` is longer than it (within it, attention is the
+    same)."""
+    if backend != "megakernel":
+        return []
     out = []
+    if cfg.head_dim not in (64, 128):
+        out.append(f"head_dim {cfg.head_dim} (the kernel's attention reads 64 or 128)")
     if cfg.qkv_bias:
         out.append("q/k/v projection biases (Qwen2)")
     if cfg.qk_norm:
         out.append("per-head q/k RMSNorm (Qwen3)")
-    if cfg.rotary_dim is not None:
-        out.append(f"partial RoPE (rotary_dim {cfg.rotary_dim} of head_dim {cfg.head_dim})")
-    if cfg.rope_scaling is not None:
-        out.append(f"scaled RoPE (rope_scaling type {cfg.rope_scaling['rope_type']!r})")
     ctx = max_seq_len or cfg.max_position_embeddings
     if cfg.sliding_window is not None and ctx > cfg.sliding_window:
         out.append(f"sliding_window {cfg.sliding_window} below the context {ctx}")
@@ -475,6 +477,13 @@ SYNTHETIC = {
         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
         rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False, max_position_embeddings=32768,
         sliding_window=None, bos_token_id=1, eos_token_id=2),
+    "phi-4-mini": dict(  # partial RoPE: 96 of head_dim 128 rotate; LongRoPE factors set to 1.0 and 4.0 as above
+        model_type="phi3", vocab_size=200064, hidden_size=3072, intermediate_size=8192,
+        num_hidden_layers=32, num_attention_heads=24, num_key_value_heads=8, rms_norm_eps=1e-5,
+        rope_theta=10000.0, partial_rotary_factor=0.75, tie_word_embeddings=True, max_position_embeddings=131072,
+        original_max_position_embeddings=4096,
+        rope_scaling=dict(rope_type="longrope", short_factor=[1.0] * 48, long_factor=[4.0] * 48),
+        bos_token_id=199999, eos_token_id=[199999, 200020]),
     "phi-3.5-mini": dict(  # LongRoPE's 48 + 48 factors set to 1.0 and 4.0 here: the speed does not depend on them
         model_type="phi3", vocab_size=32064, hidden_size=3072, intermediate_size=8192,
         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, rms_norm_eps=1e-5,

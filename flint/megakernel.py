@@ -261,11 +261,35 @@ def repack_down_slices(ws: list[Int4Weight], plan: dict, device) -> tuple[torch.
     return out, desc
 
 
-def _rope_pair_rows(w: Int4Weight, heads: int, d: int) -> Int4Weight:
-    """Row order (i, i + D/2) for i < D/2 per head, so one warp holds both halves of a RoPE pair."""
-    half = d // 2
+def rope_pair_order(d: int, r: int) -> torch.Tensor:
+    """A head's rows in the kernel's order: pair i (i < D/2) is rows (2i, 2i + 1), which the epilogue rotates by
+    the table's angle i. For i < R/2 (R: the rotary width) the pair is dims (i, i + R/2), HF's half-split
+    rotation; past R/2 it is two dims of the unrotated rest, (R + 2j, R + 2j + 1) with j = i - R/2, whose table
+    entries are cos 1, sin 0 (rope_tables_padded). The cache and the tagged words then hold q and k in this
+    order, the same permutation for both, so their dot products are unchanged."""
+    half, rh = d // 2, r // 2
     i = torch.arange(half)
-    per_head = torch.stack((i, i + half), 1).flatten()
+    first = torch.where(i < rh, i, r + 2 * (i - rh))
+    second = torch.where(i < rh, i + rh, r + 2 * (i - rh) + 1)
+    return torch.stack((first, second), 1).flatten()
+
+
+def rope_tables_padded(cfg: ModelConfig, max_seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin float32 [max_seq_len, D/2]: flint.model.rope_tables over the rotary width R, then cos 1, sin 0 for
+    the D/2 - R/2 pairs that do not rotate (rope_pair_order)."""
+    from .model import rope_tables
+
+    cos, sin = rope_tables(cfg, max_seq_len, device)
+    pad = cfg.head_dim // 2 - cos.shape[1]
+    if pad:
+        cos = torch.cat((cos, cos.new_ones(max_seq_len, pad)), 1)
+        sin = torch.cat((sin, sin.new_zeros(max_seq_len, pad)), 1)
+    return cos.contiguous(), sin.contiguous()
+
+
+def _rope_pair_rows(w: Int4Weight, heads: int, d: int, r: int) -> Int4Weight:
+    """The q or k rows of every head in rope_pair_order, so one warp holds both rows of a RoPE pair."""
+    per_head = rope_pair_order(d, r)
     idx = (torch.arange(heads)[:, None] * d + per_head[None, :]).flatten()
     return w.rows(idx.to(w.qweight.device))
 
@@ -335,10 +359,7 @@ class MegakernelBackend:
                                                    params[f"layers.{i}.ffn_norm"].float()))
                                       for i in range(L)]).to(dev).contiguous()
             self.final_norm = params["norm"].to(dev, torch.float32).contiguous()
-            from .model import rope_tables
-
-            cos, sin = rope_tables(cfg, self.max_seq_len, dev)
-            self.rope_cos, self.rope_sin = cos.contiguous(), sin.contiguous()
+            self.rope_cos, self.rope_sin = rope_tables_padded(cfg, self.max_seq_len, dev)
             if kv_cache == "int8":  # codes, and one fp16 scale a row: K's, then V's after ATT_T entries of padding
                 # (a tile's 64 scales are one bulk copy; the last tile's may reach past max_seq_len)
                 self.k_cache = torch.zeros((L, nkv, self.max_seq_len, d), dtype=torch.int8)
@@ -576,8 +597,9 @@ class MegakernelBackend:
         gate|up (rows interleaved), and down (``dslice`` with FFN split-K)."""
         cfg, dev, p = self.cfg, self.device, f"layers.{i}."
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        wq = _rope_pair_rows(params[p + "wq"].to(dev), nh, d)
-        wk = _rope_pair_rows(params[p + "wk"].to(dev), nkv, d)
+        r = cfg.rotary_dim or d
+        wq = _rope_pair_rows(params[p + "wq"].to(dev), nh, d, r)
+        wk = _rope_pair_rows(params[p + "wk"].to(dev), nkv, d, r)
         return {"qkv": _cat([wq, wk, params[p + "wv"].to(dev)], p + "wq|wk|wv"),
                 "o": params[p + "wo"].to(dev),
                 "gu": _interleave_rows(params[p + "w_gate"].to(dev), params[p + "w_up"].to(dev), p + "w_gate|w_up"),

@@ -95,22 +95,99 @@ def test_gguf_unhonoured_rope_scaling_refused(tmp_path):
 @pytest.mark.parametrize("family,overrides,feature", [
     ("qwen2", {}, "q/k/v projection biases"),
     ("qwen3", {}, "q/k RMSNorm"),
-    ("llama", dict(rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0)), "scaled RoPE"),
-    ("phi3", dict(partial_rotary_factor=0.5), "partial RoPE"),
     ("mistral", dict(sliding_window=8), "sliding_window 8"),
+    ("llama", {}, "head_dim 16"),
 ])
-@pytest.mark.parametrize("backend", ["compiled", "megakernel"])
-def test_gpu_backends_refuse_unimplemented_features(tmp_path, family, overrides, feature, backend):
+def test_megakernel_refuses_unimplemented_features(tmp_path, family, overrides, feature):
+    """The megakernel names what it does not run, before touching weights (on any machine); the reference and
+    `compiled` run every family."""
     lm = load_model(str(save_hf_dir(make_hf_model(family, seed=1, **overrides), tmp_path / family,
                                     tokenizer=False)))
     with pytest.raises(BackendError) as info:
-        make_backend(backend, lm, max_seq_len=32, device="cpu")
+        make_backend("megakernel", lm, max_seq_len=32, device="cpu")
     assert feature in str(info.value) and "reference" in str(info.value)
-    make_backend("reference", lm, max_seq_len=32, device="cpu")  # the reference runs it
+    assert kernel_features(lm.cfg, 32, "compiled") == []
+    make_backend("reference", lm, max_seq_len=32, device="cpu")
+    make_backend("compiled", lm, max_seq_len=32, device="cpu")
+
+
+# each family's features on `compiled` (CPU: eager, int4 G32 through tinygemm's CPU ops) against the reference on
+# the same int4 weights: q|k|v biases, q/k norm, scaled RoPE (llama3, linear, YaRN, LongRoPE past the original
+# context), partial RoPE, a sliding window shorter than the context
+FEATURES = [
+    ("qwen2", {}),
+    ("qwen3", {}),
+    ("llama", dict(rope_parameters=dict(rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=1.0,
+                                        high_freq_factor=4.0, original_max_position_embeddings=16))),
+    ("llama", dict(rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0))),
+    ("llama", dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0,
+                                        original_max_position_embeddings=16))),
+    ("phi3", dict(partial_rotary_factor=0.5, original_max_position_embeddings=16,
+                  rope_parameters=dict(LONGROPE, partial_rotary_factor=0.5, short_factor=LONGROPE["short_factor"][:4],
+                                       long_factor=LONGROPE["long_factor"][:4]))),
+    ("mistral", dict(sliding_window=6)),
+]
+
+
+@pytest.mark.parametrize("family,overrides", FEATURES)
+def test_compiled_runs_the_families_features(tmp_path, family, overrides):
+    from flint.params import LoadedModel
+    from flint.quant.int4 import quantize_params
+
+    lm = load_model(str(save_hf_dir(make_hf_model(family, seed=2, **overrides), tmp_path / family, tokenizer=False)))
+    q = LoadedModel(lm.cfg, quantize_params(lm.params, 32), None, "q")
+    ref = make_backend("reference", q, max_seq_len=48, device="cpu")
+    be = make_backend("compiled", q, max_seq_len=48, device="cpu", group_size=32)
+    toks = torch.randint(0, lm.cfg.vocab_size, (20,), generator=torch.Generator().manual_seed(3))
+    want, got = ref.forward(toks, 0), be.forward(toks, 0)
+    scale = max(1.0, float(want.abs().max()))
+    assert float((got - want).abs().max()) <= 2e-4 * scale, "prefill"
+    for pos in range(20, 26):  # decode steps through the cache, past the window where there is one
+        t = torch.tensor([int(want[-1].argmax())])
+        want, got = ref.forward(t, pos), be.forward(t, pos)
+        assert float((got - want).abs().max()) <= 2e-4 * scale, f"decode at {pos}"
+
+
+def test_rope_pair_order_emulates_the_rotation():
+    """The megakernel's row order and padded tables (flint.megakernel.rope_pair_order, rope_tables_padded), its
+    epilogue emulated: pair i = rows (2i, 2i + 1) rotated by table entry i, written to dims (i, i + D/2). For full
+    and partial rotary widths the result is apply_rope's, permuted the same way for every head, so q . k is kept."""
+    from flint.config import from_hf_dict
+    from flint.megakernel import rope_pair_order, rope_tables_padded
+    from flint.model import apply_rope, rope_tables
+
+    g = torch.Generator().manual_seed(0)
+    for d, factor in ((64, 1.0), (128, 0.75), (64, 0.5)):
+        cfg = from_hf_dict(dict(model_type="phi3", vocab_size=64, hidden_size=2 * d, intermediate_size=64,
+                                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=d,
+                                partial_rotary_factor=factor, max_position_embeddings=32))
+        r = cfg.rotary_dim or d
+        order = rope_pair_order(d, r)
+        assert sorted(order.tolist()) == list(range(d))
+        if r == d:  # full rotation: the pairs (i, i + D/2)
+            assert order.tolist() == [v for i in range(d // 2) for v in (i, i + d // 2)]
+        cos, sin = rope_tables(cfg, 32, "cpu")
+        pc, ps = rope_tables_padded(cfg, 32, "cpu")
+        assert pc.shape == (32, d // 2)
+        q, k = torch.randn(5, 2, d, generator=g), torch.randn(5, 1, d, generator=g)
+        pos = torch.tensor([0, 3, 7, 19, 31])
+
+        def kernel(x):  # rows in kernel order -> the epilogue -> the cache's dims
+            rows = x[..., order].view(*x.shape[:-1], d // 2, 2)
+            a, b = rows[..., 0], rows[..., 1]
+            c, s = pc[pos][:, None, :], ps[pos][:, None, :]
+            return torch.cat((a * c - b * s, b * c + a * s), -1)
+
+        want_q, want_k = apply_rope(q, cos[pos], sin[pos]), apply_rope(k, cos[pos], sin[pos])
+        virt = torch.cat((order[0::2], order[1::2]))  # cache dim j holds true dim virt[j]
+        assert torch.allclose(kernel(q), want_q[..., virt], atol=1e-5)
+        assert torch.allclose(kernel(k), want_k[..., virt], atol=1e-5)
+        scores = torch.einsum("mhd,mkd->mhk", kernel(q), kernel(k))
+        assert torch.allclose(scores, torch.einsum("mhd,mkd->mhk", want_q, want_k), atol=1e-4)
 
 
 def test_window_counts_only_past_the_context(tmp_path):
-    lm = load_model(str(save_hf_dir(make_hf_model("mistral", seed=1, sliding_window=8), tmp_path / "m",
+    lm = load_model(str(save_hf_dir(make_hf_model("mistral", seed=1, sliding_window=8, head_dim=64), tmp_path / "m",
                                     tokenizer=False)))
     assert kernel_features(lm.cfg, 8) == []
     assert kernel_features(lm.cfg, 9) == ["sliding_window 8 below the context 9"]
@@ -234,12 +311,13 @@ def test_gguf_end_of_turn_tokens_stop(tmp_path, tiny_llama_model):
 
 
 @pytest.mark.parametrize("name,arch,features", [
-    ("llama-3.1-8b", "llama", ["scaled RoPE (rope_scaling type 'llama3')"]),
-    ("llama-3.2-3b", "llama", ["scaled RoPE (rope_scaling type 'llama3')"]),
+    ("llama-3.1-8b", "llama", []),
+    ("llama-3.2-3b", "llama", []),
     ("qwen2.5-7b", "qwen2", ["q/k/v projection biases (Qwen2)"]),
     ("qwen3-8b", "qwen3", ["per-head q/k RMSNorm (Qwen3)"]),
     ("mistral-7b", "llama", []),
-    ("phi-3.5-mini", "phi3", ["scaled RoPE (rope_scaling type 'longrope')"]),
+    ("phi-3.5-mini", "phi3", ["head_dim 96 (the kernel's attention reads 64 or 128)"]),
+    ("phi-4-mini", "phi3", []),
 ])
 def test_synthetic_family_shapes(name, arch, features):
     """The families' published shapes as synthetic: names, with the features the kernels must take."""

@@ -225,6 +225,38 @@ def test_logits_match_reference(name, make, group, split):
         assert torch.equal(a, a2), f"{name} ctx {ctx}: repeated run is not bitwise identical"
 
 
+ROPE_FAMILIES = {  # scaled and partial RoPE: host-side tables and row order only (flint.megakernel.rope_pair_order)
+    "llama3": dict(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                     original_max_position_embeddings=64), rope_theta=5e5),
+    "yarn": dict(rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)),
+    "phi4-partial-longrope": dict(model_type="phi3", partial_rotary_factor=0.75, original_max_position_embeddings=64,
+                                  rope_scaling=dict(rope_type="longrope", short_factor=[1.0] * 48,
+                                                    long_factor=[1.0 + i / 8 for i in range(48)])),
+    "partial-half-d64": dict(model_type="phi3", head_dim=64, num_attention_heads=8, num_key_value_heads=2,
+                             partial_rotary_factor=0.5),
+}
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("family", list(ROPE_FAMILIES))
+def test_rope_families_match_reference(family):
+    """Scaled RoPE (llama3, YaRN, LongRoPE past the original context) and partial RoPE on the megakernel against the
+    reference: prefill in chunks, M = 1 steps past the original context, one M = 4 verify."""
+    cfg = _cfg(**ROPE_FAMILIES[family])
+    assert cfg.rope_scaling is not None or cfg.rotary_dim is not None
+    mk, ref = _pair(cfg, 32, 256)
+    toks = torch.randint(0, cfg.vocab_size, (200,), generator=torch.Generator().manual_seed(5))
+    for pos in range(0, 160, 8):
+        mk.forward(toks[pos:pos + 8], pos)
+        ref.forward(toks[pos:pos + 8], pos)
+    for pos in range(160, 164):
+        a, b = mk.forward(toks[pos:pos + 1], pos), ref.forward(toks[pos:pos + 1], pos)
+        assert torch.isfinite(a).all() and rel(a, b) < 1e-2, f"{family} pos {pos}: rel {rel(a, b):.3e}"
+    a, b = mk.forward(toks[164:168], 164), ref.forward(toks[164:168], 164)
+    assert rel(a, b) < 1e-2, f"{family} verify M = 4: rel {rel(a, b):.3e}"
+
+
 @gpu
 @needs_sm90
 @pytest.mark.parametrize("split", ["auto", "0"])
