@@ -353,3 +353,59 @@ def test_auto_finds_the_head_shipped_for_the_embedded_model():
 
     assert shipped_head_for(load_model(None).cfg) == "smollm2-135m"
     assert shipped_head_for(tiny_lm().cfg) is None
+
+
+def test_cost_best_k_and_a_measured_curve():
+    """best_k: the draft length worth most per verify time; measure_verify_cost on a CPU backend: 1.0 at M = 1,
+    non-decreasing, one entry per width up to the backend's widest."""
+    from flint.backend import make_backend
+    from flint.speculative.cost import CPU_VERIFY_COST, best_k, measure_verify_cost, verify_cost_of
+
+    flat = (1.0,) * 10
+    assert best_k(flat, 0.9, 7) == (7, pytest.approx(sum(0.9 ** i for i in range(8))))  # free verifies: the longest
+    steep = (1.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0)
+    assert best_k(steep, 0.9, 7)[0] == 0  # a draft never pays for a verify that costs a step a token
+    h100 = (1.0, 1.0, 1.23, 1.31, 1.40, 1.56, 1.71, 1.86, 2.04)  # the H100's synthetic SmolLM2 (bench, 2026-12-07)
+    assert best_k(h100, 0.6, 7, 0.01)[0] == 3 and best_k(h100, 0.95, 7, 0.01)[0] == 7
+    assert best_k(h100, 0.1, 7, 0.01)[0] == 0
+    be = make_backend("reference", tiny_lm(), 64, "cpu")
+    cost = measure_verify_cost(be, widths=4, reps=2)
+    assert len(cost) == 5 and cost[:2] == (1.0, 1.0) and all(a <= b for a, b in zip(cost, cost[1:]))
+    assert verify_cost_of(be) == CPU_VERIFY_COST  # (a CPU backend is not timed)
+
+
+def test_auto_sizes_the_head_from_the_verify_cost():
+    """The head drafts the k its running acceptance is worth on the backend's curve: a head whose drafts all fail
+    stops drafting (k 0: plain steps), one whose drafts all hold drafts its whole k; the gate's floor is that k's
+    break-even."""
+    class Head:  # proposes the next k fresh token ids (right: the text goes on with them; else with others)
+        cfg = type("Cfg", (), {"k_default": 7})
+
+        def __init__(self, right):
+            self.right, self.asked = right, []
+
+        def propose(self, ctx, hidden, k, sp=None, gen=None):
+            self.asked.append(k)
+            return torch.arange(ctx[-1] + 1, ctx[-1] + 1 + k), None
+
+    h100 = (1.0, 1.0, 1.23, 1.31, 1.40, 1.56, 1.71, 1.86, 2.04)
+    hidden = torch.zeros(1, 8)
+    for right in (False, True):
+        head = Head(right)
+        auto = AutoDraft(SuffixDraft(1000, cache=SuffixCache(max_tokens=0)), head)
+        auto.set_verify_cost(h100)
+        assert auto.suffix.verify_cost == h100
+        ctx = [1]
+        for _ in range(12):
+            toks, _ = auto.propose(ctx, hidden, K_MAX)
+            # what the verify appended to the context (the engine's own list): the drafts and the target's token, or
+            # a token past them; every id fresh, so the suffix draft never matches
+            n = len(toks) + 1 if right else 1
+            ctx.extend(range(ctx[-1] + 1 + (0 if right else 500), ctx[-1] + 1 + (0 if right else 500) + n))
+        assert head.asked[0] == 3  # the prior 0.6 on this curve
+        if right:
+            assert head.asked[-1] == 7 and auto.source == "head"
+        else:
+            assert auto.source == "none" and len(head.asked) < 12
+        k = head.asked[-1]
+        assert auto.gates["head"].floor == pytest.approx(h100[k + 1] + k * auto.head_token_cost - 1.0)

@@ -33,15 +33,18 @@ from __future__ import annotations
 
 import torch
 
+from .cost import CPU_VERIFY_COST, best_k
 from .ngram import point_mass
 from .suffix import K_MAX, SuffixDraft
 
 SUFFIX_STRONG = 1.0   # expected accepted tokens (flint.speculative.suffix's calibrated score) for a suffix proposal to draft
-                      # while the head could: what the head must earn to stay open on the CPU (HEAD_FLOOR_CPU)
+                      # while the head could
 SUFFIX_FLOOR = 0.3    # the suffix gate shuts below this share of the accepted tokens its proposals expected
-HEAD_FLOOR = 0.5      # the head's gate shuts below this many accepted tokens per head step (its rollout: 4-8% of a
-                      # GPU step)
-HEAD_FLOOR_CPU = 1.0  # the same for a head on the CPU, whose eager rollout costs about a quarter of a step
+HEAD_TOKEN_COST = 0.01      # the head's rollout a token, in plain steps, on a GPU (4-8% of a step for 7 tokens) ...
+HEAD_TOKEN_COST_CPU = 0.035  # ... and on the CPU (its eager rollout: about a quarter of a step for 7)
+HEAD_ACCEPT_PRIOR = 0.6      # the per-token acceptance the head's k starts from (its running estimate takes over)
+HEAD_ACCEPT_WEIGHT = 8.0     # ... weighted as this many drafted positions; older positions decay by HEAD_ACCEPT_DECAY
+HEAD_ACCEPT_DECAY = 0.9      # a step
 GATE_PRIOR = 1.0      # a gate's average starts here: three straight failures shut it
 EMA_WEIGHT = 0.25     # the newest step's weight in a gate's average
 BACKOFF_STEPS = 16    # steps a shut gate waits before its drafter is tried again
@@ -92,6 +95,9 @@ class AutoDraft:
         self.vocab_size = suffix.vocab_size
         self.k_default = K_MAX
         self.head_k = getattr(getattr(head, "cfg", None), "k_default", 0) if head is not None else 0
+        on_cpu = getattr(getattr(head, "device", None), "type", "cpu") == "cpu"
+        self.head_token_cost = HEAD_TOKEN_COST_CPU if on_cpu else HEAD_TOKEN_COST
+        self.verify_cost = CPU_VERIFY_COST
         self.gates = self._fresh_gates()
         self.source = "none"
         self._last = None  # (context list, its length then, the proposal, its drafter, its expected accepted)
@@ -132,6 +138,9 @@ class AutoDraft:
         while n < len(got) and got[n] == drafts[n]:
             n += 1
         self.gates[src].record(n, expected)
+        if src == "head":
+            a, t = self._head_counts
+            self._head_counts = (HEAD_ACCEPT_DECAY * a + n, HEAD_ACCEPT_DECAY * t + n + (n < len(drafts)))
 
     def _suffix(self, ctx: list[int], k: int, greedy: bool = True) -> list[int]:
         """The suffix proposal where its gate is open and, while the head's gate is open too, it is strong (expects
@@ -160,7 +169,27 @@ class AutoDraft:
         self._last = (ctx, len(ctx), toks, src, expected) if len(toks) else None
 
     def _head_open(self) -> bool:
-        return self.head is not None and self.gates["head"].open
+        return self.head is not None and self.gates["head"].open and self._head_draft_k(K_MAX) > 0
+
+    def set_verify_cost(self, cost: tuple[float, ...]) -> None:
+        """The backend's verify cost by width (flint.speculative.cost): the suffix draft's cut, the head's k and its
+        gate's floor."""
+        self.verify_cost = tuple(cost)
+        self.suffix.set_verify_cost(cost)
+
+    def _head_accept(self) -> float:
+        """The head's per-token acceptance: its decayed counts of accepted over tried positions, with the prior."""
+        return ((self._head_counts[0] + HEAD_ACCEPT_PRIOR * HEAD_ACCEPT_WEIGHT)
+                / (self._head_counts[1] + HEAD_ACCEPT_WEIGHT))
+
+    def _head_draft_k(self, k: int) -> int:
+        """The head's draft length this step (at most ``k`` and its own k_default): the one worth most per verify
+        time at its acceptance so far (flint.speculative.cost.best_k); 0 where no draft pays for its verify. Sets the
+        head gate's floor to that k's break-even, the accepted tokens that pay for its verify and rollout."""
+        kk, _ = best_k(self.verify_cost, self._head_accept(), min(k, self.head_k), self.head_token_cost)
+        if kk:
+            self.gates["head"].floor = self.verify_cost[kk + 1] + kk * self.head_token_cost - 1.0
+        return kk
 
     def propose(self, context_ids: list[int], hidden=None, k: int = K_MAX, sp=None, gen=None):
         self._settle(context_ids)
@@ -169,7 +198,7 @@ class AutoDraft:
             self._chosen(context_ids, toks, "suffix", self.suffix.last[1])
             return point_mass(toks, self.vocab_size, sp)
         if self._head_open() and hidden is not None:
-            t, q = self.head.propose(context_ids, hidden, min(k, self.head_k), sp, gen)
+            t, q = self.head.propose(context_ids, hidden, self._head_draft_k(k), sp, gen)
             self._chosen(context_ids, t, "head")
             return t, q
         self._chosen(context_ids, [], "none")
@@ -177,7 +206,7 @@ class AutoDraft:
 
     def begin(self, hidden: torch.Tensor, tok: torch.Tensor, k: int):
         """The head's rollout for the next step, begun on the device while its gate is open (None otherwise)."""
-        return self.head.begin(hidden, tok, min(k, self.head_k)) if self._head_open() else None
+        return self.head.begin(hidden, tok, self._head_draft_k(k)) if self._head_open() else None
 
     def finish(self, pending, context_ids: list[int], k: int) -> torch.Tensor:
         self._settle(context_ids)
@@ -200,8 +229,9 @@ class AutoDraft:
         self.gates = self._fresh_gates()
 
     def _fresh_gates(self) -> dict:
-        on_cpu = getattr(getattr(self.head, "device", None), "type", "cpu") == "cpu"
-        return {"suffix": Gate(SUFFIX_FLOOR), "head": Gate(HEAD_FLOOR_CPU if on_cpu else HEAD_FLOOR)}
+        """New gates (and the head's acceptance back to its prior); the head's floor is set with its k each step."""
+        self._head_counts = (0.0, 0.0)
+        return {"suffix": Gate(SUFFIX_FLOOR), "head": Gate(0.0)}
 
 
 __all__ = ["AutoDraft", "Gate"]

@@ -21,7 +21,7 @@ chance of being right is its share of the match's continuations x ``hit(m)``, wh
 lab/studies/copy_ceiling.py; x ``CACHE_TRUST`` for the cache, another request's text); a run's chance is the
 product, and the run stops when that falls below ``MIN_PROB`` or at the engine's k (at most the verify's widest,
 M = 8: k <= 7). Of the run, the prefix that maximises (1 + its expected accepted tokens) / the time of verifying it
-(``VERIFY_COST``, by width: the CPU's) is proposed, nothing where a plain step is worth more: a short match gives
+(``verify_cost``, by width: the backend's, flint.speculative.cost) is proposed, nothing where a plain step is worth more: a short match gives
 a token or two, a long one the whole k. Its score is the expected number of accepted tokens; the trie with the
 higher score proposes.
 A sampled request reads its own trie only: its draws, and so its text for a seed, do not depend on other requests.
@@ -38,6 +38,7 @@ import gc
 from collections import OrderedDict
 from contextlib import contextmanager
 
+from .cost import CPU_VERIFY_COST
 from .ngram import point_mass
 
 TRIE_DEPTH = 16       # tokens per stored path: a match plus its continuation (nodes per token stored, at most)
@@ -49,8 +50,8 @@ HIT_DECAY = 0.7       # hit(m) = 1 - HIT_MISS x HIT_DECAY^(m - 1): 0.25, 0.48, 0
                       # train split: 0.26, 0.52, 0.61, 0.80 for the first token; a later token's match has grown)
 CACHE_TRUST = 0.6     # the cache's matches hit less often (another request's text): hit(m) x this
 CUT_BY_COST = True    # propose the run's prefix that maximises (1 + expected accepted) / the verify's cost
-VERIFY_COST = (1.0, 1.0, 1.1, 1.27, 1.85, 1.91, 2.0, 2.25, 2.33)  # a verify of M tokens (index M) in plain
-                      # steps: the CPU reference backend, embedded SmolLM2, 300-token context (2026-12-07)
+VERIFY_COST = CPU_VERIFY_COST  # a verify of M tokens (index M) in plain steps, until the engine gives the backend's
+                               # own (SuffixDraft.verify_cost, flint.speculative.cost)
 CACHE_TOKENS = 16384  # recent outputs kept per model (the trie then holds at most TRIE_DEPTH x this many nodes)
 
 
@@ -160,20 +161,20 @@ def hit(m: int, trust: float = 1.0) -> float:
     return trust * (1.0 - HIT_MISS * HIT_DECAY ** (m - 1))
 
 
-def best_run(trie: SuffixTrie, frontier: list, k: int, trust: float = 1.0) -> tuple[list[int], float, int,
-                                                                                     "_Node | None"]:
+def best_run(trie: SuffixTrie, frontier: list, k: int, trust: float = 1.0,
+             cost: tuple[float, ...] = VERIFY_COST) -> tuple[list[int], float, int, "_Node | None"]:
     """The proposal from a context's frontier in ``trie``: (tokens, score, match length, the last node used). At
     each token the longest match with a continuation gives the most frequent child (a variable-order model: the
     match is re-taken after every proposed token, so a run is not cut by the trie's depth); its chance is the
     child's share of the continuations x hit(the match's length, ``trust``), and the run's chance so far the product
     of those. The run stops when that falls below MIN_PROB or at k tokens; then, with CUT_BY_COST, the prefix of it
-    that maximises (1 + its expected accepted tokens) / the cost of verifying it (VERIFY_COST) is proposed, none
+    that maximises (1 + its expected accepted tokens) / the cost of verifying it (``cost``) is proposed, none
     where a plain step is worth more. score = the sum of the proposed prefix's chances (the expected number of
     tokens accepted)."""
     node, m = _match(frontier, trie.depth)
     if node is None:
         return [], 0.0, 0, None
-    k = min(k, len(VERIFY_COST) - 2)
+    k = min(k, len(cost) - 2)
     toks, p, scores, used, depth = [], 1.0, [0.0], [None], m
     while node is not None and len(toks) < k:
         total = sum(c.count for c in node.kids.values())
@@ -188,7 +189,7 @@ def best_run(trie: SuffixTrie, frontier: list, k: int, trust: float = 1.0) -> tu
         node, depth = _match(frontier, trie.depth)
     n = len(toks)
     if CUT_BY_COST:
-        n = max(range(n + 1), key=lambda i: (1.0 + scores[i]) / VERIFY_COST[1 + i])
+        n = max(range(n + 1), key=lambda i: (1.0 + scores[i]) / cost[1 + i])
     return toks[:n], scores[n], m, used[n]
 
 
@@ -248,6 +249,7 @@ class SuffixDraft:
         if self.cache.trie.depth != depth:
             raise ValueError(f"suffix draft: the cache's depth {self.cache.trie.depth} differs from {depth}")
         self.depth = depth
+        self.verify_cost = VERIFY_COST  # (the engine sets its backend's: set_verify_cost)
         self._ctx = None
         self._seen = 0
         self.last: tuple[str, float, int] = ("none", 0.0, 0)
@@ -282,9 +284,10 @@ class SuffixDraft:
             return [], 0.0
         self._sync(ctx)
         k = min(k, K_MAX)
-        toks, score, m, _ = best_run(self._local, self._lfront, k)
+        toks, score, m, _ = best_run(self._local, self._lfront, k, cost=self.verify_cost)
         src = "prompt+output"
-        g = best_run(self.cache.trie, self._gfront, k, CACHE_TRUST) if use_cache else ([], 0.0, 0, None)
+        g = (best_run(self.cache.trie, self._gfront, k, CACHE_TRUST, self.verify_cost) if use_cache
+             else ([], 0.0, 0, None))
         if g[1] > score:
             toks, score, m = g[0], g[1], g[2]
             src = "cache"
@@ -292,6 +295,10 @@ class SuffixDraft:
                 self.cache.touch(g[3].seq)
         self.last = (src if toks else "none", score, m)
         return toks, score
+
+    def set_verify_cost(self, cost: tuple[float, ...]) -> None:
+        """The backend's verify cost by width (flint.speculative.cost), which the proposals are cut by."""
+        self.verify_cost = tuple(cost)
 
     def propose(self, context_ids: list[int], hidden=None, k: int = K_MAX, sp=None, gen=None):
         toks, _ = self.lookup(context_ids, k, use_cache=sp is None or sp.temperature == 0)

@@ -193,6 +193,12 @@ class SpeculativeEngine(Engine):
         self.draft = draft
         self.k = k
         self.plain_fallback = plain_fallback
+        self.verify_cost = None  # the backend's verify cost by width, where the draft cuts its proposals by it
+        if hasattr(draft, "set_verify_cost"):
+            from .cost import verify_cost_of
+
+            self.verify_cost = verify_cost_of(backend)
+            draft.set_verify_cost(self.verify_cost)
         self._request = None  # (context, prompt length) of the generation running, for the draft's end_request
         self.last_stats = SpeculativeStats()
         self.total_stats = SpeculativeStats()
