@@ -56,7 +56,6 @@ constexpr int kAttGroupBufs = 3;
 // in the epilogue. Applied at every M (H100, 2026-12-07): Granite M = 1 / 4 / 8 1.0166 / 0.9810 / 0.9211 of the step,
 // SmolLM2 1.0072 / 0.9767 / 0.9858; below it the rstd is fused into the staging's loads as before.
 constexpr int kRstdEpiMinM = 4;
-template <int M>
-constexpr bool kRstdEpi = M >= kRstdEpiMinM;
+template <int M> constexpr bool kRstdEpi = M >= kRstdEpiMinM;  // (the test of it, per object)
 
 }  // namespace mk
