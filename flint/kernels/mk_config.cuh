@@ -51,11 +51,5 @@ constexpr int kTmSeqSplits = 32;
 // (ab_long_groups_2026-12-02.md). A ring slot of the weight stream gives way to the extra buffers.
 constexpr int kAttGroups = 2;
 constexpr int kAttGroupBufs = 3;
-// The objects of M >= kRstdEpiMinM stage the RMSNorm's numerator x * norm_w with the sums of squares from the same
-// loads (no rstd pass before, no block reduction between the loads and the conversion) and scale the dot by the rstd
-// in the epilogue. Applied at every M (H100, 2026-12-07): Granite M = 1 / 4 / 8 1.0166 / 0.9810 / 0.9211 of the step,
-// SmolLM2 1.0072 / 0.9767 / 0.9858; below it the rstd is fused into the staging's loads as before.
-constexpr int kRstdEpiMinM = 4;
-template <int M> constexpr bool kRstdEpi = M >= kRstdEpiMinM;  // (the test of it, per object)
 
 }  // namespace mk

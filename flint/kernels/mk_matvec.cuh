@@ -159,8 +159,6 @@ template <int M>
 __device__ void tile_epilogue(Ctx<M>& c, int mi, int layer, int tl, int tl_local, int s, const float* pp, int S,
                               int lane, int warp) {
   const Mat& mt = c.p->mat[mi];
-  // (kRstdEpi: the stages whose staging ran the RMSNorm staged its numerator; the epilogue applies the rstd)
-  const bool normed = mi == MAT_QKV || mi == MAT_GU || mi == MAT_LM;
   const int jp = lane & 7;
   const int n0 = tl * TILE_ROWS + 2 * jp;
   const int own_row = tl_local * TILE_ROWS + 2 * jp;
@@ -176,12 +174,6 @@ __device__ void tile_epilogue(Ctx<M>& c, int mi, int layer, int tl, int tl_local
       b += pp[(pt * TILE_ROWS + 2 * jp + 1) * M + mm];
     }
     if (mt.nseg == 1) {
-      if constexpr (kRstdEpi<M>)
-        if (normed) {  // the RMSNorm's rstd (the staging staged its numerator)
-          const float rs = c.misc->rstd[mm];
-          a *= rs;
-          b *= rs;
-        }
       pair_epilogue<M>(c, mi, layer, n0, own_row, mm, act, jp, warp, a, b);
     } else if (act) {
       float* as = acc_t + ((size_t)s * TILE_ROWS + 2 * jp) * M + mm;
@@ -210,12 +202,6 @@ __device__ void tile_epilogue(Ctx<M>& c, int mi, int layer, int tl, int tl_local
       a += as[0];
       b += as[M];
     }
-    if constexpr (kRstdEpi<M>)
-      if (normed) {
-        const float rs = c.misc->rstd[mm];
-        a *= rs;
-        b *= rs;
-      }
     pair_epilogue<M>(c, mi, layer, n0, own_row, mm, act, jp, warp, a, b);
   }
   if (lane == 0) c.misc->seg_count[tl_local] = 0;

@@ -153,46 +153,33 @@ __device__ __forceinline__ void ld_fx_word(const Ctx<M>& c, int k0, int kw, int 
   v1 = make_float4(fx_val(sx[4]), fx_val(sx[5]), fx_val(sx[6]), fx_val(sx[7]));
 }
 
-// The RMSNorm's sum of squares of one word (x: its 8 values of token m; ok: a word of the row) added to its warp's
-// running sum of that token in misc->red: one warp sum per token present among the warp's words (fixed order).
-template <int M>
-__device__ __forceinline__ void add_word_sumsq(const Ctx<M>& c, const float (&x)[8], bool ok, int m, float mult, int t) {
-  const int lane = t & 31, warp = t >> 5;
-  float s2 = 0.f;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) s2 = fmaf(x[j] * mult, x[j] * mult, s2);
-  unsigned pending = __ballot_sync(0xffffffffu, ok);
-  while (pending) {
-    const int m0 = __shfl_sync(0xffffffffu, m, __ffs(pending) - 1);
-    const bool mine = ok && m == m0;
-    const float sm = warp_sum(mine ? s2 : 0.f);
-    if (lane == 0) c.misc->red[warp][m0] += sm;
-    pending &= ~__ballot_sync(0xffffffffu, mine);
-  }
-}
-
-// The sums of squares of the U words a thread loaded in round c0 (add_word_sumsq each, in order).
+// The RMSNorm's rstd per token from the staging's own loads (v: U words a thread, round c0): sums of squares of
+// src * mult, warp-private running sums in fixed order, then finish_rstd (its block barriers).
 template <int M, int U>
-__device__ __forceinline__ void add_sumsq(const Ctx<M>& c, const float4 (&v)[U][2], int c0, int total, int wpr,
-                                          float mult, int t) {
+__device__ __forceinline__ void fused_rstd(const Ctx<M>& c, const float4 (&v)[U][2], int c0, int total, int wpr,
+                                           float mult, int t) {
+  const int lane = t & 31, warp = t >> 5;
+  if (lane == 0)
+    for (int m = 0; m < M; ++m) c.misc->red[warp][m] = 0.f;
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int wi = c0 + u * NCT + t;
     const bool ok = wi < total;
     const int mw = (M == 1 || !ok) ? 0 : wi / wpr;
     const float x[8] = {v[u][0].x, v[u][0].y, v[u][0].z, v[u][0].w, v[u][1].x, v[u][1].y, v[u][1].z, v[u][1].w};
-    add_word_sumsq<M>(c, x, ok, mw, mult, t);
+    float s2 = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) s2 = fmaf(x[j] * mult, x[j] * mult, s2);
+    // the warp's words belong to one or a few tokens: one warp sum per token present
+    unsigned pending = __ballot_sync(0xffffffffu, ok);
+    while (pending) {
+      const int m0 = __shfl_sync(0xffffffffu, mw, __ffs(pending) - 1);
+      const bool mine = ok && mw == m0;
+      const float sm = warp_sum(mine ? s2 : 0.f);
+      if (lane == 0) c.misc->red[warp][m0] += sm;
+      pending &= ~__ballot_sync(0xffffffffu, mine);
+    }
   }
-}
-
-// The RMSNorm's rstd per token from the staging's own loads when its row is one round of them: add_sumsq from zero,
-// then finish_rstd (its block barriers).
-template <int M, int U>
-__device__ __forceinline__ void fused_rstd(const Ctx<M>& c, const float4 (&v)[U][2], int c0, int total, int wpr,
-                                           float mult, int t) {
-  if ((t & 31) == 0)
-    for (int m = 0; m < M; ++m) c.misc->red[t >> 5][m] = 0.f;
-  add_sumsq<M, U>(c, v, c0, total, wpr, mult, t);
   cbar();
   finish_rstd<M>(*c.p, c.misc);
 }
@@ -355,19 +342,13 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
   // integer object). M = 4: three, so Granite's 4 x 320 words are one round and the RMSNorm's rstd comes from the same
   // loads (M = 4 step -6.2%; three at M = 5..8 +5 to +7%, 2026-12-01)
   constexpr int U = (FX || T24) ? M : (M == 4 ? 3 : 2);
-  // RMSNorm. M >= kRstdEpiMinM: the numerator x * norm_w, the sums of squares from the same loads in any number of
-  // rounds (from k0 = 0 on: a row staged in K segments sums over them), the rstd after the conversion, applied by
-  // the epilogue. Below: when the whole row is one round of loads (decode on Granite and SmolLM2), the rstd comes
+  // RMSNorm: when the whole row is one round of loads (decode on Granite and SmolLM2), the rstd comes
   // from the same loads (no separate pass, one L2 round trip less); else from compute_rstd first
-  constexpr bool EPI = kRstdEpi<M>;
-  const bool fused = !EPI && norm_w != nullptr && k0 == 0 && kst == c.p->H && total <= U * NCT;
+  const bool fused = norm_w != nullptr && k0 == 0 && kst == c.p->H && total <= U * NCT;
   // (FX and T24, run at M <= kFxMaxM = 2 only: whole rows in one round, so the rstd is always fused: the launch
   // refuses H > 8 NCT with the split)
-  if constexpr (!FX && !T24 && !EPI)
+  if constexpr (!FX && !T24)
     if (norm_w != nullptr && !fused) compute_rstd<M>(*c.p, src, mult, c.misc);
-  if constexpr (EPI)
-    if (norm_w != nullptr && k0 == 0 && (t & 31) == 0)  // (warp-private sums: no barrier)
-      for (int m = 0; m < M; ++m) c.misc->red[t >> 5][m] = 0.f;
   for (int c0 = 0; c0 < total; c0 += NCT * U) {
     float4 v[U][2], wv[U][2];
 #pragma unroll
@@ -403,9 +384,7 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
       const float x[8] = {v[u][0].x, v[u][0].y, v[u][0].z, v[u][0].w, v[u][1].x, v[u][1].y, v[u][1].z, v[u][1].w};
       const float wx[8] = {wv[u][0].x, wv[u][0].y, wv[u][0].z, wv[u][0].w,
                            wv[u][1].x, wv[u][1].y, wv[u][1].z, wv[u][1].w};
-      if constexpr (EPI)  // the word's sum of squares as it is converted (one word's values live, not U: no spills)
-        if (norm_w != nullptr) add_word_sumsq<M>(c, x, ok, m, mult, t);
-      const float r = norm_w ? (EPI ? mult : mult * c.misc->rstd[m]) : 1.f;
+      const float r = norm_w ? mult * c.misc->rstd[m] : 1.f;
       if constexpr (FX) {  // the block's own rows (the o tiling) for the o epilogue, and the fp32 hidden state
         const int k = k0 + 8 * kw, n0 = c.misc->tile0[MAT_O] * TILE_ROWS;
         const int n1 = min(c.misc->tile1[MAT_O] * TILE_ROWS, c.p->H);
@@ -424,8 +403,6 @@ __device__ void stage_x(const Ctx<M>& c, const float* const* src, float mult, co
     }
   }
   cbar();
-  if constexpr (EPI)
-    if (norm_w != nullptr) finish_rstd<M>(*c.p, c.misc);  // (the epilogue reads misc->rstd after its barrier)
 }
 
 }  // namespace
