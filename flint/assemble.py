@@ -21,15 +21,20 @@ def check_draft_k(draft: str | None, k: int | None, shown=None) -> None:
                          f"tokens a step (the widest verify is M = {K_MAX + 1})")
 
 
-def load_engine(args, quiet: bool = False):
+def load_engine(args, quiet: bool = False, synthetic_text: bool = False):
     """(LoadedModel, backend, Engine) from the model options; with ``--draft`` other than none the Engine is a
-    SpeculativeEngine. ``quiet``: no notes on stderr."""
+    SpeculativeEngine. ``quiet``: no notes on stderr. ``synthetic_text``: a synthetic model gets the byte-level
+    tokenizer of its vocabulary (flint.synthetic.synthetic_tokenizer; `flint serve`, so its speed can be served)."""
     from .backend import default_backend, make_backend
     from .engine import Engine
     from .loading import load_model
 
     check_draft_k(getattr(args, "draft", None), getattr(args, "draft_k", None))
     lm = load_model(args.model)
+    if synthetic_text and lm.tokenizer is None and str(args.model).startswith("synthetic:"):
+        from .synthetic import synthetic_tokenizer
+
+        lm.tokenizer = synthetic_tokenizer(lm.cfg)
     name = args.backend or default_backend(quiet=quiet)
     max_seq = args.max_seq_len or min(lm.cfg.max_position_embeddings, MAX_SEQ_LEN)
     backend = make_backend(name, lm, max_seq, device=args.device, group_size=args.group_size,

@@ -10,7 +10,8 @@ to the last), and the engine's decode tok/s as the server measured it for the sa
 JSON and SSE work leave of the kernel's speed. Prints a table, and ``--json PATH`` writes
 ``{"device", "results": [{"model", "backend", "tokens", "ttft_ms", "client_tok_s", "engine_tok_s", "ratio"}]}``.
 
-The model needs a tokenizer (the server answers text), so synthetic models cannot be served. Test:
+The server answers text: a synthetic model (``synthetic:NAME``) is served with a byte-level tokenizer of its
+vocabulary (flint.synthetic.synthetic_tokenizer; its text is noise, its speed the shape's). Test:
 ``pytest tests/test_server_compat.py -k bench_serve``.
 """
 from __future__ import annotations

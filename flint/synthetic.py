@@ -10,7 +10,9 @@ logits are not degenerate. Speed does not depend on the values, so big shapes ar
   random fp16 scales (G, or the largest group size dividing K where G does not: 64 for K = 576) (no fp32 intermediate: Granite-3B int4 is 1.8 GB, not 13 GB of fp32). A tied
   embedding is then the head's own dequantized values, so the lookup and the head agree.
 
-CLI: ``--model synthetic:NAME`` everywhere a model is taken. Test: ``pytest tests/test_compiled.py``.
+CLI: ``--model synthetic:NAME`` everywhere a model is taken. `flint serve` gives it ``synthetic_tokenizer``, a
+byte-level tokenizer of its vocabulary size, so a synthetic shape can be served and `flint bench --serve` can time it
+(its text is noise: random weights). Test: ``pytest tests/test_compiled.py``.
 """
 from __future__ import annotations
 
@@ -118,9 +120,41 @@ def synthetic_bytes(cfg: ModelConfig, int4_group_size: int | None, dtype=torch.b
     return total
 
 
+SYNTHETIC_SPECIALS = ("<|im_start|>", "<|im_end|>")
+SYNTHETIC_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def synthetic_tokenizer(cfg: ModelConfig):
+    """A tokenizer of ``cfg.vocab_size`` ids for a synthetic model: the 256 bytes (byte-level, no merges: text
+    encodes byte by byte), the ChatML markers as special tokens, then one filler word a remaining id (" w<id>"), so
+    every id the random model emits decodes; the end-of-sequence ids are the config's (else <|im_end|>)."""
+    from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+    from .tokenizer import Tokenizer
+
+    nspec = len(SYNTHETIC_SPECIALS)
+    if cfg.vocab_size < 256 + nspec:
+        raise LoadError(f"{cfg.name}: vocab_size {cfg.vocab_size} is below the synthetic tokenizer's "
+                        f"{256 + nspec} (the bytes and the chat markers)")
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    vocab.update({t: 256 + i for i, t in enumerate(SYNTHETIC_SPECIALS)})
+    vocab.update({f"\u0120w{i}": i for i in range(256 + nspec, cfg.vocab_size)})  # (U+0120: byte-level's space)
+    tk = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SYNTHETIC_SPECIALS])
+    eos_ids = [i for i in cfg.eos_token_ids if i < cfg.vocab_size] or [256 + 1]
+    tok = Tokenizer(tk, SYNTHETIC_TEMPLATE, None, tk.id_to_token(eos_ids[0]), eos_ids)
+    tok.compile_template("synthetic chat template")
+    return tok
+
+
 def synthetic_model(name_or_path: str, seed: int = 0, int4_group_size: int | None = None,
-                    dtype=torch.bfloat16, device="cpu", store=None) -> LoadedModel:
-    """A LoadedModel with random weights (see module docstring); tokenizer None. ``store``: see synthetic_params."""
+                    dtype=torch.bfloat16, device="cpu", store=None, tokenizer: bool = False) -> LoadedModel:
+    """A LoadedModel with random weights (see module docstring); with ``tokenizer`` the synthetic_tokenizer of its
+    vocabulary, else None. ``store``: see synthetic_params."""
     cfg = synthetic_config(name_or_path)
     params = synthetic_params(cfg, seed, int4_group_size, dtype, device, store)
-    return LoadedModel(cfg, params, None, cfg.name)
+    return LoadedModel(cfg, params, synthetic_tokenizer(cfg) if tokenizer else None, cfg.name)

@@ -224,3 +224,25 @@ def test_bench_serve_reports_client_and_engine_speed(tiny_llama_dir, tmp_path, c
     assert row["tokens"] == 16 and row["ttft_ms"] > 0 and row["client_tok_s"] > 0 and row["engine_tok_s"] > 0
     assert row["ratio"] == pytest.approx(row["client_tok_s"] / row["engine_tok_s"])
     assert "client / engine" in capsys.readouterr().out
+
+
+def test_bench_serve_runs_a_synthetic_shape(tmp_path, capsys):
+    """`flint serve` gives a synthetic model the byte-level tokenizer of its vocabulary, so `bench --serve` times a
+    shape with no tokenizer of its own; every id the model emits decodes, text encodes byte by byte."""
+    from flint.cli import main
+    from flint.synthetic import synthetic_config, synthetic_tokenizer
+
+    cfg_path = tmp_path / "config.json"
+    cfg_path.write_text(json.dumps(dict(model_type="llama", vocab_size=400, hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=256, eos_token_id=399)))
+    tok = synthetic_tokenizer(synthetic_config(str(cfg_path)))
+    assert tok.vocab_size == 400 and tok.eos_token_ids == [399]
+    assert tok.tk.decode(tok.tk.encode("héllo").ids) == "héllo" and len(tok.tk.encode("héllo").ids) == 6
+    assert tok.tk.decode([300, 399]) == " w300 w399"
+    assert "<|im_start|>assistant" in tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    out = tmp_path / "serve.json"
+    assert main(["bench", "--serve", "--model", f"synthetic:{cfg_path}", "--backend", "reference", "--device", "cpu",
+                 "--tokens", "8", "--repeats", "1", "--json", str(out)]) == 0
+    row, = json.loads(out.read_text())["results"]
+    assert row["tokens"] == 8 and row["client_tok_s"] > 0 and row["engine_tok_s"] > 0

@@ -72,7 +72,7 @@ class ServerState:
         from ..assemble import load_engine
 
         t0 = time.perf_counter()
-        lm, backend, engine = load_engine(args)
+        lm, backend, engine = load_engine(args, synthetic_text=True)
         if lm.tokenizer is None:
             raise ValueError(f"model {self.model_id!r} has no tokenizer; flint serve needs text in and out")
         lm.tokenizer.max_token_chars  # computed once here, not in the first request
