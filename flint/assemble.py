@@ -21,6 +21,25 @@ def check_draft_k(draft: str | None, k: int | None, shown=None) -> None:
                          f"tokens a step (the widest verify is M = {K_MAX + 1})")
 
 
+def _refuse_unless_fits(args) -> None:
+    """Before any weight is read: a model the megakernel cannot hold on this GPU is refused naming both sizes (its
+    config read alone: flint.loading.peek_config; flint.megakernel.refuse_unless_fits)."""
+    import torch
+
+    from .loading import peek_config
+
+    device = args.device or "cuda"
+    if not str(device).startswith("cuda") or not torch.cuda.is_available():
+        return  # (make_backend refuses the megakernel there)
+    cfg = peek_config(args.model)
+    if cfg is None:
+        return  # (the backend checks again before it allocates, from the weights)
+    from .megakernel import refuse_unless_fits
+
+    max_seq = args.max_seq_len or min(cfg.max_position_embeddings, MAX_SEQ_LEN)
+    refuse_unless_fits(cfg, max_seq, getattr(args, "kv_cache", "fp16"), device, group_size=args.group_size or 128)
+
+
 def load_engine(args, quiet: bool = False, synthetic_text: bool = False):
     """(LoadedModel, backend, Engine) from the model options; with ``--draft`` other than none the Engine is a
     SpeculativeEngine. ``quiet``: no notes on stderr. ``synthetic_text``: a synthetic model gets the byte-level
@@ -30,12 +49,14 @@ def load_engine(args, quiet: bool = False, synthetic_text: bool = False):
     from .loading import load_model
 
     check_draft_k(getattr(args, "draft", None), getattr(args, "draft_k", None))
+    name = args.backend or default_backend(quiet=quiet)
+    if name == "megakernel":
+        _refuse_unless_fits(args)
     lm = load_model(args.model)
     if synthetic_text and lm.tokenizer is None and str(args.model).startswith("synthetic:"):
         from .synthetic import synthetic_tokenizer
 
         lm.tokenizer = synthetic_tokenizer(lm.cfg)
-    name = args.backend or default_backend(quiet=quiet)
     max_seq = args.max_seq_len or min(lm.cfg.max_position_embeddings, MAX_SEQ_LEN)
     backend = make_backend(name, lm, max_seq, device=args.device, group_size=args.group_size,
                            dtype=getattr(args, "dtype", None), kv_cache=getattr(args, "kv_cache", "fp16"))

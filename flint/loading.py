@@ -782,6 +782,30 @@ def load_model(spec: str | None = None, dtype=torch.float32, seed: int = 0) -> L
         raise LoadError(f"{spec}: cannot be loaded ({type(e).__name__}: {str(e)[:400]})") from None
 
 
+def peek_config(spec: str | None) -> ModelConfig | None:
+    """The ModelConfig of a model spec read without its weights (a GGUF's metadata, an HF directory's config.json, a
+    synthetic name); None where there is no file here to read (a hub id) or it cannot be read (load_model then says
+    why)."""
+    spec = spec or DEFAULT_MODEL
+    try:
+        if spec in ("embedded:smollm2", "smollm2"):
+            spec = str(embedded_gguf_path())
+        if spec.startswith("synthetic:"):
+            from .synthetic import synthetic_config
+
+            return synthetic_config(spec[len("synthetic:"):])
+        p = Path(spec)
+        if p.is_file() and (p.suffix == ".gguf" or p.open("rb").read(4) == b"GGUF"):
+            from . import gguf_file
+
+            return _gguf_config(gguf_file.read(str(p)), str(p))
+        if p.is_dir() and (p / "config.json").is_file():
+            return from_hf_dict(_read_json(p / "config.json"), str(p / "config.json"))
+    except Exception:  # noqa: BLE001 - load_model reports a bad file, naming it
+        return None
+    return None
+
+
 def _load_model(spec: str, dtype, seed: int) -> LoadedModel:
     if spec in ("embedded:smollm2", "smollm2"):
         return load_gguf(embedded_gguf_path(), dtype)

@@ -309,6 +309,40 @@ def _interleave_rows(a: Int4Weight, b: Int4Weight, name: str) -> Int4Weight:
     return both.rows(idx.to(both.qweight.device))
 
 
+def device_bytes(cfg: ModelConfig, max_seq_len: int, kv_cache: str = "fp16", group_size: int = 128,
+                 weights: int | None = None) -> dict:
+    """What the backend holds on the device, from the config alone: the repacked int4 matrices (every linear and the
+    LM head at ``group_size``, or the largest group dividing K; ``weights`` where the repack's own layouts are known),
+    the fp32 embedding, the K/V cache at ``max_seq_len``. Bytes by part and their ``total``."""
+    from .quant.int4 import fit_group_size
+
+    if weights is None:
+        h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+        mats = [((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h), (h, cfg.num_heads * d), (2 * i, h), (h, i)]
+
+        def blob(n: int, k: int) -> int:
+            return repack_layout(n, k, fit_group_size(k, group_size, "w"))["layer_stride"]
+
+        weights = cfg.num_layers * sum(blob(n, k) for n, k in mats) + blob(cfg.vocab_size, h)
+    parts = {"weights": weights, "embed": 4 * cfg.vocab_size * cfg.hidden_size,
+             "kv": kv_format_bytes(cfg, kv_cache) * max_seq_len}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def refuse_unless_fits(cfg: ModelConfig, max_seq_len: int, kv_cache: str, device, weights: int | None = None,
+                       group_size: int = 128) -> None:
+    """MegakernelError naming both sizes where device_bytes exceeds the device's free memory."""
+    need = device_bytes(cfg, max_seq_len, kv_cache, group_size, weights)
+    free, total = torch.cuda.mem_get_info(torch.device(device))
+    if need["total"] > free:
+        gb = 1e9
+        raise MegakernelError(
+            f"megakernel: {cfg.name} needs {need['total'] / gb:.1f} GB on the device (int4 weights "
+            f"{need['weights'] / gb:.1f}, fp32 embedding {need['embed'] / gb:.1f}, K/V cache {need['kv'] / gb:.1f} at "
+            f"max_seq_len {max_seq_len}); {free / gb:.1f} of {total / gb:.1f} GB are free")
+
+
 # ------------------------------------------------------------------ the backend
 
 class MegakernelBackend:
@@ -580,17 +614,9 @@ class MegakernelBackend:
     def _check_fits(self, descs: dict) -> None:
         """Refuse, before anything is allocated, a model whose repacked weights, fp32 embedding and K/V cache exceed
         the device's free memory (MegakernelError naming both sizes)."""
-        cfg, L = self.cfg, self.cfg.num_layers
+        L = self.cfg.num_layers
         weights = sum(d["layer_stride"] * (1 if key == "lm_head" else L) for key, d in descs.items())
-        embed = 4 * cfg.vocab_size * cfg.hidden_size
-        kv = kv_format_bytes(cfg, self.kv_cache) * self.max_seq_len
-        free, total = torch.cuda.mem_get_info(self.device)
-        if weights + embed + kv > free:
-            gb = 1e9
-            raise MegakernelError(
-                f"megakernel: {cfg.name} needs {(weights + embed + kv) / gb:.1f} GB on the device (int4 weights "
-                f"{weights / gb:.1f}, fp32 embedding {embed / gb:.1f}, K/V cache {kv / gb:.1f} at max_seq_len "
-                f"{self.max_seq_len}); {free / gb:.1f} of {total / gb:.1f} GB are free")
+        refuse_unless_fits(self.cfg, self.max_seq_len, self.kv_cache, self.device, weights)
 
     def _layer_matrices(self, params: dict, i: int) -> dict:
         """Layer i's matrices as the kernel reads them, on the device: q|k|v (q and k rows in RoPE pair order), o,

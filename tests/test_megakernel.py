@@ -812,3 +812,36 @@ def test_greedy_tie_rule_cpu():
     assert 1 <= len(ties) <= MAX_TIES and all(gap <= bound for _, _, _, gap, bound in ties)  # (2 on this model)
     with pytest.raises(AssertionError, match="not a tie"):
         greedy_tie_compare(Noisy(0.0, swap=True), ref, [1, 2, 3, 4, 5], 40)
+
+
+def test_a_model_that_cannot_fit_is_refused_before_loading(monkeypatch):
+    """load_engine with the megakernel reads the config alone and refuses a model whose repacked weights, fp32
+    embedding and K/V cache exceed the GPU's free memory, naming both, before any weight is read (CPU: the GPU's
+    answers faked). device_bytes from the config equals the repack's own layouts."""
+    import argparse
+    from types import SimpleNamespace
+
+    import flint.loading
+    from flint.assemble import load_engine
+    from flint.megakernel import MegakernelBackend, MegakernelError, device_bytes
+    from flint.synthetic import synthetic_config, synthetic_params
+
+    cfg = _cfg(num_hidden_layers=3)
+    params = synthetic_params(cfg, 0, 64, torch.float32)
+    descs = MegakernelBackend._layouts(SimpleNamespace(ffn_plan=None), params)
+    from_layouts = sum(d["layer_stride"] * (1 if k == "lm_head" else 3) for k, d in descs.items())
+    assert device_bytes(cfg, 64, group_size=64)["weights"] == from_layouts
+    big = synthetic_config("llama-3-70b")
+    need = device_bytes(big, 4096)
+    assert 35e9 < need["weights"] < 40e9 and need["embed"] == 4 * 128256 * 8192
+
+    def never(*a, **k):
+        raise AssertionError("the weights were read")
+
+    monkeypatch.setattr(flint.loading, "load_model", never)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30_000_000_000, 80_000_000_000))
+    args = argparse.Namespace(model="synthetic:llama-3-70b", backend="megakernel", device=None, max_seq_len=4096,
+                              group_size=128, kv_cache="fp16", draft=None, draft_k=None)
+    with pytest.raises(MegakernelError, match=r"needs 4\d\.\d GB on the device .*30\.0 of 80\.0 GB are free"):
+        load_engine(args, quiet=True)
