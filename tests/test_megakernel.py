@@ -234,6 +234,7 @@ ROPE_FAMILIES = {  # scaled and partial RoPE: host-side tables and row order onl
                                                     long_factor=[1.0 + i / 8 for i in range(48)])),
     "partial-half-d64": dict(model_type="phi3", head_dim=64, num_attention_heads=8, num_key_value_heads=2,
                              partial_rotary_factor=0.5),
+    "qwen2-biases": dict(model_type="qwen2", rope_theta=1e6),  # q|k|v biases in the epilogue (where the kernel has them)
 }
 
 
@@ -241,10 +242,14 @@ ROPE_FAMILIES = {  # scaled and partial RoPE: host-side tables and row order onl
 @needs_sm90
 @pytest.mark.parametrize("family", list(ROPE_FAMILIES))
 def test_rope_families_match_reference(family):
-    """Scaled RoPE (llama3, YaRN, LongRoPE past the original context) and partial RoPE on the megakernel against the
-    reference: prefill in chunks, M = 1 steps past the original context, one M = 4 verify."""
+    """Scaled RoPE (llama3, YaRN, LongRoPE past the original context), partial RoPE and q|k|v biases on the megakernel
+    against the reference: prefill in chunks, M = 1 steps past the original context, one M = 4 verify."""
+    from flint.config import kernel_features
+
     cfg = _cfg(**ROPE_FAMILIES[family])
-    assert cfg.rope_scaling is not None or cfg.rotary_dim is not None
+    assert cfg.rope_scaling is not None or cfg.rotary_dim is not None or cfg.qkv_bias
+    if kernel_features(cfg, 256):  # (lab/patches/qkv_bias.patch: the biases; the shipping kernel refuses them)
+        pytest.skip(f"the megakernel does not run {kernel_features(cfg, 256)} yet")
     mk, ref = _pair(cfg, 32, 256)
     toks = torch.randint(0, cfg.vocab_size, (200,), generator=torch.Generator().manual_seed(5))
     for pos in range(0, 160, 8):
