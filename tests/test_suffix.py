@@ -374,6 +374,22 @@ def test_cost_best_k_and_a_measured_curve():
     assert verify_cost_of(be) == CPU_VERIFY_COST  # (a CPU backend is not timed)
 
 
+def test_a_gpu_backend_is_timed_once(monkeypatch):
+    """Engines sharing a GPU backend share one measured curve (the timing writes the start of its cache)."""
+    import flint.speculative.cost as cost
+
+    calls = []
+    monkeypatch.setattr(cost, "measure_verify_cost", lambda b: calls.append(b) or (1.0, 1.0, 1.2))
+
+    class FakeGpuBackend:
+        device = torch.device("cuda")
+
+    a, b = FakeGpuBackend(), FakeGpuBackend()
+    assert cost.verify_cost_of(a) == cost.verify_cost_of(a) == (1.0, 1.0, 1.2)
+    cost.verify_cost_of(b)
+    assert calls == [a, b]
+
+
 def test_auto_sizes_the_head_from_the_verify_cost():
     """The head drafts the k its running acceptance is worth on the backend's curve: a head whose drafts all fail
     stops drafting (k 0: plain steps), one whose drafts all hold drafts its whole k; the gate's floor is that k's

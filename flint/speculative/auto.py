@@ -184,11 +184,15 @@ class AutoDraft:
 
     def _head_draft_k(self, k: int) -> int:
         """The head's draft length this step (at most ``k`` and its own k_default): the one worth most per verify
-        time at its acceptance so far (flint.speculative.cost.best_k); 0 where no draft pays for its verify. Sets the
-        head gate's floor to that k's break-even, the accepted tokens that pay for its verify and rollout."""
-        kk, _ = best_k(self.verify_cost, self._head_accept(), min(k, self.head_k), self.head_token_cost)
-        if kk:
-            self.gates["head"].floor = self.verify_cost[kk + 1] + kk * self.head_token_cost - 1.0
+        time at its acceptance so far (flint.speculative.cost.best_k); 0 where no draft pays for its verify. (The head
+        gate judges each head step against that k's break-even: the accepted tokens that pay for its verify and
+        rollout, set by _head_drafts.)"""
+        return best_k(self.verify_cost, self._head_accept(), min(k, self.head_k), self.head_token_cost)[0]
+
+    def _head_drafts(self, k: int) -> int:
+        """_head_draft_k for a step the head drafts now: its gate will judge the step against that k's break-even."""
+        kk = self._head_draft_k(k)
+        self.gates["head"].floor = self.verify_cost[kk + 1] + kk * self.head_token_cost - 1.0
         return kk
 
     def propose(self, context_ids: list[int], hidden=None, k: int = K_MAX, sp=None, gen=None):
@@ -198,7 +202,7 @@ class AutoDraft:
             self._chosen(context_ids, toks, "suffix", self.suffix.last[1])
             return point_mass(toks, self.vocab_size, sp)
         if self._head_open() and hidden is not None:
-            t, q = self.head.propose(context_ids, hidden, self._head_draft_k(k), sp, gen)
+            t, q = self.head.propose(context_ids, hidden, self._head_drafts(k), sp, gen)
             self._chosen(context_ids, t, "head")
             return t, q
         self._chosen(context_ids, [], "none")
@@ -206,7 +210,7 @@ class AutoDraft:
 
     def begin(self, hidden: torch.Tensor, tok: torch.Tensor, k: int):
         """The head's rollout for the next step, begun on the device while its gate is open (None otherwise)."""
-        return self.head.begin(hidden, tok, self._head_draft_k(k)) if self._head_open() else None
+        return self.head.begin(hidden, tok, self._head_drafts(k)) if self._head_open() else None
 
     def finish(self, pending, context_ids: list[int], k: int) -> torch.Tensor:
         self._settle(context_ids)

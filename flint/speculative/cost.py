@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import weakref
 
 import torch
 
@@ -51,10 +52,18 @@ def measure_verify_cost(backend, widths: int = WIDEST, reps: int = REPS) -> tupl
     return tuple(cost)
 
 
+_MEASURED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # backend -> its curve, timed once
+
+
 def verify_cost_of(backend) -> tuple[float, ...]:
-    """The backend's curve: measured on a GPU, CPU_VERIFY_COST on the CPU."""
+    """The backend's curve: measured on a GPU (once per backend: engines that share it share the curve, and their
+    caches are not overwritten again), CPU_VERIFY_COST on the CPU."""
     dev = torch.device(getattr(backend, "device", "cpu"))
-    return measure_verify_cost(backend) if dev.type == "cuda" else CPU_VERIFY_COST
+    if dev.type != "cuda":
+        return CPU_VERIFY_COST
+    if backend not in _MEASURED:
+        _MEASURED[backend] = measure_verify_cost(backend)
+    return _MEASURED[backend]
 
 
 def best_k(cost: tuple[float, ...], accept: float, k_max: int, per_token: float = 0.0) -> tuple[int, float]:
