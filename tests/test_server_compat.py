@@ -52,6 +52,7 @@ def test_n_choices_run_one_after_the_other(srv):
     assert three["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"]
     with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=30, json={
             "model": srv.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2,
+            "ignore_eos": True,  # (an unseeded draw may end a choice early: the usage below counts 2 x 4)
             "stream": True, "stream_options": {"include_usage": True}}) as r:
         chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
     finished = [c["choices"][0]["index"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
