@@ -70,6 +70,7 @@ from pathlib import Path
 
 import torch
 
+from .assemble import settle_heap
 from .backend import BACKENDS, BackendError, check_kv_cache, default_device, make_backend
 from .backend_api import ChunkedPrefill, GreedyRun, GreedyStep, KVBytes, MaskedStep, WeightBytes
 from .bench_head import INT4_BACKENDS, check_head_backends, head_variants, parse_head_groups
@@ -608,6 +609,7 @@ def run_draft_bench(model: str | None, backends: list[str], draft_path: str, k: 
         backend = make_backend(bname, lm, max_seq_len=2048, device=dev, group_size=group_size)
         for nv in draft_vocab or [None]:
             draft = load_draft(draft_path, lm.cfg, lm.params, device=backend.device, draft_vocab=nv)
+            settle_heap()  # (no full collection of the model's objects inside a timed decode)
             nv_used = getattr(draft, "draft_vocab_size", None)
             for kk in ks:
                 kk = kk or getattr(getattr(draft, "cfg", None), "k_default", 4)

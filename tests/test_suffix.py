@@ -27,7 +27,7 @@ def count(seqs, sub) -> int:
 def walk(trie, path):
     node = trie.root
     for t in path:
-        node = node.kids.get(t)
+        node = trie.child(node, t)
         if node is None:
             return None
     return node
@@ -41,14 +41,14 @@ def test_trie_counts_every_substring_and_removal_undoes_adding():
         trie.add(s)
     for n in range(1, 5):
         for sub in {tuple(s[j:j + n]) for s in seqs for j in range(len(s) - n + 1)}:
-            assert walk(trie, sub).count == count(seqs, sub), sub
+            assert trie.count[walk(trie, sub)] == count(seqs, sub), sub
     assert walk(trie, (0, 1, 2, 0, 1)) is None  # deeper than the trie
     for s in seqs[:3]:
         trie.remove(s)
     for n in range(1, 5):
         for sub in {tuple(s[j:j + n]) for s in seqs for j in range(len(s) - n + 1)}:
             node, want = walk(trie, sub), count(seqs[3:], sub)
-            assert (node.count if node else 0) == want, sub
+            assert (trie.count[node] if node else 0) == want, sub
     for s in seqs[3:]:
         trie.remove(s)
     assert trie.nodes() == 0
@@ -114,7 +114,7 @@ def test_cache_evicts_least_recently_used_whole_outputs():
     cache.touch(0)  # a used again: b is now the least recently used
     cache.add(c)
     assert len(cache) == 2 and cache.tokens == 16
-    assert walk(cache.trie, (12, 13)) is None and walk(cache.trie, (2, 3)).count == 1
+    assert walk(cache.trie, (12, 13)) is None and cache.trie.count[walk(cache.trie, (2, 3))] == 1
     assert cache.trie.nodes() <= 4 * cache.tokens
     with pytest.raises(ValueError, match="max_tokens"):
         SuffixCache(max_tokens=-1)
@@ -425,3 +425,24 @@ def test_auto_sizes_the_head_from_the_verify_cost():
             assert auto.source == "none" and len(head.asked) < 12
         k = head.asked[-1]
         assert auto.gates["head"].floor == pytest.approx(h100[k + 1] + k * auto.head_token_cost - 1.0)
+
+
+def test_a_full_cache_adds_no_objects_for_the_cyclic_collector_and_reuses_its_nodes():
+    """A decode must not stall on Python's full collection walking the tries (150 ms a full cache of node
+    objects): the trie holds ints only, so its dicts stay untracked, and evicted outputs' nodes are reused."""
+    import gc
+
+    rnd = random.Random(3)
+    cache = SuffixCache(max_tokens=2000)
+    gc.collect()
+    before = len(gc.get_objects())
+    for _ in range(40):  # 5120 tokens through a 2000-token cache: evictions all along
+        cache.add([rnd.randrange(500) for _ in range(128)])
+    gc.collect()
+    assert cache.trie.nodes() > 10 * cache.tokens  # (thousands of nodes live)
+    assert len(gc.get_objects()) - before < 200
+    high = len(cache.trie.kids)
+    for _ in range(40):
+        cache.add([rnd.randrange(500) for _ in range(128)])
+    assert len(cache.trie.kids) <= high * 1.1  # the freed nodes were taken again
+    assert cache.trie.nodes() <= cache.trie.depth * cache.tokens

@@ -69,63 +69,85 @@ def _no_cyclic_gc():
             gc.enable()
 
 
-class _Node:
-    __slots__ = ("count", "kids", "seq")
-
-    def __init__(self):
-        self.count = 0   # occurrences of this node's path
-        self.kids = {}   # token -> _Node
-        self.seq = -1    # the latest occurrence: its position (a request's trie) or sequence (the cache's)
-
-
 class SuffixTrie:
     """Every substring of at most ``depth`` tokens of the sequences added, with occurrence counts. A sequence is
-    added one token at a time through its *frontier*: the nodes of its suffixes of 1..depth tokens, shortest first."""
+    added one token at a time through its *frontier*: the nodes of its suffixes of 1..depth tokens, shortest first.
+
+    A node is an integer: ``kids[n]`` maps a token to the child node, ``count[n]`` counts the occurrences of n's
+    path, ``seq[n]`` is its latest occurrence (a position in a request's trie, a sequence number in the cache's).
+    Only ints are stored, so the dicts stay untracked by Python's cyclic collector: a trie of a full cache (about
+    260k nodes) as objects made each full collection walk them (150 ms on the build machine, a stall in the middle
+    of a decode); as ints the collector has a few lists to visit. Node 0 is the root; removed nodes are reused."""
 
     def __init__(self, depth: int = TRIE_DEPTH):
         if not isinstance(depth, int) or depth < 2:
             raise ValueError(f"suffix trie: depth must be an integer >= 2, got {depth!r}")
         self.depth = depth
-        self.root = _Node()
+        self.root = 0
+        self.kids: list[dict[int, int]] = [{}]
+        self.count: list[int] = [0]
+        self.seq: list[int] = [-1]
+        self._free: list[int] = []
+
+    def _new(self) -> int:
+        if self._free:
+            return self._free.pop()
+        self.kids.append({})
+        self.count.append(0)
+        self.seq.append(-1)
+        return len(self.kids) - 1
+
+    def child(self, node: int, token: int) -> int | None:
+        return self.kids[node].get(token)
 
     def append(self, frontier: list, token: int, seq: int = -1) -> list:
         """Add ``token`` after the sequence whose frontier is given; returns the new frontier."""
         out = []
-        for node in [self.root] + frontier[: self.depth - 1]:
-            child = node.kids.get(token)
+        kids, count, last = self.kids, self.count, self.seq
+        for node in [0] + frontier[: self.depth - 1]:
+            child = kids[node].get(token)
             if child is None:
-                child = node.kids[token] = _Node()
-            child.count += 1
-            child.seq = seq
+                child = self._new()
+                kids[node][token] = child
+            count[child] += 1
+            last[child] = seq
             out.append(child)
         return out
 
     def add(self, tokens, seq: int = -1) -> None:
         frontier: list = []
         for t in tokens:
-            frontier = self.append(frontier, t, seq)
+            frontier = self.append(frontier, int(t), seq)
 
     def remove(self, tokens) -> None:
-        """Undo ``add(tokens)``: the same paths, each count decremented, nodes that reach 0 dropped."""
+        """Undo ``add(tokens)``: the same paths, each count decremented, nodes that reach 0 dropped (a node's
+        descendants reach 0 in the same walk: a longer path occurs at most as often as its prefix)."""
         frontier: list = []
+        dropped = []
         for t in tokens:
+            t = int(t)
             out = []
-            for node in [self.root] + frontier[: self.depth - 1]:
-                child = node.kids.get(t)
+            for node in [0] + frontier[: self.depth - 1]:
+                child = self.kids[node].get(t)
                 if child is None:  # (a path this sequence added is gone only if it was never added)
                     raise ValueError("suffix trie: removing a sequence that was not added")
-                child.count -= 1
-                if child.count == 0:
-                    del node.kids[t]
+                self.count[child] -= 1
+                if self.count[child] == 0:
+                    del self.kids[node][t]
+                    dropped.append(child)
                 out.append(child)
             frontier = out
+        for n in dropped:
+            self.kids[n].clear()
+            self.seq[n] = -1
+        self._free.extend(dropped)
 
     def follow(self, frontier: list, token: int) -> list:
         """The frontier of the context extended by ``token``, without adding it: the nodes of its suffixes that the
         trie holds (the lengths 1..n for some n: a suffix absent means every longer one is)."""
         out = []
-        for prev in [self.root] + frontier[: self.depth - 1]:
-            node = prev.kids.get(token)
+        for prev in [0] + frontier[: self.depth - 1]:
+            node = self.kids[prev].get(token)
             if node is None:
                 break
             out.append(node)
@@ -139,18 +161,14 @@ class SuffixTrie:
         return frontier
 
     def nodes(self) -> int:
-        n, stack = 0, [self.root]
-        while stack:
-            node = stack.pop()
-            n += len(node.kids)
-            stack.extend(node.kids.values())
-        return n
+        """Nodes in use, the root not counted (every other node is one edge)."""
+        return sum(len(k) for k in self.kids)
 
 
-def _match(frontier: list, depth: int):
+def _match(trie: SuffixTrie, frontier: list):
     """The deepest frontier node with a continuation, at least MIN_MATCH deep: (node, its depth) or (None, 0)."""
-    for i in range(min(len(frontier), depth - 1) - 1, MIN_MATCH - 2, -1):
-        if frontier[i].kids:
+    for i in range(min(len(frontier), trie.depth - 1) - 1, MIN_MATCH - 2, -1):
+        if trie.kids[frontier[i]]:
             return frontier[i], i + 1
     return None, 0
 
@@ -162,7 +180,7 @@ def hit(m: int, trust: float = 1.0) -> float:
 
 
 def best_run(trie: SuffixTrie, frontier: list, k: int, trust: float = 1.0,
-             cost: tuple[float, ...] = VERIFY_COST) -> tuple[list[int], float, int, "_Node | None"]:
+             cost: tuple[float, ...] = VERIFY_COST) -> tuple[list[int], float, int, int | None]:
     """The proposal from a context's frontier in ``trie``: (tokens, score, match length, the last node used). At
     each token the longest match with a continuation gives the most frequent child (a variable-order model: the
     match is re-taken after every proposed token, so a run is not cut by the trie's depth); its chance is the
@@ -171,22 +189,23 @@ def best_run(trie: SuffixTrie, frontier: list, k: int, trust: float = 1.0,
     that maximises (1 + its expected accepted tokens) / the cost of verifying it (``cost``) is proposed, none
     where a plain step is worth more. score = the sum of the proposed prefix's chances (the expected number of
     tokens accepted)."""
-    node, m = _match(frontier, trie.depth)
+    node, m = _match(trie, frontier)
     if node is None:
         return [], 0.0, 0, None
     k = min(k, len(cost) - 2)
     toks, p, scores, used, depth = [], 1.0, [0.0], [None], m
     while node is not None and len(toks) < k:
-        total = sum(c.count for c in node.kids.values())
-        t, child = max(node.kids.items(), key=lambda kv: (kv[1].count, kv[1].seq))  # ties: the latest
-        p *= child.count / total * hit(depth, trust)
+        kids, count, last = trie.kids[node], trie.count, trie.seq
+        total = sum(count[c] for c in kids.values())
+        t, child = max(kids.items(), key=lambda kv: (count[kv[1]], last[kv[1]]))  # ties: the latest
+        p *= count[child] / total * hit(depth, trust)
         if p < MIN_PROB:
             break
         toks.append(t)
         scores.append(scores[-1] + p)
         used.append(child)
         frontier = trie.follow(frontier, t)
-        node, depth = _match(frontier, trie.depth)
+        node, depth = _match(trie, frontier)
     n = len(toks)
     if CUT_BY_COST:
         n = max(range(n + 1), key=lambda i: (1.0 + scores[i]) / cost[1 + i])
@@ -292,7 +311,7 @@ class SuffixDraft:
             toks, score, m = g[0], g[1], g[2]
             src = "cache"
             if g[3] is not None:
-                self.cache.touch(g[3].seq)
+                self.cache.touch(self.cache.trie.seq[g[3]])
         self.last = (src if toks else "none", score, m)
         return toks, score
 
