@@ -235,6 +235,7 @@ ROPE_FAMILIES = {  # scaled and partial RoPE: host-side tables and row order onl
     "partial-half-d64": dict(model_type="phi3", head_dim=64, num_attention_heads=8, num_key_value_heads=2,
                              partial_rotary_factor=0.5),
     "qwen2-biases": dict(model_type="qwen2", rope_theta=1e6),  # q|k|v biases in the epilogue (where the kernel has them)
+    "qwen3-qk-norm": dict(model_type="qwen3", rope_theta=1e6),  # the per-head q/k RMSNorm (where the kernel has it)
 }
 
 
@@ -247,8 +248,8 @@ def test_rope_families_match_reference(family):
     from flint.config import kernel_features
 
     cfg = _cfg(**ROPE_FAMILIES[family])
-    assert cfg.rope_scaling is not None or cfg.rotary_dim is not None or cfg.qkv_bias
-    if kernel_features(cfg, 256):  # (lab/patches/qkv_bias.patch: the biases; the shipping kernel refuses them)
+    assert cfg.rope_scaling is not None or cfg.rotary_dim is not None or cfg.qkv_bias or cfg.qk_norm
+    if kernel_features(cfg, 256):  # (lab/patches/qkv_bias.patch, qk_norm.patch: the shipping kernel refuses them)
         pytest.skip(f"the megakernel does not run {kernel_features(cfg, 256)} yet")
     mk, ref = _pair(cfg, 32, 256)
     toks = torch.randint(0, cfg.vocab_size, (200,), generator=torch.Generator().manual_seed(5))
@@ -260,6 +261,45 @@ def test_rope_families_match_reference(family):
         assert torch.isfinite(a).all() and rel(a, b) < 1e-2, f"{family} pos {pos}: rel {rel(a, b):.3e}"
     a, b = mk.forward(toks[164:168], 164), ref.forward(toks[164:168], 164)
     assert rel(a, b) < 1e-2, f"{family} verify M = 4: rel {rel(a, b):.3e}"
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("kv_cache", ["fp16", "int8"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_qwen3_qk_norm_matches_reference(d, kv_cache):
+    """Qwen3's per-head q/k RMSNorm before RoPE (lab/patches/qk_norm.patch; skipped where the kernel refuses it): a tiny
+    random Qwen3-like model against the reference, within 1e-3 relative with the fp16 cache (the int8 cache: 1e-2, a
+    code may flip where the two decoders' K differ at a rounding boundary): a prefill whose steps of 8 straddle the
+    64-key tiles (this step's K rows in two context splits), M = 1 steps, verify steps of M = 2 and 4 (a rollback);
+    bitwise repeatable; the long-context objects stay off (they have no q/k norm stage)."""
+    from flint.config import kernel_features
+
+    cfg = _cfg(model_type="qwen3", rope_theta=1e6, head_dim=d,
+               **(dict(num_attention_heads=8, num_key_value_heads=2) if d == 64 else {}))
+    assert cfg.qk_norm and cfg.head_dim == d
+    if kernel_features(cfg, 256):
+        pytest.skip(f"the megakernel does not run {kernel_features(cfg, 256)} yet")
+    mk, ref = _pair(cfg, 32, 256, kv_cache=kv_cache)
+    assert not mk.smem_info(1)["long_context"]["ready"]
+    tol = 1e-3 if kv_cache == "fp16" else 1e-2
+    toks = torch.randint(0, cfg.vocab_size, (200,), generator=torch.Generator().manual_seed(11))
+
+    def step(pos, m):
+        a, b = mk.forward(toks[pos:pos + m], pos), ref.forward(toks[pos:pos + m], pos)
+        assert a.shape == b.shape == (m, cfg.vocab_size) and torch.isfinite(a).all()
+        assert rel(a, b) < tol, f"d {d} {kv_cache} pos {pos} M = {m}: rel {rel(a, b):.3e}"
+        return a
+
+    step(0, 5)
+    for pos in range(5, 157, 8):  # (61..68 and 125..132 cross a tile boundary)
+        step(pos, 8)
+    for pos in range(157, 161):
+        a = step(pos, 1)
+    assert torch.equal(a, mk.forward(toks[160:161], 160)), "not bitwise repeatable"
+    step(161, 2)
+    step(161, 4)  # (a rollback over the M = 2 step's positions)
+    step(165, 1)
 
 
 @gpu
