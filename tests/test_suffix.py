@@ -446,3 +446,28 @@ def test_a_full_cache_adds_no_objects_for_the_cyclic_collector_and_reuses_its_no
         cache.add([rnd.randrange(500) for _ in range(128)])
     assert len(cache.trie.kids) <= high * 1.1  # the freed nodes were taken again
     assert cache.trie.nodes() <= cache.trie.depth * cache.tokens
+
+
+def test_the_verify_cost_is_counted_in_tokens_of_the_device_loop(monkeypatch):
+    """On a backend with greedy_run, plain decoding runs bursts with no host round trip a token: the verify's cost is
+    in those tokens, so a lone synchronised step costs more than 1 and a draft must beat the bursts."""
+    import flint.speculative.cost as cost
+
+    clock = [0.0]
+    monkeypatch.setattr(cost.time, "perf_counter", lambda: clock[0])
+
+    class Loop:  # a forward of M tokens takes 1.0 + 0.1 M (launch and sync included), a burst token 0.9
+        device = torch.device("cpu")
+        max_chunk, max_seq_len = 8, 64
+
+        def forward(self, toks, pos):
+            clock[0] += 1.0 + 0.1 * len(toks)
+
+        def greedy_run(self, token, pos, n):
+            clock[0] += 0.9 * n
+            return [0] * n
+
+    c = cost.measure_verify_cost(Loop(), widths=4, reps=3)
+    assert c == pytest.approx((1.0, 1.1 / 0.9, 1.2 / 0.9, 1.3 / 0.9, 1.4 / 0.9), abs=1e-3)
+    del Loop.greedy_run  # no device loop: the unit is a forward of one token
+    assert cost.measure_verify_cost(Loop(), widths=2, reps=3) == pytest.approx((1.0, 1.0, 1.2 / 1.1), abs=1e-3)
