@@ -302,6 +302,7 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
   int slot = 0;
   for (int m = 0; m < mk::NMAT; ++m) slot = slot > mk::TILE_ROWS * p.mat[m].srb ? slot : mk::TILE_ROWS * p.mat[m].srb;
   slot = al(slot);
+  char why1[256] = "";
   // M = 1 .. MAX_M with two attention tile buffers, then (index 0) the long-context M = 1 layout
   for (int M0 = 1; M0 <= mk::MAX_M + 1; ++M0) {
     const bool lng = M0 == mk::MAX_M + 1;
@@ -374,6 +375,10 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
     s.nslots = ns;
     s.total = off + ns * slot;
     const bool fits = R <= mk::MAX_ROWS_ATT && ns >= 3 && s.total <= optin && max_acc_tiles <= mk::MAX_ACC_TILES;
+    if (M0 == 1)  // (what the refusal below names when M = 1 does not fit)
+      snprintf(why1, sizeof(why1), "q rows a kv head %d of at most %d; ring slots %d of at least 3; %d of %d bytes; "
+               "tiles a block of a multi-segment matrix %d of at most %d", R, mk::MAX_ROWS_ATT, ns, s.total, optin,
+               max_acc_tiles, mk::MAX_ACC_TILES);
     // (the long objects' attention: the rows are the mma's 8 columns, the head dimension 64)
     if (lng) h->ready_long = fits && h->ready[1] && R <= 8 && p.D == 64;
     else h->ready[M] = fits;
@@ -385,7 +390,11 @@ extern "C" int flint_mk_create(const long long* ia, int n_i, const double* fa, i
     delete h;
     return fail("flint_mk_create: the counted fixed-point residual counts at most 254 FFN blocks");
   }
-  if (!h->ready[1]) { delete h; return fail("flint_mk_create: this shape does not fit shared memory even at M=1"); }
+  if (!h->ready[1]) {
+    snprintf(g_err, sizeof(g_err), "flint_mk_create: this shape does not fit shared memory even at M=1 (%s)", why1);
+    delete h;
+    return 1;
+  }
   if ((e = cudaMallocHost((void**)&h->h_argmax, mk::MAX_M * sizeof(int)))) { delete h; return cuda_fail("cudaMallocHost", e); }
   *out = h;
   return 0;
