@@ -29,6 +29,8 @@ MAX_M = 8          # tokens per launch compiled (1..8): mk::MAX_M
 KSEG_MAX = 2560    # codes per K segment: mk::KSEG_MAX
 TILE_ROWS = 16     # rows per weight tile (one mma A operand): mk::TILE_ROWS
 ATT_T = 64         # keys per attention tile: mk::ATT_T
+MAX_ACC_TILES = 64  # a block's tiles of a matrix in several K segments (their sums wait in shared memory):
+                    # mk::MAX_ACC_TILES (tests/test_kernel_sources.py compares them)
 ABI_VERSION = 6    # flint_mk_abi_version of the host part whose arguments _pack_args names
 KV_CACHE_FORMATS_MK = ("fp16", "int8")  # the KV caches the kernel reads (int8: flint.model's layout, codes + fp16 scales)
 LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -330,9 +332,38 @@ def device_bytes(cfg: ModelConfig, max_seq_len: int, kv_cache: str = "fp16", gro
     return parts
 
 
+def segmented_tiles(cfg: ModelConfig, nblocks: int, group_size: int = 128) -> dict:
+    """{matrix: a block's tiles} for the matrices whose K is staged in several segments (K > KSEG_MAX): each such tile
+    keeps its partial sums in shared memory until its last segment, MAX_ACC_TILES of them at most."""
+    from .quant.int4 import fit_group_size
+
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    mats = {"q|k|v": ((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h), "o": (h, cfg.num_heads * d),
+            "gate|up": (2 * i, h), "down": (h, i), "lm_head": (cfg.vocab_size, h)}
+    out = {}
+    for name, (n, k) in mats.items():
+        if segment_plan(k, fit_group_size(k, group_size, name))[0] > 1:
+            out[name] = -(-(-(-n // TILE_ROWS)) // nblocks)
+    return out
+
+
+def refuse_shape(cfg: ModelConfig, nblocks: int, group_size: int = 128) -> None:
+    """MegakernelError, from the config alone, for a shape whose multi-segment matrices give a block more tiles than
+    the kernel holds partial sums for (Phi-4-mini's 200k-vocabulary lm_head at hidden 3072: 95 on 132 SMs)."""
+    over = {m: t for m, t in segmented_tiles(cfg, nblocks, group_size).items() if t > MAX_ACC_TILES}
+    if over:
+        what = ", ".join(f"{m} {t}" for m, t in over.items())
+        raise MegakernelError(
+            f"megakernel: {cfg.name} does not fit: a block's tiles of a matrix staged in K segments ({what}) exceed "
+            f"the {MAX_ACC_TILES} the kernel holds partial sums for ({nblocks} blocks; hidden {cfg.hidden_size} > "
+            f"{KSEG_MAX} codes a segment)")
+
+
 def refuse_unless_fits(cfg: ModelConfig, max_seq_len: int, kv_cache: str, device, weights: int | None = None,
                        group_size: int = 128) -> None:
-    """MegakernelError naming both sizes where device_bytes exceeds the device's free memory."""
+    """MegakernelError where the shape does not fit the kernel (refuse_shape) or device_bytes exceeds the device's
+    free memory (naming both sizes)."""
+    refuse_shape(cfg, torch.cuda.get_device_properties(torch.device(device)).multi_processor_count, group_size)
     need = device_bytes(cfg, max_seq_len, kv_cache, group_size, weights)
     free, total = torch.cuda.mem_get_info(torch.device(device))
     if need["total"] > free:

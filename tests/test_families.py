@@ -404,3 +404,22 @@ def test_gguf_sentencepiece_vocabulary_matches_transformers(tmp_path, family):
         assert got == want, (family, text, got, want)
         assert got[0] == 1  # BOS, which llama.cpp adds to a SentencePiece vocabulary by default
         assert tok.decode(got) == theirs.decode(want, skip_special_tokens=True), (family, text)
+
+
+def test_megakernel_refuses_a_head_over_its_segment_tiles_from_the_config():
+    """A matrix staged in K segments keeps a block's tile sums in shared memory, MAX_ACC_TILES of them: the shapes
+    over it (a 152k-200k vocabulary at hidden > 2560) are refused from the config, naming the matrix and the count,
+    before any weight is read; the ones under it pass, on the 132 SMs of an H100 SXM or H200 (an H100 PCIe's 114
+    give a block more tiles)."""
+    from flint.megakernel import MAX_ACC_TILES, MegakernelError, refuse_shape, segmented_tiles
+    from flint.synthetic import synthetic_config
+
+    for name in ("llama-3.1-8b", "llama-3.2-3b", "mistral-7b", "granite-4.1-3b", "llama-3-70b"):
+        refuse_shape(synthetic_config(name), 132)
+    for name, tiles in (("phi-4-mini", 95), ("qwen2.5-7b", 72), ("qwen3-8b", 72)):
+        cfg = synthetic_config(name)
+        assert segmented_tiles(cfg, 132)["lm_head"] == tiles > MAX_ACC_TILES
+        with pytest.raises(MegakernelError, match=rf"lm_head {tiles}\).*{MAX_ACC_TILES}"):
+            refuse_shape(cfg, 132)
+    with pytest.raises(MegakernelError, match="lm_head 71"):  # 8016 head tiles over 114 blocks
+        refuse_shape(synthetic_config("llama-3.1-8b"), 114)

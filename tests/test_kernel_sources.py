@@ -39,3 +39,13 @@ def test_knobs_are_few_and_named_in_one_place():
     flags = " ".join(" ".join(d) for _, d in build.EXTRA_OBJECTS) + " " + " ".join(build.TRACE_FLAGS)
     for name in tested - {"FLINT_MK_M"}:
         assert f"-D{name}=" in flags, f"{name} is tested in the kernel but no object of build.py sets it"
+
+
+def test_the_python_side_knows_the_kernels_segment_tile_cap():
+    """flint.megakernel refuses shapes over mk::MAX_ACC_TILES from the config (refuse_shape): its copy must be the
+    kernel's."""
+    from flint.megakernel import MAX_ACC_TILES
+
+    src = (Path(build.__file__).parent / "mk_common.cuh").read_text()
+    m = re.search(r"constexpr int MAX_ACC_TILES = (\d+);", src)
+    assert m and int(m.group(1)) == MAX_ACC_TILES
