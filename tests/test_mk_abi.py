@@ -37,11 +37,12 @@ def fake_backend(layout, ffn_plan=None, desc=None):
     """What MegakernelBackend._pack_args reads, without a GPU: a small model's shape, tensors at address 4096."""
     cfg = SimpleNamespace(hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3, head_dim=64,
                           num_layers=30, vocab_size=49152, use_rope=True, rms_norm_eps=1e-5, embedding_multiplier=1.0,
-                          residual_multiplier=1.0, attn_scale=0.125, logits_scaling=1.0, qk_norm=False)
+                          residual_multiplier=1.0, attn_scale=0.125, logits_scaling=1.0, qk_norm=False,
+                          qkv_bias=False)
     ptr = SimpleNamespace(data_ptr=lambda: 4096)
     desc = desc or dict(N=16, K=576, G=32, nseg=1, kseg=576, srb=384, nreal=16, layer_stride=6144, seg_stride=6144)
     absent = "down" if ffn_plan else "dslice"
-    mk = SimpleNamespace(cfg=cfg, ffn_plan=ffn_plan, max_seq_len=2048, nblocks=132, kv_cache="fp16", qk_norm=None,
+    mk = SimpleNamespace(cfg=cfg, ffn_plan=ffn_plan, max_seq_len=2048, nblocks=132, kv_cache="fp16", qk_norm=None, qkv_bias=None,
                          _lib=SimpleNamespace(flint_mk_abi_layout=lambda: layout.encode()) if isinstance(layout, str)
                          else layout,
                          mat_desc={k: dict(desc) for k in megakernel.MATRICES if k != absent},
@@ -57,8 +58,8 @@ def test_megakernel_packs_the_arguments_the_host_names():
     layout = _source_layout()
     ia, fa = MegakernelBackend._pack_args(fake_backend(layout))
     names = layout.split("|")[0].split()
-    # 14 ints and 23 pointers (lab/patches/qk_norm.patch: 25), then 6 matrices of 10 fields
-    assert len(ia) == len(names) in (14 + 23 + 6 * 10, 14 + 25 + 6 * 10) and len(fa) == 5
+    # 14 ints and 23 pointers (lab/patches/qkv_bias.patch: 24, qk_norm.patch: 25), then 6 matrices of 10 fields
+    assert len(ia) == len(names) in (14 + n + 6 * 10 for n in (23, 24, 25)) and len(fa) == 5
     at = dict(zip(names, ia))
     assert (at["H"], at["nblocks"], at["ohead"], at["embed"], at["qkv.N"], at["dslice.N"]) == (576, 132, 0, 4096, 16, 0)
     with pytest.raises(MegakernelError, match="asks for \\['oh2'\\].*also has \\['ohead'\\]"):
