@@ -79,10 +79,30 @@ def test_build_compiles_without_spills(tmp_path, monkeypatch):
     lib = build.build()
     assert lib.exists()
     funcs = build.parse_ptxas((lib.parent / "ptxas.txt").read_text())
-    assert len(funcs) == len(build.M_VALUES) + len(build.EXTRA_OBJECTS) + 2  # + the draft rollout, the masked argmax
+    kernels = [f for f in funcs if f["registers"] is not None]
+    assert len(kernels) == len(build.M_VALUES) + len(build.EXTRA_OBJECTS) + 2  # + the draft rollout, the masked argmax
     # the fp16 objects never spill; the int8-cache copies of the M = 1 objects within build.KV8_SPILL_OK bytes
     assert all(f["spill_stores"] == 0 and f["spill_loads"] == 0 for f in funcs if not f["object"].endswith("kv8"))
     assert all(max(f["spill_stores"], f["spill_loads"]) <= build.KV8_SPILL_OK for f in funcs)
+
+
+def test_a_called_device_functions_spills_count():
+    """A device function ptxas compiles as a call reports its stack and spills without a register line: parse_ptxas
+    keeps it, so the build's spill check sees its spills."""
+    from flint.kernels import build
+
+    report = """== m1
+ptxas info    : Function properties for _Z9stage_fooPKf
+    8 bytes stack frame, 12 bytes spill stores, 16 bytes spill loads
+ptxas info    : Compiling entry function '_Z6kernelv' for 'sm_90a'
+ptxas info    : Function properties for _Z6kernelv
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 128 registers, used 1 barriers
+"""
+    funcs = build.parse_ptxas(report)
+    assert [(f["function"], f["registers"], f["spill_stores"]) for f in funcs] == [
+        ("_Z9stage_fooPKf", None, 12), ("_Z6kernelv", 128, 0)]
+    assert build.spill_verdict(funcs, traced=False).startswith("register spills")
 
 
 def test_spills_refused_except_traced_on_request(monkeypatch):

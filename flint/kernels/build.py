@@ -111,7 +111,9 @@ KV8_SPILL_OK = 96
 
 def parse_ptxas(report: str) -> list[dict]:
     """[{function, object, registers, stack, spill_stores, spill_loads}] from a `-Xptxas -v` report (object: the
-    build job's name from its "== name" header, or None)."""
+    build job's name from its "== name" header, or None). Kernels carry their registers; a device function compiled
+    as a call (not inlined) has no register line, only its stack and spills: registers None, kept so that its spills
+    count."""
     out, cur, obj = [], None, None
     for line in report.splitlines():
         if line.startswith("== "):
@@ -135,7 +137,7 @@ def parse_ptxas(report: str) -> list[dict]:
         m = re.search(r"Used (\d+) registers", line)
         if m:
             cur["registers"] = int(m.group(1))
-    return [f for f in out if f["registers"] is not None]
+    return out
 
 
 def _run(cmd: list[str]) -> str:
@@ -215,7 +217,8 @@ def report(traced: bool = False) -> str:
     for f in rows:
         m = re.search(r"decode_kernelILi(\d+)EE", f["function"])
         name = f"decode_kernel<M={m.group(1)}>" if m else f["function"][:60]
-        lines.append(f"{name:60s} {f['registers']:5d} {f['stack']:6d} "
+        regs = "call" if f["registers"] is None else str(f["registers"])  # (a device function compiled as a call)
+        lines.append(f"{name:60s} {regs:>5s} {f['stack']:6d} "
                      f"{f['spill_stores']:5d}/{f['spill_loads']:<5d}")
     return "\n".join(lines)
 
