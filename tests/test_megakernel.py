@@ -906,6 +906,7 @@ def test_a_model_that_cannot_fit_is_refused_before_loading(monkeypatch):
     monkeypatch.setattr(flint.loading, "load_model", never)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30_000_000_000, 80_000_000_000))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(multi_processor_count=132))
     args = argparse.Namespace(model="synthetic:llama-3-70b", backend="megakernel", device=None, max_seq_len=4096,
                               group_size=128, kv_cache="fp16", draft=None, draft_k=None)
     with pytest.raises(MegakernelError, match=r"needs 4\d\.\d GB on the device .*30\.0 of 80\.0 GB are free"):
