@@ -311,6 +311,14 @@ def _interleave_rows(a: Int4Weight, b: Int4Weight, name: str) -> Int4Weight:
     return both.rows(idx.to(both.qweight.device))
 
 
+def config_matrices(cfg: ModelConfig) -> dict:
+    """{matrix: (N, K)} of the matrices the kernel streams, from the config: a layer's q|k|v, o, gate|up and down,
+    and the LM head."""
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    return {"q|k|v": ((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h), "o": (h, cfg.num_heads * d),
+            "gate|up": (2 * i, h), "down": (h, i), "lm_head": (cfg.vocab_size, h)}
+
+
 def device_bytes(cfg: ModelConfig, max_seq_len: int, kv_cache: str = "fp16", group_size: int = 128,
                  weights: int | None = None) -> dict:
     """What the backend holds on the device, from the config alone: the repacked int4 matrices (every linear and the
@@ -319,13 +327,10 @@ def device_bytes(cfg: ModelConfig, max_seq_len: int, kv_cache: str = "fp16", gro
     from .quant.int4 import fit_group_size
 
     if weights is None:
-        h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-        mats = [((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h), (h, cfg.num_heads * d), (2 * i, h), (h, i)]
-
-        def blob(n: int, k: int) -> int:
-            return repack_layout(n, k, fit_group_size(k, group_size, "w"))["layer_stride"]
-
-        weights = cfg.num_layers * sum(blob(n, k) for n, k in mats) + blob(cfg.vocab_size, h)
+        weights = 0
+        for name, (n, k) in config_matrices(cfg).items():
+            blob = repack_layout(n, k, fit_group_size(k, group_size, name))["layer_stride"]
+            weights += blob * (1 if name == "lm_head" else cfg.num_layers)
     parts = {"weights": weights, "embed": 4 * cfg.vocab_size * cfg.hidden_size,
              "kv": kv_format_bytes(cfg, kv_cache) * max_seq_len}
     parts["total"] = sum(parts.values())
@@ -337,13 +342,11 @@ def segmented_tiles(cfg: ModelConfig, nblocks: int, group_size: int = 128) -> di
     keeps its partial sums in shared memory until its last segment, MAX_ACC_TILES of them at most."""
     from .quant.int4 import fit_group_size
 
-    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    mats = {"q|k|v": ((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h), "o": (h, cfg.num_heads * d),
-            "gate|up": (2 * i, h), "down": (h, i), "lm_head": (cfg.vocab_size, h)}
     out = {}
-    for name, (n, k) in mats.items():
+    for name, (n, k) in config_matrices(cfg).items():
         if segment_plan(k, fit_group_size(k, group_size, name))[0] > 1:
-            out[name] = -(-(-(-n // TILE_ROWS)) // nblocks)
+            tiles = -(-n // TILE_ROWS)
+            out[name] = -(-tiles // nblocks)
     return out
 
 

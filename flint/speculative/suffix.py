@@ -34,9 +34,7 @@ Tests: ``pytest tests/test_suffix.py``.
 """
 from __future__ import annotations
 
-import gc
 from collections import OrderedDict
-from contextlib import contextmanager
 
 from .cost import CPU_VERIFY_COST
 from .ngram import point_mass
@@ -55,20 +53,6 @@ VERIFY_COST = CPU_VERIFY_COST  # a verify of M tokens (index M) in plain steps, 
 CACHE_TOKENS = 16384  # recent outputs kept per model (the trie then holds at most TRIE_DEPTH x this many nodes)
 
 
-@contextmanager
-def _no_cyclic_gc():
-    """Building a trie allocates a node (with a dict) per token and depth; the cyclic collector, triggered by those
-    allocations, then walks every live object again and again (a 2000-token prompt: 104 ms with it, 9.5 ms without,
-    measured on the build machine). Trie nodes form no cycles, so reference counting frees them alone."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
 class SuffixTrie:
     """Every substring of at most ``depth`` tokens of the sequences added, with occurrence counts. A sequence is
     added one token at a time through its *frontier*: the nodes of its suffixes of 1..depth tokens, shortest first.
@@ -77,7 +61,8 @@ class SuffixTrie:
     path, ``seq[n]`` is its latest occurrence (a position in a request's trie, a sequence number in the cache's).
     Only ints are stored, so the dicts stay untracked by Python's cyclic collector: a trie of a full cache (about
     260k nodes) as objects made each full collection walk them (150 ms on the build machine, a stall in the middle
-    of a decode); as ints the collector has a few lists to visit. Node 0 is the root; removed nodes are reused."""
+    of a decode), and building one from a long prompt set off collections all along; as ints the collector has a few
+    lists to visit and building needs no pause of it. Node 0 is the root; removed nodes are reused."""
 
     def __init__(self, depth: int = TRIE_DEPTH):
         if not isinstance(depth, int) or depth < 2:
@@ -234,8 +219,7 @@ class SuffixCache:
             self.trie.remove(old)
             self.tokens -= len(old)
         sid, self._next = self._next, self._next + 1
-        with _no_cyclic_gc():
-            self.trie.add(seq, sid)
+        self.trie.add(seq, sid)
         self._seqs[sid] = seq
         self.tokens += len(seq)
 
@@ -284,9 +268,8 @@ class SuffixDraft:
             self._local = SuffixTrie(self.depth)
             self._lfront: list = []
             self._gfront = self.cache.trie.frontier_of(ctx)
-            with _no_cyclic_gc():
-                for i, t in enumerate(ctx):
-                    self._lfront = self._local.append(self._lfront, t, i)
+            for i, t in enumerate(ctx):
+                self._lfront = self._local.append(self._lfront, t, i)
             self._seen = len(ctx)
             return
         for i in range(self._seen, len(ctx)):
