@@ -25,7 +25,7 @@ def check_draft_k(draft: str | None, k: int | None, shown=None) -> None:
 def settle_heap() -> None:
     """Once the engine is built: a full collection, then every object alive (the model, the tokenizer, torch's own)
     moved into the cyclic collector's permanent generation, so that a full collection while decoding walks only what
-    decoding allocated. With torch loaded such a walk took 45-65 ms on the build machine, a stall in the middle of a
+    decoding allocated. With torch loaded such a walk took 30-65 ms on the build machine, a stall in the middle of a
     stream wherever the collector's thresholds fell due. Earlier frozen objects are unfrozen first, so that cycles
     that died since an earlier engine was built are still collected."""
     gc.unfreeze()

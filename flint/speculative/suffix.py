@@ -60,7 +60,7 @@ class SuffixTrie:
     A node is an integer: ``kids[n]`` maps a token to the child node, ``count[n]`` counts the occurrences of n's
     path, ``seq[n]`` is its latest occurrence (a position in a request's trie, a sequence number in the cache's).
     Only ints are stored, so the dicts stay untracked by Python's cyclic collector: a trie of a full cache (about
-    260k nodes) as objects made each full collection walk them (150 ms on the build machine, a stall in the middle
+    230k nodes) as objects made each full collection walk them (100-150 ms on the build machine, a stall in the middle
     of a decode), and building one from a long prompt set off collections all along; as ints the collector has a few
     lists to visit and building needs no pause of it. Node 0 is the root; removed nodes are reused."""
 
